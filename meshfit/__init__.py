@@ -1,0 +1,8 @@
+"""meshfit: Keras-style training for Flax models on JAX, from one device to many hosts."""
+
+from meshfit import callbacks, data, losses, metrics, optimizers, strategies
+from meshfit.model import Model
+
+__version__ = "0.1.0"
+
+__all__ = ["Model", "callbacks", "data", "losses", "metrics", "optimizers", "strategies", "__version__"]

@@ -1,0 +1,127 @@
+"""The Keras callback protocol: `Callback` and the `CallbackList` the loop calls.
+
+Hooks receive `logs`, a dict of metric name -> value. In per-batch hooks the
+values are device scalars (`jax.Array`): reading one (`float(v)`) waits for the
+step that made it, so a callback that does not need per-batch values should not
+touch them. Epoch-level hooks receive plain Python floats.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+
+class Callback:
+    """Base class for callbacks, with the hooks and attributes Keras defines.
+
+    Attributes:
+        model: the `meshfit.Model` being trained (set by `set_model`).
+        params: dict with `epochs`, `steps` (batches per epoch or None) and `verbose`.
+
+    Callbacks that carry state across epochs (patience counters, best values)
+    implement `state_dict()` / `load_state_dict()` so a resumed run restores them.
+    """
+
+    def __init__(self):
+        self.model = None
+        self.params: dict[str, Any] = {}
+
+    def set_model(self, model) -> None:
+        self.model = model
+
+    def set_params(self, params: dict[str, Any]) -> None:
+        self.params = params
+
+    # State carried across a backup and restore (see BackupAndRestore).
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state
+
+    # Training.
+    def on_train_begin(self, logs=None): ...
+    def on_train_end(self, logs=None): ...
+    def on_epoch_begin(self, epoch, logs=None): ...
+    def on_epoch_end(self, epoch, logs=None): ...
+    def on_train_batch_begin(self, batch, logs=None):
+        self.on_batch_begin(batch, logs=logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.on_batch_end(batch, logs=logs)
+
+    # Evaluation.
+    def on_test_begin(self, logs=None): ...
+    def on_test_end(self, logs=None): ...
+    def on_test_batch_begin(self, batch, logs=None): ...
+    def on_test_batch_end(self, batch, logs=None): ...
+
+    # Prediction.
+    def on_predict_begin(self, logs=None): ...
+    def on_predict_end(self, logs=None): ...
+    def on_predict_batch_begin(self, batch, logs=None): ...
+    def on_predict_batch_end(self, batch, logs=None): ...
+
+    # Keras 2 aliases, still called by much user code.
+    def on_batch_begin(self, batch, logs=None): ...
+    def on_batch_end(self, batch, logs=None): ...
+
+
+_HOOKS = [
+    f"on_{phase}_{edge}"
+    for phase in ("train", "test", "predict", "train_batch", "test_batch", "predict_batch", "epoch")
+    for edge in ("begin", "end")
+]
+
+
+class CallbackList(Callback):
+    """Calls each hook on every callback in order; the only object the loop talks to."""
+
+    def __init__(self, callbacks: Iterable[Callback] = (), model=None, **params):
+        super().__init__()
+        self.callbacks = list(callbacks)
+        for cb in self.callbacks:
+            if not isinstance(cb, Callback):
+                raise TypeError(
+                    "Every callback must be a meshfit.callbacks.Callback instance. "
+                    f"Received: {cb!r} of type {type(cb).__name__}."
+                )
+        if model is not None:
+            self.set_model(model)
+        if params:
+            self.set_params(params)
+
+    def append(self, callback: Callback) -> None:
+        self.callbacks.append(callback)
+
+    def set_model(self, model) -> None:
+        super().set_model(model)
+        for cb in self.callbacks:
+            cb.set_model(model)
+
+    def set_params(self, params) -> None:
+        super().set_params(params)
+        for cb in self.callbacks:
+            cb.set_params(params)
+
+    def __iter__(self):
+        return iter(self.callbacks)
+
+    def __len__(self):
+        return len(self.callbacks)
+
+    def _call(self, hook: str, *args) -> None:
+        for cb in self.callbacks:
+            getattr(cb, hook)(*args)
+
+
+def _make_dispatcher(hook: str):
+    def dispatch(self, *args):
+        self._call(hook, *args)
+
+    dispatch.__name__ = hook
+    return dispatch
+
+
+for _hook in _HOOKS:
+    setattr(CallbackList, _hook, _make_dispatcher(_hook))

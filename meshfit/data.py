@@ -1,0 +1,302 @@
+"""Turning user inputs into fixed-shape host batches.
+
+Every batch the step sees has the same shape, so the step compiles once. A
+partial batch is padded (by repeating its own rows) up to the full size and
+carries a `mask` of 1s for real rows and 0s for padding; losses and metrics
+weight by the mask, so results equal those of the unpadded batch exactly.
+
+Inputs: numpy/JAX arrays and dicts/tuples/lists of them (`ArrayData`), and any
+iterable of batches — Python generators, lists, grain datasets and loaders
+(`IterableData`).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Iterable, Iterator, NamedTuple
+
+import jax
+import numpy as np
+
+
+class Batch(NamedTuple):
+    """One batch: inputs, targets, per-sample weights and the padding mask."""
+
+    x: Any
+    y: Any = None
+    sample_weight: Any = None
+    mask: Any = None
+
+    @property
+    def num_real(self) -> int:
+        return int(np.sum(self.mask))
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def is_array_like(value) -> bool:
+    return isinstance(value, (np.ndarray, jax.Array)) or (
+        hasattr(value, "__array__") and hasattr(value, "shape") and hasattr(value, "dtype")
+    )
+
+
+def is_array_tree(value) -> bool:
+    """True for an array or a dict/tuple/list whose leaves are all arrays."""
+    if value is None:
+        return False
+    leaves = jax.tree.leaves(value)
+    return bool(leaves) and all(is_array_like(leaf) for leaf in leaves) and (
+        is_array_like(value) or isinstance(value, (dict, tuple, list))
+    )
+
+
+def _to_numpy(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def _num_rows(tree, name: str) -> int:
+    sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in jax.tree.leaves(tree)}
+    if None in sizes:
+        raise ValueError(f"Every array in `{name}` needs a leading batch dimension. Received a scalar in `{name}`.")
+    if len(sizes) != 1:
+        raise ValueError(
+            f"All arrays in `{name}` must have the same number of samples (first dimension). "
+            f"Received sizes: {sorted(sizes)}."
+        )
+    return sizes.pop()
+
+
+def _take(tree, index):
+    return None if tree is None else jax.tree.map(lambda a: a[index], tree)
+
+
+def _pad_rows(tree, padded_rows: int):
+    """Pads each leaf along axis 0 to `padded_rows` by repeating its rows."""
+    if tree is None:
+        return None
+
+    def pad(a):
+        n = a.shape[0]
+        if n == padded_rows:
+            return a
+        return a[np.arange(padded_rows) % n]
+
+    return jax.tree.map(pad, tree)
+
+
+def make_batch(x, y, sample_weight, padded_rows: int) -> Batch:
+    """Builds a padded `Batch` from the real rows of one batch."""
+    n = _num_rows(x, "x")
+    mask = (np.arange(padded_rows) < n).astype(np.float32)
+    return Batch(
+        _pad_rows(x, padded_rows),
+        _pad_rows(y, padded_rows),
+        None if sample_weight is None else _pad_rows(np.asarray(sample_weight, np.float32), padded_rows),
+        mask,
+    )
+
+
+class ArrayData:
+    """In-memory arrays, batched as a stream of shuffled passes.
+
+    Global batch number `b` is batch `b % steps_per_pass` of pass
+    `b // steps_per_pass`; pass `p` is shuffled with a generator seeded by
+    `(seed, p)`. Epoch `e` covers batches `[e * steps_per_epoch, (e+1) * steps_per_epoch)`,
+    so a run's data order depends only on the seed and the batch number.
+    """
+
+    def __init__(self, x, y=None, sample_weight=None, *, batch_size: int, shuffle: bool = False,
+                 seed: int = 0, batch_multiple: int = 1, steps_per_epoch: int | None = None):
+        self.x = _to_numpy(x)
+        self.y = None if y is None else _to_numpy(y)
+        self.sample_weight = None if sample_weight is None else np.asarray(sample_weight, np.float32)
+        self.num_samples = _num_rows(self.x, "x")
+        if self.y is not None:
+            ny = _num_rows(self.y, "y")
+            if ny != self.num_samples:
+                raise ValueError(
+                    "`x` and `y` must have the same number of samples. "
+                    f"Received: x has {self.num_samples} samples, y has {ny}."
+                )
+        if self.sample_weight is not None and self.sample_weight.shape[:1] != (self.num_samples,):
+            raise ValueError(
+                f"`sample_weight` must have shape ({self.num_samples},) to match x. "
+                f"Received shape {self.sample_weight.shape}."
+            )
+        if self.num_samples == 0:
+            raise ValueError("The input data is empty: x has 0 samples. Pass at least one sample.")
+        self.batch_size = batch_size
+        self.batch_multiple = batch_multiple
+        self.padded_batch_size = _round_up(batch_size, batch_multiple)
+        self.shuffle = shuffle
+        self.seed = seed
+        self.steps_per_pass = math.ceil(self.num_samples / batch_size)
+        self._steps_arg = steps_per_epoch
+        self.steps_per_epoch = steps_per_epoch or self.steps_per_pass
+
+    def _order(self, pass_index: int) -> np.ndarray | None:
+        if not self.shuffle:
+            return None
+        return np.random.default_rng([self.seed, pass_index]).permutation(self.num_samples)
+
+    def _batch(self, order: np.ndarray | None, within: int) -> Batch:
+        rows = slice(within * self.batch_size, (within + 1) * self.batch_size)
+        index = rows if order is None else order[rows]
+        return make_batch(_take(self.x, index), _take(self.y, index), _take(self.sample_weight, index),
+                          self.padded_batch_size)
+
+    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
+        """Yields the batches of one epoch, from `start_step` on."""
+        first = epoch * self.steps_per_epoch
+        order_pass, order = None, None
+        for step in range(start_step, self.steps_per_epoch):
+            pass_index, within = divmod(first + step, self.steps_per_pass)
+            if pass_index != order_pass:
+                order_pass, order = pass_index, self._order(pass_index)
+            yield self._batch(order, within)
+
+    def split(self, fraction: float) -> tuple["ArrayData", "ArrayData"]:
+        """Keras's `validation_split`: the last `fraction` of samples, taken before shuffling."""
+        if not 0.0 < fraction < 1.0:
+            raise ValueError(f"`validation_split` must be in (0, 1). Received: validation_split={fraction}.")
+        n_val = int(self.num_samples * fraction)
+        n_train = self.num_samples - n_val
+        if n_val == 0 or n_train == 0:
+            raise ValueError(
+                f"`validation_split={fraction}` leaves {n_train} training and {n_val} validation samples "
+                f"out of {self.num_samples}; both must be non-empty."
+            )
+
+        def part(rows, shuffle, steps_per_epoch):
+            return ArrayData(_take(self.x, rows), _take(self.y, rows), _take(self.sample_weight, rows),
+                             batch_size=self.batch_size, shuffle=shuffle, seed=self.seed,
+                             batch_multiple=self.batch_multiple, steps_per_epoch=steps_per_epoch)
+
+        return part(slice(0, n_train), self.shuffle, self._steps_arg), part(slice(n_train, None), False, None)
+
+
+def unpack_element(element) -> tuple[Any, Any, Any]:
+    """Keras's convention for a dataset element: `x`, `(x,)`, `(x, y)` or `(x, y, sample_weight)`."""
+    if isinstance(element, tuple) and not hasattr(element, "_fields"):
+        if len(element) == 1:
+            return element[0], None, None
+        if len(element) == 2:
+            return element[0], element[1], None
+        if len(element) == 3:
+            return element
+        raise ValueError(
+            "A dataset element must be x, (x,), (x, y) or (x, y, sample_weight). "
+            f"Received a tuple of length {len(element)}."
+        )
+    return element, None, None
+
+
+class IterableData:
+    """Batches from an iterable: a generator, a list of batches, a grain dataset or loader.
+
+    A re-iterable input (not itself an iterator) starts a new pass each epoch;
+    a one-shot iterator is consumed across epochs, and training stops with a
+    warning when it runs out, as in Keras. With `steps_per_epoch`, an epoch is
+    that many batches of one continuing stream. Batches are padded to the size
+    of the first batch (rounded up to `batch_multiple`).
+    """
+
+    def __init__(self, data: Iterable, *, steps_per_epoch: int | None = None, batch_multiple: int = 1):
+        if not hasattr(data, "__iter__"):
+            raise TypeError(f"Expected arrays or an iterable of batches. Received: {type(data).__name__}.")
+        self.data = data
+        self.reiterable = not isinstance(data, Iterator)
+        self.steps_per_epoch = steps_per_epoch
+        self.batch_multiple = batch_multiple
+        self.padded_batch_size: int | None = None
+        self._iterator: Iterator | None = None
+        self._fresh = False
+        self.exhausted = False
+
+    def _next_element(self):
+        if self._iterator is None:
+            self._iterator, self._fresh = iter(self.data), True
+        element = next(self._iterator)
+        self._fresh = False
+        return element
+
+    def _to_batch(self, element) -> Batch:
+        x, y, sw = unpack_element(element)
+        x, y = _to_numpy(x), None if y is None else _to_numpy(y)
+        rows = _num_rows(x, "x")
+        if rows == 0:
+            raise ValueError("The dataset yielded an empty batch (0 samples). Every batch needs samples.")
+        if self.padded_batch_size is None:
+            self.padded_batch_size = _round_up(rows, self.batch_multiple)
+        if rows > self.padded_batch_size:
+            raise ValueError(
+                f"A batch of {rows} samples came after batches of at most {self.padded_batch_size}. "
+                "meshfit compiles the step for the first batch's size; make the first batch the largest."
+            )
+        if y is not None and _num_rows(y, "y") != rows:
+            raise ValueError(f"A batch has {rows} inputs but {_num_rows(y, 'y')} targets; they must match.")
+        return make_batch(x, y, sw, self.padded_batch_size)
+
+    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
+        """Yields one epoch's batches; sets `exhausted` if a one-shot input had none left."""
+        del epoch
+        if self.steps_per_epoch is None and self.reiterable:
+            self._iterator = None  # a new pass each epoch
+        step = 0
+        while self.steps_per_epoch is None or step < self.steps_per_epoch:
+            try:
+                element = self._next_element()
+            except StopIteration:
+                was_fresh, self._iterator = self._fresh, None
+                if self.reiterable and self.steps_per_epoch is not None and not was_fresh:
+                    continue  # the stream goes on with the next pass
+                if step == 0:
+                    self.exhausted = True
+                    warnings.warn(
+                        "Your input ran out of data; interrupting training. Make sure the dataset can "
+                        "produce at least `steps_per_epoch * epochs` batches.",
+                        stacklevel=2,
+                    )
+                return
+            if step >= start_step:
+                yield self._to_batch(element)
+            step += 1
+
+    def peek(self) -> Batch:
+        """The first batch, without losing it for a later epoch (to build the model)."""
+        try:
+            if self.reiterable:
+                return self._to_batch(next(iter(self.data)))
+            element = self._next_element()
+        except StopIteration:
+            raise ValueError("The dataset is empty: it yielded no batches. Pass data with at least one batch.") from None
+        rest = self._iterator
+        self._iterator = _chain_first(element, rest)
+        return self._to_batch(element)
+
+
+def _chain_first(first, rest: Iterator) -> Iterator:
+    yield first
+    yield from rest
+
+
+def stack_batches(batches: list[Batch], size: int) -> Batch:
+    """Stacks up to `size` batches on a new leading axis, padding with fully masked batches."""
+    filler = batches[-1]._replace(mask=np.zeros_like(batches[-1].mask))
+    full = batches + [filler] * (size - len(batches))
+    return jax.tree.map(lambda *leaves: np.stack(leaves), *full)
+
+
+def group(batches: Iterable[Batch], size: int) -> Iterator[list[Batch]]:
+    """Groups consecutive batches into lists of `size` (the last may be shorter)."""
+    chunk: list[Batch] = []
+    for batch in batches:
+        chunk.append(batch)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk

@@ -1,0 +1,138 @@
+"""The one training, evaluation and prediction loop, for every strategy.
+
+The loop walks epochs and batches, calls callbacks, and hands each batch to
+the model's `Runner`, which dispatches compiled steps asynchronously. Values
+come back to the host only at logging points (the end of an epoch, or when a
+callback reads a per-batch value), and at most `max_in_flight` steps are queued
+at once, so slow collectives never pile up behind a fast Python loop.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable, Iterable, Iterator
+
+import jax
+import numpy as np
+
+from meshfit import data as data_lib
+from meshfit.callbacks.base import CallbackList
+
+
+class InFlight:
+    """Bounds the number of dispatched, unfinished steps (a wait, not a transfer)."""
+
+    def __init__(self, limit: int = 2):
+        self.limit = limit
+        self._pending: collections.deque = collections.deque()
+
+    def add(self, token) -> None:
+        self._pending.append(token)
+        if len(self._pending) > self.limit:
+            jax.block_until_ready(self._pending.popleft())
+
+    def clear(self) -> None:
+        self._pending.clear()
+
+
+def executions(batches: Iterable[data_lib.Batch], steps_per_execution: int) -> Iterator[tuple[int, data_lib.Batch]]:
+    """Yields `(number_of_batches, batch_or_stacked_batches)` for each compiled call."""
+    if steps_per_execution == 1:
+        for batch in batches:
+            yield 1, batch
+        return
+    for chunk in data_lib.group(batches, steps_per_execution):
+        yield len(chunk), data_lib.stack_batches(chunk, steps_per_execution)
+
+
+def host_logs(logs, to_host: Callable) -> dict[str, float]:
+    """Pulls a dict of device scalars to Python floats (a host sync)."""
+    return {k: float(v) for k, v in to_host(logs).items()} if logs else {}
+
+
+def fit_loop(model, train_data, *, epochs: int, initial_epoch: int, callbacks: CallbackList,
+             val_data=None, validation_freq=1, validation_steps=None) -> None:
+    """Runs epochs of training with Keras's callback order and `stop_training` checks."""
+    runner = model._runner
+    to_host = model.strategy.to_host
+    callbacks.on_train_begin()
+    epoch_logs: dict[str, float] = {}
+    for epoch in range(initial_epoch, epochs):
+        runner.reset_train_metrics()
+        callbacks.on_epoch_begin(epoch)
+        logs, step = None, 0
+        for count, batch in executions(train_data.epoch(epoch), runner.steps_per_execution):
+            callbacks.on_train_batch_begin(step)
+            logs = runner.train(batch)
+            step += count
+            callbacks.on_train_batch_end(step - 1, logs)
+            if model.stop_training:
+                break
+        runner.in_flight.clear()
+        if logs is None:  # a one-shot input ran out of data
+            break
+        epoch_logs = host_logs(logs, to_host)
+        if val_data is not None and _should_validate(epoch, validation_freq):
+            val_logs = evaluate_loop(model, val_data, callbacks=callbacks, steps=validation_steps)
+            epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
+        callbacks.on_epoch_end(epoch, epoch_logs)
+        if model.stop_training:
+            break
+    callbacks.on_train_end(epoch_logs)
+
+
+def _should_validate(epoch: int, validation_freq) -> bool:
+    if isinstance(validation_freq, int):
+        return (epoch + 1) % validation_freq == 0
+    return (epoch + 1) in validation_freq
+
+
+def evaluate_loop(model, eval_data, *, callbacks: CallbackList, steps=None) -> dict[str, float]:
+    """One pass over `eval_data` with fresh metric accumulators; returns host floats."""
+    runner = model._runner
+    metrics = runner.fresh_eval_metrics()
+    callbacks.on_test_begin()
+    logs, step = None, 0
+    for count, batch in executions(_limit(eval_data.epoch(0), steps), runner.steps_per_execution):
+        callbacks.on_test_batch_begin(step)
+        metrics, logs = runner.evaluate(metrics, batch)
+        step += count
+        callbacks.on_test_batch_end(step - 1, logs)
+    runner.in_flight.clear()
+    result = host_logs(logs, model.strategy.to_host)
+    callbacks.on_test_end(result)
+    return result
+
+
+def predict_loop(model, data, *, callbacks: CallbackList, steps=None):
+    """Predictions for every real row of `data`, as numpy (padding rows dropped)."""
+    runner = model._runner
+    callbacks.on_predict_begin()
+    outputs, masks, step = [], [], 0
+    for count, batch in executions(_limit(data.epoch(0), steps), runner.steps_per_execution):
+        callbacks.on_predict_batch_begin(step)
+        y_pred = runner.predict(batch)
+        outputs.append(y_pred)
+        masks.append(batch.mask)
+        step += count
+        callbacks.on_predict_batch_end(step - 1, {"outputs": y_pred})
+    runner.in_flight.clear()
+    if not outputs:
+        raise ValueError("predict() received no batches; the input is empty.")
+    host = model.strategy.to_host(outputs)
+    keep = np.concatenate([np.reshape(m, -1) for m in masks]) > 0
+    flat_rows = lambda *parts: np.concatenate([p.reshape((-1,) + p.shape[2:]) if runner.steps_per_execution > 1
+                                               else p for p in parts])[keep]
+    result = jax.tree.map(flat_rows, *host)
+    callbacks.on_predict_end()
+    return result
+
+
+def _limit(batches: Iterator, steps):
+    if steps is None:
+        yield from batches
+        return
+    for i, batch in enumerate(batches):
+        if i >= steps:
+            return
+        yield batch

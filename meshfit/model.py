@@ -1,0 +1,438 @@
+"""`meshfit.Model`: Keras's compile / fit / evaluate / predict for Flax modules.
+
+The model holds one `TrainState` pytree on the devices its strategy chose.
+This file validates arguments (every check runs before any state changes),
+turns inputs into batches and hands them to the loop in `meshfit.loop`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshfit import callbacks as callbacks_lib
+from meshfit import data as data_lib
+from meshfit import losses as losses_lib
+from meshfit import metrics as metrics_lib
+from meshfit import optimizers as optimizers_lib
+from meshfit.loop import evaluate_loop, fit_loop, predict_loop
+from meshfit.modules import adapt
+from meshfit.runner import Runner
+from meshfit.state import TrainState
+from meshfit.steps import Steps
+from meshfit.strategies import get_strategy, has_strategy
+from meshfit.summary import format_summary
+
+_DEFAULT_BATCH_SIZE = 32
+
+
+class Model:
+    """A Flax module with Keras's training API.
+
+    Args:
+        module: a `flax.nnx.Module` (variables already created) or a
+            `flax.linen.Module` (variables created from `sample_input`).
+        sample_input: an example input batch; required for Linen modules.
+        seed: seeds data shuffling, Linen initialisation and dropout. Same
+            seed, same data -> bitwise identical training.
+
+    Example:
+        >>> model = meshfit.Model(MLP(rngs=nnx.Rngs(0)))
+        >>> model.compile(optimizer="adam", loss="sparse_categorical_crossentropy",
+        ...               metrics=["accuracy"])
+        >>> history = model.fit(x_train, y_train, batch_size=64, epochs=5,
+        ...                     validation_split=0.1)
+    """
+
+    def __init__(self, module, *, sample_input=None, seed: int = 0):
+        self.strategy = get_strategy()
+        self.seed = int(seed)
+        self._adapter = adapt(module, sample_input, self.seed)
+        params, model_state = self._adapter.init()
+        self._state: TrainState | None = self.strategy.place_state(TrainState(
+            params=params, model_state=model_state, opt_state=None, metrics=(),
+            step=jnp.zeros((), jnp.int32), rng=jax.random.key(self.seed),
+        ))
+        self._compiled: dict[str, Any] | None = None
+        self._runner: Runner | None = None
+        self._input_spec = None
+        self.optimizer: optimizers_lib.Optimizer | None = None
+        self.stop_training = False
+        self.history: callbacks_lib.History | None = None
+
+    # -- state access ----------------------------------------------------------------
+
+    def _require_state(self) -> TrainState:
+        return self._state
+
+    @property
+    def params(self):
+        """The trainable parameters as a nested dict of `jax.Array` (live, on device)."""
+        return self._state.params
+
+    @property
+    def module(self):
+        """The user's module, holding the current weights."""
+        return self._adapter.sync_module(self._state.params, self._state.model_state)
+
+    def _weight_trees(self):
+        return self._state.params, self._adapter.non_trainable_weights(self._state.model_state)
+
+    def weight_names(self) -> list[str]:
+        """Names of `get_weights()` entries: trainable paths, then non-trainable ones."""
+        return [
+            "/".join(_key_name(k) for k in path)
+            for tree in self._weight_trees()
+            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
+        ]
+
+    def get_weights(self) -> list[np.ndarray]:
+        """All weights as numpy arrays: the trainable parameters in `jax.tree.leaves`
+        order (sorted module paths), then the non-trainable ones (e.g. BatchNorm
+        statistics) in the same order. `weight_names()` names them."""
+        return [np.asarray(a) for tree in self._weight_trees() for a in jax.device_get(jax.tree.leaves(tree))]
+
+    def set_weights(self, weights) -> None:
+        """Sets all weights from a list in `get_weights()` order; shapes must match."""
+        params, non_trainable = self._weight_trees()
+        leaves = jax.tree.leaves(params) + jax.tree.leaves(non_trainable)
+        weights = list(weights)
+        if len(weights) != len(leaves):
+            raise ValueError(
+                f"set_weights expected a list of {len(leaves)} arrays (see model.weight_names()). "
+                f"Received {len(weights)}."
+            )
+        for name, old, new in zip(self.weight_names(), leaves, weights):
+            if tuple(np.shape(new)) != tuple(old.shape):
+                raise ValueError(
+                    f"Weight '{name}' has shape {tuple(old.shape)}. Received an array of shape {np.shape(new)}."
+                )
+        placed = [jax.device_put(np.asarray(new, dtype=old.dtype), old.sharding) for old, new in zip(leaves, weights)]
+        n_params = len(jax.tree.leaves(params))
+        new_params = jax.tree.unflatten(jax.tree.structure(params), placed[:n_params])
+        new_non_trainable = jax.tree.unflatten(jax.tree.structure(non_trainable), placed[n_params:])
+        model_state = self._state.model_state
+        if non_trainable is not model_state:  # NNX keeps RNG streams beside the weights
+            model_state = {**model_state, "weights": new_non_trainable}
+        else:
+            model_state = new_non_trainable
+        self._state = self._state._replace(params=new_params, model_state=model_state)
+
+    # -- compile -------------------------------------------------------------------------
+
+    def compile(self, optimizer="rmsprop", loss=None, metrics=None, weighted_metrics=None,
+                steps_per_execution: int = 1) -> None:
+        """Configures the model for training (Keras's `compile`).
+
+        Args:
+            optimizer: an optimizer name ("adam", "sgd", ...; see
+                `meshfit.optimizers.names()`) or an `optax.GradientTransformation`.
+            loss: a loss name, a `meshfit.losses.Loss`, or a callable
+                `(y_true, y_pred) -> per-sample losses`.
+            metrics: list of metric names, `meshfit.metrics.Metric` objects or callables.
+            weighted_metrics: metrics that also use `sample_weight`.
+            steps_per_execution: number of batches run inside one compiled call
+                (a `lax.scan`); batch callbacks are called once per call.
+        """
+        self._check_strategy("compile")
+        tx = optimizers_lib.get(optimizer)
+        loss_obj = losses_lib.get(loss) if loss is not None else None
+        metric_ids = _as_list(metrics, "metrics")
+        weighted_ids = _as_list(weighted_metrics, "weighted_metrics")
+        for identifier in metric_ids + weighted_ids:  # unknown names fail now, not at fit
+            if not _needs_shapes(identifier):
+                metrics_lib.get(identifier, loss=loss)
+        if not isinstance(steps_per_execution, int) or steps_per_execution < 1:
+            raise ValueError(f"`steps_per_execution` must be a positive int. Received: {steps_per_execution!r}.")
+        state = self._state
+        opt_state = self.strategy.place_state(tx.init(state.params))
+        self._state = state._replace(opt_state=opt_state, metrics=(), step=self.strategy.place_state(
+            jnp.zeros((), jnp.int32)))
+        self._compiled = dict(tx=tx, loss=loss_obj, loss_id=loss, metrics=metric_ids, weighted=weighted_ids,
+                              steps_per_execution=steps_per_execution)
+        self._runner = None
+        self.optimizer = optimizers_lib.Optimizer(tx, self)
+
+    @property
+    def compiled(self) -> bool:
+        return self._compiled is not None
+
+    def _check_strategy(self, what: str) -> None:
+        current = get_strategy()
+        if has_strategy() and current is not self.strategy:
+            raise ValueError(
+                f"This model was created under {self.strategy!r} but `{what}` was called under {current!r}. "
+                "Create, compile and fit a model under the same strategy scope."
+            )
+
+    def _require_compiled(self, what: str) -> None:
+        if self._compiled is None:
+            raise ValueError(f"You must call `compile()` before `{what}()`. Call model.compile(optimizer=..., loss=...).")
+        if self._compiled["loss"] is None and what in ("fit", "evaluate"):
+            raise ValueError(f"`{what}()` needs a loss. Call model.compile(..., loss=...).")
+
+    # -- building on the first batch -------------------------------------------------------
+
+    def _check_input(self, batch: data_lib.Batch) -> None:
+        spec = jax.tree.map(lambda a: (tuple(a.shape[1:]), np.dtype(a.dtype).kind), batch.x)
+        if self._input_spec is None:
+            y_pred = self._output_spec(batch)
+            del y_pred
+            self._input_spec = spec
+        elif spec != self._input_spec:
+            raise ValueError(
+                "Input does not match the shape the model was built with: expected feature shape(s) "
+                f"{_describe(self._input_spec)} (after the batch dimension), received {_describe(spec)}."
+            )
+
+    def _output_spec(self, batch: data_lib.Batch):
+        state = self._state
+        try:
+            return jax.eval_shape(
+                lambda p, s, x: self._adapter.apply(p, s, x, training=False, rng=None)[0],
+                state.params, state.model_state, batch.x)
+        except (TypeError, ValueError) as error:
+            shapes = jax.tree.map(lambda a: tuple(a.shape), batch.x)
+            raise ValueError(
+                f"The model could not be called on inputs of shape {shapes}: {error}"
+            ) from error
+
+    def _build(self, batch: data_lib.Batch) -> None:
+        """Resolves metrics from the first batch's shapes and compiles the steps once."""
+        self._check_input(batch)
+        if self._runner is not None:
+            return
+        y_pred = self._output_spec(batch)
+        y_true = None if batch.y is None else jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch.y)
+        c = self._compiled
+
+        def resolve(ids):
+            return [metrics_lib.get(i, y_true=y_true, y_pred=y_pred, loss=c["loss_id"]) for i in ids]
+
+        steps = Steps(self._adapter, c["loss"], c["tx"], resolve(c["metrics"]), resolve(c["weighted"]))
+        self._runner = Runner(self, steps, c["steps_per_execution"])
+        self._state = self._state._replace(metrics=self._runner.fresh_eval_metrics())
+
+    @property
+    def metrics_names(self) -> list[str]:
+        return self._runner.steps.metric_names if self._runner else []
+
+    # -- data --------------------------------------------------------------------------------
+
+    def _make_data(self, x, y, sample_weight, batch_size, *, shuffle=False, steps=None, what="fit"):
+        if x is None:
+            raise ValueError(f"`{what}()` needs input data `x`. Received: x=None.")
+        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"`batch_size` must be a positive int. Received: batch_size={batch_size!r}.")
+        if steps is not None and (not isinstance(steps, int) or steps < 1):
+            raise ValueError(f"The number of steps must be a positive int or None. Received: {steps!r}.")
+        multiple = self.strategy.batch_multiple
+        if data_lib.is_array_tree(x):
+            return data_lib.ArrayData(x, y, sample_weight, batch_size=batch_size or _DEFAULT_BATCH_SIZE,
+                                      shuffle=shuffle, seed=self.seed, batch_multiple=multiple,
+                                      steps_per_epoch=steps)
+        if y is not None or sample_weight is not None:
+            raise ValueError(
+                f"When `x` is a dataset or generator, `y` and `sample_weight` must be None (the dataset "
+                f"yields them). Received: x of type {type(x).__name__} with y or sample_weight set."
+            )
+        if batch_size is not None:
+            raise ValueError(
+                "`batch_size` must be None when `x` is a dataset or generator, which yields batches. "
+                f"Received: batch_size={batch_size}."
+            )
+        if isinstance(x, (str, bytes)) or not hasattr(x, "__iter__"):
+            raise TypeError(
+                "`x` must be a numpy/JAX array, a dict/tuple/list of arrays, or an iterable of batches "
+                f"(generator, grain dataset). Received: {type(x).__name__}."
+            )
+        return data_lib.IterableData(x, steps_per_epoch=steps, batch_multiple=multiple)
+
+    def _first_batch(self, data) -> data_lib.Batch:
+        return data.peek() if isinstance(data, data_lib.IterableData) else next(data.epoch(0))
+
+    def _callback_list(self, callbacks, *, verbose: int, epochs: int, steps, add_history: bool):
+        user = list(callbacks or [])
+        for cb in user:
+            if not isinstance(cb, callbacks_lib.Callback):
+                raise TypeError(f"Each callback must be a meshfit.callbacks.Callback. Received: {cb!r}.")
+        defaults = []
+        if verbose and not any(isinstance(cb, callbacks_lib.ProgbarLogger) for cb in user):
+            defaults.append(callbacks_lib.ProgbarLogger())
+        history = callbacks_lib.History() if add_history else None
+        all_callbacks = callbacks_lib.CallbackList(user + defaults + ([history] if history else []), model=self,
+                                                   epochs=epochs, steps=steps, verbose=verbose)
+        return all_callbacks, history
+
+    # -- Keras API -----------------------------------------------------------------------------
+
+    def fit(self, x=None, y=None, batch_size=None, epochs: int = 1, verbose="auto", callbacks=None,
+            validation_split: float = 0.0, validation_data=None, shuffle: bool = True,
+            class_weight=None, sample_weight=None, initial_epoch: int = 0, steps_per_epoch=None,
+            validation_steps=None, validation_batch_size=None, validation_freq=1):
+        """Trains the model (Keras's `fit`); returns a `History`.
+
+        `batch_size` is the global batch size. The last partial batch of an
+        epoch is trained on exactly (padded and masked), with no recompilation.
+        """
+        self._check_strategy("fit")
+        self._require_compiled("fit")
+        verbose = _verbose(verbose)
+        _check_positive_int(epochs, "epochs")
+        if not isinstance(initial_epoch, int) or not 0 <= initial_epoch:
+            raise ValueError(f"`initial_epoch` must be a non-negative int. Received: {initial_epoch!r}.")
+        if not (isinstance(validation_freq, int) and validation_freq >= 1) and not (
+                isinstance(validation_freq, (list, tuple, set)) and all(isinstance(v, int) for v in validation_freq)):
+            raise ValueError(f"`validation_freq` must be a positive int or a list of epochs. Received: {validation_freq!r}.")
+        if class_weight is not None:
+            sample_weight = _class_weights(y, class_weight, sample_weight)
+        data = self._make_data(x, y, sample_weight, batch_size, shuffle=shuffle, steps=steps_per_epoch)
+        val_data = None
+        if validation_split:
+            if not isinstance(data, data_lib.ArrayData):
+                raise ValueError("`validation_split` works only with array inputs; pass `validation_data` for datasets.")
+            data, val_data = data.split(validation_split)
+        if validation_data is not None:
+            vx, vy, vsw = _unpack_validation(validation_data)
+            val_batch_size = (validation_batch_size or batch_size) if data_lib.is_array_tree(vx) else None
+            val_data = self._make_data(vx, vy, vsw, val_batch_size, what="fit")
+        first = self._first_batch(data)
+        if first.y is None:
+            raise ValueError("`fit()` needs targets: pass `y`, or a dataset yielding (x, y) pairs.")
+        self._build(first)
+        if val_data is not None:
+            self._check_input(self._first_batch(val_data))
+        steps = getattr(data, "steps_per_epoch", None)
+        callback_list, history = self._callback_list(callbacks, verbose=verbose, epochs=epochs, steps=steps,
+                                                     add_history=True)
+        self.history = history
+        self.stop_training = False
+        fit_loop(self, data, epochs=epochs, initial_epoch=initial_epoch, callbacks=callback_list,
+                 val_data=val_data, validation_freq=validation_freq, validation_steps=validation_steps)
+        return history
+
+    def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None, steps=None,
+                 callbacks=None, return_dict: bool = False):
+        """Loss and metrics over the data (Keras's `evaluate`).
+
+        Returns a dict with `return_dict=True`; otherwise the loss alone when
+        there are no metrics, else `[loss, *metrics]` in `metrics_names` order.
+        Results over N samples equal the full-batch values, whatever the batch size.
+        """
+        self._check_strategy("evaluate")
+        self._require_compiled("evaluate")
+        verbose = _verbose(verbose)
+        data = self._make_data(x, y, sample_weight, batch_size, steps=None, what="evaluate")
+        first = self._first_batch(data)
+        if first.y is None:
+            raise ValueError("`evaluate()` needs targets: pass `y`, or a dataset yielding (x, y) pairs.")
+        self._build(first)
+        callback_list, _ = self._callback_list(callbacks, verbose=verbose, epochs=1,
+                                               steps=steps or getattr(data, "steps_per_epoch", None),
+                                               add_history=False)
+        logs = evaluate_loop(self, data, callbacks=callback_list, steps=steps)
+        if return_dict:
+            return logs
+        values = [logs[name] for name in self.metrics_names]
+        return values[0] if len(values) == 1 else values
+
+    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+        """Model outputs for `x` as numpy (Keras's `predict`), exact on partial batches."""
+        self._check_strategy("predict")
+        verbose = _verbose(verbose)
+        data = self._make_data(x, None, None, batch_size, steps=None, what="predict")
+        first = self._first_batch(data)
+        if self._runner is None:
+            if self._compiled is None:  # predict works without compile, as in Keras
+                self.compile(optimizer="sgd")
+            self._build(first)
+        else:
+            self._check_input(first)
+        callback_list, _ = self._callback_list(callbacks, verbose=verbose, epochs=1,
+                                               steps=steps or getattr(data, "steps_per_epoch", None),
+                                               add_history=False)
+        return predict_loop(self, data, callbacks=callback_list, steps=steps)
+
+    def summary(self, print_fn=print) -> str:
+        """Prints a table of every weight: path, shape, dtype, count and bytes, with totals."""
+        text = format_summary(self)
+        if print_fn is not None:
+            print_fn(text)
+        return text
+
+    def count_params(self) -> int:
+        return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(self._state.params))
+
+    def __repr__(self) -> str:
+        return f"Model({type(self._adapter.module).__name__}, strategy={self.strategy!r})"
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _key_name(key) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _describe(spec) -> str:
+    return str(jax.tree.map(lambda s: "(None, " + ", ".join(map(str, s[0])) + ")" if s[0] else "(None,)", spec,
+                            is_leaf=lambda s: isinstance(s, tuple) and len(s) == 2 and isinstance(s[1], str)))
+
+
+def _as_list(value, name: str) -> list:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, dict):
+        raise ValueError(f"`{name}` as a dict (per-output metrics) is not supported yet; pass a list.")
+    return [value]
+
+
+def _needs_shapes(identifier) -> bool:
+    return isinstance(identifier, str) and identifier.lower() in ("accuracy", "acc")
+
+
+def _verbose(verbose) -> int:
+    if verbose == "auto":
+        return 1
+    if verbose not in (0, 1, 2) or isinstance(verbose, bool):
+        raise ValueError(f"`verbose` must be 'auto', 0, 1 or 2. Received: verbose={verbose!r}.")
+    return int(verbose)
+
+
+def _check_positive_int(value, name: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"`{name}` must be a positive int. Received: {name}={value!r}.")
+
+
+def _unpack_validation(validation_data):
+    if isinstance(validation_data, tuple) and len(validation_data) in (2, 3) and data_lib.is_array_tree(validation_data[0]):
+        return (*validation_data, None)[:3]
+    if isinstance(validation_data, tuple) and len(validation_data) not in (2, 3):
+        raise ValueError(
+            "`validation_data` must be (x_val, y_val), (x_val, y_val, sample_weight) or a dataset. "
+            f"Received a tuple of length {len(validation_data)}."
+        )
+    return validation_data, None, None
+
+
+def _class_weights(y, class_weight: dict, sample_weight):
+    if y is None or not data_lib.is_array_like(y):
+        raise ValueError("`class_weight` needs `y` as a single array of class labels.")
+    labels = np.asarray(y)
+    if labels.ndim > 1 and labels.shape[-1] > 1:
+        labels = labels.argmax(-1)
+    labels = labels.reshape(len(labels), -1)[:, 0].astype(int)
+    missing = sorted(set(np.unique(labels).tolist()) - set(class_weight))
+    if missing:
+        raise ValueError(f"`class_weight` has no weight for classes {missing}. Received keys {sorted(class_weight)}.")
+    weights = np.array([class_weight[c] for c in labels], np.float32)
+    return weights if sample_weight is None else weights * np.asarray(sample_weight, np.float32)
+

@@ -1,0 +1,133 @@
+"""Pure step functions: one training, evaluation or prediction step on one batch.
+
+Nothing here knows about devices or strategies: each function maps pytrees to
+pytrees and a strategy compiles it. `steps_per_execution=K` wraps a step in a
+`lax.scan` over K stacked batches; batches that are pure padding (mask all
+zero) leave the state untouched, so a short last group needs no recompile.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from meshfit import losses as losses_lib
+from meshfit.data import Batch
+from meshfit.modules import ModuleAdapter
+from meshfit.state import TrainState
+
+LOSS_KEY = "loss"
+
+
+class Steps:
+    """The compiled model's step functions, built from its pieces.
+
+    Args:
+        adapter: the module adapter (forward pass on pure pytrees).
+        loss: a `meshfit.losses.Loss`.
+        tx: the optax optimizer.
+        metrics: metrics updated with the padding mask as sample weight.
+        weighted_metrics: metrics updated with `mask * sample_weight`.
+    """
+
+    def __init__(self, adapter: ModuleAdapter, loss, tx: optax.GradientTransformation,
+                 metrics: Sequence = (), weighted_metrics: Sequence = ()):
+        self.adapter = adapter
+        self.loss = loss
+        self.tx = tx
+        self.metrics = list(metrics)
+        self.weighted_metrics = list(weighted_metrics)
+
+    @property
+    def metric_names(self) -> list[str]:
+        return [LOSS_KEY] + [m.name for m in self.metrics + self.weighted_metrics]
+
+    # -- metric accumulators -----------------------------------------------------
+
+    def init_metrics(self):
+        loss_state = {"total": jnp.zeros((), jnp.float32), "count": jnp.zeros((), jnp.float32)}
+        return (loss_state,) + tuple(m.init() for m in self.metrics + self.weighted_metrics)
+
+    def _update_metrics(self, states, loss_value, batch: Batch, y_pred):
+        mask = batch.mask
+        n_real = jnp.sum(mask)
+        loss_state = {
+            "total": states[0]["total"] + loss_value.astype(jnp.float32) * n_real,
+            "count": states[0]["count"] + n_real,
+        }
+        weighted = mask if batch.sample_weight is None else mask * _per_sample(batch.sample_weight)
+        new = [loss_state]
+        for metric, state in zip(self.metrics, states[1:]):
+            new.append(metric.update(state, batch.y, y_pred, mask))
+        for metric, state in zip(self.weighted_metrics, states[1 + len(self.metrics):]):
+            new.append(metric.update(state, batch.y, y_pred, weighted))
+        return tuple(new)
+
+    def logs(self, states) -> dict[str, jax.Array]:
+        """Current value of the loss and each metric (device scalars)."""
+        loss_state = states[0]
+        values = {LOSS_KEY: loss_state["total"] / jnp.maximum(loss_state["count"], 1.0)}
+        for metric, state in zip(self.metrics + self.weighted_metrics, states[1:]):
+            values[metric.name] = metric.compute(state)
+        return values
+
+    # -- steps ---------------------------------------------------------------------
+
+    def compute_loss(self, params, model_state, batch: Batch, rng, training: bool):
+        y_pred, new_model_state = self.adapter.apply(params, model_state, batch.x, training=training, rng=rng)
+        values = self.loss.call(batch.y, y_pred)
+        loss = losses_lib.reduce_values(values, sample_weight=batch.sample_weight, mask=batch.mask,
+                                        reduction=self.loss.reduction)
+        return loss, (y_pred, new_model_state)
+
+    def train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+        rng, step_rng = jax.random.split(state.rng)
+        grad_fn = jax.value_and_grad(self.compute_loss, has_aux=True)
+        (loss, (y_pred, model_state)), grads = grad_fn(state.params, state.model_state, batch, step_rng, True)
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = self._update_metrics(state.metrics, loss, batch, y_pred)
+        new_state = TrainState(params, model_state, opt_state, metrics, state.step + 1, rng)
+        return new_state, self.logs(metrics)
+
+    def eval_step(self, variables, metrics, batch: Batch):
+        params, model_state = variables
+        loss, (y_pred, _) = self.compute_loss(params, model_state, batch, None, False)
+        metrics = self._update_metrics(metrics, loss, batch, y_pred)
+        return metrics, self.logs(metrics)
+
+    def predict_step(self, variables, batch: Batch):
+        params, model_state = variables
+        y_pred, _ = self.adapter.apply(params, model_state, batch.x, training=False, rng=None)
+        return y_pred
+
+    # -- K steps in one call -------------------------------------------------------
+
+    def multi_train_step(self, state: TrainState, batches: Batch):
+        def body(state, batch):
+            has_rows = jnp.sum(batch.mask) > 0
+            state = jax.lax.cond(has_rows, lambda s: self.train_step(s, batch)[0], lambda s: s, state)
+            return state, None
+
+        state, _ = jax.lax.scan(body, state, batches)
+        return state, self.logs(state.metrics)
+
+    def multi_eval_step(self, variables, metrics, batches: Batch):
+        def body(metrics, batch):
+            return self.eval_step(variables, metrics, batch)[0], None
+
+        metrics, _ = jax.lax.scan(body, metrics, batches)
+        return metrics, self.logs(metrics)
+
+    def multi_predict_step(self, variables, batches: Batch):
+        return jax.lax.map(lambda batch: self.predict_step(variables, batch), batches)
+
+
+def _per_sample(sample_weight):
+    """Reduces a sample-weight array to one weight per row (Keras allows (batch, 1))."""
+    sample_weight = jnp.asarray(sample_weight, jnp.float32)
+    return sample_weight.reshape(sample_weight.shape[0], -1)[:, 0] if sample_weight.ndim > 1 else sample_weight
+

@@ -1,0 +1,12 @@
+"""Strategies: where state lives, how batches split, how steps compile.
+
+Change only the strategy line to move a model from one device to many:
+
+    with meshfit.strategies.OneDeviceStrategy().scope():
+        model = meshfit.Model(module)
+"""
+
+from meshfit.strategies.base import Strategy, get_strategy, has_strategy
+from meshfit.strategies.one_device import OneDeviceStrategy
+
+__all__ = ["Strategy", "OneDeviceStrategy", "get_strategy", "has_strategy"]

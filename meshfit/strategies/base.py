@@ -1,0 +1,112 @@
+"""The strategy interface and the `scope()` stack.
+
+A strategy decides four things and nothing else:
+  * placement of state — where parameters, optimizer state and accumulators live
+    (`place_state`);
+  * split of the batch — how a host batch becomes a global array over devices
+    and processes (`distribute_batch`, `batch_multiple`);
+  * compilation of the step — how a pure step function becomes an executable
+    (`compile`);
+  * reduction of results — how device values come back to the host
+    (`to_host`).
+The training loop calls only these and never asks which strategy it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Callable
+
+import jax
+import numpy as np
+
+_local = threading.local()
+
+
+def _stack() -> list["Strategy"]:
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    return _local.stack
+
+
+class Strategy:
+    """Base class; subclasses live one per file in `meshfit/strategies/`."""
+
+    #: Number of model replicas a global batch is split over.
+    num_replicas_in_sync: int = 1
+
+    @contextlib.contextmanager
+    def scope(self):
+        """Makes this the current strategy: models created inside belong to it."""
+        _stack().append(self)
+        try:
+            yield self
+        finally:
+            _stack().pop()
+
+    # -- what a strategy decides -------------------------------------------------
+
+    @property
+    def batch_multiple(self) -> int:
+        """A global batch is padded to a multiple of this many rows."""
+        return self.num_replicas_in_sync
+
+    def place_state(self, tree):
+        """Puts a pytree of arrays (training state) where this strategy keeps it."""
+        raise NotImplementedError
+
+    def distribute_batch(self, host_batch):
+        """Turns this process's share of a batch (numpy pytree) into device arrays."""
+        raise NotImplementedError
+
+    def compile(self, fn: Callable, *, donate_argnums: tuple[int, ...] = ()) -> Callable:
+        """Compiles a pure step function for this strategy's devices."""
+        raise NotImplementedError
+
+    def to_host(self, tree):
+        """Fetches a pytree of device arrays as numpy (a host sync)."""
+        return jax.tree.map(np.asarray, jax.device_get(tree))
+
+    # -- process topology (single process unless a subclass says otherwise) ------
+
+    @property
+    def process_index(self) -> int:
+        return jax.process_index()
+
+    @property
+    def process_count(self) -> int:
+        return jax.process_count()
+
+    @property
+    def is_chief(self) -> bool:
+        """True on the process that prints progress and writes logs."""
+        return self.process_index == 0
+
+    def local_batch_rows(self, global_rows: int) -> slice:
+        """The rows of a global batch this process feeds (all of them by default)."""
+        return slice(0, global_rows)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+_default: list[Strategy] = []
+
+
+def get_strategy() -> Strategy:
+    """The strategy of the innermost `scope()`, or the default `OneDeviceStrategy`."""
+    stack = _stack()
+    if stack:
+        return stack[-1]
+    if not _default:
+        from meshfit.strategies.one_device import OneDeviceStrategy
+
+        _default.append(OneDeviceStrategy())
+    return _default[0]
+
+
+def has_strategy() -> bool:
+    """True inside some strategy's `scope()`."""
+    return bool(_stack())
+

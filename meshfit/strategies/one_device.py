@@ -1,0 +1,32 @@
+"""OneDeviceStrategy: everything on a single device; the default strategy."""
+
+from __future__ import annotations
+
+import jax
+
+from meshfit.strategies.base import Strategy
+
+
+class OneDeviceStrategy(Strategy):
+    """Places state and batches on one device and compiles with plain `jax.jit`.
+
+    Args:
+        device: a `jax.Device`, or None for `jax.local_devices()[0]`.
+    """
+
+    num_replicas_in_sync = 1
+
+    def __init__(self, device: jax.Device | None = None):
+        self.device = device if device is not None else jax.local_devices()[0]
+
+    def place_state(self, tree):
+        return jax.device_put(tree, self.device)
+
+    def distribute_batch(self, host_batch):
+        return jax.device_put(host_batch, self.device)
+
+    def compile(self, fn, *, donate_argnums=()):
+        return jax.jit(fn, donate_argnums=donate_argnums)
+
+    def __repr__(self):
+        return f"OneDeviceStrategy(device={self.device})"
