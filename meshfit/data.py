@@ -45,12 +45,12 @@ def is_array_like(value) -> bool:
 
 def is_array_tree(value) -> bool:
     """True for an array or a dict/tuple/list whose leaves are all arrays."""
-    if value is None:
+    if is_array_like(value):
+        return True
+    if not isinstance(value, (dict, tuple, list)):
         return False
     leaves = jax.tree.leaves(value)
-    return bool(leaves) and all(is_array_like(leaf) for leaf in leaves) and (
-        is_array_like(value) or isinstance(value, (dict, tuple, list))
-    )
+    return bool(leaves) and all(is_array_like(leaf) for leaf in leaves)
 
 
 def _to_numpy(tree):
@@ -70,7 +70,11 @@ def _num_rows(tree, name: str) -> int:
 
 
 def _take(tree, index):
-    return None if tree is None else jax.tree.map(lambda a: a[index], tree)
+    if tree is None:
+        return None
+    if isinstance(tree, np.ndarray):  # the common case, without tree overhead
+        return tree[index]
+    return jax.tree.map(lambda a: a[index], tree)
 
 
 def _pad_rows(tree, padded_rows: int):
@@ -131,6 +135,8 @@ class ArrayData:
         self.batch_size = batch_size
         self.batch_multiple = batch_multiple
         self.padded_batch_size = _round_up(batch_size, batch_multiple)
+        self._full_mask = np.ones(self.padded_batch_size, np.float32)
+        self._full_mask.flags.writeable = False
         self.shuffle = shuffle
         self.seed = seed
         self.steps_per_pass = math.ceil(self.num_samples / batch_size)
@@ -143,10 +149,15 @@ class ArrayData:
         return np.random.default_rng([self.seed, pass_index]).permutation(self.num_samples)
 
     def _batch(self, order: np.ndarray | None, within: int) -> Batch:
-        rows = slice(within * self.batch_size, (within + 1) * self.batch_size)
-        index = rows if order is None else order[rows]
-        return make_batch(_take(self.x, index), _take(self.y, index), _take(self.sample_weight, index),
-                          self.padded_batch_size)
+        start = within * self.batch_size
+        stop = min(start + self.batch_size, self.num_samples)
+        if stop - start == self.padded_batch_size:
+            index, mask = slice(start, stop) if order is None else order[start:stop], self._full_mask
+        else:  # a partial batch: repeat its rows up to the padded size, mask the copies
+            rows = np.arange(start, stop) if order is None else order[start:stop]
+            index = rows[np.arange(self.padded_batch_size) % len(rows)]
+            mask = (np.arange(self.padded_batch_size) < len(rows)).astype(np.float32)
+        return Batch(_take(self.x, index), _take(self.y, index), _take(self.sample_weight, index), mask)
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
         """Yields the batches of one epoch, from `start_step` on."""

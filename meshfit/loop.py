@@ -20,15 +20,21 @@ from meshfit.callbacks.base import CallbackList
 
 
 class InFlight:
-    """Bounds the number of dispatched, unfinished steps (a wait, not a transfer)."""
+    """Bounds the number of dispatched, unfinished steps (a wait, not a transfer).
 
-    def __init__(self, limit: int = 2):
+    At most `2 * limit` steps are queued; the wait happens once every `limit`
+    steps, on the step `limit` behind, so the host stays ahead of the device.
+    """
+
+    def __init__(self, limit: int = 4):
         self.limit = limit
         self._pending: collections.deque = collections.deque()
 
     def add(self, token) -> None:
         self._pending.append(token)
-        if len(self._pending) > self.limit:
+        if len(self._pending) >= 2 * self.limit:
+            for _ in range(self.limit - 1):
+                self._pending.popleft()
             jax.block_until_ready(self._pending.popleft())
 
     def clear(self) -> None:
@@ -56,16 +62,20 @@ def fit_loop(model, train_data, *, epochs: int, initial_epoch: int, callbacks: C
     runner = model._runner
     to_host = model.strategy.to_host
     callbacks.on_train_begin()
+    batch_begin = callbacks._bound_hooks("on_train_batch_begin")
+    batch_end = callbacks._bound_hooks("on_train_batch_end")
     epoch_logs: dict[str, float] = {}
     for epoch in range(initial_epoch, epochs):
         runner.reset_train_metrics()
         callbacks.on_epoch_begin(epoch)
         logs, step = None, 0
         for count, batch in executions(train_data.epoch(epoch), runner.steps_per_execution):
-            callbacks.on_train_batch_begin(step)
+            for hook in batch_begin:
+                hook(step)
             logs = runner.train(batch)
             step += count
-            callbacks.on_train_batch_end(step - 1, logs)
+            for hook in batch_end:
+                hook(step - 1, logs)
             if model.stop_training:
                 break
         runner.in_flight.clear()

@@ -54,7 +54,7 @@ class Model:
         params, model_state = self._adapter.init()
         self._state: TrainState | None = self.strategy.place_state(TrainState(
             params=params, model_state=model_state, opt_state=None, metrics=(),
-            step=jnp.zeros((), jnp.int32), rng=jax.random.key(self.seed),
+            step=jnp.zeros((), jnp.int32), rng=jax.random.key_data(jax.random.key(self.seed)),
         ))
         self._compiled: dict[str, Any] | None = None
         self._runner: Runner | None = None

@@ -21,6 +21,8 @@ class ModuleAdapter:
     """What the training step needs from a model, independent of the Flax API."""
 
     module: Any
+    #: Whether `apply` reads the `rng` argument (else the step skips splitting keys).
+    uses_rng: bool = False
 
     def init(self) -> tuple[Pytree, Pytree]:
         """Returns `(params, model_state)` as pure pytrees."""
@@ -100,6 +102,7 @@ class LinenAdapter(ModuleAdapter):
                 "mf.Model(module, sample_input=x_train[:1]). Received: sample_input=None."
             )
         self.module = module
+        self.uses_rng = True
         self.sample_input = sample_input
         self.seed = seed
         names = inspect.signature(module.__call__).parameters
@@ -131,7 +134,8 @@ class LinenAdapter(ModuleAdapter):
         if not training:
             return self._call(variables, x, **kwargs), model_state
         mutable = list(model_state.keys())
-        y_pred, updated = self._call(variables, x, rngs={"dropout": rng}, mutable=mutable, **kwargs)
+        rngs = {"dropout": jax.random.wrap_key_data(rng)}
+        y_pred, updated = self._call(variables, x, rngs=rngs, mutable=mutable, **kwargs)
         return y_pred, {**model_state, **dict(updated)}
 
     def sync_module(self, params, model_state):

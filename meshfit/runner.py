@@ -12,7 +12,7 @@ from meshfit.steps import LOSS_KEY, Steps
 
 
 class Runner:
-    def __init__(self, model, steps: Steps, steps_per_execution: int = 1, max_in_flight: int = 2):
+    def __init__(self, model, steps: Steps, steps_per_execution: int = 1, max_in_flight: int = 4):
         self.model = model
         self.steps = steps
         self.strategy = model.strategy

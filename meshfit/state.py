@@ -16,7 +16,7 @@ class TrainState(NamedTuple):
         opt_state: the optax optimizer state.
         metrics: accumulators of the loss and each compiled metric (sums and counts).
         step: number of optimizer steps taken (int32 scalar).
-        rng: PRNG key split each step for modules that take an RNG argument (Linen dropout).
+        rng: raw PRNG key data (uint32), split each step for modules that take an RNG argument (Linen dropout).
     """
 
     params: Any

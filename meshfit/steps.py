@@ -84,7 +84,9 @@ class Steps:
         return loss, (y_pred, new_model_state)
 
     def train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-        rng, step_rng = jax.random.split(state.rng)
+        rng, step_rng = state.rng, None
+        if self.adapter.uses_rng:
+            rng, step_rng = (jax.random.key_data(k) for k in jax.random.split(jax.random.wrap_key_data(rng)))
         grad_fn = jax.value_and_grad(self.compute_loss, has_aux=True)
         (loss, (y_pred, model_state)), grads = grad_fn(state.params, state.model_state, batch, step_rng, True)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)

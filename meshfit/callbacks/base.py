@@ -94,6 +94,24 @@ class CallbackList(Callback):
     def append(self, callback: Callback) -> None:
         self.callbacks.append(callback)
 
+    def _bound_hooks(self, hook: str) -> list:
+        """The bound `hook` of each callback that does something in it.
+
+        Hooks a callback inherits unchanged from `Callback` are skipped, so a
+        loop whose callbacks ignore batches pays nothing per batch.
+        """
+        alias = _ALIASES.get(hook)
+        found = []
+        for cb in self.callbacks:
+            names = (hook,) if alias is None else (hook, alias)
+            if any(_overrides(cb, name) for name in names):
+                found.append(getattr(cb, hook))
+        return found
+
+    def wants(self, hook: str) -> bool:
+        """True if some callback implements `hook` (or its Keras 2 alias)."""
+        return bool(self._bound_hooks(hook))
+
     def set_model(self, model) -> None:
         super().set_model(model)
         for cb in self.callbacks:
@@ -111,8 +129,19 @@ class CallbackList(Callback):
         return len(self.callbacks)
 
     def _call(self, hook: str, *args) -> None:
-        for cb in self.callbacks:
-            getattr(cb, hook)(*args)
+        for bound in self._bound_hooks(hook):
+            bound(*args)
+
+
+_ALIASES = {"on_train_batch_begin": "on_batch_begin", "on_train_batch_end": "on_batch_end"}
+
+
+def _overrides(callback: Callback, hook: str) -> bool:
+    if hook in vars(callback):  # set on the instance, as LambdaCallback does
+        return True
+    if isinstance(callback, CallbackList):
+        return callback.wants(hook)
+    return getattr(type(callback), hook) is not getattr(Callback, hook)
 
 
 def _make_dispatcher(hook: str):

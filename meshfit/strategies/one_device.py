@@ -23,7 +23,9 @@ class OneDeviceStrategy(Strategy):
         return jax.device_put(tree, self.device)
 
     def distribute_batch(self, host_batch):
-        return jax.device_put(host_batch, self.device)
+        # The compiled step moves numpy arguments to the state's device itself, on
+        # jit's C++ fast path; an explicit device_put here costs more per step.
+        return host_batch
 
     def compile(self, fn, *, donate_argnums=()):
         return jax.jit(fn, donate_argnums=donate_argnums)

@@ -1,0 +1,173 @@
+"""Fit throughput of meshfit against hand-written JAX loops, in one run.
+
+For each model (MLP 784-512-512-10 at batch 128; MLP 64-64-10 at batch 32) it
+times, on the same data and optimizer:
+  * raw:       a best-practice loop, one jitted step with donated buffers, the
+               loss summed on device, host batches sliced from a shuffled order;
+  * meshfit:   `model.fit(..., verbose=0)` with `steps_per_execution=1`;
+  * raw_scan:  the same loop running 32 steps per call in a `lax.scan`;
+  * meshfit32: `model.fit` with `steps_per_execution=32`;
+  * keras:     Keras 3 on its JAX backend, if installed (`pip install meshfit[bench]`).
+Runs alternate between contenders and the median of `--repeats` timings is kept.
+
+    python benchmarks/bench_fit.py [--repeats 5] [--epochs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import meshfit as mf
+
+
+class MLP(nnx.Module):
+    def __init__(self, sizes, *, rngs):
+        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:])])
+
+    def __call__(self, x):
+        for layer in self.layers[:-1]:
+            x = nnx.relu(layer(x))
+        return self.layers[-1](x)
+
+
+def make_data(n, din, classes, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, din), dtype=np.float32)
+    y = rng.integers(0, classes, n).astype(np.int32)
+    return x, y
+
+
+def optimizer():
+    return optax.adam(1e-3, eps=1e-7)
+
+
+def loss_fn(graphdef, params, x, y):
+    logits = nnx.merge(graphdef, params)(x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def raw_epochs(sizes, x, y, batch, epochs, scan_steps=1):
+    """Hand-written loop; returns a function that runs `epochs` epochs and blocks."""
+    graphdef, params = nnx.split(MLP(sizes, rngs=nnx.Rngs(0)))
+    params = nnx.to_pure_dict(params)
+    tx = optimizer()
+    state = jax.device_put((params, tx.init(params), jnp.zeros((), jnp.float32)))
+
+    def step(state, xb, yb):
+        params, opt_state, loss_sum = state
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(graphdef, p, xb, yb))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss_sum + loss
+
+    if scan_steps == 1:
+        run = jax.jit(step, donate_argnums=0)
+    else:
+        run = jax.jit(lambda s, xs, ys: jax.lax.scan(lambda c, b: (step(c, *b), None), s, (xs, ys))[0],
+                      donate_argnums=0)
+    steps = len(x) // batch
+    rng = np.random.default_rng(0)
+
+    def go():
+        nonlocal state
+        for _ in range(epochs):
+            order = rng.permutation(len(x))
+            for i in range(0, steps, scan_steps):
+                idx = order[i * batch:(i + scan_steps) * batch]
+                xb, yb = x[idx], y[idx]
+                if scan_steps > 1:
+                    xb, yb = xb.reshape(scan_steps, batch, -1), yb.reshape(scan_steps, batch)
+                state = run(state, xb, yb)
+        jax.block_until_ready(state)
+
+    return go
+
+
+def meshfit_epochs(sizes, x, y, batch, epochs, steps_per_execution=1):
+    model = mf.Model(MLP(sizes, rngs=nnx.Rngs(0)))
+    model.compile(optimizer=optimizer(), loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  steps_per_execution=steps_per_execution)
+
+    def go():
+        model.fit(x, y, batch_size=batch, epochs=epochs, verbose=0)
+        jax.block_until_ready(model.params)
+
+    return go
+
+
+def keras_epochs(sizes, x, y, batch, epochs):
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    try:
+        import keras
+    except Exception:  # noqa: BLE001 - Keras is an optional benchmark dependency
+        return None
+    layers = [keras.Input((sizes[0],))]
+    layers += [keras.layers.Dense(s, activation="relu") for s in sizes[1:-1]] + [keras.layers.Dense(sizes[-1])]
+    model = keras.Sequential(layers)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+    def go():
+        model.fit(x, y, batch_size=batch, epochs=epochs, verbose=0)
+
+    return go
+
+
+def bench(name, sizes, batch, steps_per_epoch, epochs, repeats):
+    x, y = make_data(batch * steps_per_epoch, sizes[0], sizes[-1])
+    contenders = {
+        "raw": raw_epochs(sizes, x, y, batch, epochs),
+        "meshfit": meshfit_epochs(sizes, x, y, batch, epochs),
+        "raw_scan32": raw_epochs(sizes, x, y, batch, epochs, scan_steps=32),
+        "meshfit_spe32": meshfit_epochs(sizes, x, y, batch, epochs, steps_per_execution=32),
+    }
+    keras_go = keras_epochs(sizes, x, y, batch, epochs)
+    if keras_go is not None:
+        contenders["keras"] = keras_go
+    for go in contenders.values():  # compile and warm up
+        go()
+    times = {k: [] for k in contenders}
+    for _ in range(repeats):
+        for k, go in contenders.items():
+            t0 = time.perf_counter()
+            go()
+            times[k].append(time.perf_counter() - t0)
+    steps = steps_per_epoch * epochs
+    sps = {k: steps / statistics.median(v) for k, v in times.items()}
+    print(f"\n{name}: batch {batch}, {steps_per_epoch} steps/epoch, {epochs} epochs/run, median of {repeats}")
+    for k, v in sps.items():
+        print(f"  {k:14s} {v:10.1f} steps/s   {1e6 / v:8.1f} us/step")
+    print(f"  ratio meshfit/raw               = {sps['meshfit'] / sps['raw']:.3f}  (target >= 0.95)")
+    print(f"  ratio meshfit_spe32/raw_scan32  = {sps['meshfit_spe32'] / sps['raw_scan32']:.3f}  (target >= 0.95)")
+    if "keras" in sps:
+        print(f"  ratio meshfit/keras             = {sps['meshfit'] / sps['keras']:.3f}")
+    return sps
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--only", choices=["large", "tiny"], help="run one of the two models")
+    args = parser.parse_args()
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}), "
+          f"{os.cpu_count()} cpus, {platform.processor() or platform.machine()}")
+    if args.only != "tiny":
+        bench("MLP 784-512-512-10", (784, 512, 512, 10), 128, 64, args.epochs, args.repeats)
+    if args.only != "large":
+        bench("MLP 64-64-10", (64, 64, 10), 32, 128, args.epochs, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
+
+

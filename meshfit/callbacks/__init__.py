@@ -1,0 +1,29 @@
+"""Keras-style callbacks: the protocol (`Callback`, `CallbackList`) and the built-in ones."""
+
+from meshfit.callbacks.base import Callback, CallbackList
+from meshfit.callbacks.csv_logger import CSVLogger
+from meshfit.callbacks.early_stopping import EarlyStopping, MonitorCallback
+from meshfit.callbacks.history import History
+from meshfit.callbacks.lambda_callback import LambdaCallback
+from meshfit.callbacks.learning_rate_scheduler import LearningRateScheduler
+from meshfit.callbacks.progbar_logger import ProgbarLogger
+from meshfit.callbacks.reduce_lr_on_plateau import ReduceLROnPlateau
+from meshfit.callbacks.tensorboard import TensorBoard
+from meshfit.callbacks.terminate_on_nan import TerminateOnNaN
+
+# ModelCheckpoint and BackupAndRestore live in their own modules (added separately).
+
+__all__ = [
+    "Callback",
+    "CallbackList",
+    "CSVLogger",
+    "EarlyStopping",
+    "History",
+    "LambdaCallback",
+    "LearningRateScheduler",
+    "MonitorCallback",
+    "ProgbarLogger",
+    "ReduceLROnPlateau",
+    "TensorBoard",
+    "TerminateOnNaN",
+]

@@ -1,0 +1,188 @@
+import glob
+import os
+import struct
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tensorboardX")
+from tensorboardX.proto import event_pb2  # noqa: E402
+
+from meshfit.callbacks import CallbackList, TensorBoard  # noqa: E402
+
+
+def read_events(directory):
+    """Reads every event file in `directory` (TFRecord framing: u64 length, u32 crc, data, u32 crc)."""
+    files = sorted(glob.glob(os.path.join(directory, "events.out.tfevents.*")))
+    assert files, f"no event file in {directory}"
+    scalars, histograms = {}, {}
+    for path in files:
+        with open(path, "rb") as f:
+            data = f.read()
+        pos = 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            pos += 12
+            event = event_pb2.Event.FromString(data[pos : pos + length])
+            pos += length + 4
+            for value in event.summary.value:
+                if value.HasField("histo"):
+                    histograms.setdefault(value.tag, []).append((event.step, value.histo))
+                else:
+                    scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars, histograms
+
+
+class NamedModel:
+    def __init__(self):
+        self.stop_training = False
+        self.weights = [np.arange(6, dtype=np.float32).reshape(2, 3), np.array([-1.0, 1.0], np.float32)]
+
+    def get_weights(self):
+        return [w.copy() for w in self.weights]
+
+    def weight_names(self):
+        return ["dense/kernel:0", "dense/bias"]
+
+
+class CountingScalar:
+    """A batch-log value that counts how often it is read from the "device"."""
+
+    reads = 0
+
+    def __init__(self, value):
+        self.value = value
+
+    def __float__(self):
+        CountingScalar.reads += 1
+        return float(self.value)
+
+
+def _fit(cb, model, epochs, steps, with_lr=True):
+    cbs = CallbackList([cb], model=model, epochs=epochs, steps=steps, verbose=0)
+    cbs.on_train_begin()
+    for epoch in range(epochs):
+        cbs.on_epoch_begin(epoch)
+        for batch in range(steps):
+            cbs.on_train_batch_begin(batch)
+            cbs.on_train_batch_end(batch, {"loss": CountingScalar(epoch * steps + batch), "accuracy": CountingScalar(0.5)})
+        cbs.on_test_begin()
+        for batch in range(2):
+            cbs.on_test_batch_begin(batch)
+            cbs.on_test_batch_end(batch, {"loss": CountingScalar(9.0)})
+        cbs.on_test_end({"loss": 0.25 * epoch, "accuracy": 0.5})
+        logs = {"loss": 1.0 / (epoch + 1), "accuracy": 0.5 + epoch / 10, "val_loss": 2.0 / (epoch + 1), "val_accuracy": 0.25}
+        if with_lr:
+            logs["learning_rate"] = 0.01 * (epoch + 1)
+        cbs.on_epoch_end(epoch, logs)
+    cbs.on_train_end()
+
+
+def test_epoch_scalars_layout(tmp_path, make_model):
+    CountingScalar.reads = 0
+    cb = TensorBoard(log_dir=tmp_path)
+    _fit(cb, make_model(), epochs=3, steps=4)
+    assert CountingScalar.reads == 0  # update_freq="epoch": batch logs never read
+    assert sorted(os.listdir(tmp_path)) == ["train", "validation"]
+    train, train_h = read_events(tmp_path / "train")
+    val, _ = read_events(tmp_path / "validation")
+    assert train_h == {}
+    assert set(train) == {"epoch_loss", "epoch_accuracy", "epoch_learning_rate"}
+    assert train["epoch_loss"] == [(0, 1.0), (1, 0.5), (2, pytest.approx(1 / 3))]
+    assert train["epoch_learning_rate"] == [(e, pytest.approx(0.01 * (e + 1))) for e in range(3)]
+    assert set(val) == {"epoch_loss", "epoch_accuracy"} | {
+        "evaluation_loss_vs_iterations", "evaluation_accuracy_vs_iterations"
+    }
+    assert val["epoch_loss"] == [(0, 2.0), (1, 1.0), (2, pytest.approx(2 / 3))]
+    assert val["epoch_accuracy"] == [(e, 0.25) for e in range(3)]
+    # Evaluation scalars at the training iteration reached (4 steps per epoch).
+    assert val["evaluation_loss_vs_iterations"] == [(4, 0.0), (8, 0.25), (12, 0.5)]
+
+
+def test_learning_rate_taken_from_optimizer_when_not_logged(tmp_path, make_model):
+    cb = TensorBoard(log_dir=tmp_path)
+    _fit(cb, make_model(learning_rate=0.125), epochs=2, steps=1, with_lr=False)
+    train, _ = read_events(tmp_path / "train")
+    assert train["epoch_learning_rate"] == [(0, 0.125), (1, 0.125)]
+
+
+@pytest.mark.parametrize("update_freq, steps_written", [("batch", list(range(1, 11))), (3, [3, 6, 9])])
+def test_batch_scalars_every_update_freq(tmp_path, make_model, update_freq, steps_written):
+    CountingScalar.reads = 0
+    cb = TensorBoard(log_dir=tmp_path, update_freq=update_freq, write_steps_per_second=True)
+    _fit(cb, make_model(), epochs=2, steps=5)
+    # Only the written batches are read: 2 keys per written batch.
+    assert CountingScalar.reads == 2 * len(steps_written)
+    train, _ = read_events(tmp_path / "train")
+    assert [s for s, _ in train["batch_loss"]] == steps_written
+    # The global step counts across epochs (value = epoch * steps + batch = step - 1).
+    assert [v for _, v in train["batch_loss"]] == [s - 1 for s in steps_written]
+    assert [s for s, _ in train["batch_accuracy"]] == steps_written
+    assert [s for s, _ in train["batch_steps_per_second"]] == steps_written
+    assert [s for s, _ in train["epoch_steps_per_second"]] == [0, 1]
+    assert all(v > 0 for _, v in train["epoch_steps_per_second"])
+
+
+def test_histograms(tmp_path):
+    cb = TensorBoard(log_dir=tmp_path, histogram_freq=2)
+    _fit(cb, NamedModel(), epochs=5, steps=1)
+    _, hist = read_events(tmp_path / "train")
+    assert set(hist) == {"dense/kernel_0/histogram", "dense/bias/histogram"}
+    assert [s for s, _ in hist["dense/kernel_0/histogram"]] == [0, 2, 4]
+    h = hist["dense/kernel_0/histogram"][0][1]
+    assert (h.min, h.max, h.num, h.sum) == (0.0, 5.0, 6.0, 15.0)
+
+
+def test_histogram_default_names(tmp_path, make_model):
+    cb = TensorBoard(log_dir=tmp_path, histogram_freq=1)
+    _fit(cb, make_model(), epochs=1, steps=1)
+    _, hist = read_events(tmp_path / "train")
+    assert set(hist) == {"weight_0/histogram", "weight_1/histogram"}
+
+
+def test_second_fit_writes_new_files(tmp_path, make_model):
+    cb = TensorBoard(log_dir=tmp_path)
+    model = make_model()
+    _fit(cb, model, epochs=1, steps=1)
+    _fit(cb, model, epochs=1, steps=1)
+    train, _ = read_events(tmp_path / "train")
+    assert train["epoch_loss"] == [(0, 1.0), (0, 1.0)]
+
+
+def test_nothing_written_off_process_zero(tmp_path, make_model, monkeypatch):
+    import jax
+
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    CountingScalar.reads = 0
+    _fit(TensorBoard(log_dir=tmp_path, update_freq=1, histogram_freq=1), make_model(), epochs=2, steps=2)
+    assert not tmp_path.joinpath("train").exists()
+    assert CountingScalar.reads == 0
+
+
+def test_bad_update_freq():
+    with pytest.raises(ValueError, match="update_freq"):
+        TensorBoard(update_freq="sometimes")
+
+
+def test_missing_tensorboardx_message(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)
+    with pytest.raises(ImportError, match=r"pip install meshfit\[tensorboard\]"):
+        TensorBoard()
+
+
+def test_batch_steps_with_several_steps_per_call(tmp_path, make_model):
+    # With steps_per_execution=3 the loop reports batches 2, 5, 8 (the last of each call).
+    cb = TensorBoard(log_dir=tmp_path, update_freq=4)
+    cbs = CallbackList([cb], model=make_model(), epochs=2, steps=9, verbose=0)
+    cbs.on_train_begin()
+    for epoch in range(2):
+        cbs.on_epoch_begin(epoch)
+        for first in range(0, 9, 3):
+            cbs.on_train_batch_begin(first)
+            cbs.on_train_batch_end(first + 2, {"loss": float(epoch * 9 + first + 3)})
+        cbs.on_epoch_end(epoch, {"loss": 1.0})
+    cbs.on_train_end()
+    train, _ = read_events(tmp_path / "train")
+    # A point at the end of each call that passed a multiple of 4, at its true step.
+    assert train["batch_loss"] == [(6, 6.0), (9, 9.0), (12, 12.0), (18, 18.0)]

@@ -1,0 +1,286 @@
+"""meshfit.Model on one device: Keras semantics, exactness, determinism, no retracing."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import MLP, assert_trees_close, classification_data
+
+import meshfit as mf
+
+
+def make_model(**compile_kwargs):
+    model = mf.Model(MLP())
+    kwargs = dict(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    kwargs.update(compile_kwargs)
+    model.compile(**kwargs)
+    return model
+
+
+def test_fit_learns_and_history_has_keras_keys():
+    x, y = classification_data(n=256)
+    model = make_model(optimizer=mf.optimizers.get("adam", learning_rate=1e-2))
+    history = model.fit(x, y, batch_size=32, epochs=15, validation_split=0.25, verbose=0)
+    assert set(history.history) == {"loss", "accuracy", "val_loss", "val_accuracy"}
+    assert history.epoch == list(range(15))
+    assert all(len(v) == 15 for v in history.history.values())
+    assert history.history["loss"][-1] < 0.5 * history.history["loss"][0]
+    assert history.history["val_accuracy"][-1] > 0.85
+    assert model.history is history
+
+
+def manual_loss(model, x, y):
+    logits = np.asarray(model.module(jnp.asarray(x)))
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    return float(-logp[np.arange(len(y)), y].mean()), float((logits.argmax(-1) == y).mean())
+
+
+@pytest.mark.parametrize("batch_size", [7, 13, 50, 64])
+def test_evaluate_is_exact_on_partial_batches(batch_size):
+    x, y = classification_data(n=50)
+    model = make_model()
+    result = model.evaluate(x, y, batch_size=batch_size, verbose=0, return_dict=True)
+    loss, accuracy = manual_loss(model, x, y)
+    assert result["loss"] == pytest.approx(loss, rel=1e-5)
+    assert result["accuracy"] == pytest.approx(accuracy, abs=1e-7)
+
+
+def test_evaluate_return_forms_follow_keras():
+    x, y = classification_data(n=20)
+    model = make_model()
+    values = model.evaluate(x, y, verbose=0)
+    assert isinstance(values, list) and len(values) == 2
+    assert model.metrics_names == ["loss", "accuracy"]
+    plain = make_model(metrics=None)
+    assert isinstance(plain.evaluate(x, y, verbose=0), float)
+
+
+def sgd_reference(x, y, batch_size, lr):
+    """Plain JAX SGD over the same batches, partial last batch included."""
+    graphdef, params = nnx.split(MLP())
+
+    def loss_fn(p, xb, yb):
+        logits = nnx.merge(graphdef, p)(xb)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
+
+    for start in range(0, len(x), batch_size):
+        grads = jax.grad(loss_fn)(params, x[start:start + batch_size], y[start:start + batch_size])
+        params = jax.tree.map(lambda p, g: p - lr * g, params, grads)
+    return nnx.to_pure_dict(params)
+
+
+def test_partial_last_batch_trains_exactly():
+    x, y = classification_data(n=10)
+    model = make_model(optimizer=optax.sgd(0.1), metrics=None)
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)  # batches of 4, 4 and 2
+    assert_trees_close(model.params, sgd_reference(x, y, 4, 0.1), rtol=1e-5, atol=1e-6)
+
+
+def test_same_seed_same_result_and_different_seed_differs():
+    x, y = classification_data(n=100)
+
+    def run(seed):
+        model = mf.Model(MLP(dropout=0.2), seed=seed)
+        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=16, epochs=3, verbose=0)
+        return model.get_weights()
+
+    a, b, c = run(0), run(0), run(1)
+    for u, v in zip(a, b):
+        np.testing.assert_array_equal(u, v)
+    assert any(not np.array_equal(u, v) for u, v in zip(a, c))
+
+
+def test_steps_compile_once_across_epochs_partial_batches_and_fits():
+    x, y = classification_data(n=70)
+    model = make_model()
+    model.fit(x, y, batch_size=16, epochs=2, validation_split=0.2, verbose=0)
+    model.fit(x, y, batch_size=16, epochs=2, validation_data=(x[:9], y[:9]), verbose=0)
+    model.evaluate(x[:5], y[:5], batch_size=16, verbose=0)
+    runner = model._runner
+    assert runner._train._cache_size() == 1
+    assert runner._evaluate._cache_size() == 1
+
+
+def test_predict_is_exact_on_partial_batches():
+    x, _ = classification_data(n=23)
+    model = make_model()
+    expected = np.asarray(model.module(jnp.asarray(x)))
+    np.testing.assert_allclose(model.predict(x, batch_size=5, verbose=0), expected, rtol=1e-6, atol=1e-6)
+    assert model.predict(x[:3], batch_size=5, verbose=0).shape == (3, 3)
+
+
+def test_predict_without_compile():
+    x, _ = classification_data(n=6)
+    model = mf.Model(MLP())
+    assert model.predict(x, verbose=0).shape == (6, 3)
+
+
+def test_get_set_weights_round_trip_and_order():
+    model = make_model()
+    names = model.weight_names()
+    assert names == ["hidden/bias", "hidden/kernel", "out/bias", "out/kernel"]
+    weights = model.get_weights()
+    assert [w.shape for w in weights] == [(16,), (4, 16), (3,), (16, 3)]
+    new = [w + 1.0 for w in weights]
+    model.set_weights(new)
+    for got, want in zip(model.get_weights(), new):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.asarray(model.module.out.bias[...]), new[2])
+    with pytest.raises(ValueError, match="hidden/bias.*shape"):
+        model.set_weights([np.zeros(3)] + new[1:])
+    with pytest.raises(ValueError, match="list of 4 arrays"):
+        model.set_weights(new[:2])
+
+
+def test_summary_lists_every_weight_with_totals():
+    model = make_model()
+    text = model.summary(print_fn=None)
+    for name, shape, count in [("hidden/kernel", "(4, 16)", "64"), ("out/bias", "(3,)", "3")]:
+        line = next(l for l in text.splitlines() if l.startswith(name))
+        assert shape in line and count in line and "float32" in line
+    total = 4 * 16 + 16 + 16 * 3 + 3
+    assert f"Total params: {total:,}" in text
+    assert f"({total * 4} B)" in text or f"{total * 4 / 1024:.2f} KB" in text
+    assert model.count_params() == total
+
+
+def test_sample_weight_and_class_weight():
+    x, y = classification_data(n=40)
+    model = make_model(metrics=None)
+    weights = np.linspace(0.0, 2.0, 40).astype(np.float32)
+    weighted = model.evaluate(x, y, sample_weight=weights, batch_size=7, verbose=0)
+    logits = np.asarray(model.module(jnp.asarray(x)))
+    per_sample = np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits, y))
+    # Keras's sum_over_batch_size: sum(w * l) / batch size, averaged over batches weighted by size.
+    expected = sum(
+        (weights[s:s + 7] * per_sample[s:s + 7]).sum() for s in range(0, 40, 7)) / 40
+    assert weighted == pytest.approx(expected, rel=1e-5)
+    model.fit(x, y, class_weight={0: 1.0, 1: 2.0, 2: 0.5}, batch_size=8, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="no weight for classes"):
+        model.fit(x, y, class_weight={0: 1.0}, verbose=0)
+
+
+def test_multi_input_dict_and_tuple_inputs():
+    class TwoInputs(nnx.Module):
+        def __init__(self):
+            self.a = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+            self.b = nnx.Linear(5, 2, rngs=nnx.Rngs(1))
+
+        def __call__(self, inputs):
+            return self.a(inputs["a"]) + self.b(inputs["b"])
+
+    rng = np.random.default_rng(0)
+    x = {"a": rng.standard_normal((30, 3), np.float32), "b": rng.standard_normal((30, 5), np.float32)}
+    y = rng.standard_normal((30, 2)).astype(np.float32)
+    model = mf.Model(TwoInputs())
+    model.compile(optimizer="sgd", loss="mse")
+    history = model.fit(x, y, batch_size=8, epochs=3, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    assert model.predict(x, batch_size=8, verbose=0).shape == (30, 2)
+
+    class Pair(nnx.Module):
+        def __init__(self):
+            self.a = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+
+        def __call__(self, a, b):
+            return self.a(a) * b
+
+    model = mf.Model(Pair())
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit((x["a"], y), y, batch_size=8, epochs=1, verbose=0)
+
+
+def test_generator_and_list_of_batches_inputs():
+    x, y = classification_data(n=40)
+    batches = [(x[i:i + 8], y[i:i + 8]) for i in range(0, 40, 8)] + [(x[:3], y[:3])]
+
+    class Batches:  # re-iterable (a list would be read as multi-input arrays, as in Keras)
+        def __iter__(self):
+            return iter(batches)
+
+    model = make_model()
+    history = model.fit(Batches(), epochs=3, verbose=0)  # a new pass each epoch
+    assert len(history.history["loss"]) == 3
+    # A list of batches evaluates like the arrays it holds (padding masked).
+    xs = np.concatenate([b[0] for b in batches])
+    ys = np.concatenate([b[1] for b in batches])
+    by_list = model.evaluate(Batches(), verbose=0, return_dict=True)
+    by_arrays = model.evaluate(xs, ys, batch_size=len(xs), verbose=0, return_dict=True)
+    assert by_list["loss"] == pytest.approx(by_arrays["loss"], rel=1e-5)
+
+    def gen():
+        for i in range(0, 40, 8):
+            yield x[i:i + 8], y[i:i + 8]
+
+    model = make_model()
+    with pytest.warns(UserWarning, match="ran out of data"):
+        history = model.fit(gen(), epochs=3, verbose=0)  # a one-shot generator lasts one epoch
+    assert len(history.history["loss"]) == 1
+    model = make_model()
+    history = model.fit((b for b in batches * 10), steps_per_epoch=4, epochs=3, verbose=0)
+    assert len(history.history["loss"]) == 3
+
+
+def test_grain_dataset_input():
+    grain = pytest.importorskip("grain")
+    x, y = classification_data(n=48)
+    dataset = grain.MapDataset.source([{"x": x[i], "y": y[i]} for i in range(48)]).batch(16).map(
+        lambda b: (b["x"], b["y"]))
+    model = make_model()
+    history = model.fit(dataset, epochs=2, verbose=0)
+    assert len(history.history["loss"]) == 2
+    assert model.evaluate(dataset, verbose=0, return_dict=True)["accuracy"] >= 0.0
+
+
+def test_linen_module_with_batchnorm_and_dropout():
+    from flax import linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool = False):
+            x = nn.Dense(16)(x)
+            x = nn.BatchNorm(use_running_average=not train)(x)
+            x = nn.Dropout(0.1, deterministic=not train)(nn.relu(x))
+            return nn.Dense(3)(x)
+
+    x, y = classification_data(n=96)
+    model = mf.Model(Net(), sample_input=x[:1])
+    model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    before = [w.copy() for w in model.get_weights()]
+    history = model.fit(x, y, batch_size=16, epochs=10, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    names = model.weight_names()
+    assert any(n.startswith("batch_stats/BatchNorm_0/mean") for n in names)
+    moved = [not np.allclose(a, b) for a, b in zip(before, model.get_weights())]
+    assert all(moved)  # trainable params and BatchNorm statistics both changed
+    with pytest.raises(ValueError, match="sample_input"):
+        mf.Model(Net())
+
+
+def test_compile_accepts_names_objects_and_callables():
+    x, y = classification_data(n=16)
+    model = mf.Model(MLP())
+
+    def my_loss(y_true, y_pred):
+        return optax.softmax_cross_entropy_with_integer_labels(y_pred, y_true)
+
+    model.compile(optimizer=optax.adam(1e-3), loss=my_loss, metrics=[mf.metrics.SparseCategoricalAccuracy()])
+    model.fit(x, y, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="per-sample"):
+        model.compile(optimizer="sgd", loss=lambda t, p: jnp.mean((p - 0) ** 2))
+        model.fit(x, np.zeros((16, 3), np.float32), epochs=1, verbose=0)
+
+
+def test_keras_default_optimizer_and_learning_rate_access():
+    model = make_model(optimizer="sgd")
+    assert model.optimizer.learning_rate == pytest.approx(0.01)
+    model.optimizer.learning_rate = 0.5
+    assert model.optimizer.learning_rate == pytest.approx(0.5)
+    plain = make_model(optimizer=optax.sgd(0.1))
+    with pytest.raises(AttributeError, match="inject_hyperparams"):
+        plain.optimizer.learning_rate
