@@ -1,0 +1,134 @@
+"""Bad input gets a clear error that says what was expected and what came, before any state changes."""
+
+import jax
+import numpy as np
+import pytest
+from helpers import MLP, classification_data
+
+import meshfit as mf
+
+
+@pytest.fixture
+def model():
+    model = mf.Model(MLP())
+    model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    x, y = classification_data(n=16)
+    model.fit(x, y, epochs=1, verbose=0)
+    return model
+
+
+def snapshot(model):
+    return [np.asarray(a).copy() for a in jax.tree.leaves(jax.device_get(
+        (model._state.params, model._state.opt_state, model._state.step)))]
+
+
+def assert_unchanged(model, before):
+    for a, b in zip(before, snapshot(model), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_fit_before_compile():
+    x, y = classification_data(n=8)
+    model = mf.Model(MLP())
+    with pytest.raises(ValueError, match=r"call `compile\(\)` before `fit\(\)`"):
+        model.fit(x, y)
+    with pytest.raises(ValueError, match=r"before `evaluate\(\)`"):
+        model.evaluate(x, y)
+
+
+def test_x_y_length_mismatch(model):
+    x, y = classification_data(n=16)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="x has 16 samples, y has 15"):
+        model.fit(x, y[:15], verbose=0)
+    assert_unchanged(model, before)
+
+
+def test_input_shape_the_model_rejects(model):
+    x, y = classification_data(n=16, din=5)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"expected feature shape\(s\) \(None, 4\).*received \(None, 5\)"):
+        model.fit(x, y, verbose=0)
+    with pytest.raises(ValueError, match=r"expected feature shape"):
+        model.predict(x, verbose=0)
+    assert_unchanged(model, before)
+
+
+def test_input_shape_rejected_on_first_call():
+    x, y = classification_data(n=16, din=5)
+    model = mf.Model(MLP(din=4))
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    with pytest.raises(ValueError, match=r"could not be called on inputs of shape \(16, 5\)"):
+        model.fit(x, y, batch_size=16, verbose=0)
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(optimizer="adamm"), r"Unknown optimizer name 'adamm'. Expected one of \[.*'adam'"),
+    (dict(optimizer=3), r"`optimizer` must be"),
+    (dict(loss="crossentropee"), r"crossentropee.*mean_squared_error|mean_squared_error.*crossentropee"),
+    (dict(metrics=["acuracy"]), r"acuracy.*accuracy|accuracy.*acuracy"),
+    (dict(steps_per_execution=0), r"`steps_per_execution` must be a positive int"),
+])
+def test_unknown_names_list_valid_ones(model, kwargs, pattern):
+    full = dict(optimizer="sgd", loss="mse")
+    full.update(kwargs)
+    before = snapshot(model)
+    compiled = model._compiled
+    with pytest.raises((ValueError, TypeError), match=pattern):
+        model.compile(**full)
+    assert model._compiled is compiled
+    assert_unchanged(model, before)
+
+
+def test_empty_datasets(model):
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="empty.*0 samples"):
+        model.fit(np.zeros((0, 4), np.float32), np.zeros((0,), np.int32), verbose=0)
+    with pytest.raises(ValueError, match="dataset is empty"):
+        model.fit(iter([]), verbose=0)
+    assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(epochs=0), r"`epochs` must be a positive int. Received: epochs=0"),
+    (dict(batch_size=-1), r"`batch_size` must be a positive int"),
+    (dict(verbose=3), r"`verbose` must be 'auto', 0, 1 or 2"),
+    (dict(validation_split=1.5), r"`validation_split` must be in \(0, 1\)"),
+    (dict(validation_data=(1, 2, 3, 4)), r"`validation_data` must be"),
+    (dict(callbacks=[object()]), r"meshfit.callbacks.Callback"),
+    (dict(validation_freq=0), r"`validation_freq`"),
+])
+def test_bad_fit_arguments(model, kwargs, pattern):
+    x, y = classification_data(n=16)
+    before = snapshot(model)
+    with pytest.raises((ValueError, TypeError), match=pattern):
+        model.fit(x, y, **kwargs)
+    assert_unchanged(model, before)
+
+
+def test_dataset_with_y_or_batch_size(model):
+    x, y = classification_data(n=16)
+    with pytest.raises(ValueError, match="`y` and `sample_weight` must be None"):
+        model.fit(iter([(x, y)]), y, verbose=0)
+    with pytest.raises(ValueError, match="`batch_size` must be None"):
+        model.fit(iter([(x, y)]), batch_size=4, verbose=0)
+    with pytest.raises(TypeError, match="Received: str"):
+        model.fit("data.csv", verbose=0)
+
+
+def test_fit_without_targets(model):
+    x, _ = classification_data(n=16)
+    with pytest.raises(ValueError, match="needs targets"):
+        model.fit(x, verbose=0)
+
+
+def test_non_flax_module():
+    with pytest.raises(TypeError, match="flax.nnx.Module or a flax.linen.Module. Received: module of type dict"):
+        mf.Model({"w": 1})
+
+
+def test_growing_batch_in_a_generator(model):
+    x, y = classification_data(n=16)
+    with pytest.raises(ValueError, match="A batch of 8 samples came after batches of at most 4"):
+        model.fit(iter([(x[:4], y[:4]), (x[:8], y[:8])]), verbose=0)
