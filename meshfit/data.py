@@ -6,7 +6,7 @@ carries a `mask` of 1s for real rows and 0s for padding; losses and metrics
 weight by the mask, so results equal those of the unpadded batch exactly.
 
 Inputs: numpy/JAX arrays and dicts/tuples/lists of them (`ArrayData`), and any
-iterable of batches — Python generators, lists, grain datasets and loaders
+other iterable of batches — Python generators, grain datasets and loaders
 (`IterableData`).
 """
 
@@ -113,7 +113,8 @@ class ArrayData:
     """
 
     def __init__(self, x, y=None, sample_weight=None, *, batch_size: int, shuffle: bool = False,
-                 seed: int = 0, batch_multiple: int = 1, steps_per_epoch: int | None = None):
+                 seed: int = 0, batch_multiple: int = 1, steps_per_epoch: int | None = None,
+                 process_index: int = 0, process_count: int = 1):
         self.x = _to_numpy(x)
         self.y = None if y is None else _to_numpy(y)
         self.sample_weight = None if sample_weight is None else np.asarray(sample_weight, np.float32)
@@ -135,7 +136,9 @@ class ArrayData:
         self.batch_size = batch_size
         self.batch_multiple = batch_multiple
         self.padded_batch_size = _round_up(batch_size, batch_multiple)
-        self._full_mask = np.ones(self.padded_batch_size, np.float32)
+        self.process_index, self.process_count = process_index, process_count
+        self.local_rows = self.padded_batch_size // process_count
+        self._full_mask = np.ones(self.local_rows, np.float32)
         self._full_mask.flags.writeable = False
         self.shuffle = shuffle
         self.seed = seed
@@ -149,14 +152,20 @@ class ArrayData:
         return np.random.default_rng([self.seed, pass_index]).permutation(self.num_samples)
 
     def _batch(self, order: np.ndarray | None, within: int) -> Batch:
+        """This process's rows of global batch `within` of a pass (all rows with one process)."""
         start = within * self.batch_size
         stop = min(start + self.batch_size, self.num_samples)
+        mine = slice(self.process_index * self.local_rows, (self.process_index + 1) * self.local_rows)
         if stop - start == self.padded_batch_size:
-            index, mask = slice(start, stop) if order is None else order[start:stop], self._full_mask
+            if order is None:
+                index = slice(start + mine.start, start + mine.stop)
+            else:
+                index = order[start:stop][mine]
+            mask = self._full_mask
         else:  # a partial batch: repeat its rows up to the padded size, mask the copies
             rows = np.arange(start, stop) if order is None else order[start:stop]
-            index = rows[np.arange(self.padded_batch_size) % len(rows)]
-            mask = (np.arange(self.padded_batch_size) < len(rows)).astype(np.float32)
+            index = rows[np.arange(self.padded_batch_size) % len(rows)][mine]
+            mask = (np.arange(self.padded_batch_size) < len(rows)).astype(np.float32)[mine]
         return Batch(_take(self.x, index), _take(self.y, index), _take(self.sample_weight, index), mask)
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
@@ -184,7 +193,8 @@ class ArrayData:
         def part(rows, shuffle, steps_per_epoch):
             return ArrayData(_take(self.x, rows), _take(self.y, rows), _take(self.sample_weight, rows),
                              batch_size=self.batch_size, shuffle=shuffle, seed=self.seed,
-                             batch_multiple=self.batch_multiple, steps_per_epoch=steps_per_epoch)
+                             batch_multiple=self.batch_multiple, steps_per_epoch=steps_per_epoch,
+                             process_index=self.process_index, process_count=self.process_count)
 
         return part(slice(0, n_train), self.shuffle, self._steps_arg), part(slice(n_train, None), False, None)
 
@@ -206,7 +216,9 @@ def unpack_element(element) -> tuple[Any, Any, Any]:
 
 
 class IterableData:
-    """Batches from an iterable: a generator, a list of batches, a grain dataset or loader.
+    """Batches from an iterable: a generator, a grain dataset or loader, any re-iterable object.
+
+    (A Python list is read as multi-input arrays, as in Keras, not as batches.)
 
     A re-iterable input (not itself an iterator) starts a new pass each epoch;
     a one-shot iterator is consumed across epochs, and training stops with a

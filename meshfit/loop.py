@@ -121,19 +121,22 @@ def predict_loop(model, data, *, callbacks: CallbackList, steps=None):
     outputs, masks, step = [], [], 0
     for count, batch in executions(_limit(data.epoch(0), steps), runner.steps_per_execution):
         callbacks.on_predict_batch_begin(step)
-        y_pred = runner.predict(batch)
+        y_pred, mask = runner.predict(batch)  # the global mask: rows of every process
         outputs.append(y_pred)
-        masks.append(batch.mask)
+        masks.append(mask)
         step += count
         callbacks.on_predict_batch_end(step - 1, {"outputs": y_pred})
     runner.in_flight.clear()
     if not outputs:
         raise ValueError("predict() received no batches; the input is empty.")
-    host = model.strategy.to_host(outputs)
+    outputs, masks = model.strategy.to_host((outputs, masks))
     keep = np.concatenate([np.reshape(m, -1) for m in masks]) > 0
-    flat_rows = lambda *parts: np.concatenate([p.reshape((-1,) + p.shape[2:]) if runner.steps_per_execution > 1
-                                               else p for p in parts])[keep]
-    result = jax.tree.map(flat_rows, *host)
+    stacked = runner.steps_per_execution > 1
+
+    def real_rows(*parts):
+        return np.concatenate([p.reshape((-1,) + p.shape[2:]) if stacked else p for p in parts])[keep]
+
+    result = jax.tree.map(real_rows, *outputs)
     callbacks.on_predict_end()
     return result
 

@@ -92,7 +92,8 @@ def reduce_values(
             the shape of `values`.
         mask: optional `(batch,)` (or `values`-shaped) array, nonzero for rows
             that count. Masked-out entries are zeroed (even if NaN) and left
-            out of the denominator.
+            out of the denominator; their gradient is 0 as long as they are
+            finite (pad with zeros or copies of real rows, not NaN).
         reduction: `"sum_over_batch_size"`/`"mean"` (sum divided by the number
             of unmasked entries), `"sum"`, `"mean_with_sample_weight"` (sum
             divided by the sum of unmasked sample weights) or `"none"`/`None`

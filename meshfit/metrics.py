@@ -22,6 +22,7 @@ import numpy as np
 from meshfit import losses as losses_lib
 from meshfit.losses import (
     EPSILON,
+    _align_to,
     _to_snake_case,
     divide_no_nan,
     squeeze_or_expand_to_same_rank,
@@ -47,7 +48,8 @@ class Metric:
     Args:
         name: the metric's name (the key in logs and History); defaults to the
             snake-cased class name.
-        dtype: dtype of the accumulators; defaults to `"float32"`.
+        dtype: dtype values are cast to before they are summed; defaults to
+            `"float32"`. Accumulators are float32 whatever it is.
     """
 
     def __init__(self, name=None, dtype=None):
@@ -189,8 +191,10 @@ class MeanMetricWrapper(Mean):
 
     Args:
         fn: returns per-sample values of shape `(batch,)` or `(batch, ...)`.
-        name: the metric name; defaults to the function's snake-cased name.
-        dtype: accumulator dtype.
+        name: the metric name; defaults to the function's snake-cased name
+            (the name Keras's `compile` gives it; Keras's own default here is
+            "mean_metric_wrapper").
+        dtype: see `Metric`.
         **kwargs: extra keyword arguments passed to `fn`.
     """
 
@@ -219,15 +223,14 @@ class MeanMetricWrapper(Mean):
                 "padded rows of partial batches, so return e.g. "
                 "`jnp.mean(..., axis=-1)` instead."
             )
-        if mask is not None:
+        if mask is not None:  # entries the function itself leaves out
             mask = mask.astype(self.dtype)
             if sample_weight is None:
                 sample_weight = mask
             else:
-                mask, sample_weight = squeeze_or_expand_to_same_rank(
-                    mask, jnp.asarray(sample_weight, self.dtype)
+                sample_weight = mask * _align_to(
+                    jnp.asarray(sample_weight, self.dtype), mask
                 )
-                sample_weight = sample_weight * mask
         return super().update(state, values, sample_weight)
 
     def update_state(self, y_true, y_pred, sample_weight=None):
@@ -1054,6 +1057,11 @@ class _LossMean(MeanMetricWrapper):
         )
 
 
+def _shape(x):
+    """The shape of an array, a `jax.ShapeDtypeStruct` or a nested list."""
+    return tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
+
+
 def _resolve_accuracy(identifier, y_true, y_pred, loss):
     """Keras 3's `compile_utils.get_metric` rule for "accuracy" / "acc".
 
@@ -1063,7 +1071,7 @@ def _resolve_accuracy(identifier, y_true, y_pred, loss):
     shapes are not given.
     """
     if y_true is not None and y_pred is not None:
-        t_shape, p_shape = tuple(np.shape(y_true)), tuple(np.shape(y_pred))
+        t_shape, p_shape = _shape(y_true), _shape(y_pred)
         if not t_shape or not p_shape:
             raise ValueError(
                 'Expected y_true and y_pred of rank >= 1 to resolve "accuracy". '
@@ -1097,7 +1105,8 @@ def get(identifier, *, y_true=None, y_pred=None, loss=None) -> Metric:
     `"accuracy"`/`"acc"` (any case) pick binary, sparse categorical or
     categorical accuracy from the shapes of `y_true` and `y_pred`, as Keras does.
     A `Metric` is returned as is; a `meshfit.losses.Loss` becomes the mean of
-    its per-sample values, named like the loss; any other callable
+    its per-sample values, named like the loss (Keras would average the loss's
+    per-batch reduced values instead, a mean of batch means); any other callable
     `(y_true, y_pred) -> per-sample values` is wrapped in `MeanMetricWrapper`,
     named by its snake-cased `__name__`.
 

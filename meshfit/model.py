@@ -23,7 +23,7 @@ from meshfit.modules import adapt
 from meshfit.runner import Runner
 from meshfit.state import TrainState
 from meshfit.steps import Steps
-from meshfit.strategies import get_strategy, has_strategy
+from meshfit.strategies import get_strategy, has_strategy, placement
 from meshfit.summary import format_summary
 
 _DEFAULT_BATCH_SIZE = 32
@@ -93,7 +93,7 @@ class Model:
         """All weights as numpy arrays: the trainable parameters in `jax.tree.leaves`
         order (sorted module paths), then the non-trainable ones (e.g. BatchNorm
         statistics) in the same order. `weight_names()` names them."""
-        return [np.asarray(a) for tree in self._weight_trees() for a in jax.device_get(jax.tree.leaves(tree))]
+        return [a for tree in self._weight_trees() for a in jax.tree.leaves(self.strategy.to_host(tree))]
 
     def set_weights(self, weights) -> None:
         """Sets all weights from a list in `get_weights()` order; shapes must match."""
@@ -110,7 +110,7 @@ class Model:
                 raise ValueError(
                     f"Weight '{name}' has shape {tuple(old.shape)}. Received an array of shape {np.shape(new)}."
                 )
-        placed = [jax.device_put(np.asarray(new, dtype=old.dtype), old.sharding) for old, new in zip(leaves, weights)]
+        placed = [placement.put(np.asarray(new, dtype=old.dtype), old.sharding) for old, new in zip(leaves, weights)]
         n_params = len(jax.tree.leaves(params))
         new_params = jax.tree.unflatten(jax.tree.structure(params), placed[:n_params])
         new_non_trainable = jax.tree.unflatten(jax.tree.structure(non_trainable), placed[n_params:])
@@ -229,11 +229,12 @@ class Model:
             raise ValueError(f"`batch_size` must be a positive int. Received: batch_size={batch_size!r}.")
         if steps is not None and (not isinstance(steps, int) or steps < 1):
             raise ValueError(f"The number of steps must be a positive int or None. Received: {steps!r}.")
-        multiple = self.strategy.batch_multiple
+        strategy = self.strategy
         if data_lib.is_array_tree(x):
             return data_lib.ArrayData(x, y, sample_weight, batch_size=batch_size or _DEFAULT_BATCH_SIZE,
-                                      shuffle=shuffle, seed=self.seed, batch_multiple=multiple,
-                                      steps_per_epoch=steps)
+                                      shuffle=shuffle, seed=self.seed, batch_multiple=strategy.batch_multiple,
+                                      steps_per_epoch=steps, process_index=strategy.process_index,
+                                      process_count=strategy.process_count)
         if y is not None or sample_weight is not None:
             raise ValueError(
                 f"When `x` is a dataset or generator, `y` and `sample_weight` must be None (the dataset "
@@ -249,7 +250,7 @@ class Model:
                 "`x` must be a numpy/JAX array, a dict/tuple/list of arrays, or an iterable of batches "
                 f"(generator, grain dataset). Received: {type(x).__name__}."
             )
-        return data_lib.IterableData(x, steps_per_epoch=steps, batch_multiple=multiple)
+        return data_lib.IterableData(x, steps_per_epoch=steps, batch_multiple=strategy.local_batch_multiple)
 
     def _first_batch(self, data) -> data_lib.Batch:
         return data.peek() if isinstance(data, data_lib.IterableData) else next(data.epoch(0))

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import jax
-import jax.numpy as jnp
+import numpy as np
 import optax
 from optax import tree_utils as otu
+
+from meshfit.strategies import placement
 
 # name -> (optax factory, Keras's default keyword arguments)
 _FACTORIES: dict[str, tuple[Callable[..., optax.GradientTransformation], dict[str, Any]]] = {
@@ -87,19 +88,19 @@ class Optimizer:
     @property
     def learning_rate(self) -> float:
         """The current learning rate (reads one value from the device)."""
-        return float(jax.device_get(self._lr_leaf()))
+        return float(self._model.strategy.to_host(self._lr_leaf()))
 
     @learning_rate.setter
     def learning_rate(self, value) -> None:
         old = self._lr_leaf()
-        new = jax.device_put(jnp.asarray(value, dtype=old.dtype), old.sharding)
+        new = placement.put(np.asarray(value, dtype=old.dtype), old.sharding)
         state = self._model._require_state()
         self._model._state = state._replace(opt_state=otu.tree_set(state.opt_state, learning_rate=new))
 
     @property
     def iterations(self) -> int:
         """Number of optimizer steps taken (reads one value from the device)."""
-        return int(jax.device_get(self._model._require_state().step))
+        return int(self._model.strategy.to_host(self._model._require_state().step))
 
     def __repr__(self):
         return f"Optimizer({self.transform!r})"

@@ -18,7 +18,7 @@ class Runner:
         self.strategy = model.strategy
         self.steps_per_execution = steps_per_execution
         self.in_flight = InFlight(max_in_flight)
-        multi = steps_per_execution > 1
+        multi = self.stacked = steps_per_execution > 1
         compile_ = self.strategy.compile
         self._train = compile_(steps.multi_train_step if multi else steps.train_step, donate_argnums=(0,))
         self._evaluate = compile_(steps.multi_eval_step if multi else steps.eval_step, donate_argnums=(1,))
@@ -35,19 +35,19 @@ class Runner:
         return self.strategy.place_state(self.steps.init_metrics())
 
     def train(self, host_batch):
-        batch = self.strategy.distribute_batch(host_batch)
+        batch = self.strategy.distribute_batch(host_batch, self.stacked)
         self.model._state, logs = self._train(self.model._state, batch)
         self.in_flight.add(logs[LOSS_KEY])
         return logs
 
     def evaluate(self, metrics, host_batch):
-        batch = self.strategy.distribute_batch(host_batch)
+        batch = self.strategy.distribute_batch(host_batch, self.stacked)
         metrics, logs = self._evaluate(self._variables(), metrics, batch)
         self.in_flight.add(logs[LOSS_KEY])
         return metrics, logs
 
     def predict(self, host_batch):
-        batch = self.strategy.distribute_batch(host_batch)
+        batch = self.strategy.distribute_batch(host_batch, self.stacked)
         y_pred = self._predict(self._variables(), batch)
         self.in_flight.add(y_pred)
-        return y_pred
+        return y_pred, batch.mask

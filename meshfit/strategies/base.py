@@ -19,7 +19,8 @@ import threading
 from typing import Callable
 
 import jax
-import numpy as np
+
+from meshfit.strategies import placement
 
 _local = threading.local()
 
@@ -56,8 +57,17 @@ class Strategy:
         """Puts a pytree of arrays (training state) where this strategy keeps it."""
         raise NotImplementedError
 
-    def distribute_batch(self, host_batch):
-        """Turns this process's share of a batch (numpy pytree) into device arrays."""
+    @property
+    def local_batch_multiple(self) -> int:
+        """This process's share of `batch_multiple` (rows of each global batch it feeds)."""
+        return self.batch_multiple // self.process_count
+
+    def distribute_batch(self, host_batch, stacked: bool = False):
+        """Turns this process's rows of a batch (numpy pytree) into global device arrays.
+
+        `stacked` batches carry a leading steps axis (`steps_per_execution > 1`);
+        their batch dimension is the second.
+        """
         raise NotImplementedError
 
     def compile(self, fn: Callable, *, donate_argnums: tuple[int, ...] = ()) -> Callable:
@@ -66,7 +76,7 @@ class Strategy:
 
     def to_host(self, tree):
         """Fetches a pytree of device arrays as numpy (a host sync)."""
-        return jax.tree.map(np.asarray, jax.device_get(tree))
+        return placement.fetch(tree)
 
     # -- process topology (single process unless a subclass says otherwise) ------
 
@@ -82,10 +92,6 @@ class Strategy:
     def is_chief(self) -> bool:
         """True on the process that prints progress and writes logs."""
         return self.process_index == 0
-
-    def local_batch_rows(self, global_rows: int) -> slice:
-        """The rows of a global batch this process feeds (all of them by default)."""
-        return slice(0, global_rows)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

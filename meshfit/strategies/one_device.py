@@ -22,7 +22,7 @@ class OneDeviceStrategy(Strategy):
     def place_state(self, tree):
         return jax.device_put(tree, self.device)
 
-    def distribute_batch(self, host_batch):
+    def distribute_batch(self, host_batch, stacked=False):
         # The compiled step moves numpy arguments to the state's device itself, on
         # jit's C++ fast path; an explicit device_put here costs more per step.
         return host_batch

@@ -1,0 +1,46 @@
+"""The `meshfit` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from meshfit.launch import LaunchConfig, launch
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshfit", description="meshfit command line tools.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser(
+        "launch", help="run a multi-process JAX job on this machine",
+        description="Start N processes of a script, wired to a coordinator on 127.0.0.1, as one JAX job.")
+    run.add_argument("--nprocs", type=int, required=True, help="number of processes")
+    run.add_argument("--devices-per-proc", type=int, default=None,
+                     help="devices per process: simulated CPU devices, or a slice of the GPUs")
+    run.add_argument("--max-restarts", type=int, default=0,
+                     help="start the whole job again up to this many times after a failure")
+    run.add_argument("--heartbeat-timeout", type=int, default=10,
+                     help="seconds without heartbeats after which a process is declared dead")
+    run.add_argument("-m", dest="module", default=None, help="run a module (like python -m)")
+    run.add_argument("script", nargs="?", help="the Python script to run")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "launch":
+        if args.module:
+            command = ["-m", args.module] + ([args.script] if args.script else []) + args.args
+        elif args.script:
+            command = [args.script] + args.args
+        else:
+            _parser().error("launch needs a script (or -m module) to run")
+        config = LaunchConfig(command=command, nprocs=args.nprocs, devices_per_proc=args.devices_per_proc,
+                              max_restarts=args.max_restarts, heartbeat_timeout=args.heartbeat_timeout)
+        return launch(config)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

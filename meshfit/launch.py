@@ -1,0 +1,154 @@
+"""`meshfit launch`: run a multi-process JAX job on this machine.
+
+Starts N copies of a script wired to a coordinator on 127.0.0.1 (a free port),
+each with `--devices-per-proc` simulated CPU devices (or a slice of the GPUs),
+prefixes every output line with the process's rank, and when any process
+fails stops the others and exits with its status. With `--max-restarts`, a
+failed job is started again from scratch (use BackupAndRestore to resume).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from meshfit import cluster
+
+GRACE_SECONDS = 5.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _visible_gpus() -> int:
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.stdout.splitlines()) if out.returncode == 0 else 0
+
+
+@dataclass
+class LaunchConfig:
+    """What to start: `command` (argv after the interpreter) on `nprocs` processes."""
+
+    command: list[str]
+    nprocs: int
+    devices_per_proc: int | None = None
+    max_restarts: int = 0
+    heartbeat_timeout: int = 10
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def process_env(config: LaunchConfig, rank: int, port: int, attempt: int, gpus: int) -> dict[str, str]:
+    """The environment of process `rank`: coordinator, rank, devices."""
+    env = dict(os.environ, **config.env)
+    address = f"127.0.0.1:{port}"
+    env.update({
+        cluster.ENV_COORDINATOR: address,
+        cluster.ENV_NUM_PROCESSES: str(config.nprocs),
+        cluster.ENV_PROCESS_ID: str(rank),
+        cluster.ENV_HEARTBEAT: str(config.heartbeat_timeout),
+        "MESHFIT_RESTART_COUNT": str(attempt),
+        "JAX_COORDINATOR_BIND_ADDRESS": address,  # loopback only
+        "PYTHONUNBUFFERED": "1",
+    })
+    k = config.devices_per_proc
+    if k:
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(rank * k, (rank + 1) * k))
+        else:
+            flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+            env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={k}"])
+            env.setdefault("JAX_PLATFORMS", "cpu")
+    return env
+
+
+def _pump(stream, rank: int, out) -> None:
+    for line in iter(stream.readline, ""):
+        out.write(f"[rank {rank}] {line}" if line.endswith("\n") else f"[rank {rank}] {line}\n")
+        out.flush()
+    stream.close()
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every live process, then SIGKILL what is left after a grace period."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_SECONDS
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_once(config: LaunchConfig, attempt: int, log=sys.stderr) -> int:
+    """Runs the job once; returns 0, or the status of the first process that failed."""
+    port, gpus = free_port(), _visible_gpus() if config.devices_per_proc else 0
+    procs, pumps = [], []
+    for rank in range(config.nprocs):
+        proc = subprocess.Popen([sys.executable, "-u", *config.command],
+                                env=process_env(config, rank, port, attempt, gpus),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+        procs.append(proc)
+        pump = threading.Thread(target=_pump, args=(proc.stdout, rank, sys.stdout), daemon=True)
+        pump.start()
+        pumps.append(pump)
+    status = 0
+    try:
+        while True:
+            codes = [proc.poll() for proc in procs]
+            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                rank, status = failed[0]
+                log.write(f"[launch] rank {rank} exited with status {status}{_signal_name(status)}; "
+                          f"stopping the other {config.nprocs - 1} process(es).\n")
+                break
+            if all(code == 0 for code in codes):
+                break
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        status = 130
+    finally:
+        _stop(procs)
+        for pump in pumps:
+            pump.join(timeout=2)
+    return status
+
+
+def _signal_name(status: int) -> str:
+    if status < 0:
+        try:
+            return f" (killed by {signal.Signals(-status).name})"
+        except ValueError:
+            return ""
+    return ""
+
+
+def launch(config: LaunchConfig, log=sys.stderr) -> int:
+    """Runs the job, restarting it up to `max_restarts` times after a failure."""
+    if config.nprocs < 1:
+        raise ValueError(f"--nprocs must be at least 1. Received: {config.nprocs}.")
+    attempt = 0
+    while True:
+        status = run_once(config, attempt, log)
+        if status == 0 or status == 130 or attempt >= config.max_restarts:
+            break
+        attempt += 1
+        log.write(f"[launch] restarting the job ({attempt}/{config.max_restarts}).\n")
+    if status:
+        log.write(f"[launch] job failed with status {status}.\n")
+    # A negative status (killed by a signal) becomes the shell's 128 + signal.
+    return status if status > 0 else 128 - status if status < 0 else 0

@@ -1,0 +1,57 @@
+"""MirroredStrategy: synchronous data parallelism over the devices of one host."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from meshfit.strategies import placement
+from meshfit.strategies.base import Strategy
+
+DATA_AXIS = "data"
+
+
+class MirroredStrategy(Strategy):
+    """Replicates the state on every device and splits each global batch over them.
+
+    The step is compiled with `jax.jit` over a one-axis mesh (`"data"`): the
+    batch is sharded on its first dimension, parameters and optimizer state are
+    replicated, and XLA inserts the gradient all-reduce. Losses and metrics are
+    sums and counts over the global batch, so results equal one device's on the
+    same global batch. `batch_size` in `fit` is the global batch size; a batch
+    that does not divide by the number of devices is padded and masked.
+
+    Args:
+        devices: the devices to use; all local devices by default.
+    """
+
+    def __init__(self, devices=None):
+        devices = list(devices) if devices is not None else jax.local_devices()
+        if not devices:
+            raise ValueError("MirroredStrategy needs at least one device. Received: devices=[].")
+        self._init_mesh(devices)
+
+    def _init_mesh(self, devices) -> None:
+        self.devices = devices
+        self.mesh = Mesh(np.array(devices), (DATA_AXIS,), axis_types=(AxisType.Auto,))
+        self.num_replicas_in_sync = len(devices)
+        self._replicated = NamedSharding(self.mesh, P())
+        self._batch = NamedSharding(self.mesh, P(DATA_AXIS))
+        self._stacked_batch = NamedSharding(self.mesh, P(None, DATA_AXIS))
+
+    def place_state(self, tree):
+        return placement.put(tree, self._replicated)
+
+    def distribute_batch(self, host_batch, stacked: bool = False):
+        return placement.put_local_rows(host_batch, self._stacked_batch if stacked else self._batch)
+
+    def compile(self, fn, *, donate_argnums=()):
+        return jax.jit(fn, donate_argnums=donate_argnums)
+
+    def to_host(self, tree):
+        return placement.fetch(tree)
+
+    def __repr__(self):
+        return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"

@@ -1,0 +1,64 @@
+"""Worker for launch tests: trains the test MLP under a strategy and saves what it got.
+
+    python train_data_parallel.py OUT_DIR [--strategy multi_worker|mirrored] [--epochs N] [--batch-size B]
+                                  [--steps-per-execution K] [--hang]
+Process 0 writes OUT_DIR/params.npz and OUT_DIR/history.json; every process writes
+OUT_DIR/history_<rank>.json.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import meshfit as mf  # noqa: E402  (no JAX computation may run before the strategy joins the job)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--strategy", default="multi_worker")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--n", type=int, default=150)
+    parser.add_argument("--batch-size", type=int, default=15)
+    parser.add_argument("--steps-per-execution", type=int, default=1)
+    parser.add_argument("--hang", action="store_true", help="train for a long time (for kill tests)")
+    args = parser.parse_args()
+
+    if args.strategy == "multi_worker":
+        strategy = mf.strategies.MultiWorkerMirroredStrategy()
+    else:
+        import jax
+        strategy = mf.strategies.MirroredStrategy(jax.devices()[:4])
+    import numpy as np
+    from helpers import MLP, classification_data
+
+    x, y = classification_data(n=args.n)
+    with strategy.scope():
+        model = mf.Model(MLP(din=4, hidden=32, dout=3))
+        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"], steps_per_execution=args.steps_per_execution)
+    print(f"pid {os.getpid()} rank {strategy.process_index} of {strategy.process_count} "
+          f"replicas {strategy.num_replicas_in_sync}", flush=True)
+    epochs = 10_000 if args.hang else args.epochs
+    callbacks = []
+    if args.hang:
+        callbacks.append(mf.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: (print(f"epoch {e}", flush=True),
+                                                                                   time.sleep(0.05))))
+    history = model.fit(x, y, batch_size=args.batch_size, epochs=epochs, validation_split=0.2, verbose=2,
+                        callbacks=callbacks)
+    evaluation = model.evaluate(x, y, batch_size=args.batch_size, verbose=0, return_dict=True)
+    predictions = model.predict(x[:23], batch_size=args.batch_size, verbose=0)
+    os.makedirs(args.out, exist_ok=True)
+    rank = strategy.process_index
+    with open(os.path.join(args.out, f"history_{rank}.json"), "w") as f:
+        json.dump({"history": history.history, "evaluate": evaluation}, f)
+    if rank == 0:
+        np.savez(os.path.join(args.out, "params.npz"), *model.get_weights(), predictions=predictions)
+
+
+if __name__ == "__main__":
+    main()
