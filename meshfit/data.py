@@ -151,32 +151,59 @@ class ArrayData:
             return None
         return np.random.default_rng([self.seed, pass_index]).permutation(self.num_samples)
 
-    def _batch(self, order: np.ndarray | None, within: int) -> Batch:
-        """This process's rows of global batch `within` of a pass (all rows with one process)."""
+    def _rows(self, order: np.ndarray | None, within: int):
+        """(index, mask) of this process's rows of batch `within` of a pass.
+
+        A partial batch repeats its own rows up to the padded size; the mask
+        marks the copies. `index` is a slice when rows are contiguous.
+        """
         start = within * self.batch_size
         stop = min(start + self.batch_size, self.num_samples)
         mine = slice(self.process_index * self.local_rows, (self.process_index + 1) * self.local_rows)
         if stop - start == self.padded_batch_size:
             if order is None:
-                index = slice(start + mine.start, start + mine.stop)
-            else:
-                index = order[start:stop][mine]
-            mask = self._full_mask
-        else:  # a partial batch: repeat its rows up to the padded size, mask the copies
-            rows = np.arange(start, stop) if order is None else order[start:stop]
-            index = rows[np.arange(self.padded_batch_size) % len(rows)][mine]
-            mask = (np.arange(self.padded_batch_size) < len(rows)).astype(np.float32)[mine]
-        return Batch(_take(self.x, index), _take(self.y, index), _take(self.sample_weight, index), mask)
+                return slice(start + mine.start, start + mine.stop), self._full_mask
+            return order[start:stop][mine], self._full_mask
+        rows = np.arange(start, stop) if order is None else order[start:stop]
+        index = rows[np.arange(self.padded_batch_size) % len(rows)][mine]
+        return index, (np.arange(self.padded_batch_size) < len(rows)).astype(np.float32)[mine]
 
-    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
-        """Yields the batches of one epoch, from `start_step` on."""
+    def _positions(self, epoch: int, start_step: int):
+        """(order, within) for each step of an epoch; one shuffle per pass."""
         first = epoch * self.steps_per_epoch
         order_pass, order = None, None
         for step in range(start_step, self.steps_per_epoch):
             pass_index, within = divmod(first + step, self.steps_per_pass)
             if pass_index != order_pass:
                 order_pass, order = pass_index, self._order(pass_index)
-            yield self._batch(order, within)
+            yield order, within
+
+    def _take_all(self, index, mask) -> Batch:
+        return Batch(_take(self.x, index), _take(self.y, index), _take(self.sample_weight, index), mask)
+
+    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
+        """Yields the batches of one epoch, from `start_step` on."""
+        for order, within in self._positions(epoch, start_step):
+            yield self._take_all(*self._rows(order, within))
+
+    def executions(self, epoch: int, size: int, start_step: int = 0) -> Iterator[tuple[int, Batch]]:
+        """Yields `(count, batches)`: `size` batches stacked on a new leading axis.
+
+        Gathers all rows of a group in one indexing operation; a short last
+        group is filled with fully masked batches.
+        """
+        if size == 1:
+            for batch in self.epoch(epoch, start_step):
+                yield 1, batch
+            return
+        for group_rows in _chunks(self._positions(epoch, start_step), size):
+            rows = [self._rows(order, within) for order, within in group_rows]
+            count = len(rows)
+            rows += [(rows[0][0], np.zeros_like(rows[0][1]))] * (size - count)
+            index = np.concatenate([np.arange(self.num_samples)[i] if isinstance(i, slice) else i for i, _ in rows])
+            batch = self._take_all(index, None)
+            batch = jax.tree.map(lambda a: a.reshape((size, self.local_rows) + a.shape[1:]), batch)
+            yield count, batch._replace(mask=np.stack([m for _, m in rows]))
 
     def split(self, fraction: float) -> tuple["ArrayData", "ArrayData"]:
         """Keras's `validation_split`: the last `fraction` of samples, taken before shuffling."""
@@ -288,6 +315,16 @@ class IterableData:
                 yield self._to_batch(element)
             step += 1
 
+    def executions(self, epoch: int, size: int, start_step: int = 0) -> Iterator[tuple[int, Batch]]:
+        """Yields `(count, batches)`, `size` batches stacked (see `ArrayData.executions`)."""
+        batches = self.epoch(epoch, start_step)
+        if size == 1:
+            for batch in batches:
+                yield 1, batch
+            return
+        for chunk in _chunks(batches, size):
+            yield len(chunk), stack_batches(chunk, size)
+
     def peek(self) -> Batch:
         """The first batch, without losing it for a later epoch (to build the model)."""
         try:
@@ -313,11 +350,11 @@ def stack_batches(batches: list[Batch], size: int) -> Batch:
     return jax.tree.map(lambda *leaves: np.stack(leaves), *full)
 
 
-def group(batches: Iterable[Batch], size: int) -> Iterator[list[Batch]]:
-    """Groups consecutive batches into lists of `size` (the last may be shorter)."""
-    chunk: list[Batch] = []
-    for batch in batches:
-        chunk.append(batch)
+def _chunks(items: Iterable, size: int) -> Iterator[list]:
+    """Consecutive lists of `size` items (the last may be shorter)."""
+    chunk: list = []
+    for item in items:
+        chunk.append(item)
         if len(chunk) == size:
             yield chunk
             chunk = []

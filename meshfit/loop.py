@@ -10,12 +10,11 @@ at once, so slow collectives never pile up behind a fast Python loop.
 from __future__ import annotations
 
 import collections
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterator
 
 import jax
 import numpy as np
 
-from meshfit import data as data_lib
 from meshfit.callbacks.base import CallbackList
 
 
@@ -41,16 +40,6 @@ class InFlight:
         self._pending.clear()
 
 
-def executions(batches: Iterable[data_lib.Batch], steps_per_execution: int) -> Iterator[tuple[int, data_lib.Batch]]:
-    """Yields `(number_of_batches, batch_or_stacked_batches)` for each compiled call."""
-    if steps_per_execution == 1:
-        for batch in batches:
-            yield 1, batch
-        return
-    for chunk in data_lib.group(batches, steps_per_execution):
-        yield len(chunk), data_lib.stack_batches(chunk, steps_per_execution)
-
-
 def host_logs(logs, to_host: Callable) -> dict[str, float]:
     """Pulls a dict of device scalars to Python floats (a host sync)."""
     return {k: float(v) for k, v in to_host(logs).items()} if logs else {}
@@ -69,7 +58,7 @@ def fit_loop(model, train_data, *, epochs: int, initial_epoch: int, callbacks: C
         runner.reset_train_metrics()
         callbacks.on_epoch_begin(epoch)
         logs, step = None, 0
-        for count, batch in executions(train_data.epoch(epoch), runner.steps_per_execution):
+        for count, batch in train_data.executions(epoch, runner.steps_per_execution):
             for hook in batch_begin:
                 hook(step)
             logs = runner.train(batch)
@@ -103,7 +92,7 @@ def evaluate_loop(model, eval_data, *, callbacks: CallbackList, steps=None) -> d
     metrics = runner.fresh_eval_metrics()
     callbacks.on_test_begin()
     logs, step = None, 0
-    for count, batch in executions(_limit(eval_data.epoch(0), steps), runner.steps_per_execution):
+    for count, batch in _limit(eval_data.executions(0, runner.steps_per_execution), steps):
         callbacks.on_test_batch_begin(step)
         metrics, logs = runner.evaluate(metrics, batch)
         step += count
@@ -119,7 +108,7 @@ def predict_loop(model, data, *, callbacks: CallbackList, steps=None):
     runner = model._runner
     callbacks.on_predict_begin()
     outputs, masks, step = [], [], 0
-    for count, batch in executions(_limit(data.epoch(0), steps), runner.steps_per_execution):
+    for count, batch in _limit(data.executions(0, runner.steps_per_execution), steps):
         callbacks.on_predict_batch_begin(step)
         y_pred, mask = runner.predict(batch)  # the global mask: rows of every process
         outputs.append(y_pred)
@@ -141,11 +130,14 @@ def predict_loop(model, data, *, callbacks: CallbackList, steps=None):
     return result
 
 
-def _limit(batches: Iterator, steps):
+def _limit(executions: Iterator, steps):
+    """Stops after `steps` batches (an execution may hold several)."""
     if steps is None:
-        yield from batches
+        yield from executions
         return
-    for i, batch in enumerate(batches):
-        if i >= steps:
+    done = 0
+    for count, batch in executions:
+        if done >= steps:
             return
-        yield batch
+        yield count, batch
+        done += count

@@ -11,6 +11,7 @@ import pytest
 
 from meshfit import losses
 
+# Keras, an optional test dependency imported by the `keras` fixture, needs JAX.
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
 RTOL = 1e-5
@@ -184,8 +185,23 @@ B, C = 6, 4
 
 
 def _data(kind, seed):
-    y_true, y_pred = _data64(kind, seed)
+    y_true, y_pred = _with_edge_values(kind, *_data64(kind, seed))
     return tuple(x.astype("float32") if x.dtype == np.float64 else x for x in (y_true, y_pred))
+
+
+def _with_edge_values(kind, y_true, y_pred):
+    """Puts values where Keras's epsilon clipping matters into the first rows."""
+    if kind in ("binary_probs", "onehot_probs", "distributions", "sparse_probs"):
+        y_pred[0, 0], y_pred[1, 0] = 0.0, 1.0  # log(0) and log(1 - 1) need the clip
+        if kind == "binary_probs":
+            y_true[0, 0], y_true[1, 0] = 1.0, 0.0
+        if kind == "distributions":
+            y_true[2, 1] = 0.0
+    if kind == "regression":
+        y_true[0, 0] = 0.0  # MAPE divides by max(|y_true|, eps)
+    if kind == "positive":
+        y_pred[0, 0], y_true[1, 1] = 0.0, 0.0  # Poisson log(0 + eps); MSLE max(., eps)
+    return y_true, y_pred
 
 
 def _data64(kind, seed):
