@@ -114,7 +114,7 @@ class ArrayData:
 
     def __init__(self, x, y=None, sample_weight=None, *, batch_size: int, shuffle: bool = False,
                  seed: int = 0, batch_multiple: int = 1, steps_per_epoch: int | None = None,
-                 process_index: int = 0, process_count: int = 1):
+                 block: tuple[int, int] = (0, 1)):
         self.x = _to_numpy(x)
         self.y = None if y is None else _to_numpy(y)
         self.sample_weight = None if sample_weight is None else np.asarray(sample_weight, np.float32)
@@ -136,8 +136,8 @@ class ArrayData:
         self.batch_size = batch_size
         self.batch_multiple = batch_multiple
         self.padded_batch_size = _round_up(batch_size, batch_multiple)
-        self.process_index, self.process_count = process_index, process_count
-        self.local_rows = self.padded_batch_size // process_count
+        self.block = block  # this process feeds row block block[0] of block[1] in every batch
+        self.local_rows = self.padded_batch_size // block[1]
         self._full_mask = np.ones(self.local_rows, np.float32)
         self._full_mask.flags.writeable = False
         self.shuffle = shuffle
@@ -159,7 +159,7 @@ class ArrayData:
         """
         start = within * self.batch_size
         stop = min(start + self.batch_size, self.num_samples)
-        mine = slice(self.process_index * self.local_rows, (self.process_index + 1) * self.local_rows)
+        mine = slice(self.block[0] * self.local_rows, (self.block[0] + 1) * self.local_rows)
         if stop - start == self.padded_batch_size:
             if order is None:
                 return slice(start + mine.start, start + mine.stop), self._full_mask
@@ -221,7 +221,7 @@ class ArrayData:
             return ArrayData(_take(self.x, rows), _take(self.y, rows), _take(self.sample_weight, rows),
                              batch_size=self.batch_size, shuffle=shuffle, seed=self.seed,
                              batch_multiple=self.batch_multiple, steps_per_epoch=steps_per_epoch,
-                             process_index=self.process_index, process_count=self.process_count)
+                             block=self.block)
 
         return part(slice(0, n_train), self.shuffle, self._steps_arg), part(slice(n_train, None), False, None)
 

@@ -52,10 +52,10 @@ class Model:
         self.seed = int(seed)
         self._adapter = adapt(module, sample_input, self.seed)
         params, model_state = self._adapter.init()
-        self._state: TrainState | None = self.strategy.place_state(TrainState(
+        self._state: TrainState = self.strategy.place_state(TrainState(
             params=params, model_state=model_state, opt_state=None, metrics=(),
             step=jnp.zeros((), jnp.int32), rng=jax.random.key_data(jax.random.key(self.seed)),
-        ))
+        ), self._adapter.partition_specs())
         self._compiled: dict[str, Any] | None = None
         self._runner: Runner | None = None
         self._input_spec = None
@@ -148,9 +148,8 @@ class Model:
         if not isinstance(steps_per_execution, int) or steps_per_execution < 1:
             raise ValueError(f"`steps_per_execution` must be a positive int. Received: {steps_per_execution!r}.")
         state = self._state
-        opt_state = self.strategy.place_state(tx.init(state.params))
-        self._state = state._replace(opt_state=opt_state, metrics=(), step=self.strategy.place_state(
-            jnp.zeros((), jnp.int32)))
+        state = state._replace(opt_state=tx.init(state.params), metrics=(), step=jnp.zeros((), jnp.int32))
+        self._state = self.strategy.place_state(state, self._adapter.partition_specs())
         self._compiled = dict(tx=tx, loss=loss_obj, loss_id=loss, metrics=metric_ids, weighted=weighted_ids,
                               steps_per_execution=steps_per_execution)
         self._runner = None
@@ -233,8 +232,7 @@ class Model:
         if data_lib.is_array_tree(x):
             return data_lib.ArrayData(x, y, sample_weight, batch_size=batch_size or _DEFAULT_BATCH_SIZE,
                                       shuffle=shuffle, seed=self.seed, batch_multiple=strategy.batch_multiple,
-                                      steps_per_epoch=steps, process_index=strategy.process_index,
-                                      process_count=strategy.process_count)
+                                      steps_per_epoch=steps, block=strategy.batch_block)
         if y is not None or sample_weight is not None:
             raise ValueError(
                 f"When `x` is a dataset or generator, `y` and `sample_weight` must be None (the dataset "

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 from flax import linen, nnx
+from flax.core import meta
 
 Pytree = Any
 
@@ -31,6 +32,10 @@ class ModuleAdapter:
     def apply(self, params, model_state, x, *, training: bool, rng) -> tuple[Any, Pytree]:
         """Runs the forward pass; returns `(y_pred, new_model_state)`."""
         raise NotImplementedError
+
+    def partition_specs(self) -> Pytree | None:
+        """PartitionSpecs from the module's sharding metadata, shaped like `params` (or None)."""
+        return None
 
     def non_trainable_weights(self, model_state) -> Pytree:
         """The part of `model_state` that counts as weights (no RNG state)."""
@@ -74,6 +79,10 @@ class NNXAdapter(ModuleAdapter):
 
     def non_trainable_weights(self, model_state):
         return model_state["weights"]
+
+    def partition_specs(self):
+        _, params, _, _ = nnx.split(self.module, *_NNX_GROUPS)
+        return nnx.to_pure_dict(nnx.get_partition_spec(params))
 
     def sync_module(self, params, model_state):
         _, param_state, rng_state, weight_state = nnx.split(self.module, *_NNX_GROUPS)
@@ -124,9 +133,13 @@ class LinenAdapter(ModuleAdapter):
         variables = jax.jit(
             lambda: self.module.init({"params": param_key, "dropout": dropout_key}, *args, **self._mode_kwargs(False))
         )()
-        variables = dict(variables)
+        self._specs = linen.get_partition_spec(variables).get("params")
+        variables = dict(meta.unbox(variables))
         params = variables.pop("params", {})
         return dict(params), variables
+
+    def partition_specs(self):
+        return getattr(self, "_specs", None)
 
     def apply(self, params, model_state, x, *, training, rng):
         variables = {"params": params, **model_state}

@@ -32,7 +32,7 @@ class Runner:
         self.model._state = self.model._state._replace(metrics=self.fresh_eval_metrics())
 
     def fresh_eval_metrics(self):
-        return self.strategy.place_state(self.steps.init_metrics())
+        return self.strategy.replicate(self.steps.init_metrics())
 
     def train(self, host_batch):
         batch = self.strategy.distribute_batch(host_batch, self.stacked)

@@ -1,12 +1,13 @@
-"""`model.summary()`: one row per weight, with totals."""
+"""`model.summary()`: one row per weight, with totals; under a mesh, its layout and bytes per device."""
 
 from __future__ import annotations
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 
-def _human_bytes(n: int) -> str:
+def human_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1024 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
@@ -14,38 +15,53 @@ def _human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _rows(model, tree, names):
-    rows = []
-    for name, leaf in zip(names, jax.tree.leaves(tree)):
-        count = int(np.prod(leaf.shape))
-        rows.append((name, str(tuple(leaf.shape)), str(leaf.dtype), count, count * leaf.dtype.itemsize))
-    return rows
+def bytes_per_device(leaf) -> int:
+    """Bytes of the largest shard of `leaf` (read from its sharding, no transfer)."""
+    sharding = getattr(leaf, "sharding", None)
+    shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+    return int(np.prod(shape)) * leaf.dtype.itemsize
+
+
+def _sharded(tree) -> bool:
+    return any(isinstance(getattr(leaf, "sharding", None), NamedSharding) for leaf in jax.tree.leaves(tree))
 
 
 def format_summary(model) -> str:
-    """The text `model.summary()` prints (no device transfer: shapes and dtypes only)."""
+    """The text `model.summary()` prints (shapes and shardings only; no device transfer)."""
     params, non_trainable = model._weight_trees()
     names = model.weight_names()
+    leaves = jax.tree.leaves(params) + jax.tree.leaves(non_trainable)
     n_params = len(jax.tree.leaves(params))
-    trainable = _rows(model, params, names[:n_params])
-    frozen = _rows(model, non_trainable, names[n_params:])
-    header = ("Weight", "Shape", "Dtype", "Params", "Bytes")
-    table = [header] + [(n, s, d, f"{c:,}", _human_bytes(b)) for n, s, d, c, b in trainable + frozen]
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    sharded = _sharded((params, non_trainable))
+    header = ["Weight", "Shape", "Dtype", "Params", "Bytes"] + (["Sharding", "Bytes/device"] if sharded else [])
+    rows = []
+    for name, leaf in zip(names, leaves):
+        count = int(np.prod(leaf.shape))
+        row = [name, str(tuple(leaf.shape)), str(leaf.dtype), f"{count:,}", human_bytes(count * leaf.dtype.itemsize)]
+        if sharded:
+            spec = leaf.sharding.spec if isinstance(leaf.sharding, NamedSharding) else "-"
+            row += [str(spec), human_bytes(bytes_per_device(leaf))]
+        rows.append(row)
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
     line = "-" * (sum(widths) + 2 * (len(widths) - 1))
+    left = {0, 1, 2, 5}
 
     def fmt(row):
-        return "  ".join(cell.ljust(w) if i < 3 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+        return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
 
-    module_name = type(model._adapter.module).__name__
-    lines = [f'Model: "{module_name}"  strategy: {model.strategy!r}', line, fmt(header), line]
-    lines += [fmt(row) for row in table[1:]]
-    t_count, t_bytes = sum(r[3] for r in trainable), sum(r[4] for r in trainable)
-    f_count, f_bytes = sum(r[3] for r in frozen), sum(r[4] for r in frozen)
-    lines += [
-        line,
-        f"Total params: {t_count + f_count:,} ({_human_bytes(t_bytes + f_bytes)})",
-        f"Trainable params: {t_count:,} ({_human_bytes(t_bytes)})",
-        f"Non-trainable params: {f_count:,} ({_human_bytes(f_bytes)})",
-    ]
-    return "\n".join(lines)
+    def total(tree_leaves):
+        return sum(int(np.prod(a.shape)) for a in tree_leaves), sum(a.nbytes for a in tree_leaves)
+
+    t_count, t_bytes = total(leaves[:n_params])
+    f_count, f_bytes = total(leaves[n_params:])
+    out = [f'Model: "{type(model._adapter.module).__name__}"  strategy: {model.strategy!r}', line, fmt(header),
+           line, *(fmt(r) for r in rows), line,
+           f"Total params: {t_count + f_count:,} ({human_bytes(t_bytes + f_bytes)})",
+           f"Trainable params: {t_count:,} ({human_bytes(t_bytes)})",
+           f"Non-trainable params: {f_count:,} ({human_bytes(f_bytes)})"]
+    if sharded:
+        opt_leaves = jax.tree.leaves(model._state.opt_state)
+        out.append(f"Total bytes per device: {human_bytes(sum(bytes_per_device(a) for a in leaves))} of weights"
+                   + (f", {human_bytes(sum(bytes_per_device(a) for a in opt_leaves))} of optimizer state"
+                      if opt_leaves else ""))
+    return "\n".join(out)

@@ -7,9 +7,10 @@ Change only the strategy line to move a model from one device to many:
 """
 
 from meshfit.strategies.base import Strategy, get_strategy, has_strategy
+from meshfit.strategies.mesh import MeshStrategy, constrain
 from meshfit.strategies.mirrored import MirroredStrategy
 from meshfit.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from meshfit.strategies.one_device import OneDeviceStrategy
 
-__all__ = ["Strategy", "OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy", "get_strategy",
-           "has_strategy"]
+__all__ = ["Strategy", "OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy", "MeshStrategy",
+           "constrain", "get_strategy", "has_strategy"]

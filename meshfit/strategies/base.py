@@ -53,14 +53,27 @@ class Strategy:
         """A global batch is padded to a multiple of this many rows."""
         return self.num_replicas_in_sync
 
-    def place_state(self, tree):
-        """Puts a pytree of arrays (training state) where this strategy keeps it."""
+    def place_state(self, state, param_hints=None):
+        """Lays out a `TrainState` on this strategy's devices.
+
+        `param_hints` are PartitionSpecs from the module's sharding metadata,
+        for strategies that shard parameters.
+        """
+        return self.replicate(state)
+
+    def replicate(self, tree):
+        """Puts a full copy of a pytree on every device of this strategy."""
         raise NotImplementedError
+
+    @property
+    def batch_block(self) -> tuple[int, int]:
+        """`(index, count)`: this process feeds block `index` of `count` equal row blocks of each batch."""
+        return self.process_index, self.process_count
 
     @property
     def local_batch_multiple(self) -> int:
         """This process's share of `batch_multiple` (rows of each global batch it feeds)."""
-        return self.batch_multiple // self.process_count
+        return self.batch_multiple // self.batch_block[1]
 
     def distribute_batch(self, host_batch, stacked: bool = False):
         """Turns this process's rows of a batch (numpy pytree) into global device arrays.

@@ -41,7 +41,7 @@ class MirroredStrategy(Strategy):
         self._batch = NamedSharding(self.mesh, P(DATA_AXIS))
         self._stacked_batch = NamedSharding(self.mesh, P(None, DATA_AXIS))
 
-    def place_state(self, tree):
+    def replicate(self, tree):
         return placement.put(tree, self._replicated)
 
     def distribute_batch(self, host_batch, stacked: bool = False):

@@ -19,7 +19,7 @@ class OneDeviceStrategy(Strategy):
     def __init__(self, device: jax.Device | None = None):
         self.device = device if device is not None else jax.local_devices()[0]
 
-    def place_state(self, tree):
+    def replicate(self, tree):
         return jax.device_put(tree, self.device)
 
     def distribute_batch(self, host_batch, stacked=False):

@@ -1,0 +1,171 @@
+"""How each parameter is laid out on a mesh: rules, Flax metadata, then a default.
+
+`resolve_specs` returns one `PartitionSpec` per parameter, decided in order by
+  1. explicit `rules`: (regex searched in the parameter path, spec) pairs, first
+     match wins — like Keras 3's `LayoutMap`;
+  2. sharding metadata on the Flax variable (`nnx.with_partitioning`,
+     `linen.with_logical_partitioning`), logical names mapped to mesh axes by
+     `logical_axis_rules` (as MaxText and T5X do); unmapped names replicate;
+  3. a default: parameters with at least `min_shard_size` elements are sharded
+     on their largest dimension that divides by the `fsdp` axis; smaller ones
+     are replicated.
+Every spec is checked against the mesh and the shape, with an error naming the
+parameter, its shape and the rule.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+Rules = Sequence[tuple[str, Any]]
+
+
+def path_name(path) -> str:
+    """'layers/0/kernel' for a pytree key path."""
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
+
+
+def as_spec(spec) -> P:
+    if isinstance(spec, P):
+        return spec
+    if spec is None:
+        return P()
+    if isinstance(spec, str):
+        return P(spec)
+    return P(*spec)
+
+
+def _axes_of(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def check_spec(spec: P, shape: tuple[int, ...], mesh: Mesh, name: str, source: str) -> P:
+    """Raises a clear error if `spec` cannot lay out an array of `shape` on `mesh`."""
+    if len(spec) > len(shape):
+        raise ValueError(
+            f"Parameter '{name}' with shape {shape} cannot use {source} {spec}: the spec has {len(spec)} "
+            f"entries but the parameter has {len(shape)} dimensions.")
+    used = []
+    for dim, entry in enumerate(spec):
+        axes = _axes_of(entry)
+        unknown = [a for a in axes if a not in mesh.shape]
+        if unknown:
+            raise ValueError(
+                f"Parameter '{name}' with shape {shape}: {source} {spec} names mesh axis {unknown[0]!r}, "
+                f"but the mesh has axes {tuple(mesh.axis_names)}.")
+        size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+        if shape[dim] % size:
+            raise ValueError(
+                f"Parameter '{name}' with shape {shape}: {source} {spec} splits dimension {dim} "
+                f"(size {shape[dim]}) over {'x'.join(axes)} = {size} devices, which does not divide it. "
+                "Change the rule or the mesh.")
+        used += axes
+    if len(set(used)) != len(used):
+        raise ValueError(f"Parameter '{name}' with shape {shape}: {source} {spec} uses a mesh axis twice.")
+    return spec
+
+
+def map_logical(spec: P, logical_axis_rules: dict[str, Any], mesh: Mesh) -> P:
+    """Maps logical axis names to mesh axes; names neither mapped nor on the mesh replicate."""
+
+    def one(name):
+        if name in logical_axis_rules:
+            return logical_axis_rules[name]
+        return name if name in mesh.shape else None
+
+    out = []
+    for entry in spec:
+        if entry is None:
+            out.append(None)
+        elif isinstance(entry, str):
+            out.append(one(entry))
+        else:
+            mapped = tuple(a for a in (one(e) for e in entry) if a is not None)
+            out.append(mapped or None)
+    return P(*out)
+
+
+def default_spec(shape: tuple[int, ...], mesh: Mesh, fsdp_axis: str, min_shard_size: int) -> P:
+    """Shards the largest dimension divisible by the fsdp axis; replicates small arrays."""
+    size = mesh.shape.get(fsdp_axis, 1)
+    if size == 1 or int(np.prod(shape)) < min_shard_size:
+        return P()
+    for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
+        if shape[dim] % size == 0:
+            return P(*([None] * dim + [fsdp_axis]))
+    return P()
+
+
+def resolve_specs(tree, mesh: Mesh, *, rules: Rules = (), hints=None, logical_axis_rules=None,
+                  fsdp_axis: str = "fsdp", min_shard_size: int = 2 ** 12, require_rule_matches: bool = True):
+    """A PartitionSpec for every leaf of `tree` (see the module docstring)."""
+    compiled = [(re.compile(pattern), as_spec(spec), pattern) for pattern, spec in rules]
+    logical = dict(logical_axis_rules or {})
+    hint_by_name = {}
+    if hints is not None:
+        for path, hint in jax.tree_util.tree_flatten_with_path(hints, is_leaf=lambda h: isinstance(h, P))[0]:
+            hint_by_name[path_name(path)] = hint
+    matched = set()
+
+    def resolve(path, leaf):
+        name, shape = path_name(path), tuple(np.shape(leaf))
+        for regex, spec, pattern in compiled:
+            if regex.search(name):
+                matched.add(pattern)
+                return check_spec(spec, shape, mesh, name, f"rule ({pattern!r}, {spec})")
+        hint = hint_by_name.get(name)
+        if isinstance(hint, P) and len(hint):
+            return check_spec(map_logical(hint, logical, mesh), shape, mesh, name, f"its sharding metadata {hint} ->")
+        return default_spec(shape, mesh, fsdp_axis, min_shard_size)
+
+    specs = jax.tree_util.tree_map_with_path(resolve, tree)
+    unused = [pattern for _, _, pattern in compiled if pattern not in matched]
+    if unused and require_rule_matches:
+        names = [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+        raise ValueError(
+            f"Sharding rule {unused[0]!r} matches no parameter. Parameter paths are: {names}.")
+    return specs
+
+
+def follow_params(tree, params, param_specs):
+    """Specs for a tree holding copies of the parameters (optimizer moments).
+
+    A leaf whose path ends with a parameter's path and whose shape matches it
+    takes that parameter's spec; everything else (step counts, scalars) is
+    replicated.
+    """
+    by_path = {}
+    for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                                  jax.tree.leaves(param_specs, is_leaf=lambda s: isinstance(s, P))):
+        by_path[path_name(path)] = (tuple(np.shape(leaf)), spec)
+
+    def follow(path, leaf):
+        name, shape = path_name(path), tuple(np.shape(leaf))
+        parts = name.split("/")
+        for start in range(len(parts)):
+            found = by_path.get("/".join(parts[start:]))
+            if found is not None and found[0] == shape:
+                return found[1]
+        return P()
+
+    return jax.tree_util.tree_map_with_path(follow, tree)
+
+
+def spec_tree_leaves(specs) -> Iterable[P]:
+    return jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))

@@ -1,0 +1,185 @@
+"""MeshStrategy: FSDP and tensor parallelism over a named device mesh."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Mapping
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from meshfit import cluster
+from meshfit.strategies import layout, placement
+from meshfit.strategies.base import Strategy
+
+DEFAULT_AXES = {"data": -1, "fsdp": 1, "tensor": 1}
+
+
+def _axis_sizes(axes: Mapping[str, int], n_devices: int) -> dict[str, int]:
+    sizes = dict(axes)
+    unknown = [name for name, size in sizes.items() if size == -1]
+    if len(unknown) > 1:
+        raise ValueError(f"At most one mesh axis may be -1 (inferred). Received axes={dict(axes)}.")
+    known = int(np.prod([s for s in sizes.values() if s != -1]))
+    if any(s == 0 or s < -1 for s in sizes.values()):
+        raise ValueError(f"Mesh axis sizes must be positive or -1. Received axes={dict(axes)}.")
+    if unknown:
+        if n_devices % known:
+            raise ValueError(f"{n_devices} devices do not divide into axes {dict(axes)}.")
+        sizes[unknown[0]] = n_devices // known
+    if int(np.prod(list(sizes.values()))) != n_devices:
+        raise ValueError(
+            f"Mesh axes {dict(axes)} need {int(np.prod(list(sizes.values())))} devices; there are {n_devices}. "
+            "Use -1 for one axis to infer its size.")
+    return sizes
+
+
+class MeshStrategy(Strategy):
+    """Shards parameters, optimizer state and batches over a named device mesh.
+
+    The batch is split over the data-like axes (`batch_axes`); each parameter is
+    laid out by `rules`, then Flax sharding metadata, then a default that shards
+    large parameters over `fsdp` (see `meshfit.strategies.layout`). Optimizer
+    state follows its parameter. The step is compiled with `jax.jit` and
+    `NamedSharding` (GSPMD inserts the collectives). Spans all processes of a
+    `jax.distributed` job. Inside `scope()` the mesh is JAX's current mesh, so
+    modules created there are sharded as they are built (Flax eager sharding),
+    and `constrain` can pin activation layouts.
+
+    Args:
+        axes: mesh axis names and sizes, in order; one size may be -1 (inferred).
+        rules: sequence of `(regex, spec)`; `spec` a `PartitionSpec` or a tuple of
+            axis names / None per dimension. Every rule must match a parameter.
+        logical_axis_rules: mapping (or pairs) from logical axis names in Flax
+            metadata to mesh axes, e.g. `{"embed": "fsdp", "mlp": "tensor"}`.
+        batch_axes: mesh axes the batch dimension is split over.
+        fsdp_axis: the axis the default rule shards large parameters over.
+        min_shard_size: parameters with fewer elements are replicated by default.
+        devices: devices to use; all devices of all processes by default.
+
+    Example:
+        >>> strategy = MeshStrategy(axes={"data": 2, "fsdp": 2, "tensor": 2},
+        ...                         rules=[(r"mlp/up/kernel", (None, "tensor")),
+        ...                                (r"mlp/down/kernel", ("tensor", None))])
+    """
+
+    def __init__(self, axes: Mapping[str, int] = DEFAULT_AXES, rules: layout.Rules = (),
+                 logical_axis_rules=None, batch_axes=("data", "fsdp"), fsdp_axis: str = "fsdp",
+                 min_shard_size: int = 2 ** 12, devices=None):
+        if devices is None:
+            cluster.initialize()
+            devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        sizes = _axis_sizes(axes, len(devices))
+        self.mesh = Mesh(np.array(devices).reshape(tuple(sizes.values())), tuple(sizes),
+                         axis_types=(AxisType.Auto,) * len(sizes))
+        self.rules = [(pattern, layout.as_spec(spec)) for pattern, spec in rules]
+        if isinstance(logical_axis_rules, Mapping):
+            logical_axis_rules = list(logical_axis_rules.items())
+        self.logical_axis_rules = list(logical_axis_rules or [])
+        self.batch_axes = tuple(a for a in batch_axes if a in sizes)
+        self.fsdp_axis = fsdp_axis
+        self.min_shard_size = min_shard_size
+        self.num_replicas_in_sync = int(np.prod([sizes[a] for a in self.batch_axes])) if self.batch_axes else 1
+        self._replicated = NamedSharding(self.mesh, P())
+        batch_entry = self.batch_axes if len(self.batch_axes) != 1 else self.batch_axes[0]
+        self._batch = NamedSharding(self.mesh, P(batch_entry or None))
+        self._stacked_batch = NamedSharding(self.mesh, P(None, batch_entry or None))
+
+    @contextlib.contextmanager
+    def scope(self):
+        from flax.core import spmd
+
+        with super().scope(), jax.set_mesh(self.mesh), spmd.logical_axis_rules(self.logical_axis_rules):
+            yield self
+
+    # -- layout ------------------------------------------------------------------
+
+    def param_specs(self, params, hints=None):
+        """One PartitionSpec per parameter (rules, then metadata, then the default)."""
+        return layout.resolve_specs(params, self.mesh, rules=self.rules, hints=hints,
+                                    logical_axis_rules=dict(self.logical_axis_rules), fsdp_axis=self.fsdp_axis,
+                                    min_shard_size=self.min_shard_size)
+
+    def state_specs(self, state, param_hints=None):
+        """Specs for a whole TrainState: parameters by rule, the rest following them."""
+        params = self.param_specs(state.params, param_hints)
+        model_state = layout.resolve_specs(state.model_state, self.mesh, fsdp_axis=self.fsdp_axis,
+                                           min_shard_size=self.min_shard_size)
+        replicated = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
+        opt_state = None if state.opt_state is None else layout.follow_params(state.opt_state, state.params, params)
+        return type(state)(params, model_state, opt_state, replicated(state.metrics), P(), P())
+
+    def place_state(self, state, param_hints=None):
+        specs = self.state_specs(state, param_hints)
+        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
+                                 is_leaf=lambda s: isinstance(s, P))
+        return placement.put(state, shardings)
+
+    def replicate(self, tree):
+        return placement.put(tree, self._replicated)
+
+    # -- batches, compilation, results ----------------------------------------
+
+    @property
+    def batch_block(self) -> tuple[int, int]:
+        rows, shard = self.batch_multiple, self.batch_multiple // self.num_replicas_in_sync
+        starts = sorted({index[0].start or 0 for index in
+                         self._batch.addressable_devices_indices_map((rows,)).values()})
+        if starts != list(range(starts[0], starts[0] + shard * len(starts), shard)):
+            raise ValueError("This process's devices do not hold one contiguous block of the batch. "
+                             "Put the batch axes first in `axes`.")
+        local = shard * len(starts)
+        return starts[0] // local, rows // local
+
+    def distribute_batch(self, host_batch, stacked: bool = False):
+        return placement.put_local_rows(host_batch, self._stacked_batch if stacked else self._batch)
+
+    def compile(self, fn, *, donate_argnums=()):
+        """`jax.jit` whose first output keeps the layout of the first donated argument.
+
+        The state a step returns is pinned to the layout it came in with, so
+        GSPMD's choices cannot drift between steps and force a recompile.
+        """
+        carry_layout = {}
+
+        def traced(*args):
+            with Strategy.scope(self):  # `constrain` inside the model finds this strategy
+                out = fn(*args)
+            if "shardings" in carry_layout:
+                out = (jax.lax.with_sharding_constraint(out[0], carry_layout["shardings"]), *out[1:])
+            return out
+
+        jitted = jax.jit(traced, donate_argnums=donate_argnums)
+
+        def call(*args):
+            if donate_argnums and "shardings" not in carry_layout:
+                carry_layout["shardings"] = jax.tree.map(lambda a: a.sharding, args[donate_argnums[0]])
+            return jitted(*args)
+
+        call.lower, call._cache_size = jitted.lower, jitted._cache_size
+        return call
+
+    def to_host(self, tree):
+        return placement.fetch(tree)
+
+    def __repr__(self):
+        axes = ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
+        return f"MeshStrategy({axes})"
+
+
+def constrain(x, *spec):
+    """Pins the layout of an activation inside a model, e.g. `constrain(h, ("data", "fsdp"), None, "tensor")`.
+
+    A no-op unless a MeshStrategy is tracing the step, so model code runs
+    unchanged on any strategy.
+    """
+    from meshfit.strategies.base import get_strategy
+
+    strategy = get_strategy()
+    if not isinstance(strategy, MeshStrategy):
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(strategy.mesh, P(*spec)))
+
+

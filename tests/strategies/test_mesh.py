@@ -1,0 +1,134 @@
+"""MeshStrategy: FSDP and tensor parallelism equal one device; layouts, memory, errors."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import assert_trees_close, classification_data
+from jax.sharding import PartitionSpec as P
+
+import meshfit as mf
+
+
+class Block(nnx.Module):
+    """An MLP block wide enough for the default rule to shard (64 x 128 kernels)."""
+
+    def __init__(self, din=64, hidden=128, dout=8, seed=0):
+        rngs = nnx.Rngs(seed)
+        self.up = nnx.Linear(din, hidden, rngs=rngs)
+        self.down = nnx.Linear(hidden, hidden, rngs=rngs)
+        self.head = nnx.Linear(hidden, dout, rngs=rngs)
+
+    def __call__(self, x):
+        h = nnx.relu(self.up(x))
+        h = mf.strategies.constrain(h, ("data", "fsdp"), "tensor")
+        return self.head(nnx.relu(self.down(h)))
+
+
+MEGATRON = [(r"up/kernel", (None, "tensor")), (r"up/bias", ("tensor",)),
+            (r"down/kernel", ("tensor", "fsdp"))]
+
+
+def train(strategy, steps=20, batch_size=16, spe=1):
+    x, y = classification_data(n=steps * batch_size, din=64, classes=8)
+    with strategy.scope():
+        model = mf.Model(Block())
+        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"], steps_per_execution=spe)
+    history = model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0, shuffle=True)
+    return model, history
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train(mf.strategies.OneDeviceStrategy())
+
+
+@pytest.mark.parametrize("axes, rules", [
+    ({"data": 1, "fsdp": 8, "tensor": 1}, ()),
+    ({"data": 1, "fsdp": 4, "tensor": 2}, MEGATRON),
+    ({"data": 2, "fsdp": 2, "tensor": 2}, MEGATRON),
+])
+def test_mesh_equals_one_device_after_20_steps(reference, axes, rules):
+    one, h_one = reference
+    strategy = mf.strategies.MeshStrategy(axes=axes, rules=rules)
+    model, history = train(strategy)
+    assert int(model._state.step) == 20
+    assert_trees_close(one.params, model.params, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(h_one.history["loss"], history.history["loss"], rtol=1e-5)
+    assert model._runner._train._cache_size() == 1
+    # The layout held through training: parameters and Adam moments keep their specs.
+    specs = strategy.param_specs(model.params)
+    for leaf, spec in zip(jax.tree.leaves(model.params), jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
+        assert leaf.sharding.spec == spec
+    mu = optax.tree_utils.tree_get(model._state.opt_state, "mu")
+    assert mu["up"]["kernel"].sharding.spec == specs["up"]["kernel"]
+
+
+def test_rules_then_metadata_then_default():
+    strategy = mf.strategies.MeshStrategy(axes={"data": 1, "fsdp": 4, "tensor": 2}, rules=MEGATRON[:1],
+                                          logical_axis_rules={"hidden": "tensor", "embed": "fsdp"})
+
+    class Tagged(nnx.Module):
+        def __init__(self):
+            rngs = nnx.Rngs(0)
+            init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("hidden", "embed"))
+            self.up = nnx.Linear(64, 128, rngs=rngs)  # rule
+            self.tagged = nnx.Linear(128, 64, kernel_init=init, rngs=rngs)  # metadata
+            self.plain = nnx.Linear(64, 256, rngs=rngs)  # default: largest divisible dim over fsdp
+            self.small = nnx.Linear(4, 4, rngs=rngs)  # default: replicated
+
+        def __call__(self, x):
+            return x
+
+    with strategy.scope():
+        model = mf.Model(Tagged())
+    specs = jax.tree.map(lambda a: a.sharding.spec, model.params)
+    assert specs["up"]["kernel"] == P(None, "tensor")
+    assert specs["tagged"]["kernel"] == P("tensor", "fsdp")
+    assert specs["plain"]["kernel"] == P(None, "fsdp")
+    assert specs["small"]["kernel"] == P()
+    text = model.summary(print_fn=None)
+    line = next(l for l in text.splitlines() if l.startswith("plain/kernel"))
+    assert "P(None, 'fsdp')" in line and "16.00 KB" in line  # 64*256*4 bytes over 4 fsdp shards
+    assert "Total bytes per device" in text
+
+
+def test_fsdp8_memory_per_device():
+    strategy = mf.strategies.MeshStrategy(axes={"data": 1, "fsdp": 8, "tensor": 1})
+    with strategy.scope():
+        model = mf.Model(Block(din=256, hidden=512, dout=64))
+        model.compile(optimizer="adam", loss="mse")
+    state = (model._state.params, model._state.opt_state)
+    total = sum(a.nbytes for a in jax.tree.leaves(state))
+    per_device = {}
+    for leaf in jax.tree.leaves(state):
+        for shard in leaf.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    assert len(per_device) == 8
+    assert max(per_device.values()) <= 1.1 * total / 8, (max(per_device.values()), total / 8)
+
+
+@pytest.mark.parametrize("rules, pattern", [
+    ([(r"up/kernel", ("fsdp", None))], r"'up/kernel' with shape \(64, 128\).*dimension 0 \(size 64\) over fsdp = 3"),
+    ([(r"up/kernel", ("model", None))], r"'up/kernel'.*mesh axis 'model'.*axes \('data', 'fsdp', 'tensor'\)"),
+    ([(r"nonexistent", ("fsdp",))], r"rule 'nonexistent' matches no parameter"),
+])
+def test_bad_rules_are_clear_errors(rules, pattern):
+    devices = jax.devices()[:6]
+    strategy = mf.strategies.MeshStrategy(axes={"data": 1, "fsdp": 3, "tensor": 2}, rules=rules, devices=devices)
+    with strategy.scope(), pytest.raises(ValueError, match=pattern):
+        mf.Model(Block())
+
+
+def test_bad_axes():
+    with pytest.raises(ValueError, match="need 16 devices; there are 8"):
+        mf.strategies.MeshStrategy(axes={"data": 2, "fsdp": 8})
+    with pytest.raises(ValueError, match="At most one mesh axis may be -1"):
+        mf.strategies.MeshStrategy(axes={"data": -1, "fsdp": -1})
+
+
+def test_constrain_is_a_no_op_elsewhere():
+    x = np.ones((4, 4), np.float32)
+    assert mf.strategies.constrain(x, "data") is x
