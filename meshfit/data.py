@@ -205,6 +205,13 @@ class ArrayData:
             batch = jax.tree.map(lambda a: a.reshape((size, self.local_rows) + a.shape[1:]), batch)
             yield count, batch._replace(mask=np.stack([m for _, m in rows]))
 
+    def get_state(self) -> dict:
+        """Nothing to save: the order of batch b depends only on the seed and b."""
+        return {}
+
+    def set_state(self, state: dict) -> None:
+        del state
+
     def split(self, fraction: float) -> tuple["ArrayData", "ArrayData"]:
         """Keras's `validation_split`: the last `fraction` of samples, taken before shuffling."""
         if not 0.0 < fraction < 1.0:
@@ -264,14 +271,51 @@ class IterableData:
         self.padded_batch_size: int | None = None
         self._iterator: Iterator | None = None
         self._fresh = False
+        self._consumed = 0
+        self._pending_state: dict | None = None
         self.exhausted = False
 
     def _next_element(self):
         if self._iterator is None:
-            self._iterator, self._fresh = iter(self.data), True
+            self._iterator, self._fresh, self._consumed = iter(self.data), True, 0
+            self._apply_pending_state()
         element = next(self._iterator)
         self._fresh = False
+        self._consumed += 1
         return element
+
+    # -- position, for BackupAndRestore ----------------------------------------------
+
+    def get_state(self) -> dict:
+        """Where the continuing stream is (only needed with `steps_per_epoch`)."""
+        if not self.reiterable:
+            return {"rewindable": False}
+        if self.steps_per_epoch is None or self._iterator is None:
+            return {}
+        if hasattr(self._iterator, "get_state"):  # grain iterators
+            return {"iterator_state": self._iterator.get_state()}
+        return {"consumed": self._consumed}
+
+    def set_state(self, state: dict) -> None:
+        if state.get("rewindable") is False or not self.reiterable:
+            warnings.warn("The training input is a one-shot iterator (e.g. a generator), which cannot be rewound: "
+                          "the resumed run continues with the batches it yields next, so it will not repeat the "
+                          "interrupted run exactly. Pass a re-iterable dataset (e.g. grain) for exact resume.",
+                          stacklevel=2)
+            return
+        self._pending_state = state or None
+        self._iterator = None
+
+    def _apply_pending_state(self) -> None:
+        state, self._pending_state = self._pending_state, None
+        if not state:
+            return
+        if "iterator_state" in state:
+            self._iterator.set_state(state["iterator_state"])
+            return
+        for _ in range(state.get("consumed", 0)):
+            next(self._iterator)
+        self._consumed = state.get("consumed", 0)
 
     def _to_batch(self, element) -> Batch:
         x, y, sw = unpack_element(element)
@@ -293,7 +337,7 @@ class IterableData:
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
         """Yields one epoch's batches; sets `exhausted` if a one-shot input had none left."""
         del epoch
-        if self.steps_per_epoch is None and self.reiterable:
+        if self.steps_per_epoch is None and self.reiterable and self._pending_state is None:
             self._iterator = None  # a new pass each epoch
         step = 0
         while self.steps_per_epoch is None or step < self.steps_per_epoch:

@@ -10,12 +10,14 @@ at once, so slow collectives never pile up behind a fast Python loop.
 from __future__ import annotations
 
 import collections
+import contextlib
 from typing import Callable, Iterator
 
 import jax
 import numpy as np
 
 from meshfit.callbacks.base import CallbackList
+from meshfit.preemption import Preempted, PreemptionWatch
 
 
 class InFlight:
@@ -47,36 +49,55 @@ def host_logs(logs, to_host: Callable) -> dict[str, float]:
 
 def fit_loop(model, train_data, *, epochs: int, initial_epoch: int, callbacks: CallbackList,
              val_data=None, validation_freq=1, validation_steps=None) -> None:
-    """Runs epochs of training with Keras's callback order and `stop_training` checks."""
+    """Runs epochs of training with Keras's callback order and `stop_training` checks.
+
+    A callback may set `model._resume_point = (epoch, batch)` in `on_train_begin`
+    (BackupAndRestore does) to continue from the middle of an epoch. If a
+    callback handles preemption, SIGTERM stops training at the next step
+    boundary: `on_preemption` runs, then `Preempted` is raised.
+    """
     runner = model._runner
     to_host = model.strategy.to_host
     callbacks.on_train_begin()
     batch_begin = callbacks._bound_hooks("on_train_batch_begin")
     batch_end = callbacks._bound_hooks("on_train_batch_end")
+    start_epoch, start_step = model._resume_point or (initial_epoch, 0)
+    model._resume_point = None
+    watch = PreemptionWatch() if callbacks.wants("on_preemption") else None
     epoch_logs: dict[str, float] = {}
-    for epoch in range(initial_epoch, epochs):
-        runner.reset_train_metrics()
-        callbacks.on_epoch_begin(epoch)
-        logs, step = None, 0
-        for count, batch in train_data.executions(epoch, runner.steps_per_execution):
-            for hook in batch_begin:
-                hook(step)
-            logs = runner.train(batch)
-            step += count
-            for hook in batch_end:
-                hook(step - 1, logs)
+    with watch or contextlib.nullcontext():
+        for epoch in range(start_epoch, epochs):
+            if start_step == 0:
+                runner.reset_train_metrics()  # else they were restored mid-epoch
+            callbacks.on_epoch_begin(epoch)
+            logs, step = None, start_step
+            for count, batch in train_data.executions(epoch, runner.steps_per_execution, start_step):
+                for hook in batch_begin:
+                    hook(step)
+                logs = runner.train(batch)
+                step += count
+                model._host_step += count
+                for hook in batch_end:
+                    hook(step - 1, logs)
+                if model.stop_training:
+                    break
+                if watch is not None and watch.should_stop(model._host_step):
+                    runner.in_flight.clear()
+                    callbacks.on_preemption(epoch, step)
+                    raise Preempted()
+            runner.in_flight.clear()
+            if logs is None and start_step == 0:  # a one-shot input ran out of data
+                break
+            start_step = 0
+            if logs is None:
+                logs = runner.steps.logs(model._state.metrics)
+            epoch_logs = host_logs(logs, to_host)
+            if val_data is not None and _should_validate(epoch, validation_freq):
+                val_logs = evaluate_loop(model, val_data, callbacks=callbacks, steps=validation_steps)
+                epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
+            callbacks.on_epoch_end(epoch, epoch_logs)
             if model.stop_training:
                 break
-        runner.in_flight.clear()
-        if logs is None:  # a one-shot input ran out of data
-            break
-        epoch_logs = host_logs(logs, to_host)
-        if val_data is not None and _should_validate(epoch, validation_freq):
-            val_logs = evaluate_loop(model, val_data, callbacks=callbacks, steps=validation_steps)
-            epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
-        callbacks.on_epoch_end(epoch, epoch_logs)
-        if model.stop_training:
-            break
     callbacks.on_train_end(epoch_logs)
 
 

@@ -62,6 +62,11 @@ class Model:
         self.optimizer: optimizers_lib.Optimizer | None = None
         self.stop_training = False
         self.history: callbacks_lib.History | None = None
+        # Set during fit, for callbacks that save and restore training (BackupAndRestore).
+        self._host_step = 0  # optimizer steps taken, counted on the host
+        self._resume_point: tuple[int, int] | None = None
+        self._fit_data = None
+        self._fit_callbacks: list = []
 
     # -- state access ----------------------------------------------------------------
 
@@ -153,6 +158,7 @@ class Model:
         self._compiled = dict(tx=tx, loss=loss_obj, loss_id=loss, metrics=metric_ids, weighted=weighted_ids,
                               steps_per_execution=steps_per_execution)
         self._runner = None
+        self._host_step = 0
         self.optimizer = optimizers_lib.Optimizer(tx, self)
 
     @property
@@ -217,7 +223,13 @@ class Model:
 
     @property
     def metrics_names(self) -> list[str]:
+        """Keys of the logs: "loss" then each metric's name (after the first fit/evaluate)."""
         return self._runner.steps.metric_names if self._runner else []
+
+    @property
+    def metrics(self) -> list:
+        """The compiled metric objects (after the first fit/evaluate)."""
+        return self._runner.steps.metrics + self._runner.steps.weighted_metrics if self._runner else []
 
     # -- data --------------------------------------------------------------------------------
 
@@ -262,9 +274,20 @@ class Model:
         if verbose and not any(isinstance(cb, callbacks_lib.ProgbarLogger) for cb in user):
             defaults.append(callbacks_lib.ProgbarLogger())
         history = callbacks_lib.History() if add_history else None
-        all_callbacks = callbacks_lib.CallbackList(user + defaults + ([history] if history else []), model=self,
-                                                   epochs=epochs, steps=steps, verbose=verbose)
+        # Callbacks that save training state run last, after History and the
+        # others have updated theirs for the same step or epoch.
+        savers = [cb for cb in user if getattr(cb, "handles_preemption", False)]
+        ordered = [cb for cb in user if cb not in savers] + defaults + ([history] if history else []) + savers
+        all_callbacks = callbacks_lib.CallbackList(ordered, model=self, epochs=epochs, steps=steps, verbose=verbose)
         return all_callbacks, history
+
+    def _fit_data_state(self) -> dict:
+        """The position of the training input, for BackupAndRestore."""
+        return self._fit_data.get_state() if self._fit_data is not None else {}
+
+    def _restore_fit_data_state(self, state: dict) -> None:
+        if self._fit_data is not None:
+            self._fit_data.set_state(state)
 
     # -- Keras API -----------------------------------------------------------------------------
 
@@ -309,8 +332,13 @@ class Model:
                                                      add_history=True)
         self.history = history
         self.stop_training = False
-        fit_loop(self, data, epochs=epochs, initial_epoch=initial_epoch, callbacks=callback_list,
-                 val_data=val_data, validation_freq=validation_freq, validation_steps=validation_steps)
+        self._fit_data, self._fit_callbacks = data, list(callback_list)
+        self._host_step = int(self.strategy.to_host(self._state.step))
+        try:
+            fit_loop(self, data, epochs=epochs, initial_epoch=initial_epoch, callbacks=callback_list,
+                     val_data=val_data, validation_freq=validation_freq, validation_steps=validation_steps)
+        finally:
+            self._fit_data, self._fit_callbacks = None, []
         return history
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None, steps=None,

@@ -1,5 +1,6 @@
 """Keras-style callbacks: the protocol (`Callback`, `CallbackList`) and the built-in ones."""
 
+from meshfit.callbacks.backup_and_restore import BackupAndRestore
 from meshfit.callbacks.base import Callback, CallbackList
 from meshfit.callbacks.csv_logger import CSVLogger
 from meshfit.callbacks.early_stopping import EarlyStopping, MonitorCallback
@@ -14,6 +15,7 @@ from meshfit.callbacks.terminate_on_nan import TerminateOnNaN
 # ModelCheckpoint and BackupAndRestore live in their own modules (added separately).
 
 __all__ = [
+    "BackupAndRestore",
     "Callback",
     "CallbackList",
     "CSVLogger",

@@ -62,6 +62,9 @@ class Callback:
     def on_predict_batch_begin(self, batch, logs=None): ...
     def on_predict_batch_end(self, batch, logs=None): ...
 
+    # meshfit: the loop stops for a preemption (SIGTERM) after this returns.
+    def on_preemption(self, epoch, batch): ...
+
     # Keras 2 aliases, still called by much user code.
     def on_batch_begin(self, batch, logs=None): ...
     def on_batch_end(self, batch, logs=None): ...
@@ -151,6 +154,8 @@ def _make_dispatcher(hook: str):
     dispatch.__name__ = hook
     return dispatch
 
+
+_HOOKS.append("on_preemption")
 
 for _hook in _HOOKS:
     setattr(CallbackList, _hook, _make_dispatcher(_hook))

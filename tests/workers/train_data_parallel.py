@@ -17,10 +17,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import meshfit as mf  # noqa: E402  (no JAX computation may run before the strategy joins the job)
 
 
+def mesh_strategy(devices=None):
+    """FSDP over 2 x 2 devices: parameters sharded across processes too."""
+    return mf.strategies.MeshStrategy(axes={"data": 2, "fsdp": 2, "tensor": 1}, min_shard_size=16, devices=devices)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--strategy", default="multi_worker")
+    parser.add_argument("--strategy", default="multi_worker", choices=["multi_worker", "mirrored", "mesh"])
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--n", type=int, default=150)
     parser.add_argument("--batch-size", type=int, default=15)
@@ -30,6 +35,8 @@ def main():
 
     if args.strategy == "multi_worker":
         strategy = mf.strategies.MultiWorkerMirroredStrategy()
+    elif args.strategy == "mesh":
+        strategy = mesh_strategy()
     else:
         import jax
         strategy = mf.strategies.MirroredStrategy(jax.devices()[:4])

@@ -1,0 +1,324 @@
+"""Train a small byte-level transformer language model on Python's own standard library.
+
+A decoder-only transformer in `flax.nnx` (token + learned position embeddings,
+pre-LayerNorm blocks of causal multi-head self-attention and an MLP, a final
+LayerNorm and a tied or untied output head) learns to predict the next byte of
+the source of a few standard-library modules (argparse.py, difflib.py,
+textwrap.py, ...: text that ships with every Python). It trains with
+`model.fit` under a `MeshStrategy` over a `data` x `fsdp` x `tensor` mesh:
+
+  * the batch is split over ("data", "fsdp");
+  * Megatron-style tensor parallelism, written as regex rules on parameter
+    paths: the attention query/key/value kernels are column-parallel (heads
+    split over "tensor"), the attention output kernel row-parallel, the MLP
+    up-projection column-parallel and the down-projection row-parallel; the
+    other dimension of each of these kernels, and the embeddings, are sharded
+    over "fsdp" (ZeRO-3 style, gathered when used);
+  * `mf.strategies.constrain` pins the activations between and inside blocks.
+
+`model.summary()` prints every parameter's PartitionSpec and bytes per device.
+After training, text is sampled from a prompt with the trained module.
+
+    python examples/transformer_lm.py                    # 8 simulated CPU devices, mesh 1,4,2
+    python examples/transformer_lm.py --mesh 2,2,2 --epochs 8
+    python examples/transformer_lm.py --layers 4 --d-model 256 --heads 8 --context 128
+    python examples/transformer_lm.py --host-devices 0   # leave XLA_FLAGS alone (real devices)
+
+On CPU, when XLA_FLAGS is not set, the script sets
+`XLA_FLAGS=--xla_force_host_platform_device_count=8` before importing JAX, so the
+8-device mesh runs on any machine (`--host-devices N` picks another count, 0
+turns this off). This happens only when the file is run as a script; importing
+it and calling `main()` uses whatever devices JAX already has. The default
+configuration trains in one to three minutes on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+DEFAULT_HOST_DEVICES = 8
+
+
+def _force_host_devices(argv) -> None:
+    """Simulates `--host-devices` CPU devices (default 8) unless XLA_FLAGS is set or JAX is not on CPU.
+
+    Must run before JAX is imported; it reads its flag straight from argv.
+    """
+    count = DEFAULT_HOST_DEVICES
+    for i, arg in enumerate(argv):
+        if arg == "--host-devices" and i + 1 < len(argv):
+            count = int(argv[i + 1])
+        elif arg.startswith("--host-devices="):
+            count = int(arg.split("=", 1)[1])
+    platforms = os.environ.get("JAX_PLATFORMS", "").lower()
+    on_cpu = platforms in ("", "cpu") or platforms.startswith("cpu")  # flag only affects the host platform
+    if count > 0 and on_cpu and "XLA_FLAGS" not in os.environ and "jax" not in sys.modules:
+        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={count}"
+
+
+if __name__ == "__main__":
+    _force_host_devices(sys.argv[1:])
+
+import argparse  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import meshfit as mf  # noqa: E402
+
+BATCH = ("data", "fsdp")  # mesh axes the batch dimension is split over
+VOCAB = 256  # bytes
+
+# A fixed, sorted list of standard-library modules: ~440 KB of Python source.
+# Modules missing from some Python version are skipped; `--max-bytes` truncates.
+CORPUS_MODULES = ("argparse.py", "dataclasses.py", "difflib.py", "functools.py", "heapq.py",
+                  "pathlib.py", "shutil.py", "string.py", "textwrap.py")
+
+
+# -- data ----------------------------------------------------------------------------------------
+
+
+def load_corpus(max_bytes: int) -> bytes:
+    """The concatenated source of CORPUS_MODULES, at most `max_bytes` long."""
+    stdlib = os.path.dirname(os.__file__)
+    parts = []
+    for name in CORPUS_MODULES:
+        for path in (os.path.join(stdlib, name), os.path.join(stdlib, name[:-3], "__init__.py")):
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    parts.append(f.read())
+                break
+    text = b"\n\n".join(parts)[:max_bytes]
+    if len(text) < 10_000:
+        raise SystemExit(f"Found only {len(text)} bytes of standard-library source in {stdlib}.")
+    return text
+
+
+def windows(data: np.ndarray, context: int, stride: int) -> tuple[np.ndarray, np.ndarray]:
+    """(x, y) next-byte pairs: x = data[i:i+context], y = data[i+1:i+context+1] for i = 0, stride, ..."""
+    starts = np.arange(0, len(data) - context - 1, stride)
+    index = starts[:, None] + np.arange(context)[None, :]
+    return data[index].astype(np.int32), data[index + 1].astype(np.int32)
+
+
+def make_datasets(text: bytes, context: int, val_fraction: float = 0.1):
+    """Train windows overlap by half a context; validation windows (the last 10% of the text) do not."""
+    data = np.frombuffer(text, np.uint8)
+    split = int(len(data) * (1 - val_fraction))
+    train = windows(data[:split], context, max(1, context // 2))
+    val = windows(data[split:], context, context)
+    return train, val
+
+
+# -- model ---------------------------------------------------------------------------------------
+
+
+class CausalSelfAttention(nnx.Module):
+    """Multi-head causal self-attention; kernels keep heads as their own axis so rules can split them."""
+
+    def __init__(self, d_model: int, heads: int, *, rngs: nnx.Rngs):
+        if d_model % heads:
+            raise ValueError(f"--d-model {d_model} must be divisible by --heads {heads}.")
+        head_dim = d_model // heads
+        self.query = nnx.LinearGeneral(d_model, (heads, head_dim), rngs=rngs)  # (d, heads, head_dim)
+        self.key = nnx.LinearGeneral(d_model, (heads, head_dim), rngs=rngs)
+        self.value = nnx.LinearGeneral(d_model, (heads, head_dim), rngs=rngs)
+        self.out = nnx.LinearGeneral((heads, head_dim), d_model, axis=(-2, -1), rngs=rngs)  # (heads, head_dim, d)
+
+    def __call__(self, x):
+        heads = (BATCH, None, "tensor", None)  # (batch, time, heads, head_dim): heads split over "tensor"
+        q = mf.strategies.constrain(self.query(x), *heads)
+        k = mf.strategies.constrain(self.key(x), *heads)
+        v = mf.strategies.constrain(self.value(x), *heads)
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        y = mf.strategies.constrain(y, *heads)
+        return self.out(y)  # row-parallel: partial sums over "tensor" are reduced here
+
+
+class MLP(nnx.Module):
+    def __init__(self, d_model: int, hidden: int, *, rngs: nnx.Rngs):
+        self.up = nnx.Linear(d_model, hidden, rngs=rngs)
+        self.down = nnx.Linear(hidden, d_model, rngs=rngs)
+
+    def __call__(self, x):
+        h = mf.strategies.constrain(nnx.gelu(self.up(x)), BATCH, None, "tensor")
+        return self.down(h)
+
+
+class Block(nnx.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, d_model: int, heads: int, *, rngs: nnx.Rngs):
+        self.ln1 = nnx.LayerNorm(d_model, rngs=rngs)
+        self.attn = CausalSelfAttention(d_model, heads, rngs=rngs)
+        self.ln2 = nnx.LayerNorm(d_model, rngs=rngs)
+        self.mlp = MLP(d_model, 4 * d_model, rngs=rngs)
+
+    def __call__(self, x):
+        x = mf.strategies.constrain(x + self.attn(self.ln1(x)), BATCH, None, None)
+        return mf.strategies.constrain(x + self.mlp(self.ln2(x)), BATCH, None, None)
+
+
+class TransformerLM(nnx.Module):
+    """Decoder-only transformer: (batch, time) int tokens -> (batch, time, vocab) logits."""
+
+    def __init__(self, *, vocab: int = VOCAB, context: int = 64, layers: int = 2, d_model: int = 128,
+                 heads: int = 4, tied: bool = True, rngs: nnx.Rngs):
+        self.context = context
+        self.tied = tied
+        embed_init = nnx.initializers.normal(0.02)
+        self.tok_embed = nnx.Embed(vocab, d_model, embedding_init=embed_init, rngs=rngs)
+        self.pos_embed = nnx.Embed(context, d_model, embedding_init=embed_init, rngs=rngs)
+        self.blocks = nnx.List([Block(d_model, heads, rngs=rngs) for _ in range(layers)])
+        self.ln_f = nnx.LayerNorm(d_model, rngs=rngs)
+        self.lm_head = None if tied else nnx.Linear(d_model, vocab, use_bias=False, rngs=rngs)
+
+    def __call__(self, tokens):
+        positions = jnp.arange(tokens.shape[1])
+        x = self.tok_embed(tokens) + self.pos_embed(positions)[None]
+        x = mf.strategies.constrain(x, BATCH, None, None)
+        for block in self.blocks:
+            x = block(x)
+        x = self.ln_f(x)
+        return self.tok_embed.attend(x) if self.tied else self.lm_head(x)
+
+
+def sharding_rules(tied: bool) -> list[tuple[str, tuple]]:
+    """Megatron tensor parallelism over "tensor", the other kernel dimension and embeddings over "fsdp".
+
+    Regexes are searched in parameter paths such as 'blocks/0/attn/query/kernel'
+    (see the summary). Unmatched parameters (LayerNorms, small biases) fall to
+    the default rule, which replicates arrays under 4096 elements.
+    """
+    rules = [
+        (r"attn/(query|key|value)/kernel", ("fsdp", "tensor", None)),  # (d, heads, hd): column-parallel
+        (r"attn/(query|key|value)/bias", ("tensor", None)),  # (heads, hd)
+        (r"attn/out/kernel", ("tensor", None, "fsdp")),  # (heads, hd, d): row-parallel
+        (r"mlp/up/kernel", ("fsdp", "tensor")),  # (d, 4d): column-parallel
+        (r"mlp/up/bias", ("tensor",)),
+        (r"mlp/down/kernel", ("tensor", "fsdp")),  # (4d, d): row-parallel
+        (r"(tok|pos)_embed/embedding", ("fsdp", None)),  # (vocab | context, d)
+    ]
+    if not tied:
+        rules.append((r"lm_head/kernel", ("fsdp", "tensor")))  # (d, vocab): vocab-parallel logits
+    return rules
+
+
+# -- sampling --------------------------------------------------------------------------------------
+
+
+def sample(module: TransformerLM, prompt: str, length: int, temperature: float = 0.8, seed: int = 0) -> str:
+    """Generates `length` bytes after `prompt` with the module directly (greedy when temperature is 0).
+
+    The model always sees a fixed (1, context) window (prompt left-aligned, or
+    the last `context` bytes), so the forward pass compiles once; causal
+    attention makes the padding to the right of the last byte irrelevant.
+    """
+    context = module.context
+    graphdef, state = nnx.split(module)
+
+    @jax.jit
+    def next_logits(state, window, last):
+        logits = nnx.merge(graphdef, state)(window)
+        return logits[0, last]
+
+    tokens = list(prompt.encode("utf-8")) or [ord("\n")]
+    rng = np.random.default_rng(seed)
+    for _ in range(length):
+        recent = tokens[-context:]
+        window = np.zeros((1, context), np.int32)
+        window[0, :len(recent)] = recent
+        logits = np.asarray(next_logits(state, window, len(recent) - 1), np.float64)
+        if temperature <= 0:
+            token = int(np.argmax(logits))
+        else:
+            p = np.exp((logits - logits.max()) / temperature)
+            token = int(rng.choice(VOCAB, p=p / p.sum()))
+        tokens.append(token)
+    return bytes(tokens).decode("utf-8", errors="replace")
+
+
+# -- main ------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mesh", default=None,
+                        help='data,fsdp,tensor sizes; one may be -1 (default "1,4,2" on 8 devices, else "-1,1,1")')
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--context", type=int, default=64, help="bytes per training window")
+    parser.add_argument("--untied-head", action="store_true", help="a separate output projection "
+                        "instead of reusing the token embedding")
+    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--batch-size", type=int, default=32, help="global batch size (windows)")
+    parser.add_argument("--steps-per-epoch", type=int, default=50)
+    parser.add_argument("--validation-steps", type=int, default=10)
+    parser.add_argument("--steps-per-execution", type=int, default=1)
+    parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--max-bytes", type=int, default=400_000, help="bytes of source text to use")
+    parser.add_argument("--prompt", default="def ")
+    parser.add_argument("--sample-len", type=int, default=300)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 samples greedily")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--verbose", type=int, default=2)
+    parser.add_argument("--host-devices", type=int, default=DEFAULT_HOST_DEVICES,
+                        help="simulated CPU devices when run as a script without XLA_FLAGS (0: off)")
+    return parser.parse_args(argv)
+
+
+def parse_mesh(text: str | None) -> dict[str, int]:
+    if text is None:
+        text = "1,4,2" if len(jax.devices()) == 8 else "-1,1,1"
+    sizes = [int(s) for s in text.split(",")]
+    if len(sizes) != 3:
+        raise SystemExit(f"--mesh takes three sizes data,fsdp,tensor. Received: {text!r}.")
+    return dict(zip(("data", "fsdp", "tensor"), sizes))
+
+
+def main(argv=None) -> dict:
+    """Trains and samples; returns {"history", "val_loss", "sample", "model", "seconds"}."""
+    args = parse_args(argv)
+    start = time.perf_counter()
+    text = load_corpus(args.max_bytes)
+    (x_train, y_train), (x_val, y_val) = make_datasets(text, args.context)
+    tied = not args.untied_head
+
+    strategy = mf.strategies.MeshStrategy(axes=parse_mesh(args.mesh), rules=sharding_rules(tied))
+    chief = strategy.is_chief
+    if chief:
+        print(f"{len(text):,} bytes of stdlib source -> {len(x_train):,} train / {len(x_val):,} validation "
+              f"windows of {args.context} bytes; {jax.device_count()} devices ({jax.devices()[0].platform})")
+    with strategy.scope():
+        module = TransformerLM(context=args.context, layers=args.layers, d_model=args.d_model,
+                               heads=args.heads, tied=tied, rngs=nnx.Rngs(args.seed))
+        model = mf.Model(module, seed=args.seed)
+        model.compile(optimizer=mf.optimizers.get("adam", learning_rate=args.learning_rate),
+                      loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      steps_per_execution=args.steps_per_execution)
+    if chief:
+        model.summary()
+    history = model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs,
+                        steps_per_epoch=args.steps_per_epoch, validation_data=(x_val, y_val),
+                        validation_steps=args.validation_steps, verbose=args.verbose)
+    losses = history.history["loss"]
+    val_losses = history.history["val_loss"]
+    text_out = sample(model.module, args.prompt, args.sample_len, args.temperature, args.seed)
+    elapsed = time.perf_counter() - start
+    if chief:
+        print(f"train loss {losses[0]:.3f} -> {losses[-1]:.3f}, validation loss {val_losses[0]:.3f} -> "
+              f"{val_losses[-1]:.3f} nats/byte ({elapsed:.1f} s, {strategy!r})")
+        print(f"--- sample (prompt {args.prompt!r}, temperature {args.temperature}) ---")
+        print(text_out)
+    return {"history": history.history, "val_loss": val_losses[-1], "sample": text_out, "model": model,
+            "seconds": elapsed}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""BackupAndRestore: resume a killed or preempted `fit` exactly where it stopped."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+
+import numpy as np
+
+from meshfit.callbacks.base import Callback
+from meshfit.checkpoint import CheckpointDir
+
+
+def split_arrays(value, arrays: dict, prefix: str = "a"):
+    """Replaces numpy arrays in a JSON-like value by references; fills `arrays`."""
+    if isinstance(value, np.ndarray):
+        key = f"{prefix}{len(arrays)}"
+        arrays[key] = value
+        return {"__array__": key}
+    if isinstance(value, dict):
+        return {k: split_arrays(v, arrays, prefix) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [split_arrays(v, arrays, prefix) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def join_arrays(value, arrays: dict):
+    """Inverse of `split_arrays`."""
+    if isinstance(value, dict):
+        if set(value) == {"__array__"}:
+            return np.asarray(arrays[value["__array__"]])
+        return {k: join_arrays(v, arrays) for k, v in value.items()}
+    if isinstance(value, list):
+        return [join_arrays(v, arrays) for v in value]
+    return value
+
+
+class BackupAndRestore(Callback):
+    """Backs up training so a restarted `fit` continues from the exact step.
+
+    At the start of `fit` the newest complete backup in `backup_dir`, if any,
+    is restored: parameters, optimizer state, metric accumulators, step and
+    RNG, the epoch and the batch within it (numpy inputs replay the same
+    shuffled order; re-iterable datasets are advanced to the same batch; a
+    one-shot generator cannot be rewound, with a warning), the History so
+    far and the state of every callback that has one (EarlyStopping,
+    ReduceLROnPlateau, ...). Resumed runs end bitwise equal to uninterrupted
+    ones on the same machine.
+
+    Backups are written asynchronously with Orbax; the previous backup is
+    deleted only after a newer one is complete, and an unreadable newest
+    backup is skipped for the one before. On SIGTERM (preemption), `fit`
+    saves a backup at the next step boundary and raises `meshfit.Preempted`
+    (exit status 143). After a `fit` that ends normally the backups are
+    deleted (`delete_checkpoint=True`), as in Keras.
+
+    Args:
+        backup_dir: directory for the backups; a directory holding anything
+            else is refused.
+        save_freq: "epoch", or a number of batches between backups.
+        delete_checkpoint: delete the backups when training finishes.
+        max_to_keep: complete backups kept on disk.
+        async_save: write in the background while training continues.
+    """
+
+    handles_preemption = True
+
+    def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint: bool = True, max_to_keep: int = 2,
+                 async_save: bool = True):
+        super().__init__()
+        if save_freq != "epoch" and (not isinstance(save_freq, int) or save_freq < 1):
+            raise ValueError(f"`save_freq` must be 'epoch' or a positive int. Received: save_freq={save_freq!r}.")
+        self.backup_dir = os.fspath(backup_dir)
+        self.save_freq = save_freq
+        self.delete_checkpoint = delete_checkpoint
+        self.max_to_keep = max_to_keep
+        self.async_save = async_save
+        self._dir: CheckpointDir | None = None
+        self._epoch = 0
+        self._saved_step = 0
+
+    # -- what goes into a backup ---------------------------------------------------
+
+    def _siblings(self):
+        return [cb for cb in self.model._fit_callbacks if cb is not self]
+
+    def _save(self, epoch: int, step_in_epoch: int, logs=None, *, wait: bool = False) -> None:
+        model = self.model
+        history = model.history
+        history_dict = {k: list(v) for k, v in history.history.items()}
+        history_epochs = list(history.epoch)
+        if logs is not None and epoch - 1 not in history_epochs and step_in_epoch == 0:
+            # Saving at an epoch end before History recorded it (History runs later).
+            history_epochs.append(epoch - 1)
+            for k, v in logs.items():
+                history_dict.setdefault(k, []).append(v)
+        arrays: dict = {}
+        callbacks = {f"{i}:{type(cb).__name__}": split_arrays(cb.state_dict(), arrays)
+                     for i, cb in enumerate(self._siblings())}
+        arrays = {k: np.asarray(v) for k, v in arrays.items()}
+        data = split_arrays(model._fit_data_state(), arrays)
+        meta = {"epoch": epoch, "step_in_epoch": step_in_epoch, "history": history_dict,
+                "history_epochs": history_epochs, "callbacks": callbacks, "data": data, "format": 1,
+                "array_specs": {k: [list(v.shape), str(v.dtype)] for k, v in arrays.items()}}
+        step = int(model._host_step)
+        self._dir.save(step, {"train": model._state, "arrays": arrays}, meta, wait=wait or not self.async_save)
+        self._saved_step = step
+
+    def _restore(self) -> None:
+        model = self.model
+
+        def template(meta):  # array shapes are in the meta, so the restore has a full target
+            arrays = {k: np.zeros(shape, dtype) for k, (shape, dtype) in meta["array_specs"].items()}
+            return {"train": model._state, "arrays": arrays}
+
+        found = self._dir.restore_latest(template)
+        if found is None:
+            return
+        step, state, meta = found
+        arrays = {k: np.asarray(v) for k, v in state["arrays"].items()}
+        model._state = state["train"]
+        model._host_step = step
+        model.history.history.update(meta["history"])
+        model.history.epoch[:] = meta["history_epochs"]
+        for i, cb in enumerate(self._siblings()):
+            saved = meta["callbacks"].get(f"{i}:{type(cb).__name__}")
+            if saved:
+                cb.load_state_dict(join_arrays(saved, arrays))
+        model._restore_fit_data_state(join_arrays(meta["data"], arrays))
+        model._resume_point = (meta["epoch"], meta["step_in_epoch"])
+        if model.strategy.is_chief:
+            print(f"BackupAndRestore: resumed from {self._dir.directory} at epoch {meta['epoch'] + 1}, "
+                  f"batch {meta['step_in_epoch']} (step {step}).", flush=True)
+
+    # -- hooks ---------------------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        self._dir = CheckpointDir(self.backup_dir, "backup", max_to_keep=self.max_to_keep,
+                                  async_save=self.async_save)
+        self._saved_step = self.model._host_step
+        self._restore()
+        self._saved_step = self.model._host_step
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.save_freq != "epoch" and self.model._host_step // self.save_freq > self._saved_step // self.save_freq:
+            self._save(self._epoch, batch + 1)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.save_freq == "epoch":
+            self._save(epoch + 1, 0, logs)
+
+    def on_preemption(self, epoch, step_in_epoch):
+        self._save(epoch, step_in_epoch, wait=True)
+
+    def on_train_end(self, logs=None):
+        self._dir.close()
+        if self.delete_checkpoint and self.model.strategy.is_chief:
+            shutil.rmtree(self._dir.directory, ignore_errors=True)

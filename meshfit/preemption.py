@@ -1,0 +1,68 @@
+"""Noticing a preemption (SIGTERM) and agreeing on the step to stop at.
+
+While a `PreemptionWatch` is armed, SIGTERM no longer kills the process: it
+sets a flag, and the training loop stops at the next step boundary, after the
+callbacks that handle preemption (BackupAndRestore) have saved. In a
+multi-process job JAX's preemption sync point makes every process stop at the
+same step. `fit` then raises `Preempted`, which exits with status 143
+(128 + SIGTERM) unless caught.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import jax
+
+PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
+
+
+class Preempted(SystemExit):
+    """Raised by `fit` after a preemption was handled; exits with `PREEMPTED_EXIT_CODE`."""
+
+    def __init__(self, message: str = "Training was preempted (SIGTERM); a backup was saved."):
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _sync_manager():
+    from jax._src import distributed
+
+    return distributed.global_state.preemption_sync_manager
+
+
+class PreemptionWatch:
+    """Arms a SIGTERM handler (main thread only) for the duration of a `with` block."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+        self._armed = False
+
+    def __enter__(self):
+        # In a multi-process job JAX's own preemption notifier owns SIGTERM.
+        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._armed = True
+        return self
+
+    def __exit__(self, *exc):
+        if self._armed:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._armed = False
+
+    def _on_sigterm(self, signum, frame):
+        del signum, frame
+        self.requested = True
+
+    def should_stop(self, step: int) -> bool:
+        """True at the step every process stops at (checked between steps)."""
+        if jax.process_count() > 1 and _sync_manager() is not None:
+            from jax.experimental import multihost_utils
+
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.requested

@@ -1,0 +1,71 @@
+"""Worker for resume tests: trains with BackupAndRestore and writes the final weights and History.
+
+    python train_resumable.py OUT_DIR BACKUP_DIR [--save-freq N] [--spe K] [--epochs E] [--strategy S]
+Prints "step <global step>" after every batch (flushed), so a test can kill it at a known step.
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import meshfit as mf  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("backup")
+    parser.add_argument("--save-freq", default="3")
+    parser.add_argument("--spe", type=int, default=1)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--strategy", default="one_device", choices=["one_device", "multi_worker"])
+    parser.add_argument("--slow", type=float, default=0.0, help="seconds to sleep after each batch")
+    parser.add_argument("--die-at-step", type=int, default=None,
+                        help="in the first attempt of a launched job, rank 1 SIGKILLs itself at this step")
+    args = parser.parse_args()
+    strategy = (mf.strategies.MultiWorkerMirroredStrategy() if args.strategy == "multi_worker"
+                else mf.strategies.OneDeviceStrategy())
+    import time
+
+    import numpy as np
+    from helpers import MLP, classification_data
+
+    x, y = classification_data(n=200)
+    with strategy.scope():
+        model = mf.Model(MLP(din=4, hidden=32, dout=3, dropout=0.2), seed=7)
+        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"], steps_per_execution=args.spe)
+
+    first_attempt = os.environ.get("MESHFIT_RESTART_COUNT", "0") == "0"
+
+    def on_batch_end(batch, logs):
+        print(f"step {model._host_step}", flush=True)
+        if args.die_at_step == model._host_step and first_attempt and strategy.process_index == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if args.slow:
+            time.sleep(args.slow)
+
+    save_freq = "epoch" if args.save_freq == "epoch" else int(args.save_freq)
+    callbacks = [
+        mf.callbacks.LambdaCallback(on_train_batch_end=on_batch_end),
+        mf.callbacks.EarlyStopping(monitor="val_loss", patience=10, restore_best_weights=True),
+        mf.callbacks.ReduceLROnPlateau(monitor="loss", patience=1, factor=0.5, min_delta=0.05),
+        mf.callbacks.BackupAndRestore(args.backup, save_freq=save_freq),
+    ]
+    history = model.fit(x, y, batch_size=16, epochs=args.epochs, validation_split=0.2, callbacks=callbacks,
+                        verbose=0)
+    if strategy.process_index == 0:
+        os.makedirs(args.out, exist_ok=True)
+        np.savez(os.path.join(args.out, "weights.npz"), *model.get_weights())
+        with open(os.path.join(args.out, "history.json"), "w") as f:
+            json.dump({"history": history.history, "epoch": history.epoch,
+                       "lr": model.optimizer.learning_rate}, f)
+    print("finished", flush=True)
+
+
+if __name__ == "__main__":
+    main()
