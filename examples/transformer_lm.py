@@ -194,14 +194,17 @@ def sharding_rules(tied: bool) -> list[tuple[str, tuple]]:
     (see the summary). Unmatched parameters (LayerNorms, small biases) fall to
     the default rule, which replicates arrays under 4096 elements.
     """
+    # Trailing dimensions left out of a spec are replicated. (Writing them as a
+    # trailing None is equivalent, but JAX returns the step's outputs with the
+    # Nones dropped, so the train step would compile a second time.)
     rules = [
-        (r"attn/(query|key|value)/kernel", ("fsdp", "tensor", None)),  # (d, heads, hd): column-parallel
-        (r"attn/(query|key|value)/bias", ("tensor", None)),  # (heads, hd)
+        (r"attn/(query|key|value)/kernel", ("fsdp", "tensor")),  # (d, heads, hd): column-parallel
+        (r"attn/(query|key|value)/bias", ("tensor",)),  # (heads, hd)
         (r"attn/out/kernel", ("tensor", None, "fsdp")),  # (heads, hd, d): row-parallel
         (r"mlp/up/kernel", ("fsdp", "tensor")),  # (d, 4d): column-parallel
         (r"mlp/up/bias", ("tensor",)),
         (r"mlp/down/kernel", ("tensor", "fsdp")),  # (4d, d): row-parallel
-        (r"(tok|pos)_embed/embedding", ("fsdp", None)),  # (vocab | context, d)
+        (r"(tok|pos)_embed/embedding", ("fsdp",)),  # (vocab | context, d)
     ]
     if not tied:
         rules.append((r"lm_head/kernel", ("fsdp", "tensor")))  # (d, vocab): vocab-parallel logits
@@ -256,9 +259,9 @@ def parse_args(argv=None):
     parser.add_argument("--context", type=int, default=64, help="bytes per training window")
     parser.add_argument("--untied-head", action="store_true", help="a separate output projection "
                         "instead of reusing the token embedding")
-    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=32, help="global batch size (windows)")
-    parser.add_argument("--steps-per-epoch", type=int, default=50)
+    parser.add_argument("--steps-per-epoch", type=int, default=100)
     parser.add_argument("--validation-steps", type=int, default=10)
     parser.add_argument("--steps-per-execution", type=int, default=1)
     parser.add_argument("--learning-rate", type=float, default=3e-3)

@@ -97,13 +97,24 @@ class CheckpointDir:
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
                                                enable_async_checkpointing=async_save)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=(STATE, META))
+        self.unreadable: set[int] = set()
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints, oldest first."""
         return sorted(self.manager.all_steps())
 
     def save(self, step: int, state, meta: dict[str, Any], *, wait: bool = False) -> None:
-        """Starts writing checkpoint `step`; with `wait`, returns when it is complete."""
+        """Starts writing checkpoint `step`; with `wait`, returns when it is complete.
+
+        If a readable checkpoint of this step exists it is kept (a resumed run
+        saves the same values); an unreadable one is moved aside, never deleted.
+        """
+        if step in self.manager.all_steps():
+            if step not in self.unreadable:
+                if wait:
+                    self.manager.wait_until_finished()
+                return
+            self._move_aside(step)
         args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(encode(state)), META: ocp.args.JsonSave(meta)})
         self.manager.save(step, args=args, force=True)
         if wait:
@@ -126,6 +137,19 @@ class CheckpointDir:
         restored = self.manager.restore(step, args=args)
         return decode(restored[STATE], template), meta
 
+    def _move_aside(self, step: int) -> None:
+        source = os.path.join(self.directory, str(step))
+        target = f"{source}.unreadable"
+        if jax.process_index() == 0:
+            suffix = 0
+            while os.path.exists(target):
+                suffix += 1
+                target = f"{source}.unreadable{suffix}"
+            os.rename(source, target)
+            warnings.warn(f"Moved the unreadable checkpoint {source} to {target}.", stacklevel=3)
+        self.manager.reload()
+        self.unreadable.discard(step)
+
     def restore_latest(self, template):
         """The newest readable checkpoint as (step, state, meta), or None if there is none.
 
@@ -135,6 +159,7 @@ class CheckpointDir:
             try:
                 state, meta = self.restore(step, template)
             except Exception as error:  # noqa: BLE001 - any unreadable checkpoint is skipped
+                self.unreadable.add(step)
                 warnings.warn(
                     f"Checkpoint {os.path.join(self.directory, str(step))} could not be read "
                     f"({type(error).__name__}: {str(error)[:200]}); trying the previous one.", stacklevel=2)

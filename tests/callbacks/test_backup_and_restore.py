@@ -1,0 +1,157 @@
+"""BackupAndRestore: real processes killed with SIGKILL or SIGTERM resume exactly; damage is skipped.
+
+Resumed runs are compared with uninterrupted ones bitwise (CPU, same machine: the
+same computations in the same order give the same bits).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+from helpers import MLP, classification_data
+
+import meshfit as mf
+
+WORKER = os.path.join(os.path.dirname(__file__), "..", "workers", "train_resumable.py")
+
+
+def run_worker(out, backup, *args, stop_at=None, sig=signal.SIGKILL, timeout=180):
+    """Runs the worker; with `stop_at`, sends `sig` when it prints that step. Returns (status, stdout)."""
+    proc = subprocess.Popen([sys.executable, WORKER, str(out), str(backup), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    if stop_at is not None:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.strip() == f"step {stop_at}":
+                proc.send_signal(sig)
+                break
+    out_text, err = proc.communicate(timeout=timeout)
+    return proc.returncode, "".join(lines) + out_text + err
+
+
+def load(out):
+    weights = np.load(os.path.join(out, "weights.npz"))
+    return [weights[f"arr_{i}"] for i in range(len(weights.files))], json.loads(
+        open(os.path.join(out, "history.json")).read())
+
+
+def assert_same_run(a, b):
+    (wa, ha), (wb, hb) = load(a), load(b)
+    assert len(wa) == len(wb)
+    for x, y in zip(wa, wb):
+        np.testing.assert_array_equal(x, y)  # bitwise
+    assert ha == hb
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    base = tmp_path_factory.mktemp("full")
+    runs = {}
+    for name, args in {"freq3": ("--slow", "0"), "spe2": ("--spe", "2", "--save-freq", "epoch")}.items():
+        status, output = run_worker(base / name, base / f"{name}-backup", *args)
+        assert status == 0, output
+        assert not (base / f"{name}-backup").exists()  # deleted after a finished fit
+        runs[name] = base / name
+    return runs
+
+
+def test_sigkill_mid_epoch_then_restart_is_bitwise_identical(tmp_path, uninterrupted):
+    backup = tmp_path / "backup"
+    status, output = run_worker(tmp_path / "out", backup, "--slow", "0.02", stop_at=17)
+    assert status == -signal.SIGKILL
+    steps = sorted(int(p) for p in os.listdir(backup) if p.isdigit())
+    assert steps and max(steps) in (12, 15)  # every 3 steps; the newest may still have been in flight
+    status, output = run_worker(tmp_path / "out", backup)
+    assert status == 0, output
+    assert "BackupAndRestore: resumed" in output and "batch" in output
+    assert_same_run(tmp_path / "out", uninterrupted["freq3"])
+
+
+def test_sigkill_with_steps_per_execution_and_epoch_backups(tmp_path, uninterrupted):
+    backup = tmp_path / "backup"
+    status, _ = run_worker(tmp_path / "out", backup, "--spe", "2", "--save-freq", "epoch", "--slow", "0.02",
+                           stop_at=24)
+    assert status == -signal.SIGKILL
+    status, output = run_worker(tmp_path / "out", backup, "--spe", "2", "--save-freq", "epoch")
+    assert status == 0, output
+    # Epoch-end backups: the one after epoch 2 may still have been in flight at the kill.
+    assert "resumed from" in output and ("at epoch 3, batch 0" in output or "at epoch 2, batch 0" in output)
+    assert_same_run(tmp_path / "out", uninterrupted["spe2"])
+
+
+def test_sigterm_saves_exits_143_and_resumes_exactly(tmp_path, uninterrupted):
+    backup = tmp_path / "backup"
+    status, output = run_worker(tmp_path / "out", backup, "--slow", "0.02", stop_at=13, sig=signal.SIGTERM)
+    assert status == mf.PREEMPTED_EXIT_CODE == 143, output
+    steps = sorted(int(p) for p in os.listdir(backup) if p.isdigit())
+    assert steps[-1] in (13, 14)  # saved at the next step boundary after the signal
+    status, output = run_worker(tmp_path / "out", backup)
+    assert status == 0, output
+    assert_same_run(tmp_path / "out", uninterrupted["freq3"])
+
+
+def train_in_process(backup_dir, epochs, **backup_kwargs):
+    x, y = classification_data(n=96)
+    model = mf.Model(MLP(), seed=3)
+    model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    backup = mf.callbacks.BackupAndRestore(backup_dir, **backup_kwargs)
+    history = model.fit(x, y, batch_size=16, epochs=epochs, callbacks=[backup], verbose=0)
+    return model, history
+
+
+def test_corrupt_newest_backup_is_skipped_for_the_previous_one(tmp_path):
+    backup = tmp_path / "backup"
+    train_in_process(backup, 2, save_freq=4, delete_checkpoint=False, max_to_keep=3)
+    steps = sorted(int(p) for p in os.listdir(backup) if p.isdigit())
+    assert steps == [4, 8, 12]
+    newest = backup / "12" / "state"
+    data_files = [os.path.join(root, f) for root, _, files in os.walk(newest) for f in files
+                  if os.path.getsize(os.path.join(root, f)) > 0 and "d" in root.split(os.sep)[-1:]]
+    assert data_files, "expected OCDBT data files in the checkpoint"
+    for path in data_files:  # truncate the array data: the write "cut off"
+        with open(path, "r+b") as f:
+            f.truncate(3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, history = train_in_process(backup, 2, save_freq=4, delete_checkpoint=False, max_to_keep=3)
+    messages = [str(w.message) for w in caught]
+    assert any(str(backup / "12") in m and "could not be read" in m for m in messages), messages
+    # Resumed from step 8 (epoch 1, batch 2), so the fit ran the last 4 steps of epoch 2 again.
+    assert int(model._state.step) == 12
+    assert history.epoch == [0, 1]
+
+
+def test_foreign_directory_is_refused_and_kept(tmp_path):
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("important")
+    with pytest.raises(FileExistsError, match="meshfit did not write"):
+        train_in_process(foreign, 1)
+    assert (foreign / "notes.txt").read_text() == "important"
+
+
+def test_bad_save_freq():
+    with pytest.raises(ValueError, match="`save_freq` must be 'epoch' or a positive int"):
+        mf.callbacks.BackupAndRestore("/tmp/x", save_freq=0)
+
+
+def test_restart_under_launch_with_a_killed_worker(tmp_path):
+    """2 processes, rank 1 SIGKILLs itself mid-epoch; --max-restarts resumes; equals an uninterrupted job."""
+    common = ["--strategy", "multi_worker"]
+    launch = [sys.executable, "-m", "meshfit.cli", "launch", "--nprocs", "2", "--devices-per-proc", "2"]
+    killed = subprocess.run(launch + ["--max-restarts", "2", WORKER, str(tmp_path / "a"), str(tmp_path / "ab"),
+                                      *common, "--die-at-step", "14", "--slow", "0.02"],
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == 0, killed.stdout[-3000:] + killed.stderr[-3000:]
+    assert "rank 1 exited with status -9" in killed.stderr and "restarting the job (1/2)" in killed.stderr
+    assert "[rank 0] BackupAndRestore: resumed" in killed.stdout
+    clean = subprocess.run(launch + [WORKER, str(tmp_path / "b"), str(tmp_path / "bb"), *common],
+                           capture_output=True, text=True, timeout=300)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    assert_same_run(tmp_path / "a", tmp_path / "b")
