@@ -124,16 +124,23 @@ class CheckpointDir:
         """The JSON part of checkpoint `step`."""
         return dict(self.manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META])
 
-    def restore(self, step: int, template):
+    def restore(self, step: int, template, *, partial: bool = False):
         """Restores checkpoint `step`; returns (state, meta).
 
         `template` is a pytree of arrays laid out as the restored state should
-        be, or a function of the checkpoint's meta that returns one.
+        be, or a function of the checkpoint's meta that returns one. With
+        `partial`, the template may name a subset of what was saved.
         """
         meta = self.read_meta(step)
         if callable(template):
             template = template(meta)
-        args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract(template))})
+        target = abstract(template)
+        if partial:  # the PyTree handler reads Standard checkpoints and can skip what the target lacks
+            restore = ocp.args.PyTreeRestore(item=target, partial_restore=True,
+                                             restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+        else:
+            restore = ocp.args.StandardRestore(target)
+        args = ocp.args.Composite(**{STATE: restore})
         restored = self.manager.restore(step, args=args)
         return decode(restored[STATE], template), meta
 
@@ -150,14 +157,15 @@ class CheckpointDir:
         self.manager.reload()
         self.unreadable.discard(step)
 
-    def restore_latest(self, template):
+    def restore_latest(self, template, *, partial: bool = False, steps=None):
         """The newest readable checkpoint as (step, state, meta), or None if there is none.
 
         A checkpoint that fails to load is skipped with a warning naming it.
+        `steps` limits the candidates (default: all complete checkpoints).
         """
-        for step in reversed(self.steps()):
+        for step in reversed(sorted(self.steps() if steps is None else steps)):
             try:
-                state, meta = self.restore(step, template)
+                state, meta = self.restore(step, template, partial=partial)
             except Exception as error:  # noqa: BLE001 - any unreadable checkpoint is skipped
                 self.unreadable.add(step)
                 warnings.warn(

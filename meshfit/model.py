@@ -18,6 +18,7 @@ from meshfit import data as data_lib
 from meshfit import losses as losses_lib
 from meshfit import metrics as metrics_lib
 from meshfit import optimizers as optimizers_lib
+from meshfit import saving
 from meshfit.loop import evaluate_loop, fit_loop, predict_loop
 from meshfit.modules import adapt
 from meshfit.runner import Runner
@@ -155,8 +156,8 @@ class Model:
         state = self._state
         state = state._replace(opt_state=tx.init(state.params), metrics=(), step=jnp.zeros((), jnp.int32))
         self._state = self.strategy.place_state(state, self._adapter.partition_specs())
-        self._compiled = dict(tx=tx, loss=loss_obj, loss_id=loss, metrics=metric_ids, weighted=weighted_ids,
-                              steps_per_execution=steps_per_execution)
+        self._compiled = dict(tx=tx, optimizer_id=optimizer, loss=loss_obj, loss_id=loss, metrics=metric_ids,
+                              weighted=weighted_ids, steps_per_execution=steps_per_execution)
         self._runner = None
         self._host_step = 0
         self.optimizer = optimizers_lib.Optimizer(tx, self)
@@ -389,6 +390,18 @@ class Model:
         if print_fn is not None:
             print_fn(text)
         return text
+
+    def save(self, path, overwrite: bool = False) -> None:
+        """Saves weights, optimizer state, step and compile settings (Orbax); see `meshfit.load_model`."""
+        saving.save_model(self, path, overwrite=overwrite)
+
+    def save_weights(self, path, overwrite: bool = False) -> None:
+        """Saves the weights (Orbax). Nothing already at `path` is overwritten unless `overwrite=True`."""
+        saving.save_weights(self, path, overwrite=overwrite)
+
+    def load_weights(self, path) -> None:
+        """Loads weights saved by `save_weights`, `save` or `ModelCheckpoint`, onto this model's layout."""
+        saving.load_weights(self, path)
 
     def count_params(self) -> int:
         return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(self._state.params))

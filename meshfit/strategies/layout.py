@@ -40,13 +40,17 @@ def path_name(path) -> str:
 
 
 def as_spec(spec) -> P:
-    if isinstance(spec, P):
-        return spec
-    if spec is None:
-        return P()
+    """A PartitionSpec from a spec, an axis name or a tuple, without trailing Nones.
+
+    JAX reports layouts without trailing Nones, so a rule written with them
+    must be normalised or the step's output layout would differ from its input's.
+    """
     if isinstance(spec, str):
-        return P(spec)
-    return P(*spec)
+        spec = (spec,)
+    entries = list(spec) if spec is not None else []
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
 
 
 def _axes_of(entry) -> tuple[str, ...]:
@@ -108,7 +112,7 @@ def default_spec(shape: tuple[int, ...], mesh: Mesh, fsdp_axis: str, min_shard_s
         return P()
     for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
         if shape[dim] % size == 0:
-            return P(*([None] * dim + [fsdp_axis]))
+            return P(*([None] * dim + [fsdp_axis]))  # no trailing Nones
     return P()
 
 
@@ -131,7 +135,8 @@ def resolve_specs(tree, mesh: Mesh, *, rules: Rules = (), hints=None, logical_ax
                 return check_spec(spec, shape, mesh, name, f"rule ({pattern!r}, {spec})")
         hint = hint_by_name.get(name)
         if isinstance(hint, P) and len(hint):
-            return check_spec(map_logical(hint, logical, mesh), shape, mesh, name, f"its sharding metadata {hint} ->")
+            mapped = as_spec(map_logical(hint, logical, mesh))
+            return check_spec(mapped, shape, mesh, name, f"its sharding metadata {hint} ->")
         return default_spec(shape, mesh, fsdp_axis, min_shard_size)
 
     specs = jax.tree_util.tree_map_with_path(resolve, tree)

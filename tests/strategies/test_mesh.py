@@ -26,7 +26,7 @@ class Block(nnx.Module):
         return self.head(nnx.relu(self.down(h)))
 
 
-MEGATRON = [(r"up/kernel", (None, "tensor")), (r"up/bias", ("tensor",)),
+MEGATRON = [(r"up/kernel", (None, "tensor")), (r"up/bias", ("tensor", None)),  # a trailing None is normalised
             (r"down/kernel", ("tensor", "fsdp"))]
 
 

@@ -1,0 +1,145 @@
+"""Saving and loading models and weights with Orbax, onto any strategy or mesh.
+
+A saved model is a directory holding one Orbax checkpoint: the weights, the
+optimizer state and step, and a JSON record of how the model was compiled.
+Flax modules are Python code, so loading takes a module of the same
+architecture (`load_model(path, module)`), as Orbax restores into a template.
+Arrays are laid out as the loading model's strategy decides: saved under
+MirroredStrategy on 8 devices, restored on one device or sharded with fsdp.
+"""
+
+from __future__ import annotations
+
+import os
+
+from meshfit.checkpoint import CheckpointDir
+
+FORMAT = 1
+
+
+def weights_tree(model) -> dict:
+    """The part of a model's state that `get_weights` covers, as saved on disk."""
+    return {"params": model._state.params, "model_state": model._state.model_state}
+
+
+def training_tree(model) -> dict:
+    """Weights plus optimizer state and step: enough to continue training."""
+    tree = {"weights": weights_tree(model), "step": model._state.step}
+    if model._state.opt_state is not None:
+        tree["opt_state"] = model._state.opt_state
+    return tree
+
+
+def set_from_tree(model, tree: dict) -> None:
+    """Puts restored values (already laid out for this model) into its state."""
+    state = model._state._replace(params=tree["weights"]["params"], model_state=tree["weights"]["model_state"])
+    if "step" in tree:
+        state = state._replace(step=tree["step"])
+    if "opt_state" in tree:
+        state = state._replace(opt_state=tree["opt_state"])
+    model._state = state
+
+
+def compile_record(model) -> dict | None:
+    """How the model was compiled, where that can be written down (names)."""
+    compiled = model._compiled
+    if compiled is None:
+        return None
+    names = lambda values: [v for v in values if isinstance(v, str)]  # noqa: E731
+    optimizer = compiled["optimizer_id"] if isinstance(compiled["optimizer_id"], str) else None
+    loss = compiled["loss_id"] if isinstance(compiled["loss_id"], str) else None
+    return {"optimizer": optimizer, "loss": loss, "metrics": names(compiled["metrics"])}
+
+
+def _open(path, kind: str) -> CheckpointDir:
+    return CheckpointDir(os.fspath(path), kind, max_to_keep=1, async_save=False)
+
+
+def _write(path, kind: str, tree, meta: dict, overwrite: bool) -> None:
+    ckpt = _open(path, kind)
+    try:
+        steps = ckpt.steps()
+        if steps and not overwrite:
+            raise FileExistsError(f"{ckpt.directory!r} already holds a saved {kind}. Pass overwrite=True to replace it.")
+        # A new number: the old checkpoint is deleted only once this one is complete.
+        ckpt.save(max(steps) + 1 if steps else 0, tree, meta, wait=True)
+    finally:
+        ckpt.close()
+
+
+def save_model(model, path, overwrite: bool = False) -> None:
+    """Writes weights, optimizer state, step and compile settings to `path`."""
+    meta = {"format": FORMAT, "compile": compile_record(model), "has_optimizer": model._state.opt_state is not None}
+    _write(path, "model", training_tree(model), meta, overwrite)
+
+
+def save_weights(model, path, overwrite: bool = False) -> None:
+    """Writes the weights (trainable and non-trainable) to `path`."""
+    _write(path, "weights", {"weights": weights_tree(model)}, {"format": FORMAT}, overwrite)
+
+
+def _kind_of(path) -> str:
+    import json
+
+    marker = os.path.join(os.fspath(path), "meshfit_checkpoints.json")
+    if not os.path.exists(marker):
+        raise FileNotFoundError(f"No meshfit checkpoint at {os.fspath(path)!r}.")
+    with open(marker) as f:
+        return json.load(f)["kind"]
+
+
+def load_weights(model, path) -> None:
+    """Loads weights saved by `save_weights`, `save` or `ModelCheckpoint` (its newest checkpoint).
+
+    Arrays are laid out by the model's strategy, whatever layout saved them.
+    """
+    ckpt = _open(path, _kind_of(path))
+    try:
+        found = ckpt.restore_latest({"weights": weights_tree(model)}, partial=True)
+    finally:
+        ckpt.close()
+    if found is None:
+        raise FileNotFoundError(f"{os.fspath(path)!r} holds no complete checkpoint.")
+    set_from_tree(model, found[1])
+
+
+def load_model(path, module, *, sample_input=None, seed: int = 0, compile: bool = True, **compile_kwargs):
+    """Loads a model saved with `model.save` into `module` (same architecture).
+
+    Args:
+        path: the directory `model.save` wrote.
+        module: a Flax module of the saved architecture (its values are replaced).
+        sample_input: for Linen modules, as in `Model`.
+        seed: as in `Model`.
+        compile: compile the model as it was saved (optimizer, loss and
+            metrics given by name), `compile_kwargs` overriding them; the
+            optimizer state and step are restored too. With False, or when the
+            optimizer was not a name and none is passed, only weights load.
+        **compile_kwargs: arguments for `Model.compile`.
+
+    Returns:
+        A `meshfit.Model` under the current strategy.
+    """
+    from meshfit.model import Model
+
+    model = Model(module, sample_input=sample_input, seed=seed)
+    ckpt = _open(path, "model")
+    try:
+        steps = ckpt.steps()
+        if not steps:
+            raise FileNotFoundError(f"{ckpt.directory!r} holds no complete saved model.")
+        meta = ckpt.read_meta(steps[-1])
+        saved = meta.get("compile") or {}
+        kwargs = {k: v for k, v in saved.items() if v}
+        kwargs.update(compile_kwargs)
+        if compile and kwargs.get("optimizer") is not None:
+            model.compile(**kwargs)
+        with_optimizer = model._state.opt_state is not None and meta.get("has_optimizer")
+        template = training_tree(model) if with_optimizer else {"weights": weights_tree(model)}
+        found = ckpt.restore_latest(template, partial=True)
+    finally:
+        ckpt.close()
+    if found is None:
+        raise FileNotFoundError(f"{ckpt.directory!r} holds no readable saved model.")
+    set_from_tree(model, found[1])
+    return model
