@@ -563,6 +563,8 @@ class LossFunctionWrapper(Loss):
         super().__init__(name=name, reduction=reduction, dtype=dtype)
         self.fn = fn
         self._fn_kwargs = kwargs
+        for key, value in kwargs.items():  # Keras exposes these as attributes
+            setattr(self, key, value)
 
     def call(self, y_true, y_pred):
         if hasattr(y_true, "ndim") and hasattr(y_pred, "ndim"):
@@ -640,7 +642,6 @@ class CosineSimilarity(LossFunctionWrapper):
         super().__init__(
             cosine_similarity, name=name, reduction=reduction, dtype=dtype, axis=axis
         )
-        self.axis = axis
 
 
 class Huber(LossFunctionWrapper):
@@ -656,7 +657,6 @@ class Huber(LossFunctionWrapper):
         super().__init__(
             huber, name=name, reduction=reduction, dtype=dtype, delta=delta
         )
-        self.delta = delta
 
 
 class LogCosh(LossFunctionWrapper):
@@ -736,9 +736,6 @@ class BinaryCrossentropy(LossFunctionWrapper):
             label_smoothing=label_smoothing,
             axis=axis,
         )
-        self.from_logits = from_logits
-        self.label_smoothing = label_smoothing
-        self.axis = axis
 
 
 class BinaryFocalCrossentropy(LossFunctionWrapper):
@@ -778,12 +775,6 @@ class BinaryFocalCrossentropy(LossFunctionWrapper):
             label_smoothing=label_smoothing,
             axis=axis,
         )
-        self.apply_class_balancing = apply_class_balancing
-        self.alpha = alpha
-        self.gamma = gamma
-        self.from_logits = from_logits
-        self.label_smoothing = label_smoothing
-        self.axis = axis
 
 
 class CategoricalCrossentropy(LossFunctionWrapper):
@@ -815,9 +806,6 @@ class CategoricalCrossentropy(LossFunctionWrapper):
             label_smoothing=label_smoothing,
             axis=axis,
         )
-        self.from_logits = from_logits
-        self.label_smoothing = label_smoothing
-        self.axis = axis
 
 
 class CategoricalFocalCrossentropy(LossFunctionWrapper):
@@ -854,11 +842,6 @@ class CategoricalFocalCrossentropy(LossFunctionWrapper):
             label_smoothing=label_smoothing,
             axis=axis,
         )
-        self.alpha = alpha
-        self.gamma = gamma
-        self.from_logits = from_logits
-        self.label_smoothing = label_smoothing
-        self.axis = axis
 
 
 class SparseCategoricalCrossentropy(LossFunctionWrapper):
@@ -889,9 +872,6 @@ class SparseCategoricalCrossentropy(LossFunctionWrapper):
             ignore_class=ignore_class,
             axis=axis,
         )
-        self.from_logits = from_logits
-        self.ignore_class = ignore_class
-        self.axis = axis
 
     def _values_and_mask(self, y_true, y_pred):
         y_true, y_pred = squeeze_or_expand_to_same_rank(

@@ -208,6 +208,8 @@ class MeanMetricWrapper(Mean):
         super().__init__(name=name, dtype=dtype)
         self._fn = fn
         self._fn_kwargs = kwargs
+        for key, value in kwargs.items():  # Keras exposes these as attributes
+            setattr(self, key, value)
 
     def _values_and_mask(self, y_true, y_pred):
         return self._fn(y_true, y_pred, **self._fn_kwargs), None
@@ -371,7 +373,6 @@ class SparseTopKCategoricalAccuracy(MeanMetricWrapper):
         super().__init__(
             sparse_top_k_categorical_accuracy, name=name, dtype=dtype, k=k
         )
-        self.k = k
 
 
 class MeanSquaredError(MeanMetricWrapper):
@@ -479,8 +480,6 @@ class BinaryCrossentropy(MeanMetricWrapper):
             from_logits=from_logits,
             label_smoothing=label_smoothing,
         )
-        self.from_logits = from_logits
-        self.label_smoothing = label_smoothing
 
 
 class CategoricalCrossentropy(MeanMetricWrapper):
@@ -504,9 +503,6 @@ class CategoricalCrossentropy(MeanMetricWrapper):
             label_smoothing=label_smoothing,
             axis=axis,
         )
-        self.from_logits = from_logits
-        self.label_smoothing = label_smoothing
-        self.axis = axis
 
 
 class SparseCategoricalCrossentropy(MeanMetricWrapper):
@@ -530,9 +526,6 @@ class SparseCategoricalCrossentropy(MeanMetricWrapper):
             ignore_class=ignore_class,
             axis=axis,
         )
-        self.from_logits = from_logits
-        self.ignore_class = ignore_class
-        self.axis = axis
 
     def _values_and_mask(self, y_true, y_pred):
         return losses_lib._sparse_ce_and_mask(
