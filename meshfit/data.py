@@ -186,11 +186,13 @@ class ArrayData:
         for order, within in self._positions(epoch, start_step):
             yield self._take_all(*self._rows(order, within))
 
-    def executions(self, epoch: int, size: int, start_step: int = 0) -> Iterator[tuple[int, Batch]]:
+    def executions(self, epoch: int, size: int, start_step: int = 0,
+                   pad_last: bool = True) -> Iterator[tuple[int, Batch | list[Batch]]]:
         """Yields `(count, batches)`: `size` batches stacked on a new leading axis.
 
-        Gathers all rows of a group in one indexing operation; a short last
-        group is filled with fully masked batches.
+        Gathers all rows of a group in one indexing operation. A short last
+        group is filled with fully masked batches, or with `pad_last=False`
+        comes as a list of single batches.
         """
         if size == 1:
             for batch in self.epoch(epoch, start_step):
@@ -199,6 +201,9 @@ class ArrayData:
         for group_rows in _chunks(self._positions(epoch, start_step), size):
             rows = [self._rows(order, within) for order, within in group_rows]
             count = len(rows)
+            if count < size and not pad_last:
+                yield count, [self._take_all(*r) for r in rows]
+                continue
             rows += [(rows[0][0], np.zeros_like(rows[0][1]))] * (size - count)
             index = np.concatenate([np.arange(self.num_samples)[i] if isinstance(i, slice) else i for i, _ in rows])
             batch = self._take_all(index, None)
@@ -359,7 +364,8 @@ class IterableData:
                 yield self._to_batch(element)
             step += 1
 
-    def executions(self, epoch: int, size: int, start_step: int = 0) -> Iterator[tuple[int, Batch]]:
+    def executions(self, epoch: int, size: int, start_step: int = 0,
+                   pad_last: bool = True) -> Iterator[tuple[int, Batch | list[Batch]]]:
         """Yields `(count, batches)`, `size` batches stacked (see `ArrayData.executions`)."""
         batches = self.epoch(epoch, start_step)
         if size == 1:
@@ -367,7 +373,10 @@ class IterableData:
                 yield 1, batch
             return
         for chunk in _chunks(batches, size):
-            yield len(chunk), stack_batches(chunk, size)
+            if len(chunk) < size and not pad_last:
+                yield len(chunk), chunk
+            else:
+                yield len(chunk), stack_batches(chunk, size)
 
     def peek(self) -> Batch:
         """The first batch, without losing it for a later epoch (to build the model)."""

@@ -71,7 +71,7 @@ def fit_loop(model, train_data, *, epochs: int, initial_epoch: int, callbacks: C
                 runner.reset_train_metrics()  # else they were restored mid-epoch
             callbacks.on_epoch_begin(epoch)
             logs, step = None, start_step
-            for count, batch in train_data.executions(epoch, runner.steps_per_execution, start_step):
+            for count, batch in train_data.executions(epoch, runner.steps_per_execution, start_step, pad_last=False):
                 for hook in batch_begin:
                     hook(step)
                 logs = runner.train(batch)

@@ -21,6 +21,8 @@ class Runner:
         multi = self.stacked = steps_per_execution > 1
         compile_ = self.strategy.compile
         self._train = compile_(steps.multi_train_step if multi else steps.train_step, donate_argnums=(0,))
+        # A short last group of an epoch runs step by step (compiled on first use).
+        self._train_one = compile_(steps.train_step, donate_argnums=(0,)) if multi else self._train
         self._evaluate = compile_(steps.multi_eval_step if multi else steps.eval_step, donate_argnums=(1,))
         self._predict = compile_(steps.multi_predict_step if multi else steps.predict_step)
 
@@ -35,8 +37,14 @@ class Runner:
         return self.strategy.replicate(self.steps.init_metrics())
 
     def train(self, host_batch):
-        batch = self.strategy.distribute_batch(host_batch, self.stacked)
-        self.model._state, logs = self._train(self.model._state, batch)
+        """One execution: a (stacked) batch, or a list of single batches (a short last group)."""
+        if isinstance(host_batch, list):
+            for single in host_batch:
+                batch = self.strategy.distribute_batch(single, False)
+                self.model._state, logs = self._train_one(self.model._state, batch)
+        else:
+            batch = self.strategy.distribute_batch(host_batch, self.stacked)
+            self.model._state, logs = self._train(self.model._state, batch)
         self.in_flight.add(logs[LOSS_KEY])
         return logs
 

@@ -2,8 +2,7 @@
 
 Nothing here knows about devices or strategies: each function maps pytrees to
 pytrees and a strategy compiles it. `steps_per_execution=K` wraps a step in a
-`lax.scan` over K stacked batches; batches that are pure padding (mask all
-zero) leave the state untouched, so a short last group needs no recompile.
+`lax.scan` over K stacked batches.
 """
 
 from __future__ import annotations
@@ -109,10 +108,13 @@ class Steps:
     # -- K steps in one call -------------------------------------------------------
 
     def multi_train_step(self, state: TrainState, batches: Batch):
+        """K training steps in one `lax.scan`; every batch must hold real rows.
+
+        (A fully padded batch would still move the optimizer state, so a short
+        last group runs through `train_step` instead.)
+        """
         def body(state, batch):
-            has_rows = jnp.sum(batch.mask) > 0
-            state = jax.lax.cond(has_rows, lambda s: self.train_step(s, batch)[0], lambda s: s, state)
-            return state, None
+            return self.train_step(state, batch)[0], None
 
         state, _ = jax.lax.scan(body, state, batches)
         return state, self.logs(state.metrics)
