@@ -155,3 +155,26 @@ def test_restart_under_launch_with_a_killed_worker(tmp_path):
                            capture_output=True, text=True, timeout=300)
     assert clean.returncode == 0, clean.stderr[-3000:]
     assert_same_run(tmp_path / "a", tmp_path / "b")
+
+
+def test_grain_iterator_position_is_restored(tmp_path):
+    """A continuing grain stream (steps_per_epoch) resumes at the saved iterator state."""
+    grain = pytest.importorskip("grain")
+    x, y = classification_data(n=80)
+    dataset = grain.MapDataset.source([{"x": x[i], "y": y[i]} for i in range(80)]).shuffle(seed=1).repeat().batch(
+        8).map(lambda b: (b["x"], b["y"]))
+
+    def fit(epochs, backup=None):
+        model = mf.Model(MLP(), seed=1)
+        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+        callbacks = [mf.callbacks.BackupAndRestore(backup, delete_checkpoint=False)] if backup else []
+        history = model.fit(dataset.to_iter_dataset(), steps_per_epoch=3, epochs=epochs, callbacks=callbacks,
+                            verbose=0)
+        return model, history
+
+    full, full_history = fit(4)
+    fit(2, tmp_path / "b")  # stops after epoch 2, its backup kept
+    resumed, resumed_history = fit(4, tmp_path / "b")  # resumes at epoch 3 from the saved stream position
+    assert resumed_history.history == full_history.history
+    for a, b in zip(full.get_weights(), resumed.get_weights()):
+        np.testing.assert_array_equal(a, b)
