@@ -141,20 +141,50 @@ def test_bad_save_freq():
         mf.callbacks.BackupAndRestore("/tmp/x", save_freq=0)
 
 
-def test_restart_under_launch_with_a_killed_worker(tmp_path):
+LAUNCH = [sys.executable, "-m", "meshfit.cli", "launch", "--nprocs", "2", "--devices-per-proc", "2"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_two_processes(tmp_path_factory):
+    base = tmp_path_factory.mktemp("launch")
+    clean = subprocess.run(LAUNCH + [WORKER, str(base / "out"), str(base / "backup"), "--strategy", "multi_worker"],
+                           capture_output=True, text=True, timeout=300)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    return base / "out"
+
+
+def test_restart_under_launch_with_a_killed_worker(tmp_path, uninterrupted_two_processes):
     """2 processes, rank 1 SIGKILLs itself mid-epoch; --max-restarts resumes; equals an uninterrupted job."""
-    common = ["--strategy", "multi_worker"]
-    launch = [sys.executable, "-m", "meshfit.cli", "launch", "--nprocs", "2", "--devices-per-proc", "2"]
-    killed = subprocess.run(launch + ["--max-restarts", "2", WORKER, str(tmp_path / "a"), str(tmp_path / "ab"),
-                                      *common, "--die-at-step", "14", "--slow", "0.02"],
+    killed = subprocess.run(LAUNCH + ["--max-restarts", "2", WORKER, str(tmp_path / "a"), str(tmp_path / "ab"),
+                                      "--strategy", "multi_worker", "--die-at-step", "14", "--slow", "0.02"],
                             capture_output=True, text=True, timeout=300)
     assert killed.returncode == 0, killed.stdout[-3000:] + killed.stderr[-3000:]
     assert "rank 1 exited with status -9" in killed.stderr and "restarting the job (1/2)" in killed.stderr
     assert "[rank 0] BackupAndRestore: resumed" in killed.stdout
-    clean = subprocess.run(launch + [WORKER, str(tmp_path / "b"), str(tmp_path / "bb"), *common],
-                           capture_output=True, text=True, timeout=300)
-    assert clean.returncode == 0, clean.stderr[-3000:]
-    assert_same_run(tmp_path / "a", tmp_path / "b")
+    assert_same_run(tmp_path / "a", uninterrupted_two_processes)
+
+
+def test_sigterm_to_every_process_agrees_on_a_step_saves_and_resumes(tmp_path, uninterrupted_two_processes):
+    """A preempted multi-process job: all ranks stop at one step (JAX's sync point), save, exit 143."""
+    proc = subprocess.Popen(LAUNCH + [WORKER, str(tmp_path / "a"), str(tmp_path / "ab"), "--strategy",
+                                      "multi_worker", "--slow", "0.03"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.strip().endswith("step 11"):
+            break
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2
+    for pid in workers:
+        os.kill(int(pid), signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    steps = sorted(int(p) for p in os.listdir(tmp_path / "ab") if p.isdigit())
+    assert steps and steps[-1] >= 11
+    resumed = subprocess.run(LAUNCH + [WORKER, str(tmp_path / "a"), str(tmp_path / "ab"), "--strategy",
+                                       "multi_worker"], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"(step {steps[-1]})" in resumed.stdout
+    assert_same_run(tmp_path / "a", uninterrupted_two_processes)
 
 
 def test_grain_iterator_position_is_restored(tmp_path):
