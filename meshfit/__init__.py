@@ -1,10 +1,10 @@
 """meshfit: Keras-style training for Flax models on JAX, from one device to many hosts."""
 
-from meshfit import callbacks, data, losses, metrics, optimizers, strategies
+from meshfit import callbacks, cluster, data, losses, metrics, optimizers, strategies
 from meshfit.model import Model
 from meshfit.preemption import PREEMPTED_EXIT_CODE, Preempted
 from meshfit.saving import load_model
 
 __version__ = "0.1.0"
 
-__all__ = ["Model", "load_model", "Preempted", "PREEMPTED_EXIT_CODE", "callbacks", "data", "losses", "metrics", "optimizers", "strategies", "__version__"]
+__all__ = ["Model", "load_model", "Preempted", "PREEMPTED_EXIT_CODE", "callbacks", "cluster", "data", "losses", "metrics", "optimizers", "strategies", "__version__"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 
 import jax
 
@@ -19,6 +20,8 @@ ENV_COORDINATOR = "MESHFIT_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "MESHFIT_NUM_PROCESSES"
 ENV_PROCESS_ID = "MESHFIT_PROCESS_ID"
 ENV_HEARTBEAT = "MESHFIT_HEARTBEAT_TIMEOUT"
+# Variables launchers set that reveal a multi-process job JAX may not detect (e.g. Open MPI 5).
+_SIZE_HINTS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS", "WORLD_SIZE")
 
 
 def detected_cluster() -> str | None:
@@ -57,6 +60,12 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     heartbeat = heartbeat_timeout_seconds or _int_env(ENV_HEARTBEAT) or 100
     explicit = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
     if not explicit and num_processes is None and detected_cluster() is None:
+        hinted = {k: os.environ[k] for k in _SIZE_HINTS if os.environ.get(k, "1") not in ("", "0", "1")}
+        if hinted:
+            warnings.warn(
+                f"The environment says this is one of several processes ({hinted}) but JAX detected no cluster, "
+                "so this process trains alone. Pass coordinator_address, num_processes and process_id (or set "
+                f"{ENV_COORDINATOR}, {ENV_NUM_PROCESSES}, {ENV_PROCESS_ID}).", stacklevel=3)
         logger.info("No coordinator address or cluster found; running as a single process.")
         return False
     if num_processes == 1:
