@@ -41,9 +41,12 @@ def make_strategy(name: str):
     if name == "one_device":
         return mf.strategies.OneDeviceStrategy()
     factory = getattr(mf.strategies, {"mirrored": "MirroredStrategy", "multi_worker": "MultiWorkerMirroredStrategy",
-                                      "mesh": "MeshStrategy"}.get(name, name), None)
+                                      "mesh": "MeshStrategy", "parameter_server": "ParameterServerStrategy",
+                                      "parameter_server_sync": "ParameterServerStrategy"}.get(name, name), None)
     if factory is None:
         raise SystemExit(f"Unknown --strategy {name!r}.")
+    if name == "parameter_server_sync":
+        return factory(mode="sync")
     return factory()
 
 
@@ -52,7 +55,8 @@ def main(argv=None) -> float:
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--strategy", default="one_device",
-                        help="one_device (default), mirrored, multi_worker or mesh")
+                        help="one_device (default), mirrored, multi_worker, mesh, parameter_server (async) "
+                             "or parameter_server_sync")
     parser.add_argument("--verbose", type=int, default=2)
     args = parser.parse_args(argv)
 

@@ -82,10 +82,10 @@ def fit_loop(model, train_data, *, epochs: int, initial_epoch: int, callbacks: C
                 if model.stop_training:
                     break
                 if watch is not None and watch.should_stop(model._host_step):
-                    runner.in_flight.clear()
+                    runner.end_epoch(logs)
                     callbacks.on_preemption(epoch, step)
                     raise Preempted()
-            runner.in_flight.clear()
+            logs = runner.end_epoch(logs)
             if logs is None and start_step == 0:  # a one-shot input ran out of data
                 break
             start_step = 0

@@ -20,9 +20,9 @@ class Runner:
         self.in_flight = InFlight(max_in_flight)
         multi = self.stacked = steps_per_execution > 1
         compile_ = self.strategy.compile
-        self._train = compile_(steps.multi_train_step if multi else steps.train_step, donate_argnums=(0,))
+        self._train = self.strategy.train_function(steps, multi)
         # A short last group of an epoch runs step by step (compiled on first use).
-        self._train_one = compile_(steps.train_step, donate_argnums=(0,)) if multi else self._train
+        self._train_one = self.strategy.train_function(steps, False) if multi else self._train
         self._evaluate = compile_(steps.multi_eval_step if multi else steps.eval_step, donate_argnums=(1,))
         self._predict = compile_(steps.multi_predict_step if multi else steps.predict_step)
 
@@ -46,6 +46,14 @@ class Runner:
             batch = self.strategy.distribute_batch(host_batch, self.stacked)
             self.model._state, logs = self._train(self.model._state, batch)
         self.in_flight.add(logs[LOSS_KEY])
+        return logs
+
+    def end_epoch(self, logs):
+        """Waits for queued steps; returns the epoch's final logs (device values)."""
+        self.in_flight.clear()
+        drain = getattr(self._train, "drain", None)
+        if drain is not None:
+            self.model._state, logs = drain()
         return logs
 
     def evaluate(self, metrics, host_batch):

@@ -82,17 +82,27 @@ class Steps:
                                         reduction=self.loss.reduction)
         return loss, (y_pred, new_model_state)
 
+    def gradients(self, params, model_state, batch: Batch, rng):
+        """A worker's part of a step: gradients, the updated module state, metric increments."""
+        grad_fn = jax.value_and_grad(self.compute_loss, has_aux=True)
+        (loss, (y_pred, model_state)), grads = grad_fn(params, model_state, batch, rng, True)
+        increments = self._update_metrics(self.init_metrics(), loss, batch, y_pred)
+        return grads, model_state, increments
+
+    def apply_gradients(self, state: TrainState, grads, model_state, increments, rng) -> TrainState:
+        """The server's part of a step: the optimizer update and the metric sums."""
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = jax.tree.map(jnp.add, state.metrics, increments)
+        return TrainState(params, model_state, opt_state, metrics, state.step + 1, rng)
+
     def train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         rng, step_rng = state.rng, None
         if self.adapter.uses_rng:
             rng, step_rng = (jax.random.key_data(k) for k in jax.random.split(jax.random.wrap_key_data(rng)))
-        grad_fn = jax.value_and_grad(self.compute_loss, has_aux=True)
-        (loss, (y_pred, model_state)), grads = grad_fn(state.params, state.model_state, batch, step_rng, True)
-        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = self._update_metrics(state.metrics, loss, batch, y_pred)
-        new_state = TrainState(params, model_state, opt_state, metrics, state.step + 1, rng)
-        return new_state, self.logs(metrics)
+        grads, model_state, increments = self.gradients(state.params, state.model_state, batch, step_rng)
+        new_state = self.apply_gradients(state, grads, model_state, increments, rng)
+        return new_state, self.logs(new_state.metrics)
 
     def eval_step(self, variables, metrics, batch: Batch):
         params, model_state = variables

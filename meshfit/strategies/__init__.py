@@ -11,6 +11,7 @@ from meshfit.strategies.mesh import MeshStrategy, constrain
 from meshfit.strategies.mirrored import MirroredStrategy
 from meshfit.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from meshfit.strategies.one_device import OneDeviceStrategy
+from meshfit.strategies.parameter_server import ParameterServerStrategy
 
 __all__ = ["Strategy", "OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy", "MeshStrategy",
-           "constrain", "get_strategy", "has_strategy"]
+           "ParameterServerStrategy", "constrain", "get_strategy", "has_strategy"]

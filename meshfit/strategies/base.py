@@ -87,6 +87,17 @@ class Strategy:
         """Compiles a pure step function for this strategy's devices."""
         raise NotImplementedError
 
+    def train_function(self, steps, stacked: bool):
+        """The callable `(state, batch) -> (state, logs)` the loop calls for each execution.
+
+        By default the compiled `steps.train_step` (or its K-step scan). A
+        strategy that splits a step between workers and a server builds its
+        own from `steps.gradients` and `steps.apply_gradients`; if the result
+        runs asynchronously it has `drain() -> (state, logs)`.
+        """
+        fn = steps.multi_train_step if stacked else steps.train_step
+        return self.compile(fn, donate_argnums=(0,))
+
     def to_host(self, tree):
         """Fetches a pytree of device arrays as numpy (a host sync)."""
         return placement.fetch(tree)

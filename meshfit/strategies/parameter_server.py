@@ -1,0 +1,246 @@
+"""ParameterServerStrategy: workers compute gradients, a server applies them.
+
+On one host each worker is a local device running in its own thread; the
+parameters and optimizer state live on the server device (host memory by
+default). Multi-process roles (separate server and worker processes) are not
+implemented yet.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshfit.data import Batch
+from meshfit.strategies.base import Strategy
+
+MODES = ("async", "sync")
+
+
+def _split_rows(batch: Batch, parts: int) -> list[Batch]:
+    rows = batch.mask.shape[0] // parts
+    return [jax.tree.map(lambda a, i=i: a[i * rows:(i + 1) * rows], batch) for i in range(parts)]
+
+
+class ParameterServerStrategy(Strategy):
+    """Parameter-server training over the devices of this host.
+
+    `mode="async"` (default): each batch goes whole to the next free worker,
+    which pulls the current parameters, computes gradients and pushes them;
+    the server applies each gradient with the optax optimizer as it arrives.
+    Workers never wait for each other, so a slow worker does not slow the
+    others. A gradient computed on parameters more than `max_staleness`
+    versions old is dropped and its batch redone. The logs report the mean
+    and maximum staleness of the applied gradients (`staleness`,
+    `max_staleness`).
+
+    `mode="sync"`: each global batch is split over the workers; their
+    gradients are averaged (weighted by real rows) and applied once — the
+    same updates as MirroredStrategy on the same batches.
+
+    Evaluation and prediction run on the server device with the current
+    parameters. Module state updated in the forward pass (BatchNorm
+    statistics) is taken from the worker whose gradient was applied last.
+
+    Args:
+        mode: "async" or "sync".
+        workers: worker devices (all local devices by default).
+        server_device: where parameters and optimizer state live (the host
+            CPU by default).
+        max_staleness: in parameter versions; None for no bound.
+        worker_delays: {worker index: seconds} slept after each gradient, to
+            simulate stragglers in tests and benchmarks.
+    """
+
+    def __init__(self, mode: str = "async", workers=None, server_device=None, max_staleness: int | None = None,
+                 worker_delays: dict[int, float] | None = None):
+        if mode not in MODES:
+            raise ValueError(f"`mode` must be one of {MODES}. Received: mode={mode!r}.")
+        if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
+            raise ValueError(f"`max_staleness` must be a non-negative int or None. Received: {max_staleness!r}.")
+        self.mode = mode
+        self.workers = list(workers) if workers is not None else jax.local_devices()
+        if not self.workers:
+            raise ValueError("ParameterServerStrategy needs at least one worker device. Received: workers=[].")
+        if server_device is None:
+            try:
+                server_device = jax.local_devices(backend="cpu")[0]
+            except RuntimeError:
+                server_device = self.workers[0]
+        self.server_device = server_device
+        self.max_staleness = max_staleness
+        self.worker_delays = dict(worker_delays or {})
+        self.num_replicas_in_sync = len(self.workers) if mode == "sync" else 1
+
+    def replicate(self, tree):
+        return jax.device_put(tree, self.server_device)
+
+    def distribute_batch(self, host_batch, stacked: bool = False):
+        return host_batch  # workers (or the server, for evaluation) take their rows themselves
+
+    def compile(self, fn, *, donate_argnums=()):
+        return jax.jit(fn, donate_argnums=donate_argnums)
+
+    def train_function(self, steps, stacked: bool):
+        if stacked:
+            raise ValueError("ParameterServerStrategy runs one batch per step; compile with steps_per_execution=1.")
+        return (_SyncTraining if self.mode == "sync" else _AsyncTraining)(self, steps)
+
+    def __repr__(self):
+        return f"ParameterServerStrategy(mode={self.mode!r}, workers={len(self.workers)})"
+
+
+class _Training:
+    """Shared pieces: compiled worker and server functions, and placement."""
+
+    def __init__(self, strategy: ParameterServerStrategy, steps):
+        self.strategy = strategy
+        self.steps = steps
+        self.gradients = jax.jit(steps.gradients)
+        self.apply = jax.jit(lambda state, grads, model_state, increments:
+                             self._apply_and_log(state, grads, model_state, increments))
+
+    def _apply_and_log(self, state, grads, model_state, increments):
+        new_state = self.steps.apply_gradients(state, grads, model_state, increments, state.rng)
+        return new_state, self.steps.logs(new_state.metrics)
+
+    def worker_rng(self, state, worker: int, version: int):
+        if not self.steps.adapter.uses_rng:
+            return None
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(state.rng), version), worker)
+        return jax.random.key_data(key)
+
+    def to_server(self, tree):
+        return jax.device_put(tree, self.strategy.server_device)
+
+
+class _SyncTraining(_Training):
+    """Each batch split over all workers; one averaged update per batch."""
+
+    def __init__(self, strategy, steps):
+        super().__init__(strategy, steps)
+        self.combine = jax.jit(_weighted_mean)
+
+    def __call__(self, state, batch):
+        workers = self.strategy.workers
+        version = int(jax.device_get(state.step)) if self.steps.adapter.uses_rng else 0
+        outputs, weights = [], []
+        for i, (device, part) in enumerate(zip(workers, _split_rows(batch, len(workers)))):
+            params, model_state = jax.device_put((state.params, state.model_state), device)
+            outputs.append(self.gradients(params, model_state, jax.device_put(part, device),
+                                          self.worker_rng(state, i, version)))
+            weights.append(float(part.mask.sum()))
+        grads = self.combine(self.to_server([o[0] for o in outputs]), np.asarray(weights, np.float32))
+        increments = jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *self.to_server([o[2] for o in outputs]))
+        return self.apply(state, grads, self.to_server(outputs[0][1]), increments)
+
+
+def _weighted_mean(grads_per_worker, weights):
+    total = jnp.maximum(jnp.sum(weights), 1.0)
+    return jax.tree.map(lambda *gs: sum(w * g for w, g in zip(weights, gs)) / total, *grads_per_worker)
+
+
+class _AsyncTraining(_Training):
+    """Worker threads pull parameters and push gradients; the caller's thread applies them.
+
+    Each call queues one batch and applies whatever gradients have arrived;
+    at most two batches per worker wait in the queue. `drain()` applies
+    everything outstanding (the loop calls it at the end of an epoch).
+    """
+
+    def __init__(self, strategy, steps):
+        super().__init__(strategy, steps)
+        self.work: queue.Queue = queue.Queue()
+        self.results: queue.Queue = queue.Queue()
+        self.lock = threading.Lock()
+        self.state = None
+        self.logs = None
+        self.version = 0
+        self.pending = 0
+        self.staleness: list[int] = []
+        self.dropped = 0
+        self.error: BaseException | None = None
+        self.threads = [threading.Thread(target=self._worker, args=(i, d), daemon=True, name=f"ps-worker-{i}")
+                        for i, d in enumerate(strategy.workers)]
+        for thread in self.threads:
+            thread.start()
+
+    # -- worker threads ----------------------------------------------------------
+
+    def _worker(self, index: int, device) -> None:
+        delay = self.strategy.worker_delays.get(index, 0.0)
+        while True:
+            batch = self.work.get()
+            if batch is None:
+                return
+            try:
+                with self.lock:
+                    state, version = self.state, self.version
+                params, model_state = jax.device_put((state.params, state.model_state), device)
+                out = self.gradients(params, model_state, jax.device_put(batch, device),
+                                     self.worker_rng(state, index, version))
+                jax.block_until_ready(out)
+                if delay:
+                    time.sleep(delay)
+                self.results.put((out, version, batch, None))
+            except BaseException as error:  # noqa: BLE001 - re-raised in the training thread
+                self.results.put((None, version, batch, error))
+
+    # -- server side (the training thread) -----------------------------------------
+
+    def _apply(self, result) -> None:
+        out, version, batch, error = result
+        if error is not None:
+            raise RuntimeError("A parameter-server worker failed while computing gradients.") from error
+        staleness = self.version - version
+        if self.strategy.max_staleness is not None and staleness > self.strategy.max_staleness:
+            self.dropped += 1
+            self.work.put(batch)  # too old: redo it on fresh parameters
+            return
+        grads, model_state, increments = self.to_server(out)
+        new_state, logs = self.apply(self.state, grads, model_state, increments)
+        with self.lock:
+            self.state, self.logs, self.version = new_state, logs, self.version + 1
+        self.staleness.append(staleness)
+        self.pending -= 1
+
+    def _adopt(self, state) -> None:
+        """Takes a state set from outside (epoch start, set_weights, a restore)."""
+        with self.lock:
+            self.state = state
+        self.staleness, self.dropped = [], 0
+
+    def _current_logs(self):
+        logs = dict(self.logs) if self.logs is not None else dict(self.steps.logs(self.state.metrics))
+        if self.staleness:
+            logs["staleness"] = float(np.mean(self.staleness))
+            logs["max_staleness"] = float(np.max(self.staleness))
+        return logs
+
+    def __call__(self, state, batch):
+        if state is not self.state:
+            self._adopt(state)
+        self.work.put(batch)
+        self.pending += 1
+        while True:  # apply what has arrived; wait when too much is queued
+            block = self.pending > 2 * len(self.threads)
+            try:
+                result = self.results.get(block=block)
+            except queue.Empty:
+                break
+            self._apply(result)
+        return self.state, self._current_logs()
+
+    def drain(self):
+        while self.pending:
+            self._apply(self.results.get())
+        return self.state, self._current_logs()
+
+    def __del__(self):
+        for _ in self.threads:
+            self.work.put(None)

@@ -1,0 +1,89 @@
+"""ParameterServerStrategy on one host: sync equals MirroredStrategy, async learns as well, staleness bounded."""
+
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+from helpers import MLP, assert_trees_close, classification_data
+
+import meshfit as mf
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+
+
+def train(strategy, x, y, batch_size, epochs=1, **fit_kwargs):
+    with strategy.scope():
+        model = mf.Model(MLP(din=4, hidden=32, dout=3))
+        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    history = model.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0, **fit_kwargs)
+    return model, history
+
+
+@pytest.mark.parametrize("n, batch_size", [(320, 16), (290, 15)])  # 20 steps; the second with ragged batches
+def test_sync_mode_equals_mirrored(n, batch_size):
+    x, y = classification_data(n=n)
+    devices = jax.devices()[:4]
+    mirrored, h_mir = train(mf.strategies.MirroredStrategy(devices), x, y, batch_size)
+    ps, h_ps = train(mf.strategies.ParameterServerStrategy(mode="sync", workers=devices), x, y, batch_size)
+    assert int(ps._state.step) == int(mirrored._state.step) == 20
+    assert_trees_close(mirrored.params, ps.params, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(h_mir.history["loss"], h_ps.history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(h_mir.history["accuracy"], h_ps.history["accuracy"], rtol=1e-6)
+
+
+def test_parameters_live_on_the_server_and_evaluation_uses_them():
+    x, y = classification_data(n=64)
+    strategy = mf.strategies.ParameterServerStrategy(workers=jax.devices()[:3])
+    model, history = train(strategy, x, y, 8, epochs=2)
+    for leaf in jax.tree.leaves(model._state):
+        assert leaf.devices() == {strategy.server_device}
+    assert int(model._state.step) == 16  # every batch applied once, whichever worker took it
+    logits = np.asarray(model.module(x))
+    expected = float((logits.argmax(-1) == y).mean())
+    assert model.evaluate(x, y, verbose=0, return_dict=True)["accuracy"] == pytest.approx(expected)
+    assert {"staleness", "max_staleness"} <= set(history.history)
+
+
+def test_max_staleness_bounds_applied_gradients():
+    x, y = classification_data(n=96)
+    strategy = mf.strategies.ParameterServerStrategy(workers=jax.devices()[:4], max_staleness=1,
+                                                     worker_delays={0: 0.01})
+    _, history = train(strategy, x, y, 8, epochs=2)
+    assert max(history.history["max_staleness"]) <= 1
+    unbounded = mf.strategies.ParameterServerStrategy(workers=jax.devices()[:4], worker_delays={0: 0.01})
+    _, history = train(unbounded, x, y, 8, epochs=2)
+    assert max(history.history["max_staleness"]) >= 2  # without the bound, stale gradients do arrive
+
+
+def test_async_reaches_sync_accuracy_on_digits():
+    from digits import MLP as DigitsMLP
+    from digits import load_data
+    from flax import nnx
+
+    x_train, x_test, y_train, y_test = load_data()
+    results = {}
+    for mode in ("sync", "async"):
+        with mf.strategies.ParameterServerStrategy(mode=mode, workers=jax.devices()[:4]).scope():
+            model = mf.Model(DigitsMLP(64, 128, 10, rngs=nnx.Rngs(0)))
+            model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          metrics=["accuracy"])
+        model.fit(x_train, y_train, batch_size=64, epochs=20, verbose=0)
+        results[mode] = model.evaluate(x_test, y_test, verbose=0, return_dict=True)["accuracy"]
+    assert results["sync"] > 0.95
+    assert results["async"] >= results["sync"] - 0.01, results
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="`mode` must be one of"):
+        mf.strategies.ParameterServerStrategy(mode="hogwild")
+    with pytest.raises(ValueError, match="`max_staleness` must be a non-negative int"):
+        mf.strategies.ParameterServerStrategy(max_staleness=-1)
+    x, y = classification_data(n=16)
+    with mf.strategies.ParameterServerStrategy().scope():
+        model = mf.Model(MLP())
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", steps_per_execution=4)
+    with pytest.raises(ValueError, match="steps_per_execution=1"):
+        model.fit(x, y, verbose=0)
