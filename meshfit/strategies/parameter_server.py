@@ -135,6 +135,10 @@ class _SyncTraining(_Training):
             outputs.append(self.gradients(params, model_state, jax.device_put(part, device),
                                           self.worker_rng(state, i, version)))
             weights.append(float(part.mask.sum()))
+        delays = self.strategy.worker_delays
+        if delays:  # the round waits for its slowest (simulated) worker
+            jax.block_until_ready(outputs)
+            time.sleep(max(delays.get(i, 0.0) for i in range(len(workers))))
         grads = self.combine(self.to_server([o[0] for o in outputs]), np.asarray(weights, np.float32))
         increments = jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *self.to_server([o[2] for o in outputs]))
         return self.apply(state, grads, self.to_server(outputs[0][1]), increments)

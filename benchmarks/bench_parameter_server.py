@@ -1,0 +1,74 @@
+"""Straggler benchmark: async against sync parameter-server training with one slow worker.
+
+4 workers; every gradient is followed by a simulated device time (`--base`
+seconds; the straggler takes 3x as long, i.e. runs at a third of the speed).
+Both modes compute each gradient on the same number of rows: sync splits a
+global batch of 4 x B over the workers, async gives each worker whole batches
+of B. Prints samples/s of each, the ratio (target >= 2), and the staleness of
+the gradients async applied.
+
+    python benchmarks/bench_parameter_server.py [--base 0.01] [--steps 48]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import meshfit as mf  # noqa: E402
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs):
+        self.hidden = nnx.Linear(64, 128, rngs=rngs)
+        self.out = nnx.Linear(128, 10, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.hidden(x)))
+
+
+def run(mode, x, y, batch, base, epochs):
+    delays = {i: base for i in range(4)}
+    delays[3] = 3 * base
+    strategy = mf.strategies.ParameterServerStrategy(mode=mode, workers=jax.devices()[:4], worker_delays=delays)
+    with strategy.scope():
+        model = mf.Model(MLP(nnx.Rngs(0)))
+        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x[:batch * 4], y[:batch * 4], batch_size=batch, epochs=1, verbose=0)  # compile
+    t0 = time.perf_counter()
+    history = model.fit(x, y, batch_size=batch, epochs=epochs, verbose=0)
+    return len(x) * epochs / (time.perf_counter() - t0), history
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", type=float, default=0.01, help="simulated seconds per gradient (fast workers)")
+    parser.add_argument("--rows", type=int, default=32, help="rows per gradient")
+    parser.add_argument("--steps", type=int, default=48, help="sync rounds per epoch")
+    parser.add_argument("--epochs", type=int, default=2)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    n = args.rows * 4 * args.steps
+    x = rng.standard_normal((n, 64), dtype=np.float32)
+    y = rng.integers(0, 10, n).astype(np.int32)
+    print(f"jax {jax.__version__}, 4 workers on {jax.devices()[0].device_kind}, {os.cpu_count()} cpus; "
+          f"{args.rows} rows per gradient, simulated {args.base * 1e3:.0f} ms per gradient, straggler "
+          f"{3 * args.base * 1e3:.0f} ms")
+    sync_sps, _ = run("sync", x, y, args.rows * 4, args.base, args.epochs)
+    async_sps, history = run("async", x, y, args.rows, args.base, args.epochs)
+    print(f"  sync : {sync_sps:9.1f} samples/s")
+    print(f"  async: {async_sps:9.1f} samples/s   async/sync = {async_sps / sync_sps:.2f} (target >= 2)")
+    print(f"  async staleness per epoch: mean {history.history['staleness']}, max {history.history['max_staleness']}")
+
+
+if __name__ == "__main__":
+    main()
