@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from meshfit import cluster
+from meshfit.strategies import ps_remote
 
 GRACE_SECONDS = 5.0
 
@@ -47,12 +48,28 @@ class LaunchConfig:
     max_restarts: int = 0
     heartbeat_timeout: int = 10
     env: dict[str, str] = field(default_factory=dict)
+    #: Parameter-server job: rank 0 is the server/coordinator, the others workers
+    #: that may die without stopping the job (no jax.distributed between them).
+    parameter_server: bool = False
 
 
-def process_env(config: LaunchConfig, rank: int, port: int, attempt: int, gpus: int) -> dict[str, str]:
+def process_env(config: LaunchConfig, rank: int, port: int, attempt: int, gpus: int,
+                authkey: str = "") -> dict[str, str]:
     """The environment of process `rank`: coordinator, rank, devices."""
     env = dict(os.environ, **config.env)
     address = f"127.0.0.1:{port}"
+    if config.parameter_server:
+        env.update({
+            ps_remote.ENV_ROLE: "coordinator" if rank == 0 else "worker",
+            ps_remote.ENV_ADDRESS: address,
+            ps_remote.ENV_AUTHKEY: authkey,
+            ps_remote.ENV_WORKERS: str(config.nprocs - 1),
+            "MESHFIT_RESTART_COUNT": str(attempt),
+            "MESHFIT_PROCESS_ID": str(rank),
+            "PYTHONUNBUFFERED": "1",
+        })
+        _set_devices(env, config, rank, gpus)
+        return env
     env.update({
         cluster.ENV_COORDINATOR: address,
         cluster.ENV_NUM_PROCESSES: str(config.nprocs),
@@ -62,6 +79,11 @@ def process_env(config: LaunchConfig, rank: int, port: int, attempt: int, gpus: 
         "JAX_COORDINATOR_BIND_ADDRESS": address,  # loopback only
         "PYTHONUNBUFFERED": "1",
     })
+    _set_devices(env, config, rank, gpus)
+    return env
+
+
+def _set_devices(env: dict, config: LaunchConfig, rank: int, gpus: int) -> None:
     k = config.devices_per_proc
     if k:
         if gpus:
@@ -70,7 +92,6 @@ def process_env(config: LaunchConfig, rank: int, port: int, attempt: int, gpus: 
             flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
             env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={k}"])
             env.setdefault("JAX_PLATFORMS", "cpu")
-    return env
 
 
 def _pump(stream, rank: int, out) -> None:
@@ -97,19 +118,35 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 def run_once(config: LaunchConfig, attempt: int, log=sys.stderr) -> int:
     """Runs the job once; returns 0, or the status of the first process that failed."""
     port, gpus = free_port(), _visible_gpus() if config.devices_per_proc else 0
+    authkey = ps_remote.new_authkey() if config.parameter_server else ""
     procs, pumps = [], []
     for rank in range(config.nprocs):
         proc = subprocess.Popen([sys.executable, "-u", *config.command],
-                                env=process_env(config, rank, port, attempt, gpus),
+                                env=process_env(config, rank, port, attempt, gpus, authkey),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
         procs.append(proc)
         pump = threading.Thread(target=_pump, args=(proc.stdout, rank, sys.stdout), daemon=True)
         pump.start()
         pumps.append(pump)
     status = 0
+    lost: set[int] = set()
     try:
         while True:
             codes = [proc.poll() for proc in procs]
+            if config.parameter_server:
+                for rank, code in enumerate(codes[1:], start=1):
+                    if code not in (None, 0) and rank not in lost:
+                        lost.add(rank)
+                        log.write(f"[launch] worker rank {rank} exited with status {code}{_signal_name(code)}; "
+                                  "the job goes on without it.\n")
+                if codes[0] is not None:  # the server finished (or failed): the job is over
+                    status = codes[0]
+                    if status:
+                        log.write(f"[launch] the parameter server (rank 0) exited with status {status}"
+                                  f"{_signal_name(status)}; stopping the workers.\n")
+                    break
+                time.sleep(0.05)
+                continue
             failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
             if failed:
                 rank, status = failed[0]

@@ -2,12 +2,15 @@
 
 On one host each worker is a local device running in its own thread; the
 parameters and optimizer state live on the server device (host memory by
-default). Multi-process roles (separate server and worker processes) are not
-implemented yet.
+default). Under `meshfit launch --ps 1 --workers N`, the process running
+`fit` is the parameter server and coordinator and the workers are separate
+processes (see `ps_remote`): a worker process never gets past the strategy's
+constructor, and a worker that dies is dropped while training goes on.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -17,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshfit.data import Batch
+from meshfit.strategies import ps_remote
 from meshfit.strategies.base import Strategy
 
 MODES = ("async", "sync")
@@ -59,6 +63,8 @@ class ParameterServerStrategy(Strategy):
 
     def __init__(self, mode: str = "async", workers=None, server_device=None, max_staleness: int | None = None,
                  worker_delays: dict[int, float] | None = None):
+        if ps_remote.role() == "worker":
+            ps_remote.run_worker()  # a worker process serves the coordinator, then exits here
         if mode not in MODES:
             raise ValueError(f"`mode` must be one of {MODES}. Received: mode={mode!r}.")
         if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
@@ -76,6 +82,12 @@ class ParameterServerStrategy(Strategy):
         self.max_staleness = max_staleness
         self.worker_delays = dict(worker_delays or {})
         self.num_replicas_in_sync = len(self.workers) if mode == "sync" else 1
+        self._coordinator = None
+        if ps_remote.role() == "coordinator":
+            if mode != "async":
+                raise ValueError("Worker processes (`meshfit launch --ps`) train in mode='async' only.")
+            self._coordinator = ps_remote.Coordinator(int(os.environ[ps_remote.ENV_WORKERS]))
+            self.server_device = jax.local_devices()[0]
 
     def replicate(self, tree):
         return jax.device_put(tree, self.server_device)
@@ -89,6 +101,8 @@ class ParameterServerStrategy(Strategy):
     def train_function(self, steps, stacked: bool):
         if stacked:
             raise ValueError("ParameterServerStrategy runs one batch per step; compile with steps_per_execution=1.")
+        if self._coordinator is not None:
+            return ps_remote.RemoteAsyncTraining(self, steps, self._coordinator)
         return (_SyncTraining if self.mode == "sync" else _AsyncTraining)(self, steps)
 
     def __repr__(self):

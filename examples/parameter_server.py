@@ -1,0 +1,41 @@
+"""Asynchronous parameter-server training of the digits MLP with worker processes.
+
+    meshfit launch --ps 1 --workers 3 examples/parameter_server.py
+
+Rank 0 holds the parameters, applies gradients as they arrive and runs `fit`;
+ranks 1-3 compute gradients. A worker can die mid-epoch: its batch is redone
+by another and training goes on. On one host without `meshfit launch`, the
+same script trains with the local devices as workers (threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from flax import nnx
+
+import meshfit as mf
+
+
+def main(argv=None) -> float:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=64)
+    args = parser.parse_args(argv)
+
+    strategy = mf.strategies.ParameterServerStrategy(mode="async")  # worker processes stay in here
+    from digits import MLP, load_data
+
+    x_train, x_test, y_train, y_test = load_data()
+    with strategy.scope():
+        model = mf.Model(MLP(64, 128, 10, rngs=nnx.Rngs(0)))
+        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs, verbose=2)
+    result = model.evaluate(x_test, y_test, verbose=0, return_dict=True)
+    print(f"test accuracy: {result['accuracy']:.4f}")
+    return result["accuracy"]
+
+
+if __name__ == "__main__":
+    main()

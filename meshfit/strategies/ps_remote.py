@@ -1,0 +1,365 @@
+"""Parameter-server training across processes: workers in their own processes.
+
+Control plane: `multiprocessing.connection` with an authkey (HMAC challenge on
+connect), loopback by default. Messages are small tuples of ints and strings;
+batches travel as raw array bytes with their shape and dtype, so nothing from
+the network is unpickled beyond the authenticated control tuples. Arrays
+(parameters to a worker, gradients back) move through
+`jax.experimental.transfer` servers, one per process. The gradient function
+is shipped to workers as serialized StableHLO (`jax.export`), so worker
+processes never build the model themselves.
+
+The job does not use `jax.distributed`: a dead worker must not take the
+others down. A worker whose connection drops is removed and its batch is
+given to another worker.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import itertools
+import os
+import secrets
+import sys
+import threading
+from multiprocessing.connection import Client, Listener, wait
+
+import jax
+import numpy as np
+
+from meshfit.checkpoint import decode, encode
+from meshfit.data import Batch
+
+# The exported gradient program takes a Batch; both ends must know its name.
+jax.export.register_namedtuple_serialization(Batch, serialized_name="meshfit.data.Batch")
+
+ENV_ROLE = "MESHFIT_PS_ROLE"  # "coordinator" or "worker"
+ENV_ADDRESS = "MESHFIT_PS_ADDRESS"  # host:port of the coordinator's control listener
+ENV_AUTHKEY = "MESHFIT_PS_AUTHKEY"  # hex secret shared by the job's processes
+ENV_WORKERS = "MESHFIT_PS_WORKERS"  # number of worker processes the coordinator waits for
+
+PULL_TIMEOUT = datetime.timedelta(seconds=30)
+
+
+def role() -> str | None:
+    return os.environ.get(ENV_ROLE)
+
+
+def _address() -> tuple[str, int]:
+    host, port = os.environ[ENV_ADDRESS].rsplit(":", 1)
+    return host, int(port)
+
+
+def _authkey() -> bytes:
+    key = os.environ.get(ENV_AUTHKEY)
+    if not key:
+        raise RuntimeError(f"{ENV_AUTHKEY} is not set; start parameter-server jobs with `meshfit launch --ps`.")
+    return bytes.fromhex(key)
+
+
+def new_authkey() -> str:
+    return secrets.token_hex(32)
+
+
+def _to_wire(tree) -> list:
+    leaves = jax.tree.leaves(tree)
+    return [(np.asarray(a).dtype.str, np.shape(a), np.ascontiguousarray(a).tobytes()) for a in leaves]
+
+
+def _from_wire(items, treedef):
+    return jax.tree.unflatten(treedef, [np.frombuffer(b, dtype=np.dtype(d)).reshape(s) for d, s, b in items])
+
+
+def _transfer_server():
+    from jax.experimental import transfer
+
+    client = jax.local_devices()[0].client
+    return transfer.start_transfer_server(client, "127.0.0.1:0", ["127.0.0.1:0"])
+
+
+def _specs(tree, device):
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=sharding), tree)
+
+
+# -- worker process ----------------------------------------------------------------
+
+
+def run_worker() -> None:
+    """The life of a worker process: connect, take work until told to stop, exit."""
+    device = jax.local_devices()[0]
+    server = _transfer_server()
+    conn = _connect(_address(), _authkey())
+    conn.send(("hello", server.address(), os.getpid()))
+    print(f"parameter-server worker pid {os.getpid()} connected", flush=True)
+    coordinator = None
+    compiled = None
+    specs = None
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            break
+        kind = message[0]
+        if kind == "stop":
+            break
+        if kind == "program":
+            _, coordinator_address, blob, in_tree_blob = message
+            del in_tree_blob
+            coordinator = server.connect(coordinator_address)
+            exported = jax.export.deserialize(bytearray(blob))
+            compiled = exported.call
+            specs = exported
+            continue
+        if kind == "work":
+            _, job, pull_id, push_id, batch_items = message
+            in_avals = specs.in_avals
+            flat_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+                          for a in in_avals]
+            n_state = len(flat_specs) - len(batch_items)
+            try:
+                state_flat = coordinator.pull(pull_id, flat_specs[:n_state], timeout=_deadline())
+                batch_flat = [np.frombuffer(b, dtype=np.dtype(d)).reshape(s) for d, s, b in batch_items]
+                args = jax.tree.unflatten(specs.in_tree, list(state_flat) + batch_flat)
+                out = compiled(*args[0], **args[1])
+                jax.block_until_ready(out)
+            except jax.errors.JaxRuntimeError as error:  # a transfer broke: the coordinator redoes the batch
+                conn.send(("failed", job, str(error)[:300]))
+                continue
+            server.await_pull(push_id, jax.tree.leaves(out))
+            conn.send(("done", job, push_id))
+    sys.exit(0)
+
+
+def _connect(address, authkey: bytes, timeout: float = 120.0):
+    """Connects to the coordinator, retrying while it starts up."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return Client(address, authkey=authkey)
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def _deadline():
+    return datetime.datetime.now() + PULL_TIMEOUT
+
+
+# -- coordinator -------------------------------------------------------------------
+
+
+class _Worker:
+    def __init__(self, conn, address: str, pid: int, connection):
+        self.conn = conn
+        self.address = address
+        self.pid = pid
+        self.transfer = connection
+        self.job = None  # (job id, batch, version, push id) while busy
+        self.alive = True
+
+
+class Coordinator:
+    """Accepts worker processes and hands them jobs; lives in the process that runs `fit`."""
+
+    def __init__(self, expected_workers: int, accept_timeout: float = 120.0):
+        self.listener = Listener(_address(), authkey=_authkey())
+        self.server = _transfer_server()
+        self.workers: list[_Worker] = []
+        self.lock = threading.Lock()
+        self.ids = itertools.count(1)
+        self.program = None
+        self.log = collections.Counter()
+        self._accepting = threading.Thread(target=self._accept, daemon=True, name="ps-accept")
+        self._accepting.start()
+        self._ready = threading.Event()
+        self._expected = expected_workers
+        if not self._ready.wait(accept_timeout):
+            raise TimeoutError(
+                f"Only {len(self.workers)} of {expected_workers} parameter-server workers connected within "
+                f"{accept_timeout:.0f} s to {os.environ.get(ENV_ADDRESS)}.")
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn = self.listener.accept()
+                _, address, pid = conn.recv()
+            except (OSError, EOFError):
+                if getattr(self, "_closed", False):
+                    return
+                continue
+            worker = _Worker(conn, address, pid, self.server.connect(address))
+            with self.lock:
+                self.workers.append(worker)
+                if self.program is not None:
+                    conn.send(self.program)
+                if len(self.workers) >= self._expected:
+                    self._ready.set()
+
+    def set_program(self, exported) -> None:
+        self.program = ("program", self.server.address(), bytes(exported.serialize()), None)
+        with self.lock:
+            for worker in self.workers:
+                if worker.alive:
+                    worker.conn.send(self.program)
+
+    def live(self) -> list[_Worker]:
+        with self.lock:
+            return [w for w in self.workers if w.alive]
+
+    def drop(self, worker: _Worker, why: str) -> None:
+        """Removes a lost worker; the transfer server is replaced, as a dead peer can break its sockets."""
+        worker.alive = False
+        self.log["dropped"] += 1
+        print(f"ParameterServerStrategy: worker pid {worker.pid} lost ({why}); its batch is redone elsewhere.",
+              file=sys.stderr, flush=True)
+        self.server = _transfer_server()
+        with self.lock:
+            for other in self.workers:
+                if other.alive:
+                    other.transfer = self.server.connect(other.address)
+            if self.program is not None:
+                self.program = ("program", self.server.address()) + self.program[2:]
+                for other in self.workers:
+                    if other.alive:
+                        try:
+                            other.conn.send(self.program)
+                        except OSError:
+                            other.alive = False
+
+    def close(self) -> None:
+        self._closed = True
+        for worker in self.live():
+            try:
+                worker.conn.send(("stop",))
+            except OSError:
+                pass
+        self.listener.close()
+
+
+class RemoteAsyncTraining:
+    """Asynchronous training with worker processes (see module docstring)."""
+
+    def __init__(self, strategy, steps, coordinator: Coordinator):
+        self.strategy = strategy
+        self.steps = steps
+        self.coordinator = coordinator
+        self.apply = jax.jit(lambda state, grads, model_state, increments: self._apply_and_log(
+            state, grads, model_state, increments))
+        self.state = None
+        self.logs = None
+        self.version = 0
+        self.pending: collections.deque = collections.deque()  # batches not yet handed out
+        self.outstanding = 0  # batches not yet applied
+        self.staleness: list[int] = []
+        self.exported = None
+
+    def _apply_and_log(self, state, grads, model_state, increments):
+        new_state = self.steps.apply_gradients(state, grads, model_state, increments, state.rng)
+        return new_state, self.steps.logs(new_state.metrics)
+
+    def _export(self, state, batch) -> None:
+        """Serializes the worker's gradient computation; typed RNG keys travel as raw key data."""
+        template = state.model_state
+
+        def gradients(params, encoded_model_state, batch):
+            grads, model_state, increments = self.steps.gradients(
+                params, decode(encoded_model_state, template), batch, None)
+            return grads, encode(model_state), increments
+
+        args = (state.params, encode(state.model_state), batch)
+        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), args)
+        self.exported = jax.export.export(jax.jit(gradients))(*shapes)
+        self.out_specs = self.exported.out_avals
+        self.out_tree = self.exported.out_tree
+        self.coordinator.set_program(self.exported)
+
+    def _dispatch(self) -> None:
+        for worker in self.coordinator.live():
+            if not self.pending:
+                return
+            if worker.job is not None:
+                continue
+            batch = self.pending.popleft()
+            pull_id, push_id = next(self.coordinator.ids), next(self.coordinator.ids)
+            self.coordinator.server.await_pull(
+                pull_id, jax.tree.leaves((self.state.params, encode(self.state.model_state))))
+            try:
+                worker.conn.send(("work", pull_id, pull_id, push_id, _to_wire(batch)))
+            except OSError as error:
+                self.pending.appendleft(batch)
+                self.coordinator.drop(worker, str(error))
+                continue
+            worker.job = (pull_id, batch, self.version, push_id)
+
+    def _collect(self, timeout: float | None) -> None:
+        busy = [w for w in self.coordinator.live() if w.job is not None]
+        if not busy:
+            if not self.coordinator.live():
+                raise RuntimeError("All parameter-server workers are gone; training cannot continue.")
+            return
+        ready = wait([w.conn for w in busy], timeout=timeout)
+        for worker in busy:
+            if worker.conn not in ready:
+                continue
+            job, batch, version, push_id = worker.job
+            try:
+                message = worker.conn.recv()
+                if message[0] == "failed":  # the worker could not pull: redo the batch
+                    worker.job = None
+                    self.pending.appendleft(batch)
+                    continue
+                device = self.strategy.server_device
+                specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+                         for a in self.out_specs]
+                flat = worker.transfer.pull(push_id, specs, timeout=_deadline())
+            except (EOFError, OSError, RuntimeError) as error:
+                worker.job = None
+                self.coordinator.drop(worker, f"{type(error).__name__}: {error}")
+                self.pending.appendleft(batch)
+                continue
+            del message
+            worker.job = None
+            grads, model_state, increments = jax.tree.unflatten(self.out_tree, flat)
+            model_state = decode(model_state, self.state.model_state)
+            staleness = self.version - version
+            if self.strategy.max_staleness is not None and staleness > self.strategy.max_staleness:
+                self.pending.append(batch)
+                continue
+            self.state, self.logs = self.apply(self.state, grads, model_state, increments)
+            self.version += 1
+            self.outstanding -= 1
+            self.staleness.append(staleness)
+
+    def _current_logs(self):
+        logs = dict(self.logs) if self.logs is not None else dict(self.steps.logs(self.state.metrics))
+        if self.staleness:
+            logs["staleness"] = float(np.mean(self.staleness))
+            logs["max_staleness"] = float(np.max(self.staleness))
+        return logs
+
+    def __call__(self, state, batch):
+        if state is not self.state:
+            self.state = state
+            self.staleness = []
+        if self.exported is None:
+            self._export(state, batch)
+        self.pending.append(batch)
+        self.outstanding += 1
+        self._dispatch()
+        self._collect(timeout=0)
+        while self.outstanding > 2 * max(1, len(self.coordinator.live())):
+            self._collect(timeout=1.0)
+            self._dispatch()
+        return self.state, self._current_logs()
+
+    def drain(self):
+        while self.outstanding:
+            self._dispatch()
+            self._collect(timeout=1.0)
+        return self.state, self._current_logs()
+
