@@ -6,7 +6,8 @@ meshfit promises about saved files:
   * an older checkpoint is deleted only after a newer one is complete (Orbax
     writes to a temporary directory and renames it when done);
   * a checkpoint that cannot be read (cut off, truncated) is skipped with a
-    warning naming it, and the previous one is restored;
+    warning naming it and moved aside as `<step>.unreadable` (never deleted),
+    and the previous one is restored;
   * restoring lays arrays out as the template says — a different strategy
     or mesh than the one that saved them.
 """
@@ -97,24 +98,26 @@ class CheckpointDir:
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
                                                enable_async_checkpointing=async_save)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=(STATE, META))
-        self.unreadable: set[int] = set()
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints, oldest first."""
         return sorted(self.manager.all_steps())
 
-    def save(self, step: int, state, meta: dict[str, Any], *, wait: bool = False) -> None:
+    def save(self, step: int, state, meta: dict[str, Any], *, wait: bool = False, if_exists: str = "skip") -> None:
         """Starts writing checkpoint `step`; with `wait`, returns when it is complete.
 
-        If a readable checkpoint of this step exists it is kept (a resumed run
-        saves the same values); an unreadable one is moved aside, never deleted.
+        If checkpoint `step` exists already it is never overwritten: with
+        `if_exists="skip"` it is kept (a resumed run saves the same values),
+        with "error" a FileExistsError says so.
         """
         if step in self.manager.all_steps():
-            if step not in self.unreadable:
-                if wait:
-                    self.manager.wait_until_finished()
-                return
-            self._move_aside(step)
+            if if_exists == "error":
+                raise FileExistsError(
+                    f"Checkpoint {os.path.join(self.directory, str(step))} already exists (from an earlier run?). "
+                    "meshfit does not overwrite it: use a new directory, or move the old checkpoints away.")
+            if wait:
+                self.manager.wait_until_finished()
+            return
         args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(encode(state)), META: ocp.args.JsonSave(meta)})
         self.manager.save(step, args=args, force=True)
         if wait:
@@ -155,7 +158,6 @@ class CheckpointDir:
             os.rename(source, target)
             warnings.warn(f"Moved the unreadable checkpoint {source} to {target}.", stacklevel=3)
         self.manager.reload()
-        self.unreadable.discard(step)
 
     def restore_latest(self, template, *, partial: bool = False, steps=None):
         """The newest readable checkpoint as (step, state, meta), or None if there is none.
@@ -167,10 +169,10 @@ class CheckpointDir:
             try:
                 state, meta = self.restore(step, template, partial=partial)
             except Exception as error:  # noqa: BLE001 - any unreadable checkpoint is skipped
-                self.unreadable.add(step)
                 warnings.warn(
                     f"Checkpoint {os.path.join(self.directory, str(step))} could not be read "
                     f"({type(error).__name__}: {str(error)[:200]}); trying the previous one.", stacklevel=2)
+                self._move_aside(step)  # out of the rotation, so nothing deletes it
                 continue
             return step, state, meta
         return None

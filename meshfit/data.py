@@ -315,6 +315,7 @@ class IterableData:
         state, self._pending_state = self._pending_state, None
         if not state:
             return
+        self._fresh = False  # a restored position is not the start of a pass
         if "iterator_state" in state:
             self._iterator.set_state(state["iterator_state"])
             return
@@ -344,7 +345,8 @@ class IterableData:
         del epoch
         if self.steps_per_epoch is None and self.reiterable and self._pending_state is None:
             self._iterator = None  # a new pass each epoch
-        step = 0
+        # A restored stream position already stands at `start_step`; otherwise skip to it.
+        step = start_step if self._pending_state else 0
         while self.steps_per_epoch is None or step < self.steps_per_epoch:
             try:
                 element = self._next_element()

@@ -66,6 +66,7 @@ class Model:
         # Set during fit, for callbacks that save and restore training (BackupAndRestore).
         self._host_step = 0  # optimizer steps taken, counted on the host
         self._resume_point: tuple[int, int] | None = None
+        self._resumed = False  # this fit continues a run restored from a backup
         self._fit_data = None
         self._fit_callbacks: list = []
 
@@ -333,7 +334,7 @@ class Model:
                                                      add_history=True)
         self.history = history
         self.stop_training = False
-        self._fit_data, self._fit_callbacks = data, list(callback_list)
+        self._fit_data, self._fit_callbacks, self._resumed = data, list(callback_list), False
         self._host_step = int(self.strategy.to_host(self._state.step))
         try:
             fit_loop(self, data, epochs=epochs, initial_epoch=initial_epoch, callbacks=callback_list,

@@ -40,6 +40,7 @@ class PreemptionWatch:
 
     def __init__(self):
         self.requested = False
+        self._last_step = None
         self._previous = None
         self._armed = False
 
@@ -60,9 +61,15 @@ class PreemptionWatch:
         self.requested = True
 
     def should_stop(self, step: int) -> bool:
-        """True at the step every process stops at (checked between steps)."""
+        """True at the step every process stops at (checked between executions).
+
+        JAX's sync point is one step number agreed by all processes; an
+        execution of K steps asks about each of them, so it cannot be skipped.
+        """
         if jax.process_count() > 1 and _sync_manager() is not None:
             from jax.experimental import multihost_utils
 
-            return multihost_utils.reached_preemption_sync_point(step)
+            first = step if self._last_step is None else self._last_step + 1
+            self._last_step = step
+            return any([multihost_utils.reached_preemption_sync_point(s) for s in range(first, step + 1)])
         return self.requested

@@ -15,6 +15,7 @@ import os
 from meshfit.checkpoint import CheckpointDir
 
 FORMAT = 1
+_LABELS = {"model": "a saved model", "weights": "saved weights"}
 
 
 def weights_tree(model) -> dict:
@@ -51,7 +52,9 @@ def compile_record(model) -> dict | None:
     return {"optimizer": optimizer, "loss": loss, "metrics": names(compiled["metrics"])}
 
 
-def _open(path, kind: str) -> CheckpointDir:
+def _open(path, kind: str, *, reading: bool = False) -> CheckpointDir:
+    if reading and not os.path.isdir(os.fspath(path)):
+        raise FileNotFoundError(f"No saved {kind} at {os.fspath(path)!r}.")
     return CheckpointDir(os.fspath(path), kind, max_to_keep=1, async_save=False)
 
 
@@ -60,7 +63,8 @@ def _write(path, kind: str, tree, meta: dict, overwrite: bool) -> None:
     try:
         steps = ckpt.steps()
         if steps and not overwrite:
-            raise FileExistsError(f"{ckpt.directory!r} already holds a saved {kind}. Pass overwrite=True to replace it.")
+            raise FileExistsError(f"{ckpt.directory!r} already holds {_LABELS[kind]}. "
+                                  "Pass overwrite=True to replace it.")
         # A new number: the old checkpoint is deleted only once this one is complete.
         ckpt.save(max(steps) + 1 if steps else 0, tree, meta, wait=True)
     finally:
@@ -93,7 +97,7 @@ def load_weights(model, path) -> None:
 
     Arrays are laid out by the model's strategy, whatever layout saved them.
     """
-    ckpt = _open(path, _kind_of(path))
+    ckpt = _open(path, _kind_of(path), reading=True)
     try:
         found = ckpt.restore_latest({"weights": weights_tree(model)}, partial=True)
     finally:
@@ -123,7 +127,7 @@ def load_model(path, module, *, sample_input=None, seed: int = 0, compile: bool 
     from meshfit.model import Model
 
     model = Model(module, sample_input=sample_input, seed=seed)
-    ckpt = _open(path, "model")
+    ckpt = _open(path, "model", reading=True)
     try:
         steps = ckpt.steps()
         if not steps:

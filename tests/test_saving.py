@@ -57,7 +57,7 @@ def test_weights_round_trip_and_no_silent_overwrite(tmp_path):
     other.load_weights(tmp_path / "w")
     assert same_weights(model, other)
     before = os.listdir(tmp_path / "w")
-    with pytest.raises(FileExistsError, match="already holds a saved weights. Pass overwrite=True"):
+    with pytest.raises(FileExistsError, match="already holds saved weights. Pass overwrite=True"):
         other.save_weights(tmp_path / "w")
     assert os.listdir(tmp_path / "w") == before
     other.save_weights(tmp_path / "w", overwrite=True)

@@ -131,6 +131,7 @@ class BackupAndRestore(Callback):
                 cb.load_state_dict(join_arrays(saved, arrays))
         model._restore_fit_data_state(join_arrays(meta["data"], arrays))
         model._resume_point = (meta["epoch"], meta["step_in_epoch"])
+        model._resumed = True
         if model.strategy.is_chief:
             print(f"BackupAndRestore: resumed from {self._dir.directory} at epoch {meta['epoch'] + 1}, "
                   f"batch {meta['step_in_epoch']} (step {step}).", flush=True)

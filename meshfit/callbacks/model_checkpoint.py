@@ -18,8 +18,9 @@ class ModelCheckpoint(MonitorCallback):
     otherwise). Writing happens in a background thread, so training continues
     while a checkpoint is written; the oldest are deleted beyond `max_to_keep`,
     and only once a newer one is complete. Load one with
-    `model.load_weights(directory)` (newest) or `meshfit.load_model`-style
-    restores onto any strategy.
+    `model.load_weights(directory)` (the newest), onto any strategy. A
+    directory that already holds checkpoints of the same numbers (from an
+    earlier run) is not overwritten: the save raises FileExistsError.
 
     Args:
         directory: where to write; a directory holding anything else is refused.
@@ -95,7 +96,8 @@ class ModelCheckpoint(MonitorCallback):
                 else saving.training_tree(self.model))
         meta = {"epoch": self._epoch, "step": int(self.model._host_step), "weights_only": self.save_weights_only,
                 "logs": {k: float(v) for k, v in logs.items()}}
-        self._dir.save(number, tree, meta)
+        # A run resumed by BackupAndRestore may save a step it saved before (same values).
+        self._dir.save(number, tree, meta, if_exists="skip" if self.model._resumed else "error")
 
     def state_dict(self):
         return {"best": None if self.best is None else float(self.best)}

@@ -132,7 +132,7 @@ def resolve_specs(tree, mesh: Mesh, *, rules: Rules = (), hints=None, logical_ax
         for regex, spec, pattern in compiled:
             if regex.search(name):
                 matched.add(pattern)
-                return check_spec(spec, shape, mesh, name, f"rule ({pattern!r}, {spec})")
+                return check_spec(spec, shape, mesh, name, f"rule {pattern!r} ->")
         hint = hint_by_name.get(name)
         if isinstance(hint, P) and len(hint):
             mapped = as_spec(map_logical(hint, logical, mesh))

@@ -124,6 +124,7 @@ def test_corrupt_newest_backup_is_skipped_for_the_previous_one(tmp_path):
     assert any(str(backup / "12") in m and "could not be read" in m for m in messages), messages
     # Resumed from step 8 (epoch 1, batch 2), so the fit ran the last 4 steps of epoch 2 again.
     assert int(model._state.step) == 12
+    assert (backup / "12.unreadable").is_dir()  # moved aside at once, never deleted
     assert history.epoch == [0, 1]
 
 

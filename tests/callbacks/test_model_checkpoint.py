@@ -67,3 +67,11 @@ def test_bad_arguments(tmp_path):
     (tmp_path / "x" / "keep.me").write_text("!")
     with pytest.raises(FileExistsError, match="meshfit did not write"):
         fit_with(mf.callbacks.ModelCheckpoint(tmp_path / "x"), epochs=1)
+
+
+def test_a_second_run_into_the_same_directory_is_refused(tmp_path):
+    fit_with(mf.callbacks.ModelCheckpoint(tmp_path / "ck"), epochs=2)
+    before = steps_in(tmp_path / "ck")
+    with pytest.raises(FileExistsError, match="already exists.*does not overwrite"):
+        fit_with(mf.callbacks.ModelCheckpoint(tmp_path / "ck"), epochs=2)
+    assert steps_in(tmp_path / "ck") == before

@@ -64,16 +64,20 @@ def test_async_reaches_sync_accuracy_on_digits():
     from flax import nnx
 
     x_train, x_test, y_train, y_test = load_data()
-    results = {}
-    for mode in ("sync", "async"):
+
+    def accuracy(mode):
         with mf.strategies.ParameterServerStrategy(mode=mode, workers=jax.devices()[:4]).scope():
             model = mf.Model(DigitsMLP(64, 128, 10, rngs=nnx.Rngs(0)))
             model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
                           metrics=["accuracy"])
-        model.fit(x_train, y_train, batch_size=64, epochs=20, verbose=0)
-        results[mode] = model.evaluate(x_test, y_test, verbose=0, return_dict=True)["accuracy"]
-    assert results["sync"] > 0.95
-    assert results["async"] >= results["sync"] - 0.01, results
+        model.fit(x_train, y_train, batch_size=64, epochs=30, verbose=0)
+        return model.evaluate(x_test, y_test, verbose=0, return_dict=True)["accuracy"]
+
+    sync = accuracy("sync")
+    # Async runs differ with thread timing; compare their mean (two runs) with the deterministic sync run.
+    runs = [accuracy("async") for _ in range(2)]
+    assert sync > 0.95
+    assert np.mean(runs) >= sync - 0.01, (sync, runs)
 
 
 def test_bad_arguments():
