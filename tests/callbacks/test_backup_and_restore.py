@@ -209,3 +209,37 @@ def test_grain_iterator_position_is_restored(tmp_path):
     assert resumed_history.history == full_history.history
     for a, b in zip(full.get_weights(), resumed.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("stop_at, newest", [(5, 4), (7, 6)])  # backup mid-epoch (epoch 2, batch 1); at its end
+def test_grain_stream_resumes_mid_epoch_exactly(tmp_path, stop_at, newest):
+    """The restored iterator state stands at the saved batch and must not be skipped past again."""
+    grain = pytest.importorskip("grain")
+    x, y = classification_data(n=80)
+    dataset = grain.MapDataset.source([{"x": x[i], "y": y[i]} for i in range(80)]).shuffle(seed=2).repeat().batch(
+        8).map(lambda b: (b["x"], b["y"]))
+
+    class StopAtStep(mf.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if self.model._host_step == stop_at:
+                self.model.stop_training = True
+
+    def fit(epochs, backup=None, stop=False):
+        model = mf.Model(MLP(), seed=1)
+        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+        callbacks = [StopAtStep()] if stop else []
+        if backup:
+            callbacks.append(mf.callbacks.BackupAndRestore(backup, save_freq=2, delete_checkpoint=False))
+        history = model.fit(dataset.to_iter_dataset(), steps_per_epoch=3, epochs=epochs, callbacks=callbacks,
+                            verbose=0)
+        return model, history
+
+    full, full_history = fit(4)
+    fit(4, tmp_path / "b", stop=True)
+    steps = sorted(int(p) for p in os.listdir(tmp_path / "b") if p.isdigit())
+    assert steps[-1] == newest
+    resumed, resumed_history = fit(4, tmp_path / "b")
+    assert int(resumed._state.step) == 12
+    assert resumed_history.history == full_history.history
+    for a, b in zip(full.get_weights(), resumed.get_weights()):
+        np.testing.assert_array_equal(a, b)
