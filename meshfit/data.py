@@ -199,16 +199,39 @@ class ArrayData:
                 yield 1, batch
             return
         for group_rows in _chunks(self._positions(epoch, start_step), size):
+            contiguous = self._contiguous_rows(group_rows, size)
+            if contiguous is not None:  # the common case: one slice of the order, one gather
+                batch = jax.tree.map(lambda a: a.reshape((size, self.local_rows) + a.shape[1:]),
+                                     self._take_all(contiguous, None))
+                yield size, batch._replace(mask=self._full_masks(size))
+                continue
             rows = [self._rows(order, within) for order, within in group_rows]
             count = len(rows)
             if count < size and not pad_last:
                 yield count, [self._take_all(*r) for r in rows]
                 continue
             rows += [(rows[0][0], np.zeros_like(rows[0][1]))] * (size - count)
-            index = np.concatenate([np.arange(self.num_samples)[i] if isinstance(i, slice) else i for i, _ in rows])
+            index = np.concatenate([np.arange(i.start, i.stop) if isinstance(i, slice) else i for i, _ in rows])
             batch = self._take_all(index, None)
             batch = jax.tree.map(lambda a: a.reshape((size, self.local_rows) + a.shape[1:]), batch)
             yield count, batch._replace(mask=np.stack([m for _, m in rows]))
+
+    def _full_masks(self, size: int) -> np.ndarray:
+        if getattr(self, "_stacked_mask", None) is None or self._stacked_mask.shape[0] != size:
+            self._stacked_mask = np.ones((size, self.local_rows), np.float32)
+        return self._stacked_mask
+
+    def _contiguous_rows(self, group_rows, size: int):
+        """The rows of `size` full, consecutive batches of one pass as one index, else None."""
+        if len(group_rows) != size or self.block[1] != 1 or self.padded_batch_size != self.batch_size:
+            return None
+        order, first = group_rows[0]
+        if any(o is not order for o, _ in group_rows) or group_rows[-1][1] != first + size - 1:
+            return None
+        start, stop = first * self.batch_size, (first + size) * self.batch_size
+        if stop > self.num_samples:
+            return None
+        return slice(start, stop) if order is None else order[start:stop]
 
     def get_state(self) -> dict:
         """Nothing to save: the order of batch b depends only on the seed and b."""
