@@ -55,7 +55,9 @@ class Model:
         params, model_state = self._adapter.init()
         self._state: TrainState = self.strategy.place_state(TrainState(
             params=params, model_state=model_state, opt_state=None, metrics=(),
-            step=jnp.zeros((), jnp.int32), rng=jax.random.key_data(jax.random.key(self.seed)),
+            step=jnp.zeros((), jnp.int32),
+            # Only modules that take an RNG argument (Linen) carry a key; NNX keeps its own streams.
+            rng=jax.random.key_data(jax.random.key(self.seed)) if self._adapter.uses_rng else None,
         ), self._adapter.partition_specs())
         self._compiled: dict[str, Any] | None = None
         self._runner: Runner | None = None

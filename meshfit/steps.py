@@ -47,16 +47,13 @@ class Steps:
     # -- metric accumulators -----------------------------------------------------
 
     def init_metrics(self):
-        loss_state = {"total": jnp.zeros((), jnp.float32), "count": jnp.zeros((), jnp.float32)}
+        loss_state = jnp.zeros((2,), jnp.float32)  # (weighted sum, count): one buffer, fewer step arguments
         return (loss_state,) + tuple(m.init() for m in self.metrics + self.weighted_metrics)
 
     def _update_metrics(self, states, loss_value, batch: Batch, y_pred):
         mask = batch.mask
         n_real = jnp.sum(mask)
-        loss_state = {
-            "total": states[0]["total"] + loss_value.astype(jnp.float32) * n_real,
-            "count": states[0]["count"] + n_real,
-        }
+        loss_state = states[0] + jnp.stack([loss_value.astype(jnp.float32) * n_real, n_real])
         weighted = mask if batch.sample_weight is None else mask * _per_sample(batch.sample_weight)
         new = [loss_state]
         for metric, state in zip(self.metrics, states[1:]):
@@ -67,8 +64,8 @@ class Steps:
 
     def logs(self, states) -> dict[str, jax.Array]:
         """Current value of the loss and each metric (device scalars)."""
-        loss_state = states[0]
-        values = {LOSS_KEY: loss_state["total"] / jnp.maximum(loss_state["count"], 1.0)}
+        total, count = states[0][0], states[0][1]
+        values = {LOSS_KEY: total / jnp.maximum(count, 1.0)}
         for metric, state in zip(self.metrics + self.weighted_metrics, states[1:]):
             values[metric.name] = metric.compute(state)
         return values

@@ -109,7 +109,8 @@ class MeshStrategy(Strategy):
                                            min_shard_size=self.min_shard_size)
         replicated = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
         opt_state = None if state.opt_state is None else layout.follow_params(state.opt_state, state.params, params)
-        return type(state)(params, model_state, opt_state, replicated(state.metrics), P(), P())
+        rng = None if state.rng is None else P()
+        return type(state)(params, model_state, opt_state, replicated(state.metrics), P(), rng)
 
     def place_state(self, state, param_hints=None):
         specs = self.state_specs(state, param_hints)
