@@ -38,3 +38,19 @@ def test_a_killed_worker_is_dropped_and_training_finishes_with_accuracy():
     assert "[rank 0] Epoch 20/20" in out  # all epochs ran
     accuracy = float(re.search(r"\[rank 0\] test accuracy: ([\d.]+)", out).group(1))
     assert accuracy >= 0.95, out[-2000:]
+
+
+def test_a_dead_parameter_server_fails_the_job_and_restarts_resume_from_the_backup(tmp_path):
+    worker = os.path.join(os.path.dirname(__file__), "..", "workers", "train_ps.py")
+    result = subprocess.run([sys.executable, "-m", "meshfit.cli", "launch", "--ps", "1", "--workers", "2",
+                             "--max-restarts", "1", worker, str(tmp_path / "backup"), "--die-at-step", "75"],
+                            capture_output=True, text=True, timeout=400)
+    out, err = result.stdout, result.stderr
+    assert result.returncode == 0, out[-3000:] + err[-3000:]
+    assert "[launch] the parameter server (rank 0) exited with status -9 (killed by SIGKILL)" in err
+    assert "[launch] restarting the job (1/1)." in err
+    # Backups every 10 steps, written asynchronously: the one at step 70 may still have been in flight.
+    assert re.search(r"\[rank 0\] BackupAndRestore: resumed .* \(step (60|70)\)", out), out[-2000:]
+    summary = re.search(r"\[rank 0\] epochs (\d+) last (\d+) test accuracy: ([\d.]+)", out)
+    assert summary and int(summary.group(2)) == 11  # all 12 epochs done, counting those before the crash
+    assert float(summary.group(3)) >= 0.95

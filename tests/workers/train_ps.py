@@ -1,0 +1,46 @@
+"""Worker script for parameter-server fault tests (run under `meshfit launch --ps 1 --workers N`).
+
+    python train_ps.py BACKUP_DIR [--epochs E] [--die-at-step S]
+In the first attempt of the job, the parameter server (rank 0) SIGKILLs itself at step S.
+"""
+
+import argparse
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+
+import meshfit as mf  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("backup")
+    parser.add_argument("--epochs", type=int, default=12)
+    parser.add_argument("--die-at-step", type=int, default=None)
+    args = parser.parse_args()
+    strategy = mf.strategies.ParameterServerStrategy()  # worker processes serve from here and exit
+    from digits import MLP, load_data
+    from flax import nnx
+
+    x_train, x_test, y_train, y_test = load_data()
+    with strategy.scope():
+        model = mf.Model(MLP(64, 128, 10, rngs=nnx.Rngs(0)))
+        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    first_attempt = os.environ.get("MESHFIT_RESTART_COUNT") == "0"
+
+    def maybe_die(batch, logs):
+        if first_attempt and model._host_step == args.die_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    callbacks = [mf.callbacks.LambdaCallback(on_train_batch_end=maybe_die),
+                 mf.callbacks.BackupAndRestore(args.backup, save_freq=10)]
+    history = model.fit(x_train, y_train, batch_size=64, epochs=args.epochs, callbacks=callbacks, verbose=2)
+    result = model.evaluate(x_test, y_test, verbose=0, return_dict=True)
+    print(f"epochs {len(history.epoch)} last {history.epoch[-1]} test accuracy: {result['accuracy']:.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
