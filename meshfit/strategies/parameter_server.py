@@ -32,7 +32,7 @@ def _split_rows(batch: Batch, parts: int) -> list[Batch]:
 
 
 class ParameterServerStrategy(Strategy):
-    """Parameter-server training over the devices of this host.
+    """Parameter-server training: local devices as workers, or worker processes.
 
     `mode="async"` (default): each batch goes whole to the next free worker,
     which pulls the current parameters, computes gradients and pushes them;
@@ -45,7 +45,8 @@ class ParameterServerStrategy(Strategy):
 
     `mode="sync"`: each global batch is split over the workers; their
     gradients are averaged (weighted by real rows) and applied once — the
-    same updates as MirroredStrategy on the same batches.
+    same updates as MirroredStrategy on the same batches for modules without
+    randomness (each worker draws its own dropout masks).
 
     Evaluation and prediction run on the server device with the current
     parameters. Module state updated in the forward pass (BatchNorm
@@ -86,6 +87,9 @@ class ParameterServerStrategy(Strategy):
         if ps_remote.role() == "coordinator":
             if mode != "async":
                 raise ValueError("Worker processes (`meshfit launch --ps`) train in mode='async' only.")
+            if workers is not None or server_device is not None or worker_delays:
+                raise ValueError("`workers`, `server_device` and `worker_delays` apply to one-host training; "
+                                 "under `meshfit launch --ps` the worker processes are the workers.")
             self._coordinator = ps_remote.Coordinator(int(os.environ[ps_remote.ENV_WORKERS]))
             self.server_device = jax.local_devices()[0]
 
@@ -145,9 +149,9 @@ class _SyncTraining(_Training):
         version = int(jax.device_get(state.step)) if self.steps.adapter.uses_rng else 0
         outputs, weights = [], []
         for i, (device, part) in enumerate(zip(workers, _split_rows(batch, len(workers)))):
-            params, model_state = jax.device_put((state.params, state.model_state), device)
-            outputs.append(self.gradients(params, model_state, jax.device_put(part, device),
-                                          self.worker_rng(state, i, version)))
+            params, model_state, rng = jax.device_put(
+                (state.params, state.model_state, self.worker_rng(state, i, version)), device)
+            outputs.append(self.gradients(params, model_state, jax.device_put(part, device), rng))
             weights.append(float(part.mask.sum()))
         delays = self.strategy.worker_delays
         if delays:  # the round waits for its slowest (simulated) worker
@@ -199,9 +203,9 @@ class _AsyncTraining(_Training):
             try:
                 with self.lock:
                     state, version = self.state, self.version
-                params, model_state = jax.device_put((state.params, state.model_state), device)
-                out = self.gradients(params, model_state, jax.device_put(batch, device),
-                                     self.worker_rng(state, index, version))
+                params, model_state, rng = jax.device_put(
+                    (state.params, state.model_state, self.worker_rng(state, index, version)), device)
+                out = self.gradients(params, model_state, jax.device_put(batch, device), rng)
                 jax.block_until_ready(out)
                 if delay:
                     time.sleep(delay)

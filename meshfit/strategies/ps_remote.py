@@ -174,10 +174,10 @@ class Coordinator:
         self.ids = itertools.count(1)
         self.program = None
         self.log = collections.Counter()
-        self._accepting = threading.Thread(target=self._accept, daemon=True, name="ps-accept")
-        self._accepting.start()
         self._ready = threading.Event()
         self._expected = expected_workers
+        self._accepting = threading.Thread(target=self._accept, daemon=True, name="ps-accept")
+        self._accepting.start()
         if not self._ready.wait(accept_timeout):
             raise TimeoutError(
                 f"Only {len(self.workers)} of {expected_workers} parameter-server workers connected within "
@@ -266,17 +266,23 @@ class RemoteAsyncTraining:
         """Serializes the worker's gradient computation; typed RNG keys travel as raw key data."""
         template = state.model_state
 
-        def gradients(params, encoded_model_state, batch):
+        def gradients(params, encoded_model_state, batch, rng):
             grads, model_state, increments = self.steps.gradients(
-                params, decode(encoded_model_state, template), batch, None)
+                params, decode(encoded_model_state, template), batch, rng)
             return grads, encode(model_state), increments
 
-        args = (state.params, encode(state.model_state), batch)
+        args = (state.params, encode(state.model_state), batch, self._rng(state, 0))
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), args)
         self.exported = jax.export.export(jax.jit(gradients))(*shapes)
         self.out_specs = self.exported.out_avals
         self.out_tree = self.exported.out_tree
         self.coordinator.set_program(self.exported)
+
+    def _rng(self, state, salt: int):
+        """A dropout key for one job (Linen modules); None for modules without an RNG argument."""
+        if not self.steps.adapter.uses_rng:
+            return None
+        return np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), salt)))
 
     def _dispatch(self) -> None:
         for worker in self.coordinator.live():
@@ -289,7 +295,8 @@ class RemoteAsyncTraining:
             self.coordinator.server.await_pull(
                 pull_id, jax.tree.leaves((self.state.params, encode(self.state.model_state))))
             try:
-                worker.conn.send(("work", pull_id, pull_id, push_id, _to_wire(batch)))
+                rng = self._rng(self.state, next(self.coordinator.ids))
+                worker.conn.send(("work", pull_id, pull_id, push_id, _to_wire((batch, rng))))
             except OSError as error:
                 self.pending.appendleft(batch)
                 self.coordinator.drop(worker, str(error))
@@ -319,7 +326,8 @@ class RemoteAsyncTraining:
                 flat = worker.transfer.pull(push_id, specs, timeout=_deadline())
             except (EOFError, OSError, RuntimeError) as error:
                 worker.job = None
-                self.coordinator.drop(worker, f"{type(error).__name__}: {error}")
+                self.coordinator.drop(worker, f"{type(error).__name__}: {error}" if str(error)
+                                      else "its connection closed")
                 self.pending.appendleft(batch)
                 continue
             del message

@@ -91,3 +91,22 @@ def test_bad_arguments():
         model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", steps_per_execution=4)
     with pytest.raises(ValueError, match="steps_per_execution=1"):
         model.fit(x, y, verbose=0)
+
+
+def test_linen_module_with_dropout_trains_in_both_modes():
+    from flax import linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool = False):
+            x = nn.Dropout(0.1, deterministic=not train)(nn.relu(nn.Dense(32)(x)))
+            return nn.Dense(3)(x)
+
+    x, y = classification_data(n=128)
+    for mode in ("sync", "async"):
+        with mf.strategies.ParameterServerStrategy(mode=mode, workers=jax.devices()[:2]).scope():
+            model = mf.Model(Net(), sample_input=x[:1])
+            model.compile(optimizer=mf.optimizers.get("adam", learning_rate=0.01),
+                          loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+        history = model.fit(x, y, batch_size=16, epochs=6, verbose=0)
+        assert history.history["loss"][-1] < 0.7 * history.history["loss"][0], (mode, history.history["loss"])
