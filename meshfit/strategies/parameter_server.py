@@ -68,6 +68,9 @@ class ParameterServerStrategy(Strategy):
             ps_remote.run_worker()  # a worker process serves the coordinator, then exits here
         if mode not in MODES:
             raise ValueError(f"`mode` must be one of {MODES}. Received: mode={mode!r}.")
+        if ps_remote.role() == "coordinator" and (workers is not None or server_device is not None or worker_delays):
+            raise ValueError("`workers`, `server_device` and `worker_delays` apply to one-host training; "
+                             "under `meshfit launch --ps` the worker processes are the workers.")
         if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
             raise ValueError(f"`max_staleness` must be a non-negative int or None. Received: {max_staleness!r}.")
         self.mode = mode
@@ -87,9 +90,6 @@ class ParameterServerStrategy(Strategy):
         if ps_remote.role() == "coordinator":
             if mode != "async":
                 raise ValueError("Worker processes (`meshfit launch --ps`) train in mode='async' only.")
-            if workers is not None or server_device is not None or worker_delays:
-                raise ValueError("`workers`, `server_device` and `worker_delays` apply to one-host training; "
-                                 "under `meshfit launch --ps` the worker processes are the workers.")
             self._coordinator = ps_remote.Coordinator(int(os.environ[ps_remote.ENV_WORKERS]))
             self.server_device = jax.local_devices()[0]
 
