@@ -22,6 +22,7 @@ import numpy as np
 from meshfit.data import Batch
 from meshfit.strategies import ps_remote
 from meshfit.strategies.base import Strategy
+from meshfit.strategies.ps_server import ServerUpdates
 
 MODES = ("async", "sync")
 
@@ -113,19 +114,13 @@ class ParameterServerStrategy(Strategy):
         return f"ParameterServerStrategy(mode={self.mode!r}, workers={len(self.workers)})"
 
 
-class _Training:
+class _Training(ServerUpdates):
     """Shared pieces: compiled worker and server functions, and placement."""
 
     def __init__(self, strategy: ParameterServerStrategy, steps):
+        super().__init__(steps)
         self.strategy = strategy
-        self.steps = steps
         self.gradients = jax.jit(steps.gradients)
-        self.apply = jax.jit(lambda state, grads, model_state, increments:
-                             self._apply_and_log(state, grads, model_state, increments))
-
-    def _apply_and_log(self, state, grads, model_state, increments):
-        new_state = self.steps.apply_gradients(state, grads, model_state, increments, state.rng)
-        return new_state, self.steps.logs(new_state.metrics)
 
     def worker_rng(self, state, worker: int, version: int):
         if not self.steps.adapter.uses_rng:
@@ -180,11 +175,8 @@ class _AsyncTraining(_Training):
         self.work: queue.Queue = queue.Queue()
         self.results: queue.Queue = queue.Queue()
         self.lock = threading.Lock()
-        self.state = None
-        self.logs = None
         self.version = 0
         self.pending = 0
-        self.staleness: list[int] = []
         self.dropped = 0
         self.error: BaseException | None = None
         self.threads = [threading.Thread(target=self._worker, args=(i, d), daemon=True, name=f"ps-worker-{i}")
@@ -237,13 +229,6 @@ class _AsyncTraining(_Training):
             self.state = state
         self.staleness, self.dropped = [], 0
 
-    def _current_logs(self):
-        logs = dict(self.logs) if self.logs is not None else dict(self.steps.logs(self.state.metrics))
-        if self.staleness:
-            logs["staleness"] = float(np.mean(self.staleness))
-            logs["max_staleness"] = float(np.max(self.staleness))
-        return logs
-
     def __call__(self, state, batch):
         if state is not self.state:
             self._adopt(state)
@@ -256,12 +241,12 @@ class _AsyncTraining(_Training):
             except queue.Empty:
                 break
             self._apply(result)
-        return self.state, self._current_logs()
+        return self.state, self.current_logs()
 
     def drain(self):
         while self.pending:
             self._apply(self.results.get())
-        return self.state, self._current_logs()
+        return self.state, self.current_logs()
 
     def __del__(self):
         for _ in self.threads:

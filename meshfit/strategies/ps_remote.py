@@ -30,6 +30,7 @@ import numpy as np
 
 from meshfit.checkpoint import decode, encode
 from meshfit.data import Batch
+from meshfit.strategies.ps_server import ServerUpdates
 
 # The exported gradient program takes a Batch; both ends must know its name.
 jax.export.register_namedtuple_serialization(Batch, serialized_name="meshfit.data.Batch")
@@ -241,26 +242,17 @@ class Coordinator:
         self.listener.close()
 
 
-class RemoteAsyncTraining:
+class RemoteAsyncTraining(ServerUpdates):
     """Asynchronous training with worker processes (see module docstring)."""
 
     def __init__(self, strategy, steps, coordinator: Coordinator):
+        super().__init__(steps)
         self.strategy = strategy
-        self.steps = steps
         self.coordinator = coordinator
-        self.apply = jax.jit(lambda state, grads, model_state, increments: self._apply_and_log(
-            state, grads, model_state, increments))
-        self.state = None
-        self.logs = None
         self.version = 0
         self.pending: collections.deque = collections.deque()  # batches not yet handed out
         self.outstanding = 0  # batches not yet applied
-        self.staleness: list[int] = []
         self.exported = None
-
-    def _apply_and_log(self, state, grads, model_state, increments):
-        new_state = self.steps.apply_gradients(state, grads, model_state, increments, state.rng)
-        return new_state, self.steps.logs(new_state.metrics)
 
     def _export(self, state, batch) -> None:
         """Serializes the worker's gradient computation; typed RNG keys travel as raw key data."""
@@ -343,13 +335,6 @@ class RemoteAsyncTraining:
             self.outstanding -= 1
             self.staleness.append(staleness)
 
-    def _current_logs(self):
-        logs = dict(self.logs) if self.logs is not None else dict(self.steps.logs(self.state.metrics))
-        if self.staleness:
-            logs["staleness"] = float(np.mean(self.staleness))
-            logs["max_staleness"] = float(np.max(self.staleness))
-        return logs
-
     def __call__(self, state, batch):
         if state is not self.state:
             self.state = state
@@ -363,11 +348,11 @@ class RemoteAsyncTraining:
         while self.outstanding > 2 * max(1, len(self.coordinator.live())):
             self._collect(timeout=1.0)
             self._dispatch()
-        return self.state, self._current_logs()
+        return self.state, self.current_logs()
 
     def drain(self):
         while self.outstanding:
             self._dispatch()
             self._collect(timeout=1.0)
-        return self.state, self._current_logs()
+        return self.state, self.current_logs()
 
