@@ -342,6 +342,10 @@ class Model:
             fit_loop(self, data, epochs=epochs, initial_epoch=initial_epoch, callbacks=callback_list,
                      val_data=val_data, validation_freq=validation_freq, validation_steps=validation_steps)
         finally:
+            for cb in self._fit_callbacks:  # finish background writes even when fit raised
+                close = getattr(cb, "close", None)
+                if close is not None:
+                    close()
             self._fit_data, self._fit_callbacks = None, []
         return history
 

@@ -160,6 +160,12 @@ class BackupAndRestore(Callback):
         self._save(epoch, step_in_epoch, wait=True)
 
     def on_train_end(self, logs=None):
-        self._dir.close()
+        self.close()
         if self.delete_checkpoint and self.model.strategy.is_chief:
-            shutil.rmtree(self._dir.directory, ignore_errors=True)
+            shutil.rmtree(self.backup_dir, ignore_errors=True)
+
+    def close(self) -> None:
+        """Waits for the backup being written and releases the directory (also after a failed fit)."""
+        if self._dir is not None:
+            self._dir.close()
+            self._dir = None

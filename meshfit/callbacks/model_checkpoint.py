@@ -106,4 +106,10 @@ class ModelCheckpoint(MonitorCallback):
         self.best = state["best"]
 
     def on_train_end(self, logs=None):
-        self._dir.wait()  # a checkpoint is complete on disk when fit returns
+        self.close()  # a checkpoint is complete on disk when fit returns
+
+    def close(self) -> None:
+        """Waits for the checkpoint being written and releases the directory (also after a failed fit)."""
+        if self._dir is not None:
+            self._dir.close()
+            self._dir = None

@@ -243,3 +243,28 @@ def test_grain_stream_resumes_mid_epoch_exactly(tmp_path, stop_at, newest):
     assert resumed_history.history == full_history.history
     for a, b in zip(full.get_weights(), resumed.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_fit_that_raises_leaves_a_usable_backup_for_the_next_fit(tmp_path):
+    x, y = classification_data(n=96)
+
+    class Crash(mf.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if self.model._host_step == 7:
+                raise RuntimeError("simulated crash")
+
+    model = mf.Model(MLP(), seed=3)
+    model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        model.fit(x, y, batch_size=16, epochs=3, verbose=0,
+                  callbacks=[Crash(), mf.callbacks.BackupAndRestore(tmp_path / "b", save_freq=2)])
+    steps = sorted(int(p) for p in os.listdir(tmp_path / "b") if p.isdigit())
+    assert steps[-1] == 6  # the write in flight at the crash was finished, not left half-done
+    fresh, uninterrupted = train_in_process(tmp_path / "other", 3)
+    resumed = mf.Model(MLP(), seed=3)
+    resumed.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = resumed.fit(x, y, batch_size=16, epochs=3, verbose=0,
+                          callbacks=[mf.callbacks.BackupAndRestore(tmp_path / "b", save_freq=2)])
+    assert history.history == uninterrupted.history
+    for a, b in zip(fresh.get_weights(), resumed.get_weights()):
+        np.testing.assert_array_equal(a, b)
