@@ -24,6 +24,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from bench_fit import MLP  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -42,16 +43,6 @@ MESHES = {
         (r"layers/0/kernel", ("fsdp", "tensor")), (r"layers/0/bias", ("tensor",)),
         (r"layers/1/kernel", ("tensor", "fsdp")))),
 }
-
-
-class MLP(nnx.Module):
-    def __init__(self, sizes, *, rngs):
-        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:])])
-
-    def __call__(self, x):
-        for layer in self.layers[:-1]:
-            x = nnx.relu(layer(x))
-        return self.layers[-1](x)
 
 
 def raw_loop(strategy, x, y, batch, epochs):
