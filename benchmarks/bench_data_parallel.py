@@ -25,8 +25,7 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from bench_fit import MLP, loss_fn, make_data, optimizer  # noqa: E402
+from bench_fit import MLP, make_data, optimizer, train_step  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -44,13 +43,7 @@ def raw_epochs(sizes, x, y, batch, epochs, strategy):
     tx = optimizer()
     state = jax.device_put((params, tx.init(params), np.zeros((), np.float32)), replicated)
 
-    def step(state, xb, yb):
-        params, opt_state, loss_sum = state
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(graphdef, p, xb, yb))(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss_sum + loss
-
-    step = jax.jit(step, donate_argnums=0)
+    step = jax.jit(train_step(graphdef, tx), donate_argnums=0)
     steps = len(x) // batch
     rng = np.random.default_rng(0)
 

@@ -56,12 +56,8 @@ def loss_fn(graphdef, params, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-def raw_epochs(sizes, x, y, batch, epochs, scan_steps=1):
-    """Hand-written loop; returns a function that runs `epochs` epochs and blocks."""
-    graphdef, params = nnx.split(MLP(sizes, rngs=nnx.Rngs(0)))
-    params = nnx.to_pure_dict(params)
-    tx = optimizer()
-    state = jax.device_put((params, tx.init(params), jnp.zeros((), jnp.float32)))
+def train_step(graphdef, tx):
+    """The hand-written baselines' step: state = (params, opt_state, loss sum), donated by the caller's jit."""
 
     def step(state, xb, yb):
         params, opt_state, loss_sum = state
@@ -69,6 +65,17 @@ def raw_epochs(sizes, x, y, batch, epochs, scan_steps=1):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss_sum + loss
 
+    return step
+
+
+def raw_epochs(sizes, x, y, batch, epochs, scan_steps=1):
+    """Hand-written loop; returns a function that runs `epochs` epochs and blocks."""
+    graphdef, params = nnx.split(MLP(sizes, rngs=nnx.Rngs(0)))
+    params = nnx.to_pure_dict(params)
+    tx = optimizer()
+    state = jax.device_put((params, tx.init(params), jnp.zeros((), jnp.float32)))
+
+    step = train_step(graphdef, tx)
     if scan_steps == 1:
         run = jax.jit(step, donate_argnums=0)
     else:

@@ -24,7 +24,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from bench_fit import MLP  # noqa: E402
+from bench_fit import MLP, train_step  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -59,18 +59,7 @@ def raw_loop(strategy, x, y, batch, epochs):
     state = jax.device_put((params, opt_state, np.zeros((), np.float32)), state_shardings)
     batch_sharding = NamedSharding(mesh, P(("data", "fsdp")))
 
-    def step(state, xb, yb):
-        params, opt_state, loss_sum = state
-
-        def loss_fn(p):
-            logits = nnx.merge(graphdef, p)(xb)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss_sum + loss
-
-    run = jax.jit(step, in_shardings=(state_shardings, batch_sharding, batch_sharding),
+    run = jax.jit(train_step(graphdef, tx), in_shardings=(state_shardings, batch_sharding, batch_sharding),
                   out_shardings=state_shardings, donate_argnums=0)
     steps = len(x) // batch
     rng = np.random.default_rng(0)

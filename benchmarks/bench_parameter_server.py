@@ -17,7 +17,6 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 
 import argparse  # noqa: E402
-import collections  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402

@@ -188,8 +188,7 @@ class Model:
     def _check_input(self, batch: data_lib.Batch) -> None:
         spec = jax.tree.map(lambda a: (tuple(a.shape[1:]), np.dtype(a.dtype).kind), batch.x)
         if self._input_spec is None:
-            y_pred = self._output_spec(batch)
-            del y_pred
+            self._output_spec(batch)  # a clear error here if the model rejects these inputs
             self._input_spec = spec
         elif spec != self._input_spec:
             raise ValueError(
