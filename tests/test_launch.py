@@ -3,9 +3,10 @@
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
+
+from processes import Job, run
 
 WORKERS = os.path.join(os.path.dirname(__file__), "workers")
 
@@ -16,9 +17,8 @@ def launch_cmd(*args):
 
 def test_failure_of_one_process_stops_the_others_and_sets_the_status():
     start = time.monotonic()
-    result = subprocess.run(launch_cmd("--nprocs", "3", "--devices-per-proc", "2",
-                                       os.path.join(WORKERS, "exit_with.py"), "3"),
-                            capture_output=True, text=True, timeout=60)
+    result = run(launch_cmd("--nprocs", "3", "--devices-per-proc", "2", os.path.join(WORKERS, "exit_with.py"), "3"),
+                 timeout=60)
     elapsed = time.monotonic() - start
     assert result.returncode == 3
     assert elapsed < 30  # rank 0 and 2 would sleep 120 s if not stopped
@@ -29,25 +29,14 @@ def test_failure_of_one_process_stops_the_others_and_sets_the_status():
 
 
 def test_killed_worker_ends_the_job_with_a_clear_error_in_bounded_time(tmp_path):
-    proc = subprocess.Popen(
-        launch_cmd("--nprocs", "2", "--devices-per-proc", "2", os.path.join(WORKERS, "train_data_parallel.py"),
-                   str(tmp_path), "--hang"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    pids, epochs_seen = {}, 0
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and (len(pids) < 2 or epochs_seen < 2):
-        line = proc.stdout.readline()
-        if not line:
-            break
-        match = re.match(r"\[rank (\d)\] pid (\d+) rank", line)
-        if match:
-            pids[int(match.group(1))] = int(match.group(2))
-        if line.startswith("[rank 0] epoch "):
-            epochs_seen += 1
-    assert len(pids) == 2 and epochs_seen >= 2, "the job did not start training"
-    os.kill(pids[1], signal.SIGKILL)
-    killed_at = time.monotonic()
-    out, err = proc.communicate(timeout=60)
+    with Job(launch_cmd("--nprocs", "2", "--devices-per-proc", "2", os.path.join(WORKERS, "train_data_parallel.py"),
+                        str(tmp_path), "--hang"), timeout=180) as job:
+        pids = {int(m.group(1)): int(m.group(2)) for m in job.wait_for(r"\[rank (\d)\] pid (\d+) rank", count=2)}
+        job.wait_for(r"\[rank 0\] epoch ", count=2)  # training is under way
+        os.kill(pids[1], signal.SIGKILL)
+        killed_at = time.monotonic()
+        job.finish(timeout=60)
+    proc, err = job.proc, job.stderr
     assert time.monotonic() - killed_at < 30
     assert proc.returncode == 128 + signal.SIGKILL
     assert "[launch] rank 1 exited with status -9 (killed by SIGKILL); stopping the other 1 process(es)." in err
@@ -60,6 +49,6 @@ def test_killed_worker_ends_the_job_with_a_clear_error_in_bounded_time(tmp_path)
 
 
 def test_launch_requires_a_script():
-    result = subprocess.run(launch_cmd("--nprocs", "2"), capture_output=True, text=True, timeout=60)
+    result = run(launch_cmd("--nprocs", "2"), timeout=60)
     assert result.returncode == 2
     assert "launch needs a script" in result.stderr

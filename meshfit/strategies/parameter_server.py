@@ -61,10 +61,13 @@ class ParameterServerStrategy(Strategy):
         max_staleness: in parameter versions; None for no bound.
         worker_delays: {worker index: seconds} slept after each gradient, to
             simulate stragglers in tests and benchmarks.
+        worker_timeout: seconds a worker process may hold a batch before it
+            is taken for lost (hung, stopped, cut off): it is dropped and its
+            batch redone elsewhere. Worker processes only.
     """
 
     def __init__(self, mode: str = "async", workers=None, server_device=None, max_staleness: int | None = None,
-                 worker_delays: dict[int, float] | None = None):
+                 worker_delays: dict[int, float] | None = None, worker_timeout: float = 60.0):
         if ps_remote.role() == "worker":
             ps_remote.run_worker()  # a worker process serves the coordinator, then exits here
         if mode not in MODES:
@@ -74,7 +77,10 @@ class ParameterServerStrategy(Strategy):
                              "under `meshfit launch --ps` the worker processes are the workers.")
         if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
             raise ValueError(f"`max_staleness` must be a non-negative int or None. Received: {max_staleness!r}.")
+        if not isinstance(worker_timeout, (int, float)) or worker_timeout <= 0:
+            raise ValueError(f"`worker_timeout` must be a positive number of seconds. Received: {worker_timeout!r}.")
         self.mode = mode
+        self.worker_timeout = float(worker_timeout)
         self.workers = list(workers) if workers is not None else jax.local_devices()
         if not self.workers:
             raise ValueError("ParameterServerStrategy needs at least one worker device. Received: workers=[].")

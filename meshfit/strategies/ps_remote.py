@@ -23,6 +23,8 @@ import os
 import secrets
 import sys
 import threading
+import time
+from typing import NamedTuple
 from multiprocessing.connection import Client, Listener, wait
 
 import jax
@@ -41,6 +43,8 @@ ENV_AUTHKEY = "MESHFIT_PS_AUTHKEY"  # hex secret shared by the job's processes
 ENV_WORKERS = "MESHFIT_PS_WORKERS"  # number of worker processes the coordinator waits for
 
 PULL_TIMEOUT = datetime.timedelta(seconds=30)
+#: How long a handed-out array waits to be pulled before the transfer server lets it go.
+HOLD_TIMEOUT = datetime.timedelta(seconds=120)
 
 
 def role() -> str | None:
@@ -128,15 +132,13 @@ def run_worker() -> None:
             except jax.errors.JaxRuntimeError as error:  # a transfer broke: the coordinator redoes the batch
                 conn.send(("failed", job, str(error)[:300]))
                 continue
-            server.await_pull(push_id, jax.tree.leaves(out))
+            server.await_pull(push_id, jax.tree.leaves(out), timeout=_deadline(HOLD_TIMEOUT))
             conn.send(("done", job, push_id))
     sys.exit(0)
 
 
 def _connect(address, authkey: bytes, timeout: float = 120.0):
     """Connects to the coordinator, retrying while it starts up."""
-    import time
-
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -147,11 +149,20 @@ def _connect(address, authkey: bytes, timeout: float = 120.0):
             time.sleep(0.2)
 
 
-def _deadline():
-    return datetime.datetime.now() + PULL_TIMEOUT
+def _deadline(delta: datetime.timedelta = PULL_TIMEOUT) -> datetime.datetime:
+    return datetime.datetime.now() + delta
 
 
 # -- coordinator -------------------------------------------------------------------
+
+
+class _Job(NamedTuple):
+    """A batch handed to a worker: the parameter version it computes on, where its gradient waits."""
+
+    batch: Batch
+    version: int
+    push_id: int
+    started: float
 
 
 class _Worker:
@@ -160,7 +171,7 @@ class _Worker:
         self.address = address
         self.pid = pid
         self.transfer = connection
-        self.job = None  # (job id, batch, version, push id) while busy
+        self.job: _Job | None = None  # while busy
         self.alive = True
 
 
@@ -213,24 +224,16 @@ class Coordinator:
             return [w for w in self.workers if w.alive]
 
     def drop(self, worker: _Worker, why: str) -> None:
-        """Removes a lost worker; the transfer server is replaced, as a dead peer can break its sockets."""
+        """Removes a lost worker: it gets no more work, and its connection is closed."""
         worker.alive = False
+        worker.job = None
         self.log["dropped"] += 1
         print(f"ParameterServerStrategy: worker pid {worker.pid} lost ({why}); its batch is redone elsewhere.",
               file=sys.stderr, flush=True)
-        self.server = _transfer_server()
-        with self.lock:
-            for other in self.workers:
-                if other.alive:
-                    other.transfer = self.server.connect(other.address)
-            if self.program is not None:
-                self.program = ("program", self.server.address()) + self.program[2:]
-                for other in self.workers:
-                    if other.alive:
-                        try:
-                            other.conn.send(self.program)
-                        except OSError:
-                            other.alive = False
+        try:
+            worker.conn.close()
+        except OSError:
+            pass
 
     def close(self) -> None:
         self._closed = True
@@ -285,7 +288,8 @@ class RemoteAsyncTraining(ServerUpdates):
             batch = self.pending.popleft()
             pull_id, push_id = next(self.coordinator.ids), next(self.coordinator.ids)
             self.coordinator.server.await_pull(
-                pull_id, jax.tree.leaves((self.state.params, encode(self.state.model_state))))
+                pull_id, jax.tree.leaves((self.state.params, encode(self.state.model_state))),
+                timeout=_deadline(HOLD_TIMEOUT))
             try:
                 rng = self._rng(self.state, next(self.coordinator.ids))
                 worker.conn.send(("work", pull_id, pull_id, push_id, _to_wire((batch, rng))))
@@ -293,7 +297,7 @@ class RemoteAsyncTraining(ServerUpdates):
                 self.pending.appendleft(batch)
                 self.coordinator.drop(worker, str(error))
                 continue
-            worker.job = (pull_id, batch, self.version, push_id)
+            worker.job = _Job(batch, self.version, push_id, time.monotonic())
 
     def _collect(self, timeout: float | None) -> None:
         busy = [w for w in self.coordinator.live() if w.job is not None]
@@ -302,33 +306,38 @@ class RemoteAsyncTraining(ServerUpdates):
                 raise RuntimeError("All parameter-server workers are gone; training cannot continue.")
             return
         ready = wait([w.conn for w in busy], timeout=timeout)
+        now = time.monotonic()
         for worker in busy:
+            job = worker.job
             if worker.conn not in ready:
+                if now - job.started > self.strategy.worker_timeout:
+                    self.pending.appendleft(job.batch)
+                    self.coordinator.drop(worker, f"no answer within worker_timeout="
+                                                  f"{self.strategy.worker_timeout:g} s")
                 continue
-            job, batch, version, push_id = worker.job
             try:
                 message = worker.conn.recv()
                 if message[0] == "failed":  # the worker could not pull: redo the batch
                     worker.job = None
-                    self.pending.appendleft(batch)
+                    self.pending.appendleft(job.batch)
                     continue
                 device = self.strategy.server_device
                 specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.sharding.SingleDeviceSharding(device))
                          for a in self.out_specs]
-                flat = worker.transfer.pull(push_id, specs, timeout=_deadline())
+                flat = worker.transfer.pull(job.push_id, specs, timeout=_deadline())
+                jax.block_until_ready(flat)
             except (EOFError, OSError, RuntimeError) as error:
-                worker.job = None
+                self.pending.appendleft(job.batch)
                 self.coordinator.drop(worker, f"{type(error).__name__}: {error}" if str(error)
                                       else "its connection closed")
-                self.pending.appendleft(batch)
                 continue
             del message
             worker.job = None
             grads, model_state, increments = jax.tree.unflatten(self.out_tree, flat)
             model_state = decode(model_state, self.state.model_state)
-            staleness = self.version - version
+            staleness = self.version - job.version
             if self.strategy.max_staleness is not None and staleness > self.strategy.max_staleness:
-                self.pending.append(batch)
+                self.pending.append(job.batch)
                 continue
             self.state, self.logs = self.apply(self.state, grads, model_state, increments)
             self.version += 1

@@ -7,13 +7,13 @@ same computations in the same order give the same bits).
 import json
 import os
 import signal
-import subprocess
 import sys
 import warnings
 
 import numpy as np
 import pytest
 from helpers import MLP, classification_data
+from processes import Job, run
 
 import meshfit as mf
 
@@ -22,17 +22,12 @@ WORKER = os.path.join(os.path.dirname(__file__), "..", "workers", "train_resumab
 
 def run_worker(out, backup, *args, stop_at=None, sig=signal.SIGKILL, timeout=180):
     """Runs the worker; with `stop_at`, sends `sig` when it prints that step. Returns (status, stdout)."""
-    proc = subprocess.Popen([sys.executable, WORKER, str(out), str(backup), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines = []
-    if stop_at is not None:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.strip() == f"step {stop_at}":
-                proc.send_signal(sig)
-                break
-    out_text, err = proc.communicate(timeout=timeout)
-    return proc.returncode, "".join(lines) + out_text + err
+    with Job([sys.executable, WORKER, str(out), str(backup), *args], timeout=timeout) as job:
+        if stop_at is not None:
+            job.wait_for(rf"step {stop_at}$")
+            job.proc.send_signal(sig)
+        status = job.finish()
+    return status, job.stdout + job.stderr
 
 
 def load(out):
@@ -148,17 +143,15 @@ LAUNCH = [sys.executable, "-m", "meshfit.cli", "launch", "--nprocs", "2", "--dev
 @pytest.fixture(scope="module")
 def uninterrupted_two_processes(tmp_path_factory):
     base = tmp_path_factory.mktemp("launch")
-    clean = subprocess.run(LAUNCH + [WORKER, str(base / "out"), str(base / "backup"), "--strategy", "multi_worker"],
-                           capture_output=True, text=True, timeout=300)
+    clean = run(LAUNCH + [WORKER, str(base / "out"), str(base / "backup"), "--strategy", "multi_worker"], timeout=300)
     assert clean.returncode == 0, clean.stderr[-3000:]
     return base / "out"
 
 
 def test_restart_under_launch_with_a_killed_worker(tmp_path, uninterrupted_two_processes):
     """2 processes, rank 1 SIGKILLs itself mid-epoch; --max-restarts resumes; equals an uninterrupted job."""
-    killed = subprocess.run(LAUNCH + ["--max-restarts", "2", WORKER, str(tmp_path / "a"), str(tmp_path / "ab"),
-                                      "--strategy", "multi_worker", "--die-at-step", "14", "--slow", "0.02"],
-                            capture_output=True, text=True, timeout=300)
+    killed = run(LAUNCH + ["--max-restarts", "2", WORKER, str(tmp_path / "a"), str(tmp_path / "ab"),
+                                      "--strategy", "multi_worker", "--die-at-step", "14", "--slow", "0.02"], timeout=300)
     assert killed.returncode == 0, killed.stdout[-3000:] + killed.stderr[-3000:]
     assert "rank 1 exited with status -9" in killed.stderr and "restarting the job (1/2)" in killed.stderr
     assert "[rank 0] BackupAndRestore: resumed" in killed.stdout
@@ -167,22 +160,18 @@ def test_restart_under_launch_with_a_killed_worker(tmp_path, uninterrupted_two_p
 
 def test_sigterm_to_every_process_agrees_on_a_step_saves_and_resumes(tmp_path, uninterrupted_two_processes):
     """A preempted multi-process job: all ranks stop at one step (JAX's sync point), save, exit 143."""
-    proc = subprocess.Popen(LAUNCH + [WORKER, str(tmp_path / "a"), str(tmp_path / "ab"), "--strategy",
-                                      "multi_worker", "--slow", "0.03"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for line in proc.stdout:
-        if line.strip().endswith("step 11"):
-            break
-    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-    assert len(workers) == 2
-    for pid in workers:
-        os.kill(int(pid), signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err[-3000:]
+    with Job(LAUNCH + [WORKER, str(tmp_path / "a"), str(tmp_path / "ab"), "--strategy", "multi_worker",
+                       "--slow", "0.03"], timeout=300) as job:
+        job.wait_for(r".*step 11$")
+        workers = job.children()
+        assert len(workers) == 2
+        for pid in workers:
+            os.kill(pid, signal.SIGTERM)
+        assert job.finish(timeout=120) == 143, job.stderr[-3000:]
     steps = sorted(int(p) for p in os.listdir(tmp_path / "ab") if p.isdigit())
     assert steps and steps[-1] >= 11
-    resumed = subprocess.run(LAUNCH + [WORKER, str(tmp_path / "a"), str(tmp_path / "ab"), "--strategy",
-                                       "multi_worker"], capture_output=True, text=True, timeout=300)
+    resumed = run(LAUNCH + [WORKER, str(tmp_path / "a"), str(tmp_path / "ab"), "--strategy", "multi_worker"],
+                  timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"(step {steps[-1]})" in resumed.stdout
     assert_same_run(tmp_path / "a", uninterrupted_two_processes)

@@ -2,12 +2,12 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
+from processes import run
 from helpers import MLP, classification_data
 
 import meshfit as mf
@@ -18,7 +18,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "..", "workers", "train_data_pa
 def launch(out, *worker_args, nprocs=2, devices=2, timeout=240):
     cmd = [sys.executable, "-m", "meshfit.cli", "launch", "--nprocs", str(nprocs), "--devices-per-proc",
            str(devices), WORKER, str(out), *worker_args]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    result = run(cmd, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 

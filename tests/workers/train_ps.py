@@ -1,6 +1,6 @@
 """Worker script for parameter-server fault tests (run under `meshfit launch --ps 1 --workers N`).
 
-    python train_ps.py BACKUP_DIR [--epochs E] [--die-at-step S]
+    python train_ps.py BACKUP_DIR [--epochs E] [--die-at-step S] [--worker-timeout T]
 In the first attempt of the job, the parameter server (rank 0) SIGKILLs itself at step S.
 """
 
@@ -19,8 +19,9 @@ def main():
     parser.add_argument("backup")
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--die-at-step", type=int, default=None)
+    parser.add_argument("--worker-timeout", type=float, default=60.0)
     args = parser.parse_args()
-    strategy = mf.strategies.ParameterServerStrategy()  # worker processes serve from here and exit
+    strategy = mf.strategies.ParameterServerStrategy(worker_timeout=args.worker_timeout)  # worker processes serve from here and exit
     from digits import MLP, load_data
     from flax import nnx
 

@@ -1,0 +1,117 @@
+"""Subprocesses for tests, with hard deadlines.
+
+Every wait here is bounded: output is read by threads, and a job that runs
+past its time is killed with its whole process group (a launcher and the
+processes it started), then reported with the end of its output. A hung job
+fails its test instead of stalling the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+LAUNCH = [sys.executable, "-m", "meshfit.cli", "launch"]
+
+
+class Job:
+    """A running command in its own process group; stdout and stderr are collected as they come."""
+
+    def __init__(self, argv: list[str], timeout: float, env: dict | None = None):
+        self.argv = argv
+        self.deadline = time.monotonic() + timeout
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     errors="replace", env=env, start_new_session=True)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._new_line = threading.Condition()
+        self._readers = [threading.Thread(target=self._read, args=(stream, lines), daemon=True)
+                         for stream, lines in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        for reader in self._readers:
+            reader.start()
+
+    def _read(self, stream, lines: list[str]) -> None:
+        for line in stream:
+            with self._new_line:
+                lines.append(line)
+                self._new_line.notify_all()
+        stream.close()
+        with self._new_line:
+            self._new_line.notify_all()
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    @property
+    def stdout(self) -> str:
+        return "".join(self.out)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.err)
+
+    def wait_for(self, pattern: str, count: int = 1, timeout: float | None = None) -> list[re.Match]:
+        """Waits until `count` stdout lines match `pattern` (from their start) and returns their matches.
+
+        Fails the test if the job ends or the deadline passes first.
+        """
+        end = min(self.deadline, time.monotonic() + timeout) if timeout else self.deadline
+        with self._new_line:
+            while True:
+                matches = [m for m in map(re.compile(pattern).match, self.out) if m]
+                if len(matches) >= count:
+                    return matches[:count]
+                if self.proc.poll() is not None and not self._readers[0].is_alive():
+                    self._fail(f"exited with status {self.proc.returncode} before printing {pattern!r}")
+                if time.monotonic() > end:
+                    self._fail(f"printed no line matching {pattern!r} in time")
+                self._new_line.wait(timeout=0.2)
+
+    def finish(self, timeout: float | None = None) -> int:
+        """Waits for the job to end and returns its exit status; kills it and fails the test past the deadline."""
+        end = min(self.deadline, time.monotonic() + timeout) if timeout else self.deadline
+        try:
+            self.proc.wait(timeout=max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self._fail("did not finish in time")
+        for reader in self._readers:
+            reader.join(timeout=10)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILLs the job's whole process group."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+    def children(self) -> list[int]:
+        """Pids of the processes the job started itself (a launcher's ranks)."""
+        found = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True)
+        return [int(pid) for pid in found.stdout.split()]
+
+    def _fail(self, why: str) -> None:
+        self.kill()
+        raise AssertionError(f"{' '.join(self.argv)}: {why}.\n--- stdout (end) ---\n{self.stdout[-3000:]}"
+                             f"\n--- stderr (end) ---\n{self.stderr[-3000:]}")
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.kill()
+
+
+def run(argv: list[str], timeout: float, env: dict | None = None) -> Job:
+    """Runs a command to the end, bounded by `timeout`; like `subprocess.run`, with .returncode, .stdout, .stderr."""
+    with Job(argv, timeout, env) as job:
+        job.finish()
+    return job
