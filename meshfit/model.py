@@ -88,6 +88,7 @@ class Model:
         return self._adapter.sync_module(self._state.params, self._state.model_state)
 
     def _weight_trees(self):
+        self._settle()
         return self._state.params, self._adapter.non_trainable_weights(self._state.model_state)
 
     def weight_names(self) -> list[str]:
@@ -283,6 +284,11 @@ class Model:
         ordered = [cb for cb in user if cb not in savers] + defaults + ([history] if history else []) + savers
         all_callbacks = callbacks_lib.CallbackList(ordered, model=self, epochs=epochs, steps=steps, verbose=verbose)
         return all_callbacks, history
+
+    def _settle(self) -> None:
+        """Brings the state up to the data position (see Runner.settle); savers call it first."""
+        if self._runner is not None:
+            self._runner.settle()
 
     def _fit_data_state(self) -> dict:
         """The position of the training input, for BackupAndRestore."""

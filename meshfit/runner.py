@@ -56,6 +56,16 @@ class Runner:
             self.model._state, logs = drain()
         return logs
 
+    def settle(self) -> None:
+        """Applies every batch handed out but not yet applied (asynchronous strategies).
+
+        Afterwards the state accounts for exactly the batches the data position
+        counts as consumed, so what a saver writes resumes exactly.
+        """
+        drain = getattr(self._train, "drain", None)
+        if drain is not None:
+            self.model._state, _ = drain()
+
     def evaluate(self, metrics, host_batch):
         batch = self.strategy.distribute_batch(host_batch, self.stacked)
         metrics, logs = self._evaluate(self._variables(), metrics, batch)

@@ -20,6 +20,7 @@ _LABELS = {"model": "a saved model", "weights": "saved weights"}
 
 def weights_tree(model) -> dict:
     """The part of a model's state that `get_weights` covers, as saved on disk."""
+    model._settle()
     return {"params": model._state.params, "model_state": model._state.model_state}
 
 

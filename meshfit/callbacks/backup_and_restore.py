@@ -88,6 +88,7 @@ class BackupAndRestore(Callback):
 
     def _save(self, epoch: int, step_in_epoch: int, logs=None, *, wait: bool = False) -> None:
         model = self.model
+        model._settle()
         history = model.history
         history_dict = {k: list(v) for k, v in history.history.items()}
         history_epochs = list(history.epoch)

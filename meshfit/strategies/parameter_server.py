@@ -16,20 +16,13 @@ import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from meshfit.data import Batch
 from meshfit.strategies import ps_remote
 from meshfit.strategies.base import Strategy
-from meshfit.strategies.ps_server import ServerUpdates
+from meshfit.strategies.ps_server import ServerUpdates, job_rng, split_rows, weighted_mean
 
 MODES = ("async", "sync")
-
-
-def _split_rows(batch: Batch, parts: int) -> list[Batch]:
-    rows = batch.mask.shape[0] // parts
-    return [jax.tree.map(lambda a, i=i: a[i * rows:(i + 1) * rows], batch) for i in range(parts)]
 
 
 class ParameterServerStrategy(Strategy):
@@ -95,10 +88,10 @@ class ParameterServerStrategy(Strategy):
         self.num_replicas_in_sync = len(self.workers) if mode == "sync" else 1
         self._coordinator = None
         if ps_remote.role() == "coordinator":
-            if mode != "async":
-                raise ValueError("Worker processes (`meshfit launch --ps`) train in mode='async' only.")
-            self._coordinator = ps_remote.Coordinator(int(os.environ[ps_remote.ENV_WORKERS]))
+            worker_processes = int(os.environ[ps_remote.ENV_WORKERS])
+            self._coordinator = ps_remote.Coordinator(worker_processes)
             self.server_device = jax.local_devices()[0]
+            self.num_replicas_in_sync = worker_processes if mode == "sync" else 1
 
     def replicate(self, tree):
         return jax.device_put(tree, self.server_device)
@@ -113,6 +106,8 @@ class ParameterServerStrategy(Strategy):
         if stacked:
             raise ValueError("ParameterServerStrategy runs one batch per step; compile with steps_per_execution=1.")
         if self._coordinator is not None:
+            if self.mode == "sync":
+                return ps_remote.RemoteSyncTraining(self, steps, self._coordinator, self.num_replicas_in_sync)
             return ps_remote.RemoteAsyncTraining(self, steps, self._coordinator)
         return (_SyncTraining if self.mode == "sync" else _AsyncTraining)(self, steps)
 
@@ -129,10 +124,7 @@ class _Training(ServerUpdates):
         self.gradients = jax.jit(steps.gradients)
 
     def worker_rng(self, state, worker: int, version: int):
-        if not self.steps.adapter.uses_rng:
-            return None
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(state.rng), version), worker)
-        return jax.random.key_data(key)
+        return job_rng(self.steps, state, version, worker)
 
     def to_server(self, tree):
         return jax.device_put(tree, self.strategy.server_device)
@@ -143,13 +135,13 @@ class _SyncTraining(_Training):
 
     def __init__(self, strategy, steps):
         super().__init__(strategy, steps)
-        self.combine = jax.jit(_weighted_mean)
+        self.combine = jax.jit(weighted_mean)
 
     def __call__(self, state, batch):
         workers = self.strategy.workers
         version = int(jax.device_get(state.step)) if self.steps.adapter.uses_rng else 0
         outputs, weights = [], []
-        for i, (device, part) in enumerate(zip(workers, _split_rows(batch, len(workers)))):
+        for i, (device, part) in enumerate(zip(workers, split_rows(batch, len(workers)))):
             params, model_state, rng = jax.device_put(
                 (state.params, state.model_state, self.worker_rng(state, i, version)), device)
             outputs.append(self.gradients(params, model_state, jax.device_put(part, device), rng))
@@ -161,11 +153,6 @@ class _SyncTraining(_Training):
         grads = self.combine(self.to_server([o[0] for o in outputs]), np.asarray(weights, np.float32))
         increments = jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *self.to_server([o[2] for o in outputs]))
         return self.apply(state, grads, self.to_server(outputs[0][1]), increments)
-
-
-def _weighted_mean(grads_per_worker, weights):
-    total = jnp.maximum(jnp.sum(weights), 1.0)
-    return jax.tree.map(lambda *gs: sum(w * g for w, g in zip(weights, gs)) / total, *grads_per_worker)
 
 
 class _AsyncTraining(_Training):

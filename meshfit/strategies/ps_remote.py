@@ -32,7 +32,7 @@ import numpy as np
 
 from meshfit.checkpoint import decode, encode
 from meshfit.data import Batch
-from meshfit.strategies.ps_server import ServerUpdates
+from meshfit.strategies.ps_server import ServerUpdates, job_rng, split_rows, weighted_mean
 
 # The exported gradient program takes a Batch; both ends must know its name.
 jax.export.register_namedtuple_serialization(Batch, serialized_name="meshfit.data.Batch")
@@ -156,10 +156,18 @@ def _deadline(delta: datetime.timedelta = PULL_TIMEOUT) -> datetime.datetime:
 # -- coordinator -------------------------------------------------------------------
 
 
-class _Job(NamedTuple):
-    """A batch handed to a worker: the parameter version it computes on, where its gradient waits."""
+class _Task(NamedTuple):
+    """A batch to compute gradients on, with its dropout key; `index` orders a sync round's parts."""
 
     batch: Batch
+    rng: np.ndarray | None
+    index: int = 0
+
+
+class _Job(NamedTuple):
+    """A task handed to a worker: the parameter version it computes on, where its gradient waits."""
+
+    task: _Task
     version: int
     push_id: int
     started: float
@@ -245,73 +253,69 @@ class Coordinator:
         self.listener.close()
 
 
-class RemoteAsyncTraining(ServerUpdates):
-    """Asynchronous training with worker processes (see module docstring)."""
+class RemoteWorkers:
+    """Hands batches to worker processes and collects their gradients.
 
-    def __init__(self, strategy, steps, coordinator: Coordinator):
-        super().__init__(steps)
+    A batch a lost worker held (its process died, its connection broke, or it
+    held the batch past `worker_timeout`) goes back to the front of the queue
+    and is redone by another worker.
+    """
+
+    def __init__(self, strategy, coordinator: Coordinator):
         self.strategy = strategy
         self.coordinator = coordinator
-        self.version = 0
-        self.pending: collections.deque = collections.deque()  # batches not yet handed out
-        self.outstanding = 0  # batches not yet applied
+        self.pending: collections.deque[_Task] = collections.deque()  # not yet handed out
         self.exported = None
 
-    def _export(self, state, batch) -> None:
+    def export(self, steps, state, batch) -> None:
         """Serializes the worker's gradient computation; typed RNG keys travel as raw key data."""
         template = state.model_state
 
         def gradients(params, encoded_model_state, batch, rng):
-            grads, model_state, increments = self.steps.gradients(
-                params, decode(encoded_model_state, template), batch, rng)
+            grads, model_state, increments = steps.gradients(params, decode(encoded_model_state, template), batch, rng)
             return grads, encode(model_state), increments
 
-        args = (state.params, encode(state.model_state), batch, self._rng(state, 0))
+        args = (state.params, encode(state.model_state), batch, job_rng(steps, state, 0))
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), args)
         self.exported = jax.export.export(jax.jit(gradients))(*shapes)
-        self.out_specs = self.exported.out_avals
-        self.out_tree = self.exported.out_tree
         self.coordinator.set_program(self.exported)
 
-    def _rng(self, state, salt: int):
-        """A dropout key for one job (Linen modules); None for modules without an RNG argument."""
-        if not self.steps.adapter.uses_rng:
-            return None
-        return np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), salt)))
+    def submit(self, task: _Task) -> None:
+        self.pending.append(task)
 
-    def _dispatch(self) -> None:
+    def dispatch(self, state, version: int) -> None:
+        """Hands queued tasks to idle workers, with `state`'s parameters (parameter version `version`)."""
         for worker in self.coordinator.live():
             if not self.pending:
                 return
             if worker.job is not None:
                 continue
-            batch = self.pending.popleft()
+            task = self.pending.popleft()
             pull_id, push_id = next(self.coordinator.ids), next(self.coordinator.ids)
-            self.coordinator.server.await_pull(
-                pull_id, jax.tree.leaves((self.state.params, encode(self.state.model_state))),
-                timeout=_deadline(HOLD_TIMEOUT))
+            self.coordinator.server.await_pull(pull_id, jax.tree.leaves((state.params, encode(state.model_state))),
+                                               timeout=_deadline(HOLD_TIMEOUT))
             try:
-                rng = self._rng(self.state, next(self.coordinator.ids))
-                worker.conn.send(("work", pull_id, pull_id, push_id, _to_wire((batch, rng))))
+                worker.conn.send(("work", pull_id, pull_id, push_id, _to_wire((task.batch, task.rng))))
             except OSError as error:
-                self.pending.appendleft(batch)
+                self.pending.appendleft(task)
                 self.coordinator.drop(worker, str(error))
                 continue
-            worker.job = _Job(batch, self.version, push_id, time.monotonic())
+            worker.job = _Job(task, version, push_id, time.monotonic())
 
-    def _collect(self, timeout: float | None) -> None:
+    def collect(self, timeout: float | None) -> list[tuple[_Job, tuple]]:
+        """Gradients that arrived within `timeout`: (job, (grads, encoded model state, increments)) pairs."""
         busy = [w for w in self.coordinator.live() if w.job is not None]
         if not busy:
             if not self.coordinator.live():
                 raise RuntimeError("All parameter-server workers are gone; training cannot continue.")
-            return
+            return []
         ready = wait([w.conn for w in busy], timeout=timeout)
-        now = time.monotonic()
+        now, results = time.monotonic(), []
         for worker in busy:
             job = worker.job
             if worker.conn not in ready:
                 if now - job.started > self.strategy.worker_timeout:
-                    self.pending.appendleft(job.batch)
+                    self.pending.appendleft(job.task)
                     self.coordinator.drop(worker, f"no answer within worker_timeout="
                                                   f"{self.strategy.worker_timeout:g} s")
                 continue
@@ -319,49 +323,100 @@ class RemoteAsyncTraining(ServerUpdates):
                 message = worker.conn.recv()
                 if message[0] == "failed":  # the worker could not pull: redo the batch
                     worker.job = None
-                    self.pending.appendleft(job.batch)
+                    self.pending.appendleft(job.task)
                     continue
                 device = self.strategy.server_device
                 specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.sharding.SingleDeviceSharding(device))
-                         for a in self.out_specs]
+                         for a in self.exported.out_avals]
                 flat = worker.transfer.pull(job.push_id, specs, timeout=_deadline())
                 jax.block_until_ready(flat)
             except (EOFError, OSError, RuntimeError) as error:
-                self.pending.appendleft(job.batch)
+                self.pending.appendleft(job.task)
                 self.coordinator.drop(worker, f"{type(error).__name__}: {error}" if str(error)
                                       else "its connection closed")
                 continue
-            del message
             worker.job = None
-            grads, model_state, increments = jax.tree.unflatten(self.out_tree, flat)
-            model_state = decode(model_state, self.state.model_state)
+            results.append((job, jax.tree.unflatten(self.exported.out_tree, flat)))
+        return results
+
+
+class RemoteAsyncTraining(ServerUpdates):
+    """Asynchronous training with worker processes: each batch goes whole to the next free worker."""
+
+    def __init__(self, strategy, steps, coordinator: Coordinator):
+        super().__init__(steps)
+        self.strategy = strategy
+        self.workers = RemoteWorkers(strategy, coordinator)
+        self.version = 0
+        self.outstanding = 0  # batches not yet applied
+
+    def _step(self, timeout: float) -> None:
+        self.workers.dispatch(self.state, self.version)
+        for job, (grads, model_state, increments) in self.workers.collect(timeout):
             staleness = self.version - job.version
             if self.strategy.max_staleness is not None and staleness > self.strategy.max_staleness:
-                self.pending.append(job.batch)
+                self.workers.submit(job.task._replace(rng=job_rng(self.steps, self.state, next(self.ids))))
                 continue
-            self.state, self.logs = self.apply(self.state, grads, model_state, increments)
+            self.state, self.logs = self.apply(self.state, grads, decode(model_state, self.state.model_state),
+                                               increments)
             self.version += 1
             self.outstanding -= 1
             self.staleness.append(staleness)
+
+    @property
+    def ids(self):
+        return self.workers.coordinator.ids
 
     def __call__(self, state, batch):
         if state is not self.state:
             self.state = state
             self.staleness = []
-        if self.exported is None:
-            self._export(state, batch)
-        self.pending.append(batch)
+        if self.workers.exported is None:
+            self.workers.export(self.steps, state, batch)
+        self.workers.submit(_Task(batch, job_rng(self.steps, state, next(self.ids))))
         self.outstanding += 1
-        self._dispatch()
-        self._collect(timeout=0)
-        while self.outstanding > 2 * max(1, len(self.coordinator.live())):
-            self._collect(timeout=1.0)
-            self._dispatch()
+        self._step(timeout=0)
+        while self.outstanding > 2 * max(1, len(self.workers.coordinator.live())):
+            self._step(timeout=1.0)
         return self.state, self.current_logs()
 
     def drain(self):
         while self.outstanding:
-            self._dispatch()
-            self._collect(timeout=1.0)
+            self._step(timeout=1.0)
         return self.state, self.current_logs()
 
+
+class RemoteSyncTraining(ServerUpdates):
+    """Synchronous training with worker processes: each batch is split in one part per worker.
+
+    The parts are fixed (their number is the job's worker count), so a lost
+    worker's part is redone by another and the update stays the same: the
+    average of the parts' gradients weighted by their real rows, as in
+    MirroredStrategy.
+    """
+
+    def __init__(self, strategy, steps, coordinator: Coordinator, parts: int):
+        super().__init__(steps)
+        self.strategy = strategy
+        self.workers = RemoteWorkers(strategy, coordinator)
+        self.parts = parts
+        self.combine = jax.jit(weighted_mean)
+
+    def __call__(self, state, batch):
+        self.state = state
+        if self.workers.exported is None:
+            self.workers.export(self.steps, state, split_rows(batch, self.parts)[0])
+        step = int(jax.device_get(state.step)) if self.steps.adapter.uses_rng else 0
+        for i, part in enumerate(split_rows(batch, self.parts)):
+            self.workers.submit(_Task(part, job_rng(self.steps, state, step, i), index=i))
+        outputs = {}
+        while len(outputs) < self.parts:
+            self.workers.dispatch(state, 0)
+            for job, out in self.workers.collect(timeout=1.0):
+                outputs[job.task.index] = out
+        grads, model_states, increments = zip(*(outputs[i] for i in range(self.parts)))
+        weights = np.asarray([float(np.sum(part.mask)) for part in split_rows(batch, self.parts)], np.float32)
+        total = jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *increments)
+        self.state, self.logs = self.apply(state, self.combine(list(grads), weights),
+                                           decode(model_states[0], state.model_state), total)
+        return self.state, self.current_logs()

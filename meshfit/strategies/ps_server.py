@@ -3,7 +3,36 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+from meshfit.data import Batch
+
+
+def split_rows(batch: Batch, parts: int) -> list[Batch]:
+    """`parts` equal row blocks of a batch (padded to a multiple of `parts` by the loop)."""
+    rows = batch.mask.shape[0] // parts
+    return [jax.tree.map(lambda a, i=i: a[i * rows:(i + 1) * rows], batch) for i in range(parts)]
+
+
+def weighted_mean(grads_per_worker, weights):
+    """The gradients of a sync round's parts, weighted by their real rows: one global-batch gradient."""
+    total = jnp.maximum(jnp.sum(weights), 1.0)
+    return jax.tree.map(lambda *gs: sum(w * g for w, g in zip(weights, gs)) / total, *grads_per_worker)
+
+
+def job_rng(steps, state, *salts: int):
+    """The dropout key of one gradient job (raw key data), or None for modules without randomness.
+
+    Derived from the server's key and `salts` only, so a job redone by another
+    worker draws the same masks.
+    """
+    if not steps.adapter.uses_rng:
+        return None
+    key = jax.random.wrap_key_data(state.rng)
+    for salt in salts:
+        key = jax.random.fold_in(key, salt)
+    return jax.random.key_data(key)
 
 
 class ServerUpdates:

@@ -112,3 +112,20 @@ def test_linen_module_with_dropout_trains_in_both_modes():
                           loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
         history = model.fit(x, y, batch_size=16, epochs=6, verbose=0)
         assert history.history["loss"][-1] < 0.7 * history.history["loss"][0], (mode, history.history["loss"])
+
+
+def test_async_backups_hold_every_batch_handed_out(tmp_path):
+    """A backup mid-epoch counts applied gradients, not batches handed out: it waits for those in flight."""
+    import orbax.checkpoint as ocp
+
+    from meshfit.checkpoint import STATE
+
+    x, y = classification_data(n=96)
+    strategy = mf.strategies.ParameterServerStrategy(workers=jax.devices()[:4], worker_delays={0: 0.02})
+    backup = mf.callbacks.BackupAndRestore(tmp_path, save_freq=3, delete_checkpoint=False, max_to_keep=None)
+    train(strategy, x, y, 8, epochs=1, callbacks=[backup])
+    steps = sorted(int(p) for p in os.listdir(tmp_path) if p.isdigit())
+    assert steps == [3, 6, 9, 12]
+    for step in steps:
+        saved = ocp.StandardCheckpointer().restore(tmp_path / str(step) / STATE)
+        assert int(saved["train"]["step"]) == step  # optimizer updates applied == batches the data position counts

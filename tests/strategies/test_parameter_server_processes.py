@@ -3,6 +3,7 @@
 import os
 import re
 import signal
+import sys
 
 from processes import LAUNCH, Job, run
 
@@ -55,3 +56,39 @@ def test_a_dead_parameter_server_fails_the_job_and_restarts_resume_from_the_back
     summary = re.search(r"\[rank 0\] epochs (\d+) last (\d+) test accuracy: ([\d.]+)", out)
     assert summary and int(summary.group(2)) == 11  # all 12 epochs done, counting those before the crash
     assert float(summary.group(3)) >= 0.95
+
+
+def test_sync_mode_across_processes_equals_mirrored_even_when_a_worker_dies(tmp_path):
+    """Each batch is split in 3 fixed parts; the killed worker's parts are redone, so the updates do not change.
+
+    Without dropout: NNX modules carry their RNG state, so each part would draw its own masks.
+    """
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    import meshfit as mf
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+    from digits import MLP, load_data
+
+    weights = tmp_path / "ps.npz"
+    with Job(LAUNCH + ["--ps", "1", "--workers", "3", WORKER, "none", "--mode", "sync", "--epochs", "3",
+                       "--weights", str(weights), "--dropout", "0"], timeout=300) as job:
+        workers = worker_pids(job, 3)
+        job.wait_for(r"\[rank 0\] Epoch 2/3")
+        os.kill(workers[2], signal.SIGKILL)
+        assert job.finish() == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    assert "its batch is redone elsewhere" in job.stdout
+
+    x_train, _, y_train, _ = load_data()
+    with mf.strategies.MirroredStrategy(jax.devices()[:3]).scope():
+        module = MLP(64, 128, 10, rngs=nnx.Rngs(0))
+        module.dropout.rate = 0.0
+        model = mf.Model(module)
+        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    model.fit(x_train, y_train, batch_size=64, epochs=3, verbose=0)
+    saved = np.load(weights)
+    for i, expected in enumerate(model.get_weights()):
+        np.testing.assert_allclose(saved[f"arr_{i}"], expected, rtol=1e-4, atol=1e-6)

@@ -1,7 +1,9 @@
 """Worker script for parameter-server fault tests (run under `meshfit launch --ps 1 --workers N`).
 
-    python train_ps.py BACKUP_DIR [--epochs E] [--die-at-step S] [--worker-timeout T]
+    python train_ps.py BACKUP_DIR|none [--epochs E] [--mode async|sync] [--die-at-step S] [--worker-timeout T]
+                       [--weights OUT.npz] [--dropout RATE]
 In the first attempt of the job, the parameter server (rank 0) SIGKILLs itself at step S.
+With --weights, the server saves the final weights (get_weights order) there.
 """
 
 import argparse
@@ -20,14 +22,19 @@ def main():
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--die-at-step", type=int, default=None)
     parser.add_argument("--worker-timeout", type=float, default=60.0)
+    parser.add_argument("--mode", default="async")
+    parser.add_argument("--weights", default=None)
+    parser.add_argument("--dropout", type=float, default=0.1)
     args = parser.parse_args()
-    strategy = mf.strategies.ParameterServerStrategy(worker_timeout=args.worker_timeout)  # worker processes serve from here and exit
+    strategy = mf.strategies.ParameterServerStrategy(mode=args.mode, worker_timeout=args.worker_timeout)  # worker processes serve from here and exit
     from digits import MLP, load_data
     from flax import nnx
 
     x_train, x_test, y_train, y_test = load_data()
     with strategy.scope():
-        model = mf.Model(MLP(64, 128, 10, rngs=nnx.Rngs(0)))
+        module = MLP(64, 128, 10, rngs=nnx.Rngs(0))
+        module.dropout.rate = args.dropout
+        model = mf.Model(module)
         model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"])
     first_attempt = os.environ.get("MESHFIT_RESTART_COUNT") == "0"
@@ -36,9 +43,14 @@ def main():
         if first_attempt and model._host_step == args.die_at_step:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    callbacks = [mf.callbacks.LambdaCallback(on_train_batch_end=maybe_die),
-                 mf.callbacks.BackupAndRestore(args.backup, save_freq=10)]
+    callbacks = [mf.callbacks.LambdaCallback(on_train_batch_end=maybe_die)]
+    if args.backup != "none":
+        callbacks.append(mf.callbacks.BackupAndRestore(args.backup, save_freq=10))
     history = model.fit(x_train, y_train, batch_size=64, epochs=args.epochs, callbacks=callbacks, verbose=2)
+    if args.weights:
+        import numpy as np
+
+        np.savez(args.weights, *model.get_weights())
     result = model.evaluate(x_test, y_test, verbose=0, return_dict=True)
     print(f"epochs {len(history.epoch)} last {history.epoch[-1]} test accuracy: {result['accuracy']:.4f}", flush=True)
 
