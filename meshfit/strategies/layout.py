@@ -174,3 +174,28 @@ def follow_params(tree, params, param_specs):
 
 def spec_tree_leaves(specs) -> Iterable[P]:
     return jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+
+
+def jit_keeping_layout(fn, carry_argnum: int | None, *, donate_argnums=()):
+    """`jax.jit(fn)` whose first output keeps the layout argument `carry_argnum` had on the first call.
+
+    A state a step returns is pinned to the layout it came in with, so GSPMD's
+    choices cannot drift between steps and force a recompile.
+    """
+    carry_layout = {}
+
+    def traced(*args):
+        out = fn(*args)
+        if "shardings" in carry_layout:
+            out = (jax.lax.with_sharding_constraint(out[0], carry_layout["shardings"]), *out[1:])
+        return out
+
+    jitted = jax.jit(traced, donate_argnums=donate_argnums)
+
+    def call(*args):
+        if carry_argnum is not None and "shardings" not in carry_layout:
+            carry_layout["shardings"] = jax.tree.map(lambda a: a.sharding, args[carry_argnum])
+        return jitted(*args)
+
+    call.lower, call._cache_size = jitted.lower, jitted._cache_size
+    return call

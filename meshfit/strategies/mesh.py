@@ -138,29 +138,14 @@ class MeshStrategy(Strategy):
         return placement.put_local_rows(host_batch, self._stacked_batch if stacked else self._batch)
 
     def compile(self, fn, *, donate_argnums=()):
-        """`jax.jit` whose first output keeps the layout of the first donated argument.
+        """`jax.jit` whose first output keeps the layout of the first donated argument."""
 
-        The state a step returns is pinned to the layout it came in with, so
-        GSPMD's choices cannot drift between steps and force a recompile.
-        """
-        carry_layout = {}
-
-        def traced(*args):
+        def in_scope(*args):
             with Strategy.scope(self):  # `constrain` inside the model finds this strategy
-                out = fn(*args)
-            if "shardings" in carry_layout:
-                out = (jax.lax.with_sharding_constraint(out[0], carry_layout["shardings"]), *out[1:])
-            return out
+                return fn(*args)
 
-        jitted = jax.jit(traced, donate_argnums=donate_argnums)
-
-        def call(*args):
-            if donate_argnums and "shardings" not in carry_layout:
-                carry_layout["shardings"] = jax.tree.map(lambda a: a.sharding, args[donate_argnums[0]])
-            return jitted(*args)
-
-        call.lower, call._cache_size = jitted.lower, jitted._cache_size
-        return call
+        return layout.jit_keeping_layout(in_scope, donate_argnums[0] if donate_argnums else None,
+                                         donate_argnums=donate_argnums)
 
     def to_host(self, tree):
         return placement.fetch(tree)

@@ -20,7 +20,7 @@ import numpy as np
 
 from meshfit.strategies import ps_remote
 from meshfit.strategies.base import Strategy
-from meshfit.strategies.ps_server import ServerUpdates, job_rng, split_rows, weighted_mean
+from meshfit.strategies.ps_server import ServerLayout, ServerUpdates, job_rng, split_rows, weighted_mean
 
 MODES = ("async", "sync")
 
@@ -49,8 +49,15 @@ class ParameterServerStrategy(Strategy):
     Args:
         mode: "async" or "sync".
         workers: worker devices (all local devices by default).
-        server_device: where parameters and optimizer state live (the host
-            CPU by default).
+        server_device: where parameters and optimizer state live: one device
+            (the host CPU by default; rank 0's first device under `meshfit
+            launch --ps`), or a list of devices to partition them over, like
+            tf.distribute's variable partitioner: each parameter with at least
+            `min_shard_size` elements is split along its largest dimension
+            that divides by the number of servers, its optimizer state with
+            it, and every server device applies the update to its part.
+        min_shard_size: parameters with fewer elements stay whole (replicated
+            on every server device) when the state is partitioned.
         max_staleness: in parameter versions; None for no bound.
         worker_delays: {worker index: seconds} slept after each gradient, to
             simulate stragglers in tests and benchmarks.
@@ -60,13 +67,14 @@ class ParameterServerStrategy(Strategy):
     """
 
     def __init__(self, mode: str = "async", workers=None, server_device=None, max_staleness: int | None = None,
-                 worker_delays: dict[int, float] | None = None, worker_timeout: float = 60.0):
+                 worker_delays: dict[int, float] | None = None, worker_timeout: float = 60.0,
+                 min_shard_size: int = 2 ** 12):
         if ps_remote.role() == "worker":
             ps_remote.run_worker()  # a worker process serves the coordinator, then exits here
         if mode not in MODES:
             raise ValueError(f"`mode` must be one of {MODES}. Received: mode={mode!r}.")
-        if ps_remote.role() == "coordinator" and (workers is not None or server_device is not None or worker_delays):
-            raise ValueError("`workers`, `server_device` and `worker_delays` apply to one-host training; "
+        if ps_remote.role() == "coordinator" and (workers is not None or worker_delays):
+            raise ValueError("`workers` and `worker_delays` apply to one-host training; "
                              "under `meshfit launch --ps` the worker processes are the workers.")
         if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
             raise ValueError(f"`max_staleness` must be a non-negative int or None. Received: {max_staleness!r}.")
@@ -82,7 +90,10 @@ class ParameterServerStrategy(Strategy):
                 server_device = jax.local_devices(backend="cpu")[0]
             except RuntimeError:
                 server_device = self.workers[0]
-        self.server_device = server_device
+            if ps_remote.role() == "coordinator":
+                server_device = jax.local_devices()[0]
+        self.servers = ServerLayout(server_device, min_shard_size)
+        self.server_device = self.servers.devices[0]
         self.max_staleness = max_staleness
         self.worker_delays = dict(worker_delays or {})
         self.num_replicas_in_sync = len(self.workers) if mode == "sync" else 1
@@ -90,11 +101,13 @@ class ParameterServerStrategy(Strategy):
         if ps_remote.role() == "coordinator":
             worker_processes = int(os.environ[ps_remote.ENV_WORKERS])
             self._coordinator = ps_remote.Coordinator(worker_processes)
-            self.server_device = jax.local_devices()[0]
             self.num_replicas_in_sync = worker_processes if mode == "sync" else 1
 
+    def place_state(self, state, param_hints=None):
+        return self.servers.place_state(state)
+
     def replicate(self, tree):
-        return jax.device_put(tree, self.server_device)
+        return self.servers.replicate(tree)
 
     def distribute_batch(self, host_batch, stacked: bool = False):
         return host_batch  # workers (or the server, for evaluation) take their rows themselves
@@ -126,8 +139,8 @@ class _Training(ServerUpdates):
     def worker_rng(self, state, worker: int, version: int):
         return job_rng(self.steps, state, version, worker)
 
-    def to_server(self, tree):
-        return jax.device_put(tree, self.strategy.server_device)
+    def to_server(self, grads, model_state, increments):
+        return self.strategy.servers.take(self.state, grads, model_state, increments)
 
 
 class _SyncTraining(_Training):
@@ -150,9 +163,11 @@ class _SyncTraining(_Training):
         if delays:  # the round waits for its slowest (simulated) worker
             jax.block_until_ready(outputs)
             time.sleep(max(delays.get(i, 0.0) for i in range(len(workers))))
-        grads = self.combine(self.to_server([o[0] for o in outputs]), np.asarray(weights, np.float32))
-        increments = jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *self.to_server([o[2] for o in outputs]))
-        return self.apply(state, grads, self.to_server(outputs[0][1]), increments)
+        self.state = state
+        parts = [self.to_server(*out) for out in outputs]
+        grads = self.combine([p[0] for p in parts], np.asarray(weights, np.float32))
+        increments = jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *[p[2] for p in parts])
+        return self.apply(state, grads, parts[0][1], increments)
 
 
 class _AsyncTraining(_Training):
@@ -209,7 +224,7 @@ class _AsyncTraining(_Training):
             self.dropped += 1
             self.work.put(batch)  # too old: redo it on fresh parameters
             return
-        grads, model_state, increments = self.to_server(out)
+        grads, model_state, increments = self.to_server(*out)
         new_state, logs = self.apply(self.state, grads, model_state, increments)
         with self.lock:
             self.state, self.logs, self.version = new_state, logs, self.version + 1

@@ -292,8 +292,8 @@ class RemoteWorkers:
                 continue
             task = self.pending.popleft()
             pull_id, push_id = next(self.coordinator.ids), next(self.coordinator.ids)
-            self.coordinator.server.await_pull(pull_id, jax.tree.leaves((state.params, encode(state.model_state))),
-                                               timeout=_deadline(HOLD_TIMEOUT))
+            variables = self.strategy.servers.gather((state.params, encode(state.model_state)))
+            self.coordinator.server.await_pull(pull_id, jax.tree.leaves(variables), timeout=_deadline(HOLD_TIMEOUT))
             try:
                 worker.conn.send(("work", pull_id, pull_id, push_id, _to_wire((task.batch, task.rng))))
             except OSError as error:
@@ -357,8 +357,9 @@ class RemoteAsyncTraining(ServerUpdates):
             if self.strategy.max_staleness is not None and staleness > self.strategy.max_staleness:
                 self.workers.submit(job.task._replace(rng=job_rng(self.steps, self.state, next(self.ids))))
                 continue
-            self.state, self.logs = self.apply(self.state, grads, decode(model_state, self.state.model_state),
+            taken = self.strategy.servers.take(self.state, grads, decode(model_state, self.state.model_state),
                                                increments)
+            self.state, self.logs = self.apply(self.state, *taken)
             self.version += 1
             self.outstanding -= 1
             self.staleness.append(staleness)
@@ -417,6 +418,7 @@ class RemoteSyncTraining(ServerUpdates):
         grads, model_states, increments = zip(*(outputs[i] for i in range(self.parts)))
         weights = np.asarray([float(np.sum(part.mask)) for part in split_rows(batch, self.parts)], np.float32)
         total = jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *increments)
-        self.state, self.logs = self.apply(state, self.combine(list(grads), weights),
+        taken = self.strategy.servers.take(state, self.combine(list(grads), weights),
                                            decode(model_states[0], state.model_state), total)
+        self.state, self.logs = self.apply(state, *taken)
         return self.state, self.current_logs()

@@ -7,6 +7,65 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshfit.data import Batch
+from meshfit.strategies import layout
+
+SERVER_AXIS = "ps"
+
+
+class ServerLayout:
+    """Where the server's state lives: one device, or partitioned over several.
+
+    Partitioned, the devices form a one-axis mesh (`"ps"`): each large
+    parameter is split along its largest dimension that divides by the number
+    of servers (the default rule of `layout`), optimizer state follows its
+    parameter, and everything else is replicated. Updates are then applied
+    part by part on the device holding each part.
+    """
+
+    def __init__(self, devices, min_shard_size: int):
+        self.devices = list(devices) if isinstance(devices, (list, tuple)) else [devices]
+        if not self.devices:
+            raise ValueError("`server_device` must be a device or a non-empty list of devices. Received: [].")
+        if len(set(self.devices)) != len(self.devices):
+            raise ValueError(f"`server_device` lists a device twice: {self.devices}.")
+        self.min_shard_size = min_shard_size
+        self.mesh = jax.sharding.Mesh(np.array(self.devices), (SERVER_AXIS,)) if self.partitioned else None
+
+    @property
+    def partitioned(self) -> bool:
+        return len(self.devices) > 1
+
+    def replicate(self, tree):
+        if not self.partitioned:
+            return jax.device_put(tree, self.devices[0])
+        return jax.device_put(tree, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+
+    def place_state(self, state):
+        if not self.partitioned:
+            return self.replicate(state)
+        specs = layout.resolve_specs(state.params, self.mesh, fsdp_axis=SERVER_AXIS,
+                                     min_shard_size=self.min_shard_size)
+        shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(self.mesh, s), specs,
+                                 is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
+        rest = state._replace(params=None, opt_state=None)
+        placed = self.replicate(rest)._replace(params=jax.device_put(state.params, shardings))
+        if state.opt_state is not None:
+            opt_specs = layout.follow_params(state.opt_state, state.params, specs)
+            placed = placed._replace(opt_state=jax.device_put(state.opt_state, jax.tree.map(
+                lambda s: jax.sharding.NamedSharding(self.mesh, s), opt_specs,
+                is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))))
+        return placed
+
+    def take(self, state, grads, model_state, increments):
+        """Puts a worker's results on the servers: each gradient beside its parameter, the rest replicated."""
+        if not self.partitioned:
+            return jax.device_put((grads, model_state, increments), self.devices[0])
+        grads = jax.device_put(grads, jax.tree.map(lambda p: p.sharding, state.params))
+        return grads, *self.replicate((model_state, increments))
+
+    def gather(self, tree):
+        """The whole of `tree` on the first server device (what a worker process pulls)."""
+        return jax.device_put(tree, self.devices[0]) if self.partitioned else tree
 
 
 def split_rows(batch: Batch, parts: int) -> list[Batch]:
@@ -47,7 +106,7 @@ class ServerUpdates:
         self.state = None
         self.logs = None
         self.staleness: list[int] = []
-        self.apply = jax.jit(self._apply_and_log)
+        self.apply = layout.jit_keeping_layout(self._apply_and_log, 0)
 
     def _apply_and_log(self, state, grads, model_state, increments):
         new_state = self.steps.apply_gradients(state, grads, model_state, increments, state.rng)

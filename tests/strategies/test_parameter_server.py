@@ -129,3 +129,36 @@ def test_async_backups_hold_every_batch_handed_out(tmp_path):
     for step in steps:
         saved = ocp.StandardCheckpointer().restore(tmp_path / str(step) / STATE)
         assert int(saved["train"]["step"]) == step  # optimizer updates applied == batches the data position counts
+
+
+def per_device_bytes(tree) -> dict:
+    usage: dict = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            usage[shard.device] = usage.get(shard.device, 0) + shard.data.nbytes
+    return usage
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_state_partitioned_over_server_devices(mode):
+    """Variables split over 2 server devices (tf.distribute's variable partitioner); sync still equals Mirrored."""
+    x, y = classification_data(n=320)
+    servers = jax.devices()[6:8]
+    strategy = mf.strategies.ParameterServerStrategy(mode=mode, workers=jax.devices()[:4], server_device=servers,
+                                                     min_shard_size=64)
+    ps, _ = train(strategy, x, y, 16)
+    assert int(ps._state.step) == 20
+    kernel = ps._state.params["hidden"]["kernel"]  # (4, 32): split over its 32 columns
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "ps")
+    assert {s.data.shape for s in kernel.addressable_shards} == {(4, 16)}
+    bias = ps._state.params["out"]["bias"]  # 3 elements: whole on both
+    assert bias.sharding.is_fully_replicated
+    big = [leaf for leaf in jax.tree.leaves((ps._state.params, ps._state.opt_state)) if leaf.size >= 64]
+    usage = per_device_bytes(big)
+    assert set(usage) == set(servers) and len(set(usage.values())) == 1  # an even split
+    assert sum(usage.values()) == sum(leaf.nbytes for leaf in big)  # each part on one server only
+    if mode == "sync":
+        mirrored, _ = train(mf.strategies.MirroredStrategy(jax.devices()[:4]), x, y, 16)
+        assert_trees_close(mirrored.params, ps.params, rtol=1e-5, atol=1e-6)
+    accuracy = ps.evaluate(x, y, verbose=0, return_dict=True)["accuracy"]
+    assert accuracy > 0.5

@@ -5,6 +5,8 @@ import re
 import signal
 import sys
 
+import pytest
+
 from processes import LAUNCH, Job, run
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "parameter_server.py")
@@ -58,10 +60,12 @@ def test_a_dead_parameter_server_fails_the_job_and_restarts_resume_from_the_back
     assert float(summary.group(3)) >= 0.95
 
 
-def test_sync_mode_across_processes_equals_mirrored_even_when_a_worker_dies(tmp_path):
+@pytest.mark.parametrize("servers", [1, 2])
+def test_sync_mode_across_processes_equals_mirrored_even_when_a_worker_dies(tmp_path, servers):
     """Each batch is split in 3 fixed parts; the killed worker's parts are redone, so the updates do not change.
 
-    Without dropout: NNX modules carry their RNG state, so each part would draw its own masks.
+    With `servers=2` the server's state is partitioned over rank 0's two devices. Without dropout:
+    NNX modules carry their RNG state, so each part would draw the same masks, unlike one global batch.
     """
     import jax
     import numpy as np
@@ -73,13 +77,16 @@ def test_sync_mode_across_processes_equals_mirrored_even_when_a_worker_dies(tmp_
     from digits import MLP, load_data
 
     weights = tmp_path / "ps.npz"
-    with Job(LAUNCH + ["--ps", "1", "--workers", "3", WORKER, "none", "--mode", "sync", "--epochs", "3",
-                       "--weights", str(weights), "--dropout", "0"], timeout=300) as job:
+    with Job(LAUNCH + ["--ps", "1", "--workers", "3", "--devices-per-proc", str(servers), WORKER, "none",
+                       "--mode", "sync", "--epochs", "3", "--weights", str(weights), "--dropout", "0",
+                       "--servers", str(servers)], timeout=300) as job:
         workers = worker_pids(job, 3)
         job.wait_for(r"\[rank 0\] Epoch 2/3")
         os.kill(workers[2], signal.SIGKILL)
         assert job.finish() == 0, job.stdout[-3000:] + job.stderr[-3000:]
     assert "its batch is redone elsewhere" in job.stdout
+    if servers > 1:
+        assert "[rank 0] hidden1/kernel P(None, 'ps') on 2 server devices" in job.stdout
 
     x_train, _, y_train, _ = load_data()
     with mf.strategies.MirroredStrategy(jax.devices()[:3]).scope():

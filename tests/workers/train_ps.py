@@ -1,7 +1,7 @@
 """Worker script for parameter-server fault tests (run under `meshfit launch --ps 1 --workers N`).
 
     python train_ps.py BACKUP_DIR|none [--epochs E] [--mode async|sync] [--die-at-step S] [--worker-timeout T]
-                       [--weights OUT.npz] [--dropout RATE]
+                       [--weights OUT.npz] [--dropout RATE] [--servers N]
 In the first attempt of the job, the parameter server (rank 0) SIGKILLs itself at step S.
 With --weights, the server saves the final weights (get_weights order) there.
 """
@@ -25,8 +25,12 @@ def main():
     parser.add_argument("--mode", default="async")
     parser.add_argument("--weights", default=None)
     parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--servers", type=int, default=1, help="server devices of rank 0 to partition over")
     args = parser.parse_args()
-    strategy = mf.strategies.ParameterServerStrategy(mode=args.mode, worker_timeout=args.worker_timeout)  # worker processes serve from here and exit
+    import jax
+
+    strategy = mf.strategies.ParameterServerStrategy(mode=args.mode, worker_timeout=args.worker_timeout,
+                                                     server_device=jax.local_devices()[:args.servers])  # worker processes serve from here and exit
     from digits import MLP, load_data
     from flax import nnx
 
@@ -47,6 +51,9 @@ def main():
     if args.backup != "none":
         callbacks.append(mf.callbacks.BackupAndRestore(args.backup, save_freq=10))
     history = model.fit(x_train, y_train, batch_size=64, epochs=args.epochs, callbacks=callbacks, verbose=2)
+    if args.servers > 1:
+        kernel = model._state.params["hidden1"]["kernel"]
+        print(f"hidden1/kernel {kernel.sharding.spec} on {len(kernel.sharding.device_set)} server devices", flush=True)
     if args.weights:
         import numpy as np
 
