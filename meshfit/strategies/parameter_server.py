@@ -20,7 +20,8 @@ import numpy as np
 
 from meshfit.strategies import ps_remote
 from meshfit.strategies.base import Strategy
-from meshfit.strategies.ps_server import ServerLayout, ServerUpdates, job_rng, split_rows, weighted_mean
+from meshfit.strategies.ps_server import (ServerLayout, ServerUpdates, job_rng, job_salt, salted, split_rows,
+                                          weighted_mean)
 
 MODES = ("async", "sync")
 
@@ -40,7 +41,8 @@ class ParameterServerStrategy(Strategy):
     `mode="sync"`: each global batch is split over the workers; their
     gradients are averaged (weighted by real rows) and applied once — the
     same updates as MirroredStrategy on the same batches for modules without
-    randomness (each worker draws its own dropout masks).
+    randomness (each part of a round draws its own dropout masks, salted by
+    step and part, where MirroredStrategy draws one for the global batch).
 
     Evaluation and prediction run on the server device with the current
     parameters. Module state updated in the forward pass (BatchNorm
@@ -134,10 +136,12 @@ class _Training(ServerUpdates):
     def __init__(self, strategy: ParameterServerStrategy, steps):
         super().__init__(steps)
         self.strategy = strategy
-        self.gradients = jax.jit(steps.gradients)
+        self.gradients = jax.jit(salted(steps.gradients))
 
-    def worker_rng(self, state, worker: int, version: int):
-        return job_rng(self.steps, state, version, worker)
+    def job_inputs(self, state, version: int, worker: int, device):
+        """What a worker computes on: parameters, module state, dropout key and salt, on its device."""
+        rng = job_rng(self.steps, state, version, worker)
+        return jax.device_put((state.params, state.model_state, rng, job_salt(version, worker)), device)
 
     def to_server(self, grads, model_state, increments):
         return self.strategy.servers.take(self.state, grads, model_state, increments)
@@ -149,15 +153,16 @@ class _SyncTraining(_Training):
     def __init__(self, strategy, steps):
         super().__init__(strategy, steps)
         self.combine = jax.jit(weighted_mean)
+        self.step = 0  # state.step, counted on the host (read from the device once per adopted state)
 
     def __call__(self, state, batch):
         workers = self.strategy.workers
-        version = int(jax.device_get(state.step)) if self.steps.adapter.uses_rng else 0
+        if state is not self.state:
+            self.step = int(jax.device_get(state.step))
         outputs, weights = [], []
         for i, (device, part) in enumerate(zip(workers, split_rows(batch, len(workers)))):
-            params, model_state, rng = jax.device_put(
-                (state.params, state.model_state, self.worker_rng(state, i, version)), device)
-            outputs.append(self.gradients(params, model_state, jax.device_put(part, device), rng))
+            params, model_state, rng, salt = self.job_inputs(state, self.step, i, device)
+            outputs.append(self.gradients(params, model_state, jax.device_put(part, device), rng, salt))
             weights.append(float(part.mask.sum()))
         delays = self.strategy.worker_delays
         if delays:  # the round waits for its slowest (simulated) worker
@@ -167,7 +172,9 @@ class _SyncTraining(_Training):
         parts = [self.to_server(*out) for out in outputs]
         grads = self.combine([p[0] for p in parts], np.asarray(weights, np.float32))
         increments = jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *[p[2] for p in parts])
-        return self.apply(state, grads, parts[0][1], increments)
+        self.state, logs = self.apply(state, grads, parts[0][1], increments)
+        self.step += 1
+        return self.state, logs
 
 
 class _AsyncTraining(_Training):
@@ -203,9 +210,8 @@ class _AsyncTraining(_Training):
             try:
                 with self.lock:
                     state, version = self.state, self.version
-                params, model_state, rng = jax.device_put(
-                    (state.params, state.model_state, self.worker_rng(state, index, version)), device)
-                out = self.gradients(params, model_state, jax.device_put(batch, device), rng)
+                params, model_state, rng, salt = self.job_inputs(state, version, index, device)
+                out = self.gradients(params, model_state, jax.device_put(batch, device), rng, salt)
                 jax.block_until_ready(out)
                 if delay:
                     time.sleep(delay)

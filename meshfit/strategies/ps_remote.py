@@ -32,7 +32,7 @@ import numpy as np
 
 from meshfit.checkpoint import decode, encode
 from meshfit.data import Batch
-from meshfit.strategies.ps_server import ServerUpdates, job_rng, split_rows, weighted_mean
+from meshfit.strategies.ps_server import ServerUpdates, job_rng, job_salt, salted, split_rows, weighted_mean
 
 # The exported gradient program takes a Batch; both ends must know its name.
 jax.export.register_namedtuple_serialization(Batch, serialized_name="meshfit.data.Batch")
@@ -157,10 +157,11 @@ def _deadline(delta: datetime.timedelta = PULL_TIMEOUT) -> datetime.datetime:
 
 
 class _Task(NamedTuple):
-    """A batch to compute gradients on, with its dropout key; `index` orders a sync round's parts."""
+    """A batch to compute gradients on, with its dropout key and salt; `index` orders a sync round's parts."""
 
     batch: Batch
     rng: np.ndarray | None
+    salt: np.ndarray
     index: int = 0
 
 
@@ -271,11 +272,14 @@ class RemoteWorkers:
         """Serializes the worker's gradient computation; typed RNG keys travel as raw key data."""
         template = state.model_state
 
-        def gradients(params, encoded_model_state, batch, rng):
-            grads, model_state, increments = steps.gradients(params, decode(encoded_model_state, template), batch, rng)
+        salted_gradients = salted(steps.gradients)
+
+        def gradients(params, encoded_model_state, batch, rng, salt):
+            grads, model_state, increments = salted_gradients(
+                params, decode(encoded_model_state, template), batch, rng, salt)
             return grads, encode(model_state), increments
 
-        args = (state.params, encode(state.model_state), batch, job_rng(steps, state, 0))
+        args = (state.params, encode(state.model_state), batch, job_rng(steps, state, 0), job_salt(0, 0))
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), args)
         self.exported = jax.export.export(jax.jit(gradients))(*shapes)
         self.coordinator.set_program(self.exported)
@@ -295,7 +299,7 @@ class RemoteWorkers:
             variables = self.strategy.servers.gather((state.params, encode(state.model_state)))
             self.coordinator.server.await_pull(pull_id, jax.tree.leaves(variables), timeout=_deadline(HOLD_TIMEOUT))
             try:
-                worker.conn.send(("work", pull_id, pull_id, push_id, _to_wire((task.batch, task.rng))))
+                worker.conn.send(("work", pull_id, pull_id, push_id, _to_wire((task.batch, task.rng, task.salt))))
             except OSError as error:
                 self.pending.appendleft(task)
                 self.coordinator.drop(worker, str(error))
@@ -355,7 +359,7 @@ class RemoteAsyncTraining(ServerUpdates):
         for job, (grads, model_state, increments) in self.workers.collect(timeout):
             staleness = self.version - job.version
             if self.strategy.max_staleness is not None and staleness > self.strategy.max_staleness:
-                self.workers.submit(job.task._replace(rng=job_rng(self.steps, self.state, next(self.ids))))
+                self.workers.submit(self._task(job.task.batch))
                 continue
             taken = self.strategy.servers.take(self.state, grads, decode(model_state, self.state.model_state),
                                                increments)
@@ -364,9 +368,9 @@ class RemoteAsyncTraining(ServerUpdates):
             self.outstanding -= 1
             self.staleness.append(staleness)
 
-    @property
-    def ids(self):
-        return self.workers.coordinator.ids
+    def _task(self, batch) -> _Task:
+        job = next(self.workers.coordinator.ids)
+        return _Task(batch, job_rng(self.steps, self.state, job, 0), job_salt(job, 0))
 
     def __call__(self, state, batch):
         if state is not self.state:
@@ -374,7 +378,7 @@ class RemoteAsyncTraining(ServerUpdates):
             self.staleness = []
         if self.workers.exported is None:
             self.workers.export(self.steps, state, batch)
-        self.workers.submit(_Task(batch, job_rng(self.steps, state, next(self.ids))))
+        self.workers.submit(self._task(batch))
         self.outstanding += 1
         self._step(timeout=0)
         while self.outstanding > 2 * max(1, len(self.workers.coordinator.live())):
@@ -407,9 +411,9 @@ class RemoteSyncTraining(ServerUpdates):
         self.state = state
         if self.workers.exported is None:
             self.workers.export(self.steps, state, split_rows(batch, self.parts)[0])
-        step = int(jax.device_get(state.step)) if self.steps.adapter.uses_rng else 0
+        step = int(jax.device_get(state.step))
         for i, part in enumerate(split_rows(batch, self.parts)):
-            self.workers.submit(_Task(part, job_rng(self.steps, state, step, i), index=i))
+            self.workers.submit(_Task(part, job_rng(self.steps, state, step, i), job_salt(step, i), index=i))
         outputs = {}
         while len(outputs) < self.parts:
             self.workers.dispatch(state, 0)

@@ -80,6 +80,40 @@ def weighted_mean(grads_per_worker, weights):
     return jax.tree.map(lambda *gs: sum(w * g for w, g in zip(weights, gs)) / total, *grads_per_worker)
 
 
+def job_salt(*salts: int) -> np.ndarray:
+    """The salt of one gradient job, e.g. (step, part): what makes its random draws its own."""
+    return np.asarray(salts, np.uint32)
+
+
+def _salt_key(key, salt):
+    fold = lambda k: jax.random.fold_in(jax.random.fold_in(k, salt[0]), salt[1])  # noqa: E731
+    for _ in range(key.ndim):
+        fold = jax.vmap(fold)
+    return fold(key)
+
+
+def salted(gradients):
+    """`Steps.gradients` taking one more argument, the job's salt (`job_salt`, two entries).
+
+    A module that keeps its random streams in its state (NNX `Rngs`) would
+    otherwise draw the same dropout masks on every worker that pulled the same
+    state. Its keys are salted for the computation; the returned state keeps
+    the original keys (with the streams' counts advanced as usual).
+    """
+
+    def run(params, model_state, batch, rng, salt):
+        keyed = jax.tree.map(lambda leaf: _salt_key(leaf, salt) if _is_key(leaf) else leaf, model_state)
+        grads, new_state, increments = gradients(params, keyed, batch, rng)
+        new_state = jax.tree.map(lambda new, old: old if _is_key(old) else new, new_state, model_state)
+        return grads, new_state, increments
+
+    return run
+
+
+def _is_key(leaf) -> bool:
+    return hasattr(leaf, "dtype") and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+
+
 def job_rng(steps, state, *salts: int):
     """The dropout key of one gradient job (raw key data), or None for modules without randomness.
 
