@@ -24,7 +24,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from bench_fit import MLP, train_step  # noqa: E402
+from bench_fit import MLP, paired_ratio, train_step  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -127,7 +127,7 @@ def main():
         per_device = bytes_per_device(state)
         table.append((name, total, per_device))
         print(f"  {name:28s} raw {sps['raw']:6.1f} steps/s  meshfit {sps['meshfit']:6.1f} steps/s  "
-              f"ratio {sps['meshfit'] / sps['raw']:.3f}")
+              f"ratio {sps['meshfit'] / sps['raw']:.3f}  paired {paired_ratio(times, 'meshfit', 'raw'):.3f}")
     print("\n  mesh                          params+opt total   per device   per device / (total/8)")
     for name, total, per_device in table:
         print(f"  {name:28s} {total / 2**20:12.2f} MiB {per_device / 2**20:9.2f} MiB   {per_device / (total / 8):6.3f}")

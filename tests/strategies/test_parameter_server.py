@@ -87,6 +87,12 @@ def test_bad_arguments():
         mf.strategies.ParameterServerStrategy(mode="hogwild")
     with pytest.raises(ValueError, match="`max_staleness` must be a non-negative int"):
         mf.strategies.ParameterServerStrategy(max_staleness=-1)
+    with pytest.raises(ValueError, match="`worker_timeout` must be a positive number of seconds. Received: 0"):
+        mf.strategies.ParameterServerStrategy(worker_timeout=0)
+    with pytest.raises(ValueError, match="`server_device` must be a device or a non-empty list"):
+        mf.strategies.ParameterServerStrategy(server_device=[])
+    with pytest.raises(ValueError, match="`server_device` lists a device twice"):
+        mf.strategies.ParameterServerStrategy(server_device=[jax.devices()[0], jax.devices()[0]])
     x, y = classification_data(n=16)
     with mf.strategies.ParameterServerStrategy().scope():
         model = mf.Model(MLP())
