@@ -103,6 +103,15 @@ def reduce_values(
         A scalar, or the weighted values for `"none"`.
     """
     reduction = standardize_reduction(reduction)
+    values, sw, m = _weight_and_mask(values, sample_weight, mask)
+    if reduction in (None, "none"):
+        return values
+    total, divisor = _total_and_divisor(values, sw, m, reduction)
+    return divide_no_nan(total, divisor)
+
+
+def _weight_and_mask(values, sample_weight, mask):
+    """Per-sample values weighted and with masked entries zeroed; also the aligned weights and mask."""
     values = jnp.asarray(values)
     if not jnp.issubdtype(values.dtype, jnp.floating):
         values = values.astype(jnp.float32)
@@ -120,11 +129,28 @@ def reduce_values(
     if mask is not None:
         m = _align_to(jnp.asarray(mask).astype(bool), values)
         values = jnp.where(m, values, jnp.zeros((), values.dtype))
+    return values, sw, m
+
+
+def reduce_parts(values, sample_weight=None, mask=None, reduction="sum_over_batch_size"):
+    """`(total, divisor)` such that `reduce_values(...) == divide_no_nan(total, divisor)`.
+
+    For a training step: differentiating `total` and dividing the gradients
+    once afterwards lets the divisor (rows counted over all replicas) be
+    reduced together with the gradients, instead of in a collective of its
+    own before the backward pass. `reduction` must be a scalar one.
+    """
+    reduction = standardize_reduction(reduction)
     if reduction in (None, "none"):
-        return values
+        raise ValueError("reduce_parts needs a scalar reduction; received reduction='none'.")
+    values, sw, m = _weight_and_mask(values, sample_weight, mask)
+    return _total_and_divisor(values, sw, m, reduction)
+
+
+def _total_and_divisor(values, sw, m, reduction):
     total = jnp.sum(values)
     if reduction == "sum":
-        return total
+        return total, jnp.ones((), values.dtype)
     if reduction == "mean_with_sample_weight" and sw is not None:
         divisor = sw if m is None else jnp.where(m, sw, 0)
         divisor = jnp.sum(divisor)
@@ -132,7 +158,7 @@ def reduce_values(
         divisor = jnp.asarray(values.size, values.dtype)
     else:
         divisor = jnp.sum(jnp.broadcast_to(m, values.shape), dtype=values.dtype)
-    return divide_no_nan(total, divisor.astype(values.dtype))
+    return total, divisor.astype(values.dtype)
 
 
 def _to_snake_case(name):

@@ -79,10 +79,26 @@ class Steps:
                                         reduction=self.loss.reduction)
         return loss, (y_pred, new_model_state)
 
+    def _loss_parts(self, params, model_state, batch: Batch, rng):
+        """The training loss as `(total, (divisor, y_pred, module state))`: loss = total / divisor."""
+        y_pred, new_model_state = self.adapter.apply(params, model_state, batch.x, training=True, rng=rng)
+        values = self.loss.call(batch.y, y_pred)
+        total, divisor = losses_lib.reduce_parts(values, sample_weight=batch.sample_weight, mask=batch.mask,
+                                                 reduction=self.loss.reduction)
+        return total, (divisor, y_pred, new_model_state)
+
     def gradients(self, params, model_state, batch: Batch, rng):
-        """A worker's part of a step: gradients, the updated module state, metric increments."""
-        grad_fn = jax.value_and_grad(self.compute_loss, has_aux=True)
-        (loss, (y_pred, model_state)), grads = grad_fn(params, model_state, batch, rng, True)
+        """A worker's part of a step: gradients, the updated module state, metric increments.
+
+        The gradient of the loss's total is divided by the loss's divisor (the
+        real rows) afterwards, so the divisor, summed over replicas, does not
+        need a collective of its own before the backward pass.
+        """
+        grad_fn = jax.value_and_grad(self._loss_parts, has_aux=True)
+        (total, (divisor, y_pred, model_state)), grads = grad_fn(params, model_state, batch, rng)
+        scale = losses_lib.divide_no_nan(jnp.ones((), divisor.dtype), divisor)  # 0 for an all-padding batch
+        grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+        loss = losses_lib.divide_no_nan(total, divisor)
         increments = self._update_metrics(self.init_metrics(), loss, batch, y_pred)
         return grads, model_state, increments
 
