@@ -27,19 +27,20 @@ MARKER = "meshfit_checkpoints.json"
 STATE, META = "state", "meta"
 
 
-def _is_key(leaf) -> bool:
+def is_key(leaf) -> bool:
+    """Whether `leaf` is a typed PRNG key array."""
     return hasattr(leaf, "dtype") and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
 
 
 def encode(tree):
     """Replaces typed PRNG keys by their raw data (what Orbax can store)."""
-    return jax.tree.map(lambda leaf: jax.random.key_data(leaf) if _is_key(leaf) else leaf, tree)
+    return jax.tree.map(lambda leaf: jax.random.key_data(leaf) if is_key(leaf) else leaf, tree)
 
 
 def decode(restored, template):
     """Wraps raw key data back into typed keys where the template has keys."""
     return jax.tree.map(
-        lambda new, old: jax.random.wrap_key_data(new, impl=jax.random.key_impl(old)) if _is_key(old) else new,
+        lambda new, old: jax.random.wrap_key_data(new, impl=jax.random.key_impl(old)) if is_key(old) else new,
         restored, template)
 
 

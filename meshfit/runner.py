@@ -51,20 +51,21 @@ class Runner:
     def end_epoch(self, logs):
         """Waits for queued steps; returns the epoch's final logs (device values)."""
         self.in_flight.clear()
-        drain = getattr(self._train, "drain", None)
-        if drain is not None:
-            self.model._state, logs = drain()
-        return logs
+        settled = self.settle()
+        return logs if settled is None else settled
 
-    def settle(self) -> None:
+    def settle(self):
         """Applies every batch handed out but not yet applied (asynchronous strategies).
 
         Afterwards the state accounts for exactly the batches the data position
-        counts as consumed, so what a saver writes resumes exactly.
+        counts as consumed, so what a saver writes resumes exactly. Returns the
+        logs after that, or None for a strategy with nothing in flight.
         """
         drain = getattr(self._train, "drain", None)
-        if drain is not None:
-            self.model._state, _ = drain()
+        if drain is None:
+            return None
+        self.model._state, logs = drain()
+        return logs
 
     def evaluate(self, metrics, host_batch):
         batch = self.strategy.distribute_batch(host_batch, self.stacked)

@@ -72,17 +72,20 @@ class Steps:
 
     # -- steps ---------------------------------------------------------------------
 
-    def compute_loss(self, params, model_state, batch: Batch, rng, training: bool):
+    def _forward(self, params, model_state, batch: Batch, rng, training: bool):
+        """Per-sample loss values, predictions and the updated module state."""
         y_pred, new_model_state = self.adapter.apply(params, model_state, batch.x, training=training, rng=rng)
-        values = self.loss.call(batch.y, y_pred)
+        return self.loss.call(batch.y, y_pred), y_pred, new_model_state
+
+    def compute_loss(self, params, model_state, batch: Batch, rng, training: bool):
+        values, y_pred, new_model_state = self._forward(params, model_state, batch, rng, training)
         loss = losses_lib.reduce_values(values, sample_weight=batch.sample_weight, mask=batch.mask,
                                         reduction=self.loss.reduction)
         return loss, (y_pred, new_model_state)
 
     def _loss_parts(self, params, model_state, batch: Batch, rng):
         """The training loss as `(total, (divisor, y_pred, module state))`: loss = total / divisor."""
-        y_pred, new_model_state = self.adapter.apply(params, model_state, batch.x, training=True, rng=rng)
-        values = self.loss.call(batch.y, y_pred)
+        values, y_pred, new_model_state = self._forward(params, model_state, batch, rng, True)
         total, divisor = losses_lib.reduce_parts(values, sample_weight=batch.sample_weight, mask=batch.mask,
                                                  reduction=self.loss.reduction)
         return total, (divisor, y_pred, new_model_state)

@@ -16,12 +16,10 @@ import threading
 import time
 
 import jax
-import numpy as np
 
 from meshfit.strategies import ps_remote
 from meshfit.strategies.base import Strategy
-from meshfit.strategies.ps_server import (ServerLayout, ServerUpdates, job_rng, job_salt, salted, split_rows,
-                                          weighted_mean)
+from meshfit.strategies.ps_server import ServerLayout, ServerUpdates, job_rng, job_salt, salted, split_rows
 
 MODES = ("async", "sync")
 
@@ -134,8 +132,7 @@ class _Training(ServerUpdates):
     """Shared pieces: compiled worker and server functions, and placement."""
 
     def __init__(self, strategy: ParameterServerStrategy, steps):
-        super().__init__(steps)
-        self.strategy = strategy
+        super().__init__(strategy, steps)
         self.gradients = jax.jit(salted(steps.gradients))
 
     def job_inputs(self, state, version: int, worker: int, device):
@@ -150,31 +147,20 @@ class _Training(ServerUpdates):
 class _SyncTraining(_Training):
     """Each batch split over all workers; one averaged update per batch."""
 
-    def __init__(self, strategy, steps):
-        super().__init__(strategy, steps)
-        self.combine = jax.jit(weighted_mean)
-        self.step = 0  # state.step, counted on the host (read from the device once per adopted state)
-
     def __call__(self, state, batch):
         workers = self.strategy.workers
-        if state is not self.state:
-            self.step = int(jax.device_get(state.step))
-        outputs, weights = [], []
-        for i, (device, part) in enumerate(zip(workers, split_rows(batch, len(workers)))):
-            params, model_state, rng, salt = self.job_inputs(state, self.step, i, device)
+        step = self.round_step(state)
+        parts = split_rows(batch, len(workers))
+        outputs = []
+        for i, (device, part) in enumerate(zip(workers, parts)):
+            params, model_state, rng, salt = self.job_inputs(state, step, i, device)
             outputs.append(self.gradients(params, model_state, jax.device_put(part, device), rng, salt))
-            weights.append(float(part.mask.sum()))
         delays = self.strategy.worker_delays
         if delays:  # the round waits for its slowest (simulated) worker
             jax.block_until_ready(outputs)
             time.sleep(max(delays.get(i, 0.0) for i in range(len(workers))))
-        self.state = state
-        parts = [self.to_server(*out) for out in outputs]
-        grads = self.combine([p[0] for p in parts], np.asarray(weights, np.float32))
-        increments = jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *[p[2] for p in parts])
-        self.state, logs = self.apply(state, grads, parts[0][1], increments)
-        self.step += 1
-        return self.state, logs
+        self.apply_round(state, outputs, [float(part.mask.sum()) for part in parts])
+        return self.state, self.logs
 
 
 class _AsyncTraining(_Training):

@@ -11,9 +11,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-
-def _is_key(leaf) -> bool:
-    return hasattr(leaf, "dtype") and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+from meshfit.checkpoint import is_key
 
 
 def put(tree, shardings):
@@ -27,7 +25,7 @@ def put(tree, shardings):
     multi = jax.process_count() > 1
 
     def put_leaf(leaf):
-        if _is_key(leaf):
+        if is_key(leaf):
             return jax.random.wrap_key_data(put_leaf(jax.random.key_data(leaf)), impl=jax.random.key_impl(leaf))
         if multi:
             host = np.asarray(leaf) if not isinstance(leaf, jax.Array) or leaf.is_fully_addressable else fetch(leaf)
@@ -54,7 +52,7 @@ def fetch(tree):
     def fetch_leaf(leaf):
         if not isinstance(leaf, jax.Array):
             return np.asarray(leaf)
-        if _is_key(leaf):
+        if is_key(leaf):
             return fetch_leaf(jax.random.key_data(leaf))
         if leaf.is_fully_addressable:
             return np.asarray(leaf)

@@ -32,7 +32,7 @@ import numpy as np
 
 from meshfit.checkpoint import decode, encode
 from meshfit.data import Batch
-from meshfit.strategies.ps_server import ServerUpdates, job_rng, job_salt, salted, split_rows, weighted_mean
+from meshfit.strategies.ps_server import ServerUpdates, job_rng, job_salt, salted, split_rows
 
 # The exported gradient program takes a Batch; both ends must know its name.
 jax.export.register_namedtuple_serialization(Batch, serialized_name="meshfit.data.Batch")
@@ -289,6 +289,7 @@ class RemoteWorkers:
 
     def dispatch(self, state, version: int) -> None:
         """Hands queued tasks to idle workers, with `state`'s parameters (parameter version `version`)."""
+        variables = None  # what workers pull, gathered once for all of this call's tasks
         for worker in self.coordinator.live():
             if not self.pending:
                 return
@@ -296,8 +297,9 @@ class RemoteWorkers:
                 continue
             task = self.pending.popleft()
             pull_id, push_id = next(self.coordinator.ids), next(self.coordinator.ids)
-            variables = self.strategy.servers.gather((state.params, encode(state.model_state)))
-            self.coordinator.server.await_pull(pull_id, jax.tree.leaves(variables), timeout=_deadline(HOLD_TIMEOUT))
+            if variables is None:
+                variables = jax.tree.leaves(self.strategy.servers.gather((state.params, encode(state.model_state))))
+            self.coordinator.server.await_pull(pull_id, variables, timeout=_deadline(HOLD_TIMEOUT))
             try:
                 worker.conn.send(("work", pull_id, pull_id, push_id, _to_wire((task.batch, task.rng, task.salt))))
             except OSError as error:
@@ -348,8 +350,7 @@ class RemoteAsyncTraining(ServerUpdates):
     """Asynchronous training with worker processes: each batch goes whole to the next free worker."""
 
     def __init__(self, strategy, steps, coordinator: Coordinator):
-        super().__init__(steps)
-        self.strategy = strategy
+        super().__init__(strategy, steps)
         self.workers = RemoteWorkers(strategy, coordinator)
         self.version = 0
         self.outstanding = 0  # batches not yet applied
@@ -401,28 +402,22 @@ class RemoteSyncTraining(ServerUpdates):
     """
 
     def __init__(self, strategy, steps, coordinator: Coordinator, parts: int):
-        super().__init__(steps)
-        self.strategy = strategy
+        super().__init__(strategy, steps)
         self.workers = RemoteWorkers(strategy, coordinator)
         self.parts = parts
-        self.combine = jax.jit(weighted_mean)
 
     def __call__(self, state, batch):
-        self.state = state
+        parts = split_rows(batch, self.parts)
         if self.workers.exported is None:
-            self.workers.export(self.steps, state, split_rows(batch, self.parts)[0])
-        step = int(jax.device_get(state.step))
-        for i, part in enumerate(split_rows(batch, self.parts)):
+            self.workers.export(self.steps, state, parts[0])
+        step = self.round_step(state)
+        for i, part in enumerate(parts):
             self.workers.submit(_Task(part, job_rng(self.steps, state, step, i), job_salt(step, i), index=i))
         outputs = {}
         while len(outputs) < self.parts:
             self.workers.dispatch(state, 0)
-            for job, out in self.workers.collect(timeout=1.0):
-                outputs[job.task.index] = out
-        grads, model_states, increments = zip(*(outputs[i] for i in range(self.parts)))
-        weights = np.asarray([float(np.sum(part.mask)) for part in split_rows(batch, self.parts)], np.float32)
-        total = jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *increments)
-        taken = self.strategy.servers.take(state, self.combine(list(grads), weights),
-                                           decode(model_states[0], state.model_state), total)
-        self.state, self.logs = self.apply(state, *taken)
+            for job, (grads, model_state, increments) in self.workers.collect(timeout=1.0):
+                outputs[job.task.index] = (grads, decode(model_state, state.model_state), increments)
+        self.apply_round(state, [outputs[i] for i in range(self.parts)],
+                         [float(np.sum(part.mask)) for part in parts])
         return self.state, self.current_logs()

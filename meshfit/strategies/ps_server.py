@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshfit.checkpoint import is_key
 from meshfit.data import Batch
 from meshfit.strategies import layout
 
@@ -45,16 +46,16 @@ class ServerLayout:
             return self.replicate(state)
         specs = layout.resolve_specs(state.params, self.mesh, fsdp_axis=SERVER_AXIS,
                                      min_shard_size=self.min_shard_size)
-        shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(self.mesh, s), specs,
-                                 is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
-        rest = state._replace(params=None, opt_state=None)
-        placed = self.replicate(rest)._replace(params=jax.device_put(state.params, shardings))
+        placed = self.replicate(state._replace(params=None, opt_state=None))
+        placed = placed._replace(params=jax.device_put(state.params, self._shardings(specs)))
         if state.opt_state is not None:
             opt_specs = layout.follow_params(state.opt_state, state.params, specs)
-            placed = placed._replace(opt_state=jax.device_put(state.opt_state, jax.tree.map(
-                lambda s: jax.sharding.NamedSharding(self.mesh, s), opt_specs,
-                is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))))
+            placed = placed._replace(opt_state=jax.device_put(state.opt_state, self._shardings(opt_specs)))
         return placed
+
+    def _shardings(self, specs):
+        return jax.tree.map(lambda s: jax.sharding.NamedSharding(self.mesh, s), specs,
+                            is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
 
     def take(self, state, grads, model_state, increments):
         """Puts a worker's results on the servers: each gradient beside its parameter, the rest replicated."""
@@ -85,8 +86,14 @@ def job_salt(*salts: int) -> np.ndarray:
     return np.asarray(salts, np.uint32)
 
 
-def _salt_key(key, salt):
-    fold = lambda k: jax.random.fold_in(jax.random.fold_in(k, salt[0]), salt[1])  # noqa: E731
+def _fold(key, salts):
+    """`key` folded with each salt in turn; keys of any shape (vmapped)."""
+
+    def fold(k):
+        for salt in salts:
+            k = jax.random.fold_in(k, salt)
+        return k
+
     for _ in range(key.ndim):
         fold = jax.vmap(fold)
     return fold(key)
@@ -102,16 +109,12 @@ def salted(gradients):
     """
 
     def run(params, model_state, batch, rng, salt):
-        keyed = jax.tree.map(lambda leaf: _salt_key(leaf, salt) if _is_key(leaf) else leaf, model_state)
+        keyed = jax.tree.map(lambda leaf: _fold(leaf, salt) if is_key(leaf) else leaf, model_state)
         grads, new_state, increments = gradients(params, keyed, batch, rng)
-        new_state = jax.tree.map(lambda new, old: old if _is_key(old) else new, new_state, model_state)
+        new_state = jax.tree.map(lambda new, old: old if is_key(old) else new, new_state, model_state)
         return grads, new_state, increments
 
     return run
-
-
-def _is_key(leaf) -> bool:
-    return hasattr(leaf, "dtype") and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
 
 
 def job_rng(steps, state, *salts: int):
@@ -122,10 +125,7 @@ def job_rng(steps, state, *salts: int):
     """
     if not steps.adapter.uses_rng:
         return None
-    key = jax.random.wrap_key_data(state.rng)
-    for salt in salts:
-        key = jax.random.fold_in(key, salt)
-    return jax.random.key_data(key)
+    return jax.random.key_data(_fold(jax.random.wrap_key_data(state.rng), salts))
 
 
 class ServerUpdates:
@@ -135,12 +135,33 @@ class ServerUpdates:
     parameter versions, of each gradient applied this epoch).
     """
 
-    def __init__(self, steps):
+    def __init__(self, strategy, steps):
+        self.strategy = strategy
         self.steps = steps
         self.state = None
         self.logs = None
         self.staleness: list[int] = []
         self.apply = layout.jit_keeping_layout(self._apply_and_log, 0)
+        self.combine = jax.jit(weighted_mean)
+        self._round = 0  # state.step of the next sync round, counted on the host
+
+    def round_step(self, state) -> int:
+        """`state.step`, read from the device only for a state set from outside (no sync per round)."""
+        if state is not self.state:
+            self._round = int(jax.device_get(state.step))
+        return self._round
+
+    def apply_round(self, state, outputs, weights) -> None:
+        """One synchronous update from a round's parts: their `(grads, model_state, increments)`.
+
+        The gradients are averaged weighted by each part's real rows, the metric
+        increments summed, and module state taken from the first part.
+        """
+        taken = [self.strategy.servers.take(state, *out) for out in outputs]
+        grads = self.combine([t[0] for t in taken], np.asarray(weights, np.float32))
+        increments = jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *[t[2] for t in taken])
+        self.state, self.logs = self.apply(state, grads, taken[0][1], increments)
+        self._round += 1
 
     def _apply_and_log(self, state, grads, model_state, increments):
         new_state = self.steps.apply_gradients(state, grads, model_state, increments, state.rng)
