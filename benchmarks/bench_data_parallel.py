@@ -121,8 +121,8 @@ def main():
     print(f"  ratio meshfit/raw = {sps['meshfit'] / sps['raw']:.3f}  (target >= 0.95)")
 
     runner = model._runner
-    host_batch = next(model._make_data(x, y, None, args.batch).epoch(0))
-    hlo = runner._train.lower(model._state, strategy.distribute_batch(host_batch)).compile().as_text()
+    _, staged = next(runner.train_executions(model._make_data(x, y, None, args.batch), 0))  # the step fit ran
+    hlo = runner._train_staged.lower(model._state, staged.block, staged.index).compile().as_text()
     reduced, n_reduce, n_gather = collective_bytes(hlo)
     param_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(model.params))
     print(f"\nall-reduce: {n_reduce} op(s), {reduced:,} bytes per step; parameters {param_bytes:,} bytes; "

@@ -146,6 +146,16 @@ class ArrayData:
         self._steps_arg = steps_per_epoch
         self.steps_per_epoch = steps_per_epoch or self.steps_per_pass
 
+    #: Any batch can be gathered at any time: its rows depend only on its position.
+    random_access = True
+
+    @property
+    def batch_nbytes(self) -> int:
+        """Bytes of this process's rows of one batch (inputs, targets, weights and mask)."""
+        row = sum(leaf.itemsize * math.prod(leaf.shape[1:])
+                  for leaf in jax.tree.leaves((self.x, self.y, self.sample_weight)))
+        return (row + self._full_mask.itemsize) * self.local_rows
+
     def _order(self, pass_index: int) -> np.ndarray | None:
         if not self.shuffle:
             return None
@@ -177,6 +187,10 @@ class ArrayData:
             if pass_index != order_pass:
                 order_pass, order = pass_index, self._order(pass_index)
             yield order, within
+
+    def peek(self) -> Batch:
+        """A batch with the shapes of every batch (the first rows, unshuffled), to build the model."""
+        return self._take_all(*self._rows(None, 0))
 
     def _take_all(self, index, mask) -> Batch:
         return Batch(_take(self.x, index), _take(self.y, index), _take(self.sample_weight, index), mask)
@@ -288,6 +302,8 @@ class IterableData:
     that many batches of one continuing stream. Batches are padded to the size
     of the first batch (rounded up to `batch_multiple`).
     """
+
+    random_access = False  # batches come in the iterator's order, once
 
     def __init__(self, data: Iterable, *, steps_per_epoch: int | None = None, batch_multiple: int = 1):
         if not hasattr(data, "__iter__"):

@@ -32,11 +32,16 @@ class InFlight:
         self._pending: collections.deque = collections.deque()
 
     def add(self, token) -> None:
-        self._pending.append(token)
-        if len(self._pending) >= 2 * self.limit:
+        pending = self._pending
+        pending.append(token)
+        if len(pending) >= 2 * self.limit:
             for _ in range(self.limit - 1):
-                self._pending.popleft()
-            jax.block_until_ready(self._pending.popleft())
+                pending.popleft()
+            oldest = pending.popleft()
+            if isinstance(oldest, jax.Array):
+                oldest.block_until_ready()  # the array's own method: no pytree walk
+            else:
+                jax.block_until_ready(oldest)
 
     def clear(self) -> None:
         self._pending.clear()
@@ -71,7 +76,7 @@ def fit_loop(model, train_data, *, epochs: int, initial_epoch: int, callbacks: C
                 runner.reset_train_metrics()  # else they were restored mid-epoch
             callbacks.on_epoch_begin(epoch)
             logs, step = None, start_step
-            for count, batch in train_data.executions(epoch, runner.steps_per_execution, start_step, pad_last=False):
+            for count, batch in runner.train_executions(train_data, epoch, start_step):
                 for hook in batch_begin:
                     hook(step)
                 logs = runner.train(batch)
@@ -85,6 +90,8 @@ def fit_loop(model, train_data, *, epochs: int, initial_epoch: int, callbacks: C
                     runner.end_epoch(logs)
                     callbacks.on_preemption(epoch, step)
                     raise Preempted()
+            if epoch + 1 < epochs and not model.stop_training:
+                runner.prefetch(train_data, epoch + 1)  # host work the devices need not wait for
             logs = runner.end_epoch(logs)
             if logs is None and start_step == 0:  # a one-shot input ran out of data
                 break

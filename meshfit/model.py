@@ -267,7 +267,7 @@ class Model:
         return data_lib.IterableData(x, steps_per_epoch=steps, batch_multiple=strategy.local_batch_multiple)
 
     def _first_batch(self, data) -> data_lib.Batch:
-        return data.peek() if isinstance(data, data_lib.IterableData) else next(data.epoch(0))
+        return data.peek()
 
     def _callback_list(self, callbacks, *, verbose: int, epochs: int, steps, add_history: bool):
         user = list(callbacks or [])

@@ -2,13 +2,33 @@
 
 It owns the compiled functions (each compiled once per batch shape and reused
 across epochs and calls of fit) and swaps the model's state for the new one
-after each step; the state buffers are donated, so no copy is kept.
+after each step; the state buffers are donated, so no copy is kept. It also
+decides how training batches reach the devices: one by one, or staged in
+blocks that each step indexes into (see `train_executions`).
 """
 
 from __future__ import annotations
 
+import itertools
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
 from meshfit.loop import InFlight
 from meshfit.steps import LOSS_KEY, Steps
+
+#: Bytes of batches placed on the devices at once for single-step training from arrays.
+STAGE_BYTES = 8 * 2 ** 20
+#: At most this many batches are placed at once (the host gathers them in one go).
+MAX_STAGED_STEPS = 64
+
+
+class Staged(NamedTuple):
+    """Batch `index` of a block of batches already on the devices."""
+
+    block: Any
+    index: jax.Array
 
 
 class Runner:
@@ -25,6 +45,12 @@ class Runner:
         self._train_one = self.strategy.train_function(steps, False) if multi else self._train
         self._evaluate = compile_(steps.multi_eval_step if multi else steps.eval_step, donate_argnums=(1,))
         self._predict = compile_(steps.multi_predict_step if multi else steps.predict_step)
+        self._train_staged = None
+        if not multi and self.strategy.stages_batches:
+            self._train_staged = compile_(steps.staged_train_step, donate_argnums=(0,))
+        self._indices: list = []  # device scalars 0, 1, ... picking a batch of a staged block
+        self._prefetched = None  # (data, epoch, start step, executions) read ahead by `prefetch`
+        self._fresh_metrics = None  # compiled on first use, to lay out fresh accumulators like the first
 
     def _variables(self):
         state = self.model._state
@@ -34,16 +60,69 @@ class Runner:
         self.model._state = self.model._state._replace(metrics=self.fresh_eval_metrics())
 
     def fresh_eval_metrics(self):
-        return self.strategy.replicate(self.steps.init_metrics())
+        """Fresh loss and metric accumulators on the strategy's devices.
 
-    def train(self, host_batch):
-        """One execution: a (stacked) batch, or a list of single batches (a short last group)."""
-        if isinstance(host_batch, list):
-            for single in host_batch:
+        After the first, they come from a compiled call laid out like the
+        first: an epoch start then costs one dispatch, not a host transfer.
+        """
+        if self._fresh_metrics is None:
+            placed = self.strategy.replicate(self.steps.init_metrics())
+            shardings = jax.tree.map(lambda a: a.sharding, placed)
+            self._fresh_metrics = jax.jit(self.steps.init_metrics, out_shardings=shardings)
+            return placed
+        return self._fresh_metrics()
+
+    def train_executions(self, data, epoch: int, start_step: int = 0):
+        """Yields `(count, execution)` for the training steps of one epoch, from `start_step` on.
+
+        With one step per execution and data that can gather any batch (in-memory
+        arrays), batches travel to the devices in blocks of up to `STAGE_BYTES`:
+        one host gather and one transfer per block, and each step picks its
+        batch on the device (`Staged`). Otherwise an execution is a host batch.
+        """
+        ahead, self._prefetched = self._prefetched, None
+        if ahead is not None and ahead[:3] == (data, epoch, start_step):
+            yield from ahead[3]
+            return
+        block_steps = self._block_steps(data)
+        if block_steps == 1:
+            yield from data.executions(epoch, self.steps_per_execution, start_step, pad_last=False)
+            return
+        while len(self._indices) < block_steps:
+            self._indices.append(self.strategy.replicate(np.int32(len(self._indices))))
+        for count, block in data.executions(epoch, block_steps, start_step, pad_last=True):
+            placed = self.strategy.place_block(block)
+            for index in self._indices[:count]:
+                yield 1, Staged(placed, index)
+
+    def prefetch(self, data, epoch: int) -> None:
+        """Prepares the first execution of `epoch` now, while the devices finish the last one.
+
+        Only for data whose batches depend on nothing but their position
+        (in-memory arrays): reading ahead of an iterator would move its state.
+        """
+        if not getattr(data, "random_access", False):
+            return
+        executions = self.train_executions(data, epoch)
+        first = next(executions, None)
+        ahead = executions if first is None else itertools.chain([first], executions)
+        self._prefetched = (data, epoch, 0, ahead)
+
+    def _block_steps(self, data) -> int:
+        if self._train_staged is None or not getattr(data, "random_access", False):
+            return 1
+        return max(1, min(MAX_STAGED_STEPS, STAGE_BYTES // data.batch_nbytes))
+
+    def train(self, execution):
+        """One execution: a staged batch, a (stacked) host batch, or a list of single batches (a short last group)."""
+        if isinstance(execution, Staged):
+            self.model._state, logs = self._train_staged(self.model._state, execution.block, execution.index)
+        elif isinstance(execution, list):
+            for single in execution:
                 batch = self.strategy.distribute_batch(single, False)
                 self.model._state, logs = self._train_one(self.model._state, batch)
         else:
-            batch = self.strategy.distribute_batch(host_batch, self.stacked)
+            batch = self.strategy.distribute_batch(execution, self.stacked)
             self.model._state, logs = self._train(self.model._state, batch)
         self.in_flight.add(logs[LOSS_KEY])
         return logs

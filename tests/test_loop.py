@@ -129,7 +129,7 @@ def test_learning_rate_scheduler_changes_lr_without_recompiling():
     history = model.fit(x, y, batch_size=8, epochs=3, callbacks=[schedule], verbose=0)
     np.testing.assert_allclose(history.history["learning_rate"], [0.1, 0.05, 0.1 / 3], rtol=1e-6)
     assert model.optimizer.learning_rate == pytest.approx(0.1 / 3)
-    assert model._runner._train._cache_size() == 1
+    assert model._runner._train_staged._cache_size() == 1
 
 
 def test_learning_rate_change_has_effect_on_updates():

@@ -37,6 +37,10 @@ class Strategy:
     #: Number of model replicas a global batch is split over.
     num_replicas_in_sync: int = 1
 
+    #: Whether single-step training may place a block of batches on the devices
+    #: at once (`place_block`) and pick one batch per step inside the compiled step.
+    stages_batches: bool = True
+
     @contextlib.contextmanager
     def scope(self):
         """Makes this the current strategy: models created inside belong to it."""
@@ -82,6 +86,13 @@ class Strategy:
         their batch dimension is the second.
         """
         raise NotImplementedError
+
+    def place_block(self, host_block):
+        """Places batches stacked on a leading axis as device arrays, for several steps to read.
+
+        Laid out as `distribute_batch(host_block, stacked=True)` lays them out.
+        """
+        return self.distribute_batch(host_block, True)
 
     def compile(self, fn: Callable, *, donate_argnums: tuple[int, ...] = ()) -> Callable:
         """Compiles a pure step function for this strategy's devices."""

@@ -27,6 +27,9 @@ class OneDeviceStrategy(Strategy):
         # jit's C++ fast path; an explicit device_put here costs more per step.
         return host_batch
 
+    def place_block(self, host_block):
+        return jax.device_put(host_block, self.device)  # read by several steps: placed once
+
     def compile(self, fn, *, donate_argnums=()):
         return jax.jit(fn, donate_argnums=donate_argnums)
 

@@ -66,6 +66,8 @@ class ParameterServerStrategy(Strategy):
             batch redone elsewhere. Worker processes only.
     """
 
+    stages_batches = False  # each batch goes whole to one worker, from the host
+
     def __init__(self, mode: str = "async", workers=None, server_device=None, max_staleness: int | None = None,
                  worker_delays: dict[int, float] | None = None, worker_timeout: float = 60.0,
                  min_shard_size: int = 2 ** 12):

@@ -1,0 +1,118 @@
+"""The runner: batches staged on the device in blocks, the next epoch read ahead, fresh accumulators."""
+
+import jax
+import numpy as np
+
+import pytest
+from helpers import MLP, classification_data
+
+import meshfit as mf
+import meshfit.runner as runner_lib
+
+
+def make_model(optimizer="adam"):
+    model = mf.Model(MLP())
+    model.compile(optimizer=optimizer, loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def fit_weights(monkeypatch, stage_bytes, max_steps=runner_lib.MAX_STAGED_STEPS, **fit_args):
+    monkeypatch.setattr(runner_lib, "STAGE_BYTES", stage_bytes)
+    monkeypatch.setattr(runner_lib, "MAX_STAGED_STEPS", max_steps)
+    x, y = classification_data(n=70)  # batches of 16: 4 full and one of 6 rows
+    model = make_model()
+    history = model.fit(x, y, batch_size=16, verbose=0, **fit_args)
+    return model, history
+
+
+@pytest.mark.parametrize("max_steps", [2, 3, 64], ids=["blocks-of-2", "blocks-of-3", "one-block"])
+def test_staged_blocks_train_exactly_as_host_batches(monkeypatch, max_steps):
+    host, h_host = fit_weights(monkeypatch, 0, epochs=3)
+    staged, h_staged = fit_weights(monkeypatch, 2 ** 20, max_steps=max_steps, epochs=3)
+    assert host._runner._train_staged._cache_size() == 0  # staging off: every step took a host batch
+    assert staged._runner._train._cache_size() == 0  # staging on: no step took a host batch
+    assert staged._runner._train_staged._cache_size() == 1  # one compile, the partial batch included
+    for a, b in zip(host.get_weights(), staged.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert h_host.history == h_staged.history
+    assert int(staged._state.step) == 15
+
+
+def test_block_size_follows_the_byte_budget(monkeypatch):
+    x, y = classification_data(n=64)
+    model = make_model()
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    data = model._make_data(x, y, None, 16)
+    assert data.batch_nbytes == 16 * (4 * 4 + 4 + 4)  # x: 4 float32, y: int32, mask: float32 per row
+    monkeypatch.setattr(runner_lib, "STAGE_BYTES", data.batch_nbytes * 3)
+    assert model._runner._block_steps(data) == 3
+    monkeypatch.setattr(runner_lib, "STAGE_BYTES", data.batch_nbytes // 2)
+    assert model._runner._block_steps(data) == 1  # a batch over budget travels alone, unstaged
+
+
+def test_iterators_are_not_staged_or_read_ahead():
+    x, y = classification_data(n=64)
+    model = make_model()
+    seen = []
+
+    def batches():
+        for i in range(0, 64, 16):
+            seen.append(i)
+            yield x[i:i + 16], y[i:i + 16]
+
+    model.fit(batches(), epochs=1, verbose=0)
+    assert model._runner._train._cache_size() == 1
+    assert model._runner._train_staged._cache_size() == 0
+    assert seen == [0, 16, 32, 48]
+
+
+def test_epochs_read_ahead_equal_epochs_started_fresh():
+    """fit(epochs=3) prefetches epochs 1 and 2; three one-epoch fits prefetch nothing."""
+    x, y = classification_data(n=70)
+    whole = make_model()
+    whole.fit(x, y, batch_size=16, epochs=3, verbose=0)
+    parts = make_model()
+    for epoch in range(3):
+        parts.fit(x, y, batch_size=16, epochs=epoch + 1, initial_epoch=epoch, verbose=0)
+    for a, b in zip(whole.get_weights(), parts.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_prefetch_for_other_data_is_not_used():
+    x, y = classification_data(n=64)
+    model = make_model()
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    other = model._make_data(x[::-1].copy(), y[::-1].copy(), None, 16)
+    data = model._make_data(x, y, None, 16)
+    runner = model._runner
+    runner.prefetch(other, 1)
+    count, first = next(runner.train_executions(data, 1))
+    assert count == 1 and isinstance(first, runner_lib.Staged)
+    expected = next(data.executions(1, 1))[1].x
+    np.testing.assert_array_equal(np.asarray(first.block.x[int(first.index)]), expected)
+    assert runner._prefetched is None  # dropped, not kept for later
+
+
+def test_fresh_accumulators_keep_the_state_layout_and_values():
+    x, y = classification_data(n=64)
+    model = make_model()
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    fresh = model._runner.fresh_eval_metrics()
+    expected = jax.device_get(model._runner.steps.init_metrics())
+    for a, b, c in zip(jax.tree.leaves(fresh), jax.tree.leaves(expected), jax.tree.leaves(model._state.metrics)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+        assert a.sharding == c.sharding
+
+
+def test_mirrored_staged_blocks_equal_one_device(monkeypatch):
+    monkeypatch.setattr(runner_lib, "MAX_STAGED_STEPS", 3)
+    x, y = classification_data(n=70)
+    one = make_model("sgd")
+    one.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    with mf.strategies.MirroredStrategy(jax.local_devices()[:4]).scope():
+        mirrored = make_model("sgd")
+    mirrored.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    assert mirrored._runner._train_staged._cache_size() == 1
+    for a, b in zip(one.get_weights(), mirrored.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
