@@ -69,6 +69,7 @@ def fit_loop(model, train_data, *, epochs: int, initial_epoch: int, callbacks: C
     start_epoch, start_step = model._resume_point or (initial_epoch, 0)
     model._resume_point = None
     watch = PreemptionWatch() if callbacks.wants("on_preemption") else None
+    device_logs = callbacks.accepts_device_logs  # no callback reads epoch values now: no sync per epoch
     epoch_logs: dict[str, float] = {}
     with watch or contextlib.nullcontext():
         for epoch in range(start_epoch, epochs):
@@ -98,7 +99,7 @@ def fit_loop(model, train_data, *, epochs: int, initial_epoch: int, callbacks: C
             start_step = 0
             if logs is None:
                 logs = runner.steps.logs(model._state.metrics)
-            epoch_logs = host_logs(logs, to_host)
+            epoch_logs = dict(logs) if device_logs else host_logs(logs, to_host)
             if val_data is not None and _should_validate(epoch, validation_freq):
                 val_logs = evaluate_loop(model, val_data, callbacks=callbacks, steps=validation_steps)
                 epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})

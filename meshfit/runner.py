@@ -128,8 +128,11 @@ class Runner:
         return logs
 
     def end_epoch(self, logs):
-        """Waits for queued steps; returns the epoch's final logs (device values)."""
-        self.in_flight.clear()
+        """Returns the epoch's final logs (device values), after `settle`.
+
+        Queued steps stay counted by `in_flight`: an epoch whose logs nobody
+        reads yet ends without a sync, and the bound holds across epochs.
+        """
         settled = self.settle()
         return logs if settled is None else settled
 

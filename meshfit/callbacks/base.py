@@ -3,7 +3,9 @@
 Hooks receive `logs`, a dict of metric name -> value. In per-batch hooks the
 values are device scalars (`jax.Array`): reading one (`float(v)`) waits for the
 step that made it, so a callback that does not need per-batch values should not
-touch them. Epoch-level hooks receive plain Python floats.
+touch them. Epoch-level hooks receive plain Python floats, unless every
+callback of the fit is one that declares `accepts_device_logs` (as History
+does): then the epoch ends without waiting for the devices.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ class Callback:
     Callbacks that carry state across epochs (patience counters, best values)
     implement `state_dict()` / `load_state_dict()` so a resumed run restores them.
     """
+
+    #: True if the epoch hooks of this class (not its subclasses) take device
+    #: scalars as they come and read them later.
+    accepts_device_logs = False
 
     def __init__(self):
         self.model = None
@@ -110,6 +116,11 @@ class CallbackList(Callback):
             if any(_overrides(cb, name) for name in names):
                 found.append(getattr(cb, hook))
         return found
+
+    @property
+    def accepts_device_logs(self) -> bool:
+        """True if every callback's own class declares `accepts_device_logs` (subclasses must again)."""
+        return all(vars(type(cb)).get("accepts_device_logs", False) for cb in self.callbacks)
 
     def wants(self, hook: str) -> bool:
         """True if some callback implements `hook` (or its Keras 2 alias)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import jax
+
 from meshfit.callbacks.base import Callback
 
 
@@ -16,16 +18,41 @@ class History(Callback):
     `model.history`.
     """
 
+    #: Epoch logs may come as device scalars; they are read (a host sync) when
+    #: `history` is, so a fit whose only callback is History never waits for
+    #: the devices between epochs.
+    accepts_device_logs = True
+
     def __init__(self):
         super().__init__()
-        self.history: dict[str, list] = {}
+        self._history: dict[str, list] = {}
+        self._unread: list[dict] = []  # epoch logs not read to the host yet
         self.epoch: list[int] = []
+
+    @property
+    def history(self) -> dict[str, list]:
+        for logs in self._unread:
+            for k, v in self._read(logs).items():
+                self._history.setdefault(k, []).append(v)
+        self._unread = []
+        return self._history
+
+    def _read(self, logs: dict) -> dict:
+        """The logs with device scalars read as Python floats (a host sync); other values as given."""
+        on_device = {k: v for k, v in logs.items() if isinstance(v, jax.Array)}
+        if not on_device:
+            return logs
+        strategy = getattr(self.model, "strategy", None)
+        fetched = strategy.to_host(on_device) if strategy is not None else jax.device_get(on_device)
+        return {k: float(fetched[k]) if k in fetched else v for k, v in logs.items()}
+
+    @history.setter
+    def history(self, value: dict[str, list]) -> None:
+        self._history, self._unread = value, []
 
     def on_train_begin(self, logs=None):
         self.epoch = []
 
     def on_epoch_end(self, epoch, logs=None):
-        logs = logs or {}
         self.epoch.append(epoch)
-        for k, v in logs.items():
-            self.history.setdefault(k, []).append(v)
+        self._unread.append(dict(logs or {}))

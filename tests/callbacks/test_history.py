@@ -1,4 +1,4 @@
-from meshfit.callbacks import CallbackList, History
+from meshfit.callbacks import CallbackList, History, LambdaCallback
 
 
 def test_history_records_epoch_logs(make_model):
@@ -40,3 +40,44 @@ def test_history_does_not_set_model_history(make_model):
     h.on_train_begin()
     h.on_epoch_end(0, {"loss": 1.0})
     assert not hasattr(model, "history")
+
+
+def _fit(callbacks):
+    import meshfit as mf
+    from helpers import MLP, classification_data
+
+    x, y = classification_data(n=70)
+    model = mf.Model(MLP())
+    model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    history = model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=callbacks,
+                        validation_data=(x[:20], y[:20]))
+    return history
+
+
+def test_a_fit_with_only_history_reads_epoch_logs_when_history_is_read():
+    import jax
+
+    seen = []
+    reader = LambdaCallback(on_epoch_end=lambda epoch, logs: seen.append(dict(logs)))
+    synced = _fit([reader])
+    deferred = _fit([])
+    assert all(isinstance(v, float) for logs in seen for v in logs.values())  # a callback that reads: floats
+    pending = deferred._unread
+    assert len(pending) == 3 and all(isinstance(logs["loss"], jax.Array) for logs in pending)  # no sync yet
+    assert all(isinstance(logs["val_loss"], float) for logs in pending)  # validation had synced anyway
+    assert deferred.history == synced.history  # the same values, read on access
+    assert deferred._unread == [] and set(deferred.history) == {"loss", "accuracy", "val_loss", "val_accuracy"}
+    assert all(isinstance(v, float) for values in deferred.history.values() for v in values)
+
+
+def test_only_history_itself_takes_device_logs_not_its_subclasses():
+    class Recording(History):
+        def on_epoch_end(self, epoch, logs=None):
+            assert all(isinstance(v, float) for v in logs.values())
+            super().on_epoch_end(epoch, logs)
+
+    assert CallbackList([History()]).accepts_device_logs
+    assert not CallbackList([Recording()]).accepts_device_logs
+    assert not CallbackList([History(), LambdaCallback()]).accepts_device_logs
+    _fit([Recording()])
