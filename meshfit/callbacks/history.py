@@ -37,6 +37,10 @@ class History(Callback):
         self._unread = []
         return self._history
 
+    @history.setter
+    def history(self, value: dict[str, list]) -> None:
+        self._history, self._unread = value, []
+
     def _read(self, logs: dict) -> dict:
         """The logs with device scalars read as Python floats (a host sync); other values as given."""
         on_device = {k: v for k, v in logs.items() if isinstance(v, jax.Array)}
@@ -45,10 +49,6 @@ class History(Callback):
         strategy = getattr(self.model, "strategy", None)
         fetched = strategy.to_host(on_device) if strategy is not None else jax.device_get(on_device)
         return {k: float(fetched[k]) if k in fetched else v for k, v in logs.items()}
-
-    @history.setter
-    def history(self, value: dict[str, list]) -> None:
-        self._history, self._unread = value, []
 
     def on_train_begin(self, logs=None):
         self.epoch = []
