@@ -77,6 +77,15 @@ def _take(tree, index):
     return jax.tree.map(lambda a: a[index], tree)
 
 
+def _stack_rows(tree, size: int):
+    """Reshapes each leaf's rows into `size` stacked batches: (size * rows, ...) -> (size, rows, ...)."""
+    if tree is None:
+        return None
+    if isinstance(tree, np.ndarray):
+        return tree.reshape((size, -1) + tree.shape[1:])
+    return jax.tree.map(lambda a: a.reshape((size, -1) + a.shape[1:]), tree)
+
+
 def _pad_rows(tree, padded_rows: int):
     """Pads each leaf along axis 0 to `padded_rows` by repeating its rows."""
     if tree is None:
@@ -157,9 +166,19 @@ class ArrayData:
         return (row + self._full_mask.itemsize) * self.local_rows
 
     def _order(self, pass_index: int) -> np.ndarray | None:
+        """The row order of one pass (None: unshuffled); the last one is kept for the next batches."""
         if not self.shuffle:
             return None
-        return np.random.default_rng([self.seed, pass_index]).permutation(self.num_samples)
+        cached = getattr(self, "_cached_order", None)
+        if cached is None or cached[0] != pass_index:
+            cached = self._cached_order = (
+                pass_index, np.random.default_rng([self.seed, pass_index]).permutation(self.num_samples))
+        return cached[1]
+
+    def _position(self, global_step: int):
+        """(order, within): the pass order and the batch within the pass of global batch `global_step`."""
+        pass_index, within = divmod(global_step, self.steps_per_pass)
+        return self._order(pass_index), within
 
     def _rows(self, order: np.ndarray | None, within: int):
         """(index, mask) of this process's rows of batch `within` of a pass.
@@ -181,12 +200,8 @@ class ArrayData:
     def _positions(self, epoch: int, start_step: int):
         """(order, within) for each step of an epoch; one shuffle per pass."""
         first = epoch * self.steps_per_epoch
-        order_pass, order = None, None
         for step in range(start_step, self.steps_per_epoch):
-            pass_index, within = divmod(first + step, self.steps_per_pass)
-            if pass_index != order_pass:
-                order_pass, order = pass_index, self._order(pass_index)
-            yield order, within
+            yield self._position(first + step)
 
     def peek(self) -> Batch:
         """A batch with the shapes of every batch (the first rows, unshuffled), to build the model."""
@@ -212,15 +227,16 @@ class ArrayData:
             for batch in self.epoch(epoch, start_step):
                 yield 1, batch
             return
-        for group_rows in _chunks(self._positions(epoch, start_step), size):
-            contiguous = self._contiguous_rows(group_rows, size)
+        first = epoch * self.steps_per_epoch
+        for group in range(start_step, self.steps_per_epoch, size):
+            count = min(size, self.steps_per_epoch - group)
+            contiguous = self._contiguous_rows(first + group, count, size)
             if contiguous is not None:  # the common case: one slice of the order, one gather
-                batch = jax.tree.map(lambda a: a.reshape((size, self.local_rows) + a.shape[1:]),
-                                     self._take_all(contiguous, None))
-                yield size, batch._replace(mask=self._full_masks(size))
+                batch = self._take_all(contiguous, self._full_masks(size))
+                yield size, batch._replace(x=_stack_rows(batch.x, size), y=_stack_rows(batch.y, size),
+                                           sample_weight=_stack_rows(batch.sample_weight, size))
                 continue
-            rows = [self._rows(order, within) for order, within in group_rows]
-            count = len(rows)
+            rows = [self._rows(*self._position(first + step)) for step in range(group, group + count)]
             if count < size and not pad_last:
                 yield count, [self._take_all(*r) for r in rows]
                 continue
@@ -235,16 +251,15 @@ class ArrayData:
             self._stacked_mask = np.ones((size, self.local_rows), np.float32)
         return self._stacked_mask
 
-    def _contiguous_rows(self, group_rows, size: int):
+    def _contiguous_rows(self, global_step: int, count: int, size: int):
         """The rows of `size` full, consecutive batches of one pass as one index, else None."""
-        if len(group_rows) != size or self.block[1] != 1 or self.padded_batch_size != self.batch_size:
+        if count != size or self.block[1] != 1 or self.padded_batch_size != self.batch_size:
             return None
-        order, first = group_rows[0]
-        if any(o is not order for o, _ in group_rows) or group_rows[-1][1] != first + size - 1:
+        pass_index, within = divmod(global_step, self.steps_per_pass)
+        start, stop = within * self.batch_size, (within + size) * self.batch_size
+        if within + size > self.steps_per_pass or stop > self.num_samples:
             return None
-        start, stop = first * self.batch_size, (first + size) * self.batch_size
-        if stop > self.num_samples:
-            return None
+        order = self._order(pass_index)
         return slice(start, stop) if order is None else order[start:stop]
 
     def get_state(self) -> dict:
