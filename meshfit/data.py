@@ -149,6 +149,8 @@ class ArrayData:
         self.local_rows = self.padded_batch_size // block[1]
         self._full_mask = np.ones(self.local_rows, np.float32)
         self._full_mask.flags.writeable = False
+        self._stacked_mask: np.ndarray | None = None  # all-ones masks of a group of full batches
+        self._cached_order: tuple[int, np.ndarray] | None = None  # (pass, row order) last used
         self.shuffle = shuffle
         self.seed = seed
         self.steps_per_pass = math.ceil(self.num_samples / batch_size)
@@ -169,7 +171,7 @@ class ArrayData:
         """The row order of one pass (None: unshuffled); the last one is kept for the next batches."""
         if not self.shuffle:
             return None
-        cached = getattr(self, "_cached_order", None)
+        cached = self._cached_order
         if cached is None or cached[0] != pass_index:
             cached = self._cached_order = (
                 pass_index, np.random.default_rng([self.seed, pass_index]).permutation(self.num_samples))
@@ -230,24 +232,23 @@ class ArrayData:
         first = epoch * self.steps_per_epoch
         for group in range(start_step, self.steps_per_epoch, size):
             count = min(size, self.steps_per_epoch - group)
-            contiguous = self._contiguous_rows(first + group, count, size)
-            if contiguous is not None:  # the common case: one slice of the order, one gather
-                batch = self._take_all(contiguous, self._full_masks(size))
-                yield size, batch._replace(x=_stack_rows(batch.x, size), y=_stack_rows(batch.y, size),
-                                           sample_weight=_stack_rows(batch.sample_weight, size))
-                continue
-            rows = [self._rows(*self._position(first + step)) for step in range(group, group + count)]
-            if count < size and not pad_last:
-                yield count, [self._take_all(*r) for r in rows]
-                continue
-            rows += [(rows[0][0], np.zeros_like(rows[0][1]))] * (size - count)
-            index = np.concatenate([np.arange(i.start, i.stop) if isinstance(i, slice) else i for i, _ in rows])
-            batch = self._take_all(index, None)
-            batch = jax.tree.map(lambda a: a.reshape((size, self.local_rows) + a.shape[1:]), batch)
-            yield count, batch._replace(mask=np.stack([m for _, m in rows]))
+            index = self._contiguous_rows(first + group, count, size)
+            if index is not None:  # the common case: one slice of the order
+                mask = self._full_masks(size)
+            else:
+                rows = [self._rows(*self._position(first + step)) for step in range(group, group + count)]
+                if count < size and not pad_last:
+                    yield count, [self._take_all(*r) for r in rows]
+                    continue
+                rows += [(rows[0][0], np.zeros_like(rows[0][1]))] * (size - count)
+                index = np.concatenate([np.arange(i.start, i.stop) if isinstance(i, slice) else i for i, _ in rows])
+                mask = np.stack([m for _, m in rows])
+            batch = self._take_all(index, mask)  # all rows of the group in one gather
+            yield count, batch._replace(x=_stack_rows(batch.x, size), y=_stack_rows(batch.y, size),
+                                        sample_weight=_stack_rows(batch.sample_weight, size))
 
     def _full_masks(self, size: int) -> np.ndarray:
-        if getattr(self, "_stacked_mask", None) is None or self._stacked_mask.shape[0] != size:
+        if self._stacked_mask is None or self._stacked_mask.shape[0] != size:
             self._stacked_mask = np.ones((size, self.local_rows), np.float32)
         return self._stacked_mask
 
