@@ -15,7 +15,8 @@ def _parser() -> argparse.ArgumentParser:
         "launch", help="run a multi-process JAX job on this machine",
         description="Start N processes of a script, wired to a coordinator on 127.0.0.1, as one JAX job.")
     run.add_argument("--nprocs", type=int, default=None, help="number of processes")
-    run.add_argument("--ps", type=int, default=None, help="parameter-server processes (with --workers)")
+    run.add_argument("--ps", type=int, default=None,
+                     help="parameter-server processes (with --workers); the state is partitioned over them")
     run.add_argument("--workers", type=int, default=None, help="worker processes of a parameter-server job")
     run.add_argument("--devices-per-proc", type=int, default=None,
                      help="devices per process: simulated CPU devices, or a slice of the GPUs")
@@ -38,18 +39,20 @@ def main(argv=None) -> int:
             command = [args.script] + args.args
         else:
             _parser().error("launch needs a script (or -m module) to run")
-        parameter_server = args.ps is not None or args.workers is not None
-        if parameter_server:
-            if args.ps not in (None, 1) or not args.workers or args.nprocs is not None:
-                _parser().error("a parameter-server job takes --ps 1 --workers N (N >= 1) and no --nprocs")
-            nprocs = 1 + args.workers
+        servers = 0
+        if args.ps is not None or args.workers is not None:
+            servers = 1 if args.ps is None else args.ps
+            if servers < 1 or not args.workers or args.workers < 1 or args.nprocs is not None:
+                _parser().error("a parameter-server job takes --ps S --workers N (S, N >= 1) and no --nprocs; "
+                                f"received --ps {args.ps} --workers {args.workers} --nprocs {args.nprocs}")
+            nprocs = servers + args.workers
         elif args.nprocs is None:
-            _parser().error("launch needs --nprocs N, or --ps 1 --workers N")
+            _parser().error("launch needs --nprocs N, or --ps S --workers N")
         else:
             nprocs = args.nprocs
         config = LaunchConfig(command=command, nprocs=nprocs, devices_per_proc=args.devices_per_proc,
                               max_restarts=args.max_restarts, heartbeat_timeout=args.heartbeat_timeout,
-                              parameter_server=parameter_server)
+                              servers=servers)
         return launch(config)
     return 2
 

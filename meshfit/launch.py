@@ -48,39 +48,51 @@ class LaunchConfig:
     max_restarts: int = 0
     heartbeat_timeout: int = 10
     env: dict[str, str] = field(default_factory=dict)
-    #: Parameter-server job: rank 0 is the server/coordinator, the others workers
-    #: that may die without stopping the job (no jax.distributed between them).
-    parameter_server: bool = False
+    #: Parameter-server processes (ranks 0 to servers - 1); 0 for a plain job. In a
+    #: parameter-server job the other ranks are workers, which may die without
+    #: stopping the job: they are never part of a jax.distributed job. Servers
+    #: form one of their own when there are several.
+    servers: int = 0
 
 
-def process_env(config: LaunchConfig, rank: int, port: int, attempt: int, gpus: int,
+def process_env(config: LaunchConfig, rank: int, ports: tuple[int, int], attempt: int, gpus: int,
                 authkey: str = "") -> dict[str, str]:
-    """The environment of process `rank`: coordinator, rank, devices."""
-    env = dict(os.environ, **config.env)
-    address = f"127.0.0.1:{port}"
-    if config.parameter_server:
+    """The environment of process `rank`: coordinator, rank, devices.
+
+    `ports`: the `jax.distributed` coordinator's, and the parameter-server
+    control listener's.
+    """
+    env = dict(os.environ, **config.env, MESHFIT_RESTART_COUNT=str(attempt), PYTHONUNBUFFERED="1")
+    if not config.servers:
+        env.update(_distributed_env(ports[0], config.nprocs, rank, config.heartbeat_timeout))
+    else:
+        server = rank < config.servers
         env.update({
-            ps_remote.ENV_ROLE: "coordinator" if rank == 0 else "worker",
-            ps_remote.ENV_ADDRESS: address,
+            ps_remote.ENV_ROLE: "coordinator" if rank == 0 else "server" if server else "worker",
+            ps_remote.ENV_ADDRESS: f"127.0.0.1:{ports[1]}",
             ps_remote.ENV_AUTHKEY: authkey,
-            ps_remote.ENV_WORKERS: str(config.nprocs - 1),
-            "MESHFIT_RESTART_COUNT": str(attempt),
+            ps_remote.ENV_WORKERS: str(config.nprocs - config.servers),
+            ps_remote.ENV_SERVERS: str(config.servers),
             "MESHFIT_PROCESS_ID": str(rank),
-            "PYTHONUNBUFFERED": "1",
         })
-        _set_devices(env, config, rank, gpus)
-        return env
-    env.update({
-        cluster.ENV_COORDINATOR: address,
-        cluster.ENV_NUM_PROCESSES: str(config.nprocs),
-        cluster.ENV_PROCESS_ID: str(rank),
-        cluster.ENV_HEARTBEAT: str(config.heartbeat_timeout),
-        "MESHFIT_RESTART_COUNT": str(attempt),
-        "JAX_COORDINATOR_BIND_ADDRESS": address,  # loopback only
-        "PYTHONUNBUFFERED": "1",
-    })
+        if server:
+            env[ps_remote.ENV_SERVER_RANK] = str(rank)
+            if config.servers > 1:
+                env.update(_distributed_env(ports[0], config.servers, rank, config.heartbeat_timeout))
     _set_devices(env, config, rank, gpus)
     return env
+
+
+def _distributed_env(port: int, processes: int, rank: int, heartbeat_timeout: int) -> dict[str, str]:
+    """What `cluster.initialize` reads to join a `jax.distributed` job of `processes` processes."""
+    address = f"127.0.0.1:{port}"
+    return {
+        cluster.ENV_COORDINATOR: address,
+        cluster.ENV_NUM_PROCESSES: str(processes),
+        cluster.ENV_PROCESS_ID: str(rank),
+        cluster.ENV_HEARTBEAT: str(heartbeat_timeout),
+        "JAX_COORDINATOR_BIND_ADDRESS": address,  # loopback only
+    }
 
 
 def _set_devices(env: dict, config: LaunchConfig, rank: int, gpus: int) -> None:
@@ -117,12 +129,12 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 def run_once(config: LaunchConfig, attempt: int, log=sys.stderr) -> int:
     """Runs the job once; returns 0, or the status of the first process that failed."""
-    port, gpus = free_port(), _visible_gpus() if config.devices_per_proc else 0
-    authkey = ps_remote.new_authkey() if config.parameter_server else ""
+    ports, gpus = (free_port(), free_port()), _visible_gpus() if config.devices_per_proc else 0
+    authkey = ps_remote.new_authkey() if config.servers else ""
     procs, pumps = [], []
     for rank in range(config.nprocs):
         proc = subprocess.Popen([sys.executable, "-u", *config.command],
-                                env=process_env(config, rank, port, attempt, gpus, authkey),
+                                env=process_env(config, rank, ports, attempt, gpus, authkey),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
         procs.append(proc)
         pump = threading.Thread(target=_pump, args=(proc.stdout, rank, sys.stdout), daemon=True)
@@ -133,17 +145,20 @@ def run_once(config: LaunchConfig, attempt: int, log=sys.stderr) -> int:
     try:
         while True:
             codes = [proc.poll() for proc in procs]
-            if config.parameter_server:
-                for rank, code in enumerate(codes[1:], start=1):
+            if config.servers:
+                for rank, code in enumerate(codes[config.servers:], start=config.servers):
                     if code not in (None, 0) and rank not in lost:
                         lost.add(rank)
                         log.write(f"[launch] worker rank {rank} exited with status {code}{_signal_name(code)}; "
                                   "the job goes on without it.\n")
-                if codes[0] is not None:  # the server finished (or failed): the job is over
-                    status = codes[0]
-                    if status:
-                        log.write(f"[launch] the parameter server (rank 0) exited with status {status}"
-                                  f"{_signal_name(status)}; stopping the workers.\n")
+                servers = codes[:config.servers]
+                failed = [(rank, code) for rank, code in enumerate(servers) if code not in (None, 0)]
+                if failed:  # a server failed: the job is over
+                    rank, status = failed[0]
+                    log.write(f"[launch] the parameter server (rank {rank}) exited with status {status}"
+                              f"{_signal_name(status)}; stopping the job.\n")
+                    break
+                if all(code == 0 for code in servers):  # the servers finished: the workers are done too
                     break
                 time.sleep(0.05)
                 continue

@@ -2,10 +2,11 @@
 
 On one host each worker is a local device running in its own thread; the
 parameters and optimizer state live on the server device (host memory by
-default). Under `meshfit launch --ps 1 --workers N`, the process running
-`fit` is the parameter server and coordinator and the workers are separate
+default). Under `meshfit launch --ps N --workers M`, the workers are separate
 processes (see `ps_remote`): a worker process never gets past the strategy's
-constructor, and a worker that dies is dropped while training goes on.
+constructor, and a worker that dies is dropped while training goes on. The N
+server processes run `fit`; rank 0 also coordinates, and with N > 1 the state
+is partitioned over the servers (see `ps_group`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import time
 
 import jax
 
-from meshfit.strategies import ps_remote
+from meshfit import cluster
+from meshfit.strategies import ps_group, ps_remote
 from meshfit.strategies.base import Strategy
 from meshfit.strategies.ps_server import ServerLayout, ServerUpdates, job_rng, job_salt, salted, split_rows
 
@@ -50,12 +52,14 @@ class ParameterServerStrategy(Strategy):
         mode: "async" or "sync".
         workers: worker devices (all local devices by default).
         server_device: where parameters and optimizer state live: one device
-            (the host CPU by default; rank 0's first device under `meshfit
-            launch --ps`), or a list of devices to partition them over, like
+            (the host CPU by default; the server's first device under
+            `meshfit launch --ps 1`), or a list of devices to partition them over, like
             tf.distribute's variable partitioner: each parameter with at least
             `min_shard_size` elements is split along its largest dimension
             that divides by the number of servers, its optimizer state with
-            it, and every server device applies the update to its part.
+            it, and every server device applies the update to its part. Under
+            `meshfit launch --ps N` with N > 1 leave it unset: the state is
+            partitioned over the first device of each server process.
         min_shard_size: parameters with fewer elements stay whole (replicated
             on every server device) when the state is partitioned.
         max_staleness: in parameter versions; None for no bound.
@@ -71,17 +75,26 @@ class ParameterServerStrategy(Strategy):
     def __init__(self, mode: str = "async", workers=None, server_device=None, max_staleness: int | None = None,
                  worker_delays: dict[int, float] | None = None, worker_timeout: float = 60.0,
                  min_shard_size: int = 2 ** 12):
-        if ps_remote.role() == "worker":
+        role = ps_remote.role()
+        if role == "worker":
             ps_remote.run_worker()  # a worker process serves the coordinator, then exits here
         if mode not in MODES:
             raise ValueError(f"`mode` must be one of {MODES}. Received: mode={mode!r}.")
-        if ps_remote.role() == "coordinator" and (workers is not None or worker_delays):
+        if role is not None and (workers is not None or worker_delays):
             raise ValueError("`workers` and `worker_delays` apply to one-host training; "
                              "under `meshfit launch --ps` the worker processes are the workers.")
+        servers = ps_remote.server_count() if role is not None else 1
+        if servers > 1 and server_device is not None:
+            raise ValueError(f"Under `meshfit launch --ps {servers}` each server process holds its part of the "
+                             "state on its first device; leave `server_device` unset. "
+                             f"Received: server_device={server_device!r}.")
         if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
             raise ValueError(f"`max_staleness` must be a non-negative int or None. Received: {max_staleness!r}.")
         if not isinstance(worker_timeout, (int, float)) or worker_timeout <= 0:
             raise ValueError(f"`worker_timeout` must be a positive number of seconds. Received: {worker_timeout!r}.")
+        if servers > 1:
+            cluster.initialize()  # the server processes' own jax.distributed job
+            server_device = ps_group.server_devices()
         self.mode = mode
         self.worker_timeout = float(worker_timeout)
         self.workers = list(workers) if workers is not None else jax.local_devices()
@@ -92,18 +105,25 @@ class ParameterServerStrategy(Strategy):
                 server_device = jax.local_devices(backend="cpu")[0]
             except RuntimeError:
                 server_device = self.workers[0]
-            if ps_remote.role() == "coordinator":
+            if role is not None:
                 server_device = jax.local_devices()[0]
         self.servers = ServerLayout(server_device, min_shard_size)
-        self.server_device = self.servers.devices[0]
+        self.server_device = self.servers.devices[jax.process_index() if servers > 1 else 0]
         self.max_staleness = max_staleness
         self.worker_delays = dict(worker_delays or {})
         self.num_replicas_in_sync = len(self.workers) if mode == "sync" else 1
-        self._coordinator = None
-        if ps_remote.role() == "coordinator":
+        self._coordinator = self._link = None
+        if role is not None:
             worker_processes = int(os.environ[ps_remote.ENV_WORKERS])
-            self._coordinator = ps_remote.Coordinator(worker_processes)
             self.num_replicas_in_sync = worker_processes if mode == "sync" else 1
+            if role == "coordinator":
+                self._coordinator = ps_remote.Coordinator(worker_processes, servers)
+            else:
+                self._link = ps_remote.FollowerLink()
+
+    @property
+    def batch_block(self) -> tuple[int, int]:
+        return 0, 1  # every server process reads whole batches; only rank 0 hands them out
 
     def place_state(self, state, param_hints=None):
         return self.servers.place_state(state)
@@ -120,6 +140,9 @@ class ParameterServerStrategy(Strategy):
     def train_function(self, steps, stacked: bool):
         if stacked:
             raise ValueError("ParameterServerStrategy runs one batch per step; compile with steps_per_execution=1.")
+        if self._link is not None:
+            follower = ps_group.AsyncFollowerTraining if self.mode == "async" else ps_group.FollowerTraining
+            return follower(self, steps, self._link)
         if self._coordinator is not None:
             if self.mode == "sync":
                 return ps_remote.RemoteSyncTraining(self, steps, self._coordinator, self.num_replicas_in_sync)

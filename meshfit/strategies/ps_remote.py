@@ -9,15 +9,16 @@ the network is unpickled beyond the authenticated control tuples. Arrays
 is shipped to workers as serialized StableHLO (`jax.export`), so worker
 processes never build the model themselves.
 
-The job does not use `jax.distributed`: a dead worker must not take the
-others down. A worker whose connection drops is removed and its batch is
-given to another worker.
+Workers are never part of a `jax.distributed` job: a dead worker must not
+take the others down. A worker whose connection drops is removed and its batch
+is given to another worker. Several server processes (`--ps N`) form a
+`jax.distributed` job of their own and hold one partitioned state; rank 0
+coordinates them (`ps_group`).
 """
 
 from __future__ import annotations
 
 import collections
-import datetime
 import itertools
 import os
 import secrets
@@ -32,23 +33,27 @@ import numpy as np
 
 from meshfit.checkpoint import decode, encode
 from meshfit.data import Batch
+from meshfit.strategies.ps_group import HOLD_TIMEOUT, Partition, ServerGroup, deadline, specs
 from meshfit.strategies.ps_server import ServerUpdates, job_rng, job_salt, salted, split_rows
 
 # The exported gradient program takes a Batch; both ends must know its name.
 jax.export.register_namedtuple_serialization(Batch, serialized_name="meshfit.data.Batch")
 
-ENV_ROLE = "MESHFIT_PS_ROLE"  # "coordinator" or "worker"
+ENV_ROLE = "MESHFIT_PS_ROLE"  # "coordinator" (server rank 0), "server" (server ranks 1..) or "worker"
 ENV_ADDRESS = "MESHFIT_PS_ADDRESS"  # host:port of the coordinator's control listener
 ENV_AUTHKEY = "MESHFIT_PS_AUTHKEY"  # hex secret shared by the job's processes
 ENV_WORKERS = "MESHFIT_PS_WORKERS"  # number of worker processes the coordinator waits for
-
-PULL_TIMEOUT = datetime.timedelta(seconds=30)
-#: How long a handed-out array waits to be pulled before the transfer server lets it go.
-HOLD_TIMEOUT = datetime.timedelta(seconds=120)
+ENV_SERVERS = "MESHFIT_PS_SERVERS"  # number of server processes (rank 0 included)
+ENV_SERVER_RANK = "MESHFIT_PS_SERVER_RANK"  # this server's rank among the servers
 
 
 def role() -> str | None:
     return os.environ.get(ENV_ROLE)
+
+
+def server_count() -> int:
+    """How many server processes the job has (1 outside a `meshfit launch --ps` job)."""
+    return int(os.environ.get(ENV_SERVERS, "1"))
 
 
 def _address() -> tuple[str, int]:
@@ -83,11 +88,6 @@ def _transfer_server():
     return transfer.start_transfer_server(client, "127.0.0.1:0", ["127.0.0.1:0"])
 
 
-def _specs(tree, device):
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=sharding), tree)
-
-
 # -- worker process ----------------------------------------------------------------
 
 
@@ -96,11 +96,9 @@ def run_worker() -> None:
     device = jax.local_devices()[0]
     server = _transfer_server()
     conn = _connect(_address(), _authkey())
-    conn.send(("hello", server.address(), os.getpid()))
+    conn.send(("hello", "worker", server.address(), os.getpid()))
     print(f"parameter-server worker pid {os.getpid()} connected", flush=True)
-    coordinator = None
-    compiled = None
-    specs = None
+    program = None
     while True:
         try:
             message = conn.recv()
@@ -110,31 +108,38 @@ def run_worker() -> None:
         if kind == "stop":
             break
         if kind == "program":
-            _, coordinator_address, blob, in_tree_blob = message
-            del in_tree_blob
-            coordinator = server.connect(coordinator_address)
-            exported = jax.export.deserialize(bytearray(blob))
-            compiled = exported.call
-            specs = exported
+            program = _WorkerProgram(server, device, *message[1:])
             continue
         if kind == "work":
             _, job, pull_id, push_id, batch_items = message
-            in_avals = specs.in_avals
-            flat_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.sharding.SingleDeviceSharding(device))
-                          for a in in_avals]
-            n_state = len(flat_specs) - len(batch_items)
             try:
-                state_flat = coordinator.pull(pull_id, flat_specs[:n_state], timeout=_deadline())
-                batch_flat = [np.frombuffer(b, dtype=np.dtype(d)).reshape(s) for d, s, b in batch_items]
-                args = jax.tree.unflatten(specs.in_tree, list(state_flat) + batch_flat)
-                out = compiled(*args[0], **args[1])
-                jax.block_until_ready(out)
+                out = program.run(pull_id, [np.frombuffer(b, dtype=np.dtype(d)).reshape(s) for d, s, b in batch_items])
             except jax.errors.JaxRuntimeError as error:  # a transfer broke: the coordinator redoes the batch
                 conn.send(("failed", job, str(error)[:300]))
                 continue
-            server.await_pull(push_id, jax.tree.leaves(out), timeout=_deadline(HOLD_TIMEOUT))
+            server.await_pull(push_id, jax.tree.leaves(out), timeout=deadline(HOLD_TIMEOUT))
             conn.send(("done", job, push_id))
     sys.exit(0)
+
+
+class _WorkerProgram:
+    """A worker's gradient program and where it pulls the parameters from (each server's part)."""
+
+    def __init__(self, server, device, addresses: list[str], blob: bytes, dims: list[int | None]):
+        self.exported = jax.export.deserialize(bytearray(blob))
+        self.servers = [server.connect(address) for address in addresses]
+        self.partition = Partition(dims, len(addresses))
+        self.device = device
+
+    def run(self, pull_id: int, batch_leaves: list):
+        avals = self.exported.in_avals[:len(self.partition.dims)]
+        parts = [connection.pull(pull_id, specs(self.partition.part_avals(avals, k), self.device),
+                                 timeout=deadline())
+                 for k, connection in enumerate(self.servers)]
+        state_leaves = self.partition.assemble([list(p) for p in parts])
+        args = jax.tree.unflatten(self.exported.in_tree, state_leaves + batch_leaves)
+        out = self.exported.call(*args[0], **args[1])
+        return jax.block_until_ready(out)
 
 
 def _connect(address, authkey: bytes, timeout: float = 120.0):
@@ -147,10 +152,6 @@ def _connect(address, authkey: bytes, timeout: float = 120.0):
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
-
-
-def _deadline(delta: datetime.timedelta = PULL_TIMEOUT) -> datetime.datetime:
-    return datetime.datetime.now() + delta
 
 
 # -- coordinator -------------------------------------------------------------------
@@ -185,44 +186,59 @@ class _Worker:
 
 
 class Coordinator:
-    """Accepts worker processes and hands them jobs; lives in the process that runs `fit`."""
+    """Accepts worker and server processes and hands workers jobs; lives on server rank 0.
 
-    def __init__(self, expected_workers: int, accept_timeout: float = 120.0):
+    Waits up to `accept_timeout` seconds for `expected_workers` workers and
+    `expected_servers - 1` other servers. Workers may connect later (a worker
+    restarted by hand); servers may not.
+    """
+
+    def __init__(self, expected_workers: int, expected_servers: int = 1, accept_timeout: float = 120.0):
         self.listener = Listener(_address(), authkey=_authkey())
         self.server = _transfer_server()
         self.workers: list[_Worker] = []
+        self.followers: dict[int, tuple] = {}  # server rank -> (conn, transfer address)
         self.lock = threading.Lock()
-        self.ids = itertools.count(1)
+        self.ids = itertools.count(1)  # ids of what rank 0's transfer server offers, and of jobs
         self.program = None
         self.log = collections.Counter()
         self._ready = threading.Event()
-        self._expected = expected_workers
+        self._expected = expected_workers, expected_servers - 1
         self._accepting = threading.Thread(target=self._accept, daemon=True, name="ps-accept")
         self._accepting.start()
         if not self._ready.wait(accept_timeout):
             raise TimeoutError(
-                f"Only {len(self.workers)} of {expected_workers} parameter-server workers connected within "
+                f"Only {len(self.workers)} of {expected_workers} parameter-server workers and "
+                f"{len(self.followers)} of {expected_servers - 1} other servers connected within "
                 f"{accept_timeout:.0f} s to {os.environ.get(ENV_ADDRESS)}.")
 
     def _accept(self) -> None:
         while True:
             try:
                 conn = self.listener.accept()
-                _, address, pid = conn.recv()
+                hello = conn.recv()
             except (OSError, EOFError):
                 if getattr(self, "_closed", False):
                     return
                 continue
-            worker = _Worker(conn, address, pid, self.server.connect(address))
+            _, kind, address, pid = hello[:4]
             with self.lock:
-                self.workers.append(worker)
-                if self.program is not None:
-                    conn.send(self.program)
-                if len(self.workers) >= self._expected:
+                if kind == "server":
+                    self.followers[hello[4]] = (conn, address)
+                    conn.send(("coordinator", self.server.address()))
+                else:
+                    self.workers.append(_Worker(conn, address, pid, self.server.connect(address)))
+                    if self.program is not None:
+                        conn.send(self.program)
+                if len(self.workers) >= self._expected[0] and len(self.followers) >= self._expected[1]:
                     self._ready.set()
 
-    def set_program(self, exported) -> None:
-        self.program = ("program", self.server.address(), bytes(exported.serialize()), None)
+    def group(self, layout) -> ServerGroup:
+        """The servers (this one and the others, in rank order), for placing results and offering state."""
+        return ServerGroup(layout, self.server, [self.followers[r] for r in sorted(self.followers)], self.ids)
+
+    def set_program(self, exported, addresses: list[str], dims: list[int | None]) -> None:
+        self.program = ("program", addresses, bytes(exported.serialize()), dims)
         with self.lock:
             for worker in self.workers:
                 if worker.alive:
@@ -254,6 +270,26 @@ class Coordinator:
         self.listener.close()
 
 
+class FollowerLink:
+    """A server of rank 1.. and its channel to rank 0: decisions in, result parts pulled from rank 0."""
+
+    def __init__(self):
+        self.rank = int(os.environ[ENV_SERVER_RANK])
+        self.count = server_count()
+        self.transfer = _transfer_server()
+        self.conn = _connect(_address(), _authkey())
+        self.conn.send(("hello", "server", self.transfer.address(), os.getpid(), self.rank))
+        _, coordinator_address = self.conn.recv()
+        self.coordinator = self.transfer.connect(coordinator_address)
+
+    def recv(self):
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError) as error:
+            raise RuntimeError(f"Parameter server rank {self.rank} lost its connection to rank 0, which "
+                               "coordinates the job; the job cannot go on.") from error
+
+
 class RemoteWorkers:
     """Hands batches to worker processes and collects their gradients.
 
@@ -265,6 +301,7 @@ class RemoteWorkers:
     def __init__(self, strategy, coordinator: Coordinator):
         self.strategy = strategy
         self.coordinator = coordinator
+        self.group = coordinator.group(strategy.servers)
         self.pending: collections.deque[_Task] = collections.deque()  # not yet handed out
         self.exported = None
 
@@ -279,27 +316,27 @@ class RemoteWorkers:
                 params, decode(encoded_model_state, template), batch, rng, salt)
             return grads, encode(model_state), increments
 
-        args = (state.params, encode(state.model_state), batch, job_rng(steps, state, 0), job_salt(0, 0))
-        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), args)
+        args = (state.params, jax.eval_shape(encode, state.model_state), batch, job_rng(steps, state, 0),
+                job_salt(0, 0))
+        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), args)
         self.exported = jax.export.export(jax.jit(gradients))(*shapes)
-        self.coordinator.set_program(self.exported)
+        view = self.group.describe(state)
+        self.coordinator.set_program(self.exported, self.group.addresses, view.pulled.dims)
 
     def submit(self, task: _Task) -> None:
         self.pending.append(task)
 
     def dispatch(self, state, version: int) -> None:
         """Hands queued tasks to idle workers, with `state`'s parameters (parameter version `version`)."""
-        variables = None  # what workers pull, gathered once for all of this call's tasks
+        assigned = []
         for worker in self.coordinator.live():
             if not self.pending:
-                return
-            if worker.job is not None:
-                continue
-            task = self.pending.popleft()
-            pull_id, push_id = next(self.coordinator.ids), next(self.coordinator.ids)
-            if variables is None:
-                variables = jax.tree.leaves(self.strategy.servers.gather((state.params, encode(state.model_state))))
-            self.coordinator.server.await_pull(pull_id, variables, timeout=_deadline(HOLD_TIMEOUT))
+                break
+            if worker.job is None:
+                assigned.append((worker, self.pending.popleft(), next(self.coordinator.ids)))
+        self.group.offer(state, [pull_id for _, _, pull_id in assigned])
+        for worker, task, pull_id in assigned:
+            push_id = next(self.coordinator.ids)
             try:
                 worker.conn.send(("work", pull_id, pull_id, push_id, _to_wire((task.batch, task.rng, task.salt))))
             except OSError as error:
@@ -331,10 +368,9 @@ class RemoteWorkers:
                     worker.job = None
                     self.pending.appendleft(job.task)
                     continue
-                device = self.strategy.server_device
-                specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.sharding.SingleDeviceSharding(device))
-                         for a in self.exported.out_avals]
-                flat = worker.transfer.pull(job.push_id, specs, timeout=_deadline())
+                avals = [(a.shape, a.dtype) for a in self.exported.out_avals]
+                flat = worker.transfer.pull(job.push_id, specs(avals, self.strategy.server_device),
+                                            timeout=deadline())
                 jax.block_until_ready(flat)
             except (EOFError, OSError, RuntimeError) as error:
                 self.pending.appendleft(job.task)
@@ -344,6 +380,11 @@ class RemoteWorkers:
             worker.job = None
             results.append((job, jax.tree.unflatten(self.exported.out_tree, flat)))
         return results
+
+    def apply(self, training: ServerUpdates, result, staleness: int | None = None) -> None:
+        """Applies a worker's result to `training.state` on every server."""
+        taken = self.group.take(training.state, *result, staleness)
+        training.state, training.logs = training.apply_encoded(training.state, *taken)
 
 
 class RemoteAsyncTraining(ServerUpdates):
@@ -357,14 +398,12 @@ class RemoteAsyncTraining(ServerUpdates):
 
     def _step(self, timeout: float) -> None:
         self.workers.dispatch(self.state, self.version)
-        for job, (grads, model_state, increments) in self.workers.collect(timeout):
+        for job, result in self.workers.collect(timeout):
             staleness = self.version - job.version
             if self.strategy.max_staleness is not None and staleness > self.strategy.max_staleness:
                 self.workers.submit(self._task(job.task.batch))
                 continue
-            taken = self.strategy.servers.take(self.state, grads, decode(model_state, self.state.model_state),
-                                               increments)
-            self.state, self.logs = self.apply(self.state, *taken)
+            self.workers.apply(self, result, staleness)
             self.version += 1
             self.outstanding -= 1
             self.staleness.append(staleness)
@@ -384,11 +423,13 @@ class RemoteAsyncTraining(ServerUpdates):
         self._step(timeout=0)
         while self.outstanding > 2 * max(1, len(self.workers.coordinator.live())):
             self._step(timeout=1.0)
+        self.workers.group.finish()
         return self.state, self.current_logs()
 
     def drain(self):
         while self.outstanding:
             self._step(timeout=1.0)
+        self.workers.group.finish()
         return self.state, self.current_logs()
 
 
@@ -398,26 +439,34 @@ class RemoteSyncTraining(ServerUpdates):
     The parts are fixed (their number is the job's worker count), so a lost
     worker's part is redone by another and the update stays the same: the
     average of the parts' gradients weighted by their real rows, as in
-    MirroredStrategy.
+    MirroredStrategy. Rank 0 combines the parts, then the servers apply the
+    combined gradient once.
     """
 
     def __init__(self, strategy, steps, coordinator: Coordinator, parts: int):
         super().__init__(strategy, steps)
         self.workers = RemoteWorkers(strategy, coordinator)
         self.parts = parts
+        self.sum = jax.jit(lambda trees: jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *trees))
 
     def __call__(self, state, batch):
         parts = split_rows(batch, self.parts)
         if self.workers.exported is None:
             self.workers.export(self.steps, state, parts[0])
         step = self.round_step(state)
+        self.state = state
         for i, part in enumerate(parts):
             self.workers.submit(_Task(part, job_rng(self.steps, state, step, i), job_salt(step, i), index=i))
         outputs = {}
         while len(outputs) < self.parts:
             self.workers.dispatch(state, 0)
-            for job, (grads, model_state, increments) in self.workers.collect(timeout=1.0):
-                outputs[job.task.index] = (grads, decode(model_state, state.model_state), increments)
-        self.apply_round(state, [outputs[i] for i in range(self.parts)],
-                         [float(np.sum(part.mask)) for part in parts])
+            for job, result in self.workers.collect(timeout=1.0):
+                outputs[job.task.index] = result
+        ordered = [outputs[i] for i in range(self.parts)]
+        weights = np.asarray([float(np.sum(part.mask)) for part in parts], np.float32)
+        grads = self.combine([grads for grads, _, _ in ordered], weights)
+        result = grads, ordered[0][1], self.sum([increments for _, _, increments in ordered])
+        self.workers.apply(self, result)
+        self._round += 1
+        self.workers.group.finish()
         return self.state, self.current_logs()

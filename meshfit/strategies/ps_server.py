@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshfit.checkpoint import is_key
+from meshfit.checkpoint import decode, is_key
 from meshfit.data import Batch
-from meshfit.strategies import layout
+from meshfit.strategies import layout, placement
 
 SERVER_AXIS = "ps"
 
@@ -20,7 +20,8 @@ class ServerLayout:
     parameter is split along its largest dimension that divides by the number
     of servers (the default rule of `layout`), optimizer state follows its
     parameter, and everything else is replicated. Updates are then applied
-    part by part on the device holding each part.
+    part by part on the device holding each part. The devices may belong to
+    several server processes (`ps_group`), one device each.
     """
 
     def __init__(self, devices, min_shard_size: int):
@@ -36,10 +37,15 @@ class ServerLayout:
     def partitioned(self) -> bool:
         return len(self.devices) > 1
 
-    def replicate(self, tree):
+    @property
+    def replicated(self) -> jax.sharding.Sharding:
+        """The layout of what every server holds whole."""
         if not self.partitioned:
-            return jax.device_put(tree, self.devices[0])
-        return jax.device_put(tree, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+            return jax.sharding.SingleDeviceSharding(self.devices[0])
+        return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+
+    def replicate(self, tree):
+        return placement.put(tree, self.replicated)
 
     def place_state(self, state):
         if not self.partitioned:
@@ -47,10 +53,10 @@ class ServerLayout:
         specs = layout.resolve_specs(state.params, self.mesh, fsdp_axis=SERVER_AXIS,
                                      min_shard_size=self.min_shard_size)
         placed = self.replicate(state._replace(params=None, opt_state=None))
-        placed = placed._replace(params=jax.device_put(state.params, self._shardings(specs)))
+        placed = placed._replace(params=placement.put(state.params, self._shardings(specs)))
         if state.opt_state is not None:
             opt_specs = layout.follow_params(state.opt_state, state.params, specs)
-            placed = placed._replace(opt_state=jax.device_put(state.opt_state, self._shardings(opt_specs)))
+            placed = placed._replace(opt_state=placement.put(state.opt_state, self._shardings(opt_specs)))
         return placed
 
     def _shardings(self, specs):
@@ -58,7 +64,8 @@ class ServerLayout:
                             is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
 
     def take(self, state, grads, model_state, increments):
-        """Puts a worker's results on the servers: each gradient beside its parameter, the rest replicated."""
+        """Puts a worker's results on the servers of this process: each gradient beside its parameter,
+        the rest replicated."""
         if not self.partitioned:
             return jax.device_put((grads, model_state, increments), self.devices[0])
         grads = jax.device_put(grads, jax.tree.map(lambda p: p.sharding, state.params))
@@ -67,6 +74,15 @@ class ServerLayout:
     def gather(self, tree):
         """The whole of `tree` on the first server device (what a worker process pulls)."""
         return jax.device_put(tree, self.devices[0]) if self.partitioned else tree
+
+
+def local(leaf):
+    """This process's part of a server-state leaf: its shard, or its copy of a replicated leaf.
+
+    Computing on it involves no other server process (rank 0 alone derives
+    dropout keys and reads the step this way).
+    """
+    return leaf if not isinstance(leaf, jax.Array) or leaf.is_fully_addressable else leaf.addressable_data(0)
 
 
 def split_rows(batch: Batch, parts: int) -> list[Batch]:
@@ -125,7 +141,7 @@ def job_rng(steps, state, *salts: int):
     """
     if not steps.adapter.uses_rng:
         return None
-    return jax.random.key_data(_fold(jax.random.wrap_key_data(state.rng), salts))
+    return jax.random.key_data(_fold(jax.random.wrap_key_data(local(state.rng)), salts))
 
 
 class ServerUpdates:
@@ -142,13 +158,14 @@ class ServerUpdates:
         self.logs = None
         self.staleness: list[int] = []
         self.apply = layout.jit_keeping_layout(self._apply_and_log, 0)
+        self.apply_encoded = layout.jit_keeping_layout(self._apply_encoded_and_log, 0)
         self.combine = jax.jit(weighted_mean)
         self._round = 0  # state.step of the next sync round, counted on the host
 
     def round_step(self, state) -> int:
         """`state.step`, read from the device only for a state set from outside (no sync per round)."""
         if state is not self.state:
-            self._round = int(jax.device_get(state.step))
+            self._round = int(jax.device_get(local(state.step)))
         return self._round
 
     def apply_round(self, state, outputs, weights) -> None:
@@ -166,6 +183,10 @@ class ServerUpdates:
     def _apply_and_log(self, state, grads, model_state, increments):
         new_state = self.steps.apply_gradients(state, grads, model_state, increments, state.rng)
         return new_state, self.steps.logs(new_state.metrics)
+
+    def _apply_encoded_and_log(self, state, grads, encoded_model_state, increments):
+        """`_apply_and_log` for a result from a worker process, whose RNG keys travel as raw key data."""
+        return self._apply_and_log(state, grads, decode(encoded_model_state, state.model_state), increments)
 
     def current_logs(self) -> dict:
         """The server's latest logs, with `staleness` (mean) and `max_staleness` once gradients were applied."""

@@ -1,4 +1,4 @@
-"""ParameterServerStrategy with worker processes under `meshfit launch --ps 1 --workers N`."""
+"""ParameterServerStrategy with worker processes under `meshfit launch --ps S --workers N`."""
 
 import os
 import re
@@ -46,26 +46,31 @@ def test_a_stopped_worker_is_dropped_after_worker_timeout_and_training_finishes(
     assert summary and float(summary.group(1)) >= 0.9, job.stdout[-2000:]
 
 
-def test_a_dead_parameter_server_fails_the_job_and_restarts_resume_from_the_backup(tmp_path):
-    job = run(LAUNCH + ["--ps", "1", "--workers", "2", "--max-restarts", "1", WORKER, str(tmp_path / "backup"),
-                        "--die-at-step", "75"], timeout=400)
+@pytest.mark.parametrize("servers,die_rank", [(1, 0), (2, 1)])
+def test_a_dead_parameter_server_fails_the_job_and_restarts_resume_from_the_backup(tmp_path, servers, die_rank):
+    """With 2 server processes (a partitioned state), the one that dies is rank 1, which only replays rank 0."""
+    job = run(LAUNCH + ["--ps", str(servers), "--workers", "2", "--max-restarts", "1", WORKER,
+                        str(tmp_path / "backup"), "--die-at-step", "75", "--die-rank", str(die_rank)], timeout=400)
     out, err = job.stdout, job.stderr
     assert job.returncode == 0, out[-3000:] + err[-3000:]
-    assert "[launch] the parameter server (rank 0) exited with status -9 (killed by SIGKILL)" in err
+    assert f"[launch] the parameter server (rank {die_rank}) exited with status -9 (killed by SIGKILL)" in err
     assert "[launch] restarting the job (1/1)." in err
     # Backups every 10 steps, written asynchronously: the one at step 70 may still have been in flight.
     assert re.search(r"\[rank 0\] BackupAndRestore: resumed .* \(step (60|70)\)", out), out[-2000:]
     summary = re.search(r"\[rank 0\] epochs (\d+) last (\d+) test accuracy: ([\d.]+)", out)
     assert summary and int(summary.group(2)) == 11  # all 12 epochs done, counting those before the crash
     assert float(summary.group(3)) >= 0.95
+    layout = "P(None, 'ps') on 2 server devices of 2" if servers > 1 else "whole on 1 server devices of 1"
+    assert f"[rank 0] hidden1/kernel {layout} process(es)" in out
 
 
-@pytest.mark.parametrize("servers", [1, 2])
-def test_sync_mode_across_processes_equals_mirrored_even_when_a_worker_dies(tmp_path, servers):
+@pytest.mark.parametrize("ps,devices", [(1, 1), (1, 2), (2, 1)])
+def test_sync_mode_across_processes_equals_mirrored_even_when_a_worker_dies(tmp_path, ps, devices):
     """Each batch is split in 3 fixed parts; the killed worker's parts are redone, so the updates do not change.
 
-    With `servers=2` the server's state is partitioned over rank 0's two devices. Without dropout:
-    NNX modules carry their RNG state, so each part would draw the same masks, unlike one global batch.
+    The server state is partitioned over rank 0's two devices with `devices=2`, and over two server
+    processes with `ps=2` (each holds half of `hidden1/kernel`). Without dropout: NNX modules carry
+    their RNG state, so each part would draw the same masks, unlike one global batch.
     """
     import jax
     import numpy as np
@@ -77,16 +82,19 @@ def test_sync_mode_across_processes_equals_mirrored_even_when_a_worker_dies(tmp_
     from digits import MLP, load_data
 
     weights = tmp_path / "ps.npz"
-    with Job(LAUNCH + ["--ps", "1", "--workers", "3", "--devices-per-proc", str(servers), WORKER, "none",
+    with Job(LAUNCH + ["--ps", str(ps), "--workers", "3", "--devices-per-proc", str(devices), WORKER, "none",
                        "--mode", "sync", "--epochs", "3", "--weights", str(weights), "--dropout", "0",
-                       "--servers", str(servers)], timeout=300) as job:
+                       "--servers", str(devices)], timeout=300) as job:
         workers = worker_pids(job, 3)
         job.wait_for(r"\[rank 0\] Epoch 2/3")
-        os.kill(workers[2], signal.SIGKILL)
+        os.kill(workers[ps + 2], signal.SIGKILL)
         assert job.finish() == 0, job.stdout[-3000:] + job.stderr[-3000:]
     assert "its batch is redone elsewhere" in job.stdout
-    if servers > 1:
-        assert "[rank 0] hidden1/kernel P(None, 'ps') on 2 server devices" in job.stdout
+    partitioned = max(ps, devices)
+    if partitioned > 1:
+        for rank in range(ps):
+            assert (f"[rank {rank}] hidden1/kernel P(None, 'ps') on 2 server devices of {ps} process(es)"
+                    in job.stdout), job.stdout[-2000:]
 
     x_train, _, y_train, _ = load_data()
     with mf.strategies.MirroredStrategy(jax.devices()[:3]).scope():

@@ -1,9 +1,9 @@
-"""Worker script for parameter-server fault tests (run under `meshfit launch --ps 1 --workers N`).
+"""Worker script for parameter-server fault tests (run under `meshfit launch --ps S --workers N`).
 
-    python train_ps.py BACKUP_DIR|none [--epochs E] [--mode async|sync] [--die-at-step S] [--worker-timeout T]
-                       [--weights OUT.npz] [--dropout RATE] [--servers N]
-In the first attempt of the job, the parameter server (rank 0) SIGKILLs itself at step S.
-With --weights, the server saves the final weights (get_weights order) there.
+    python train_ps.py BACKUP_DIR|none [--epochs E] [--mode async|sync] [--die-at-step S] [--die-rank R]
+                       [--worker-timeout T] [--weights OUT.npz] [--dropout RATE] [--servers N]
+In the first attempt of the job, parameter server R (rank 0 by default) SIGKILLs itself at step S.
+With --weights, the servers save the final weights (get_weights order) there (rank 0 writes).
 """
 
 import argparse
@@ -21,6 +21,7 @@ def main():
     parser.add_argument("backup")
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--die-at-step", type=int, default=None)
+    parser.add_argument("--die-rank", type=int, default=0)
     parser.add_argument("--worker-timeout", type=float, default=60.0)
     parser.add_argument("--mode", default="async")
     parser.add_argument("--weights", default=None)
@@ -29,8 +30,9 @@ def main():
     args = parser.parse_args()
     import jax
 
+    server_device = jax.local_devices()[:args.servers] if args.servers > 1 else None
     strategy = mf.strategies.ParameterServerStrategy(mode=args.mode, worker_timeout=args.worker_timeout,
-                                                     server_device=jax.local_devices()[:args.servers])  # worker processes serve from here and exit
+                                                     server_device=server_device)  # workers serve from here and exit
     from digits import MLP, load_data
     from flax import nnx
 
@@ -44,20 +46,22 @@ def main():
     first_attempt = os.environ.get("MESHFIT_RESTART_COUNT") == "0"
 
     def maybe_die(batch, logs):
-        if first_attempt and model._host_step == args.die_at_step:
+        if first_attempt and model._host_step == args.die_at_step and jax.process_index() == args.die_rank:
             os.kill(os.getpid(), signal.SIGKILL)
 
     callbacks = [mf.callbacks.LambdaCallback(on_train_batch_end=maybe_die)]
     if args.backup != "none":
         callbacks.append(mf.callbacks.BackupAndRestore(args.backup, save_freq=10))
     history = model.fit(x_train, y_train, batch_size=64, epochs=args.epochs, callbacks=callbacks, verbose=2)
-    if args.servers > 1:
-        kernel = model._state.params["hidden1"]["kernel"]
-        print(f"hidden1/kernel {kernel.sharding.spec} on {len(kernel.sharding.device_set)} server devices", flush=True)
+    kernel = model._state.params["hidden1"]["kernel"]
+    print(f"hidden1/kernel {getattr(kernel.sharding, 'spec', 'whole')} on {len(kernel.sharding.device_set)} server devices "
+          f"of {len({d.process_index for d in kernel.sharding.device_set})} process(es)", flush=True)
     if args.weights:
         import numpy as np
 
-        np.savez(args.weights, *model.get_weights())
+        weights = model.get_weights()  # on every server: a collective when the state is partitioned
+        if jax.process_index() == 0:
+            np.savez(args.weights, *weights)
     result = model.evaluate(x_test, y_test, verbose=0, return_dict=True)
     print(f"epochs {len(history.epoch)} last {history.epoch[-1]} test accuracy: {result['accuracy']:.4f}", flush=True)
 
