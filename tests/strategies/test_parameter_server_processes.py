@@ -68,6 +68,8 @@ def test_a_dead_parameter_server_fails_the_job_and_restarts_resume_from_the_back
 def test_sync_mode_across_processes_equals_mirrored_even_when_a_worker_dies(tmp_path, ps, devices):
     """Each batch is split in 3 fixed parts; the killed worker's parts are redone, so the updates do not change.
 
+    The learning rate is halved at each epoch: a change every server must make to its part of the state.
+
     The server state is partitioned over rank 0's two devices with `devices=2`, and over two server
     processes with `ps=2` (each holds half of `hidden1/kernel`). Without dropout: NNX modules carry
     their RNG state, so each part would draw the same masks, unlike one global batch.
@@ -79,12 +81,14 @@ def test_sync_mode_across_processes_equals_mirrored_even_when_a_worker_dies(tmp_
     import meshfit as mf
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+    sys.path.insert(0, os.path.dirname(WORKER))
     from digits import MLP, load_data
+    from train_ps import halved
 
     weights = tmp_path / "ps.npz"
     with Job(LAUNCH + ["--ps", str(ps), "--workers", "3", "--devices-per-proc", str(devices), WORKER, "none",
                        "--mode", "sync", "--epochs", "3", "--weights", str(weights), "--dropout", "0",
-                       "--servers", str(devices)], timeout=300) as job:
+                       "--servers", str(devices), "--halve-lr"], timeout=300) as job:
         workers = worker_pids(job, 3)
         job.wait_for(r"\[rank 0\] Epoch 2/3")
         os.kill(workers[ps + 2], signal.SIGKILL)
@@ -103,7 +107,8 @@ def test_sync_mode_across_processes_equals_mirrored_even_when_a_worker_dies(tmp_
         model = mf.Model(module)
         model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"])
-    model.fit(x_train, y_train, batch_size=64, epochs=3, verbose=0)
+    model.fit(x_train, y_train, batch_size=64, epochs=3, verbose=0,
+              callbacks=[mf.callbacks.LearningRateScheduler(halved)])
     saved = np.load(weights)
     for i, expected in enumerate(model.get_weights()):
         np.testing.assert_allclose(saved[f"arr_{i}"], expected, rtol=1e-4, atol=1e-6)

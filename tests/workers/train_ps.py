@@ -1,7 +1,7 @@
 """Worker script for parameter-server fault tests (run under `meshfit launch --ps S --workers N`).
 
     python train_ps.py BACKUP_DIR|none [--epochs E] [--mode async|sync] [--die-at-step S] [--die-rank R]
-                       [--worker-timeout T] [--weights OUT.npz] [--dropout RATE] [--servers N]
+                       [--worker-timeout T] [--weights OUT.npz] [--dropout RATE] [--servers N] [--halve-lr]
 In the first attempt of the job, parameter server R (rank 0 by default) SIGKILLs itself at step S.
 With --weights, the servers save the final weights (get_weights order) there (rank 0 writes).
 """
@@ -16,6 +16,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples
 import meshfit as mf  # noqa: E402
 
 
+def halved(epoch, lr):
+    """Halves the learning rate at each epoch after the first."""
+    return lr / 2 if epoch else lr
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("backup")
@@ -26,6 +31,7 @@ def main():
     parser.add_argument("--mode", default="async")
     parser.add_argument("--weights", default=None)
     parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--halve-lr", action="store_true", help="halve the learning rate at each epoch start")
     parser.add_argument("--servers", type=int, default=1, help="server devices of rank 0 to partition over")
     args = parser.parse_args()
     import jax
@@ -50,6 +56,8 @@ def main():
             os.kill(os.getpid(), signal.SIGKILL)
 
     callbacks = [mf.callbacks.LambdaCallback(on_train_batch_end=maybe_die)]
+    if args.halve_lr:
+        callbacks.append(mf.callbacks.LearningRateScheduler(halved))
     if args.backup != "none":
         callbacks.append(mf.callbacks.BackupAndRestore(args.backup, save_freq=10))
     history = model.fit(x_train, y_train, batch_size=64, epochs=args.epochs, callbacks=callbacks, verbose=2)
