@@ -1,9 +1,11 @@
 """Asynchronous parameter-server training of the digits MLP with worker processes.
 
     meshfit launch --ps 1 --workers 3 examples/parameter_server.py
+    meshfit launch --ps 2 --workers 3 examples/parameter_server.py   # state split over 2 servers
 
 Rank 0 holds the parameters, applies gradients as they arrive and runs `fit`;
-ranks 1-3 compute gradients. A worker can die mid-epoch: its batch is redone
+the workers compute gradients. With `--ps 2`, ranks 0 and 1 each hold half of
+every large parameter and run `fit` together; rank 0 coordinates. A worker can die mid-epoch: its batch is redone
 by another and training goes on. On one host without `meshfit launch`, the
 same script trains with the local devices as workers (threads).
 """

@@ -34,7 +34,7 @@ import numpy as np
 from meshfit.checkpoint import decode, encode
 from meshfit.data import Batch
 from meshfit.strategies.ps_group import HOLD_TIMEOUT, Partition, ServerGroup, deadline, specs
-from meshfit.strategies.ps_server import ServerUpdates, job_rng, job_salt, salted, split_rows
+from meshfit.strategies.ps_server import ServerUpdates, job_rng, job_salt, salted, split_rows, sum_trees
 
 # The exported gradient program takes a Batch; both ends must know its name.
 jax.export.register_namedtuple_serialization(Batch, serialized_name="meshfit.data.Batch")
@@ -447,7 +447,6 @@ class RemoteSyncTraining(ServerUpdates):
         super().__init__(strategy, steps)
         self.workers = RemoteWorkers(strategy, coordinator)
         self.parts = parts
-        self.sum = jax.jit(lambda trees: jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *trees))
 
     def __call__(self, state, batch):
         parts = split_rows(batch, self.parts)
@@ -465,7 +464,7 @@ class RemoteSyncTraining(ServerUpdates):
         ordered = [outputs[i] for i in range(self.parts)]
         weights = np.asarray([float(np.sum(part.mask)) for part in parts], np.float32)
         grads = self.combine([grads for grads, _, _ in ordered], weights)
-        result = grads, ordered[0][1], self.sum([increments for _, _, increments in ordered])
+        result = grads, ordered[0][1], sum_trees([increments for _, _, increments in ordered])
         self.workers.apply(self, result)
         self._round += 1
         self.workers.group.finish()

@@ -97,6 +97,11 @@ def weighted_mean(grads_per_worker, weights):
     return jax.tree.map(lambda *gs: sum(w * g for w, g in zip(weights, gs)) / total, *grads_per_worker)
 
 
+def sum_trees(trees):
+    """The leaf-wise sum of several trees of one structure (a round's metric increments)."""
+    return jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *trees)
+
+
 def job_salt(*salts: int) -> np.ndarray:
     """The salt of one gradient job, e.g. (step, part): what makes its random draws its own."""
     return np.asarray(salts, np.uint32)
@@ -176,7 +181,7 @@ class ServerUpdates:
         """
         taken = [self.strategy.servers.take(state, *out) for out in outputs]
         grads = self.combine([t[0] for t in taken], np.asarray(weights, np.float32))
-        increments = jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *[t[2] for t in taken])
+        increments = sum_trees([t[2] for t in taken])
         self.state, self.logs = self.apply(state, grads, taken[0][1], increments)
         self._round += 1
 

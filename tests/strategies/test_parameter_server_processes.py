@@ -88,7 +88,8 @@ def test_sync_mode_across_processes_equals_mirrored_even_when_a_worker_dies(tmp_
     weights = tmp_path / "ps.npz"
     with Job(LAUNCH + ["--ps", str(ps), "--workers", "3", "--devices-per-proc", str(devices), WORKER, "none",
                        "--mode", "sync", "--epochs", "3", "--weights", str(weights), "--dropout", "0",
-                       "--servers", str(devices), "--halve-lr"], timeout=300) as job:
+                       "--servers", str(devices), "--halve-lr", "--save", str(tmp_path / "saved")],
+             timeout=300) as job:
         workers = worker_pids(job, 3)
         job.wait_for(r"\[rank 0\] Epoch 2/3")
         os.kill(workers[ps + 2], signal.SIGKILL)
@@ -112,3 +113,10 @@ def test_sync_mode_across_processes_equals_mirrored_even_when_a_worker_dies(tmp_
     saved = np.load(weights)
     for i, expected in enumerate(model.get_weights()):
         np.testing.assert_allclose(saved[f"arr_{i}"], expected, rtol=1e-4, atol=1e-6)
+    # What the servers saved (each its part, through Orbax) loads whole on one device.
+    if ps > 1:
+        assert "[rank 1] rank 1 saved; its hidden1/kernel shards [(64, 64)]" in job.stdout, job.stdout[-2000:]
+    loaded = mf.load_model(tmp_path / "saved", MLP(64, 128, 10, rngs=nnx.Rngs(1)))
+    for i, array in enumerate(loaded.get_weights()):
+        np.testing.assert_array_equal(array, saved[f"arr_{i}"])
+    assert loaded.optimizer.iterations == model.optimizer.iterations

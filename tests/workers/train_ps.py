@@ -2,8 +2,10 @@
 
     python train_ps.py BACKUP_DIR|none [--epochs E] [--mode async|sync] [--die-at-step S] [--die-rank R]
                        [--worker-timeout T] [--weights OUT.npz] [--dropout RATE] [--servers N] [--halve-lr]
+                       [--save DIR]
 In the first attempt of the job, parameter server R (rank 0 by default) SIGKILLs itself at step S.
-With --weights, the servers save the final weights (get_weights order) there (rank 0 writes).
+With --weights, the servers save the final weights (get_weights order) there (rank 0 writes);
+with --save, the whole model (`model.save`, every server writing its part).
 """
 
 import argparse
@@ -31,6 +33,7 @@ def main():
     parser.add_argument("--mode", default="async")
     parser.add_argument("--weights", default=None)
     parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--save", default=None)
     parser.add_argument("--halve-lr", action="store_true", help="halve the learning rate at each epoch start")
     parser.add_argument("--servers", type=int, default=1, help="server devices of rank 0 to partition over")
     args = parser.parse_args()
@@ -70,6 +73,10 @@ def main():
         weights = model.get_weights()  # on every server: a collective when the state is partitioned
         if jax.process_index() == 0:
             np.savez(args.weights, *weights)
+    if args.save:
+        model.save(args.save)
+        shards = [s.data.shape for s in kernel.addressable_shards]
+        print(f"rank {jax.process_index()} saved; its hidden1/kernel shards {shards}", flush=True)
     result = model.evaluate(x_test, y_test, verbose=0, return_dict=True)
     print(f"epochs {len(history.epoch)} last {history.epoch[-1]} test accuracy: {result['accuracy']:.4f}", flush=True)
 
