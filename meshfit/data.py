@@ -70,11 +70,14 @@ def _num_rows(tree, name: str) -> int:
 
 
 def _take(tree, index):
+    """The rows `index` (a slice, or an integer array) of each leaf."""
     if tree is None:
         return None
+    if isinstance(index, slice):
+        return tree[index] if isinstance(tree, np.ndarray) else jax.tree.map(lambda a: a[index], tree)
     if isinstance(tree, np.ndarray):  # the common case, without tree overhead
-        return tree[index]
-    return jax.tree.map(lambda a: a[index], tree)
+        return np.take(tree, index, axis=0)  # about 2x faster than `tree[index]` for a row gather
+    return jax.tree.map(lambda a: np.take(a, index, axis=0), tree)
 
 
 def _stack_rows(tree, size: int):

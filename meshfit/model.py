@@ -67,6 +67,7 @@ class Model:
         self.history: callbacks_lib.History | None = None
         # Set during fit, for callbacks that save and restore training (BackupAndRestore).
         self._host_step = 0  # optimizer steps taken, counted on the host
+        self._counted_state = None  # the state `_host_step` was last known to count (fit's last state)
         self._resume_point: tuple[int, int] | None = None
         self._resumed = False  # this fit continues a run restored from a backup
         self._fit_data = None
@@ -342,10 +343,13 @@ class Model:
         self.history = history
         self.stop_training = False
         self._fit_data, self._fit_callbacks, self._resumed = data, list(callback_list), False
-        self._host_step = int(self.strategy.to_host(self._state.step))
+        if self._state is not self._counted_state:  # set from outside since the last fit: read its step
+            self._host_step = int(self.strategy.to_host(self._state.step))
+        self._counted_state = None
         try:
             fit_loop(self, data, epochs=epochs, initial_epoch=initial_epoch, callbacks=callback_list,
                      val_data=val_data, validation_freq=validation_freq, validation_steps=validation_steps)
+            self._counted_state = self._state  # `_host_step` counts its steps: the next fit need not sync
         finally:
             for cb in self._fit_callbacks:  # finish background writes even when fit raised
                 close = getattr(cb, "close", None)

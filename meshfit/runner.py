@@ -51,13 +51,20 @@ class Runner:
         self._indices: list = []  # device scalars 0, 1, ... picking a batch of a staged block
         self._prefetched = None  # (data, epoch, start step, executions) read ahead by `prefetch`
         self._fresh_metrics = None  # compiled on first use, to lay out fresh accumulators like the first
+        # The next epoch's accumulators, made while the devices finish an epoch: the
+        # host work before an epoch's first step is what the devices wait for.
+        self._spare_metrics = None
 
     def _variables(self):
         state = self.model._state
         return state.params, state.model_state
 
     def reset_train_metrics(self) -> None:
-        self.model._state = self.model._state._replace(metrics=self.fresh_eval_metrics())
+        """Fresh accumulators for an epoch: those `end_epoch` prepared, or new ones."""
+        metrics, self._spare_metrics = self._spare_metrics, None
+        if metrics is None:
+            metrics = self.fresh_eval_metrics()
+        self.model._state = self.model._state._replace(metrics=metrics)
 
     def fresh_eval_metrics(self):
         """Fresh loss and metric accumulators on the strategy's devices.
@@ -134,6 +141,8 @@ class Runner:
         reads yet ends without a sync, and the bound holds across epochs.
         """
         settled = self.settle()
+        if self._spare_metrics is None:
+            self._spare_metrics = self.fresh_eval_metrics()
         return logs if settled is None else settled
 
     def settle(self):

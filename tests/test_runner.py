@@ -116,3 +116,27 @@ def test_mirrored_staged_blocks_equal_one_device(monkeypatch):
     assert mirrored._runner._train_staged._cache_size() == 1
     for a, b in zip(one.get_weights(), mirrored.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 4])
+def test_a_fit_after_a_fit_does_not_read_the_step_from_the_device(monkeypatch, steps_per_execution):
+    """Its step count is the one the last fit counted (no host sync before its first step).
+
+    Anything that replaced the state in between (here a new learning rate) makes the next fit read it.
+    """
+    x, y = classification_data(n=64)
+    model = make_model()
+    model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  steps_per_execution=steps_per_execution)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    reads = []
+    to_host = model.strategy.to_host
+    monkeypatch.setattr(model.strategy, "to_host", lambda tree: reads.append(tree) or to_host(tree))
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    assert reads == [] and model._host_step == 12
+    model.optimizer.learning_rate = 0.01  # a new state: its step is read once
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert len(reads) == 1 and model._host_step == int(model._state.step) == 16
+    model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert model._host_step == int(model._state.step) == 4
