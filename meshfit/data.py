@@ -121,7 +121,9 @@ class ArrayData:
     Global batch number `b` is batch `b % steps_per_pass` of pass
     `b // steps_per_pass`; pass `p` is shuffled with a generator seeded by
     `(seed, p)`. Epoch `e` covers batches `[e * steps_per_epoch, (e+1) * steps_per_epoch)`,
-    so a run's data order depends only on the seed and the batch number.
+    so a run's data order depends only on the seed and the batch number. The
+    loop numbers epochs over the model's life (`Model._data_origin`), so
+    separate calls of fit read separate passes.
     """
 
     def __init__(self, x, y=None, sample_weight=None, *, batch_size: int, shuffle: bool = False,

@@ -57,7 +57,9 @@ def fit_loop(model, train_data, *, epochs: int, initial_epoch: int, callbacks: C
     """Runs epochs of training with Keras's callback order and `stop_training` checks.
 
     A callback may set `model._resume_point = (epoch, batch)` in `on_train_begin`
-    (BackupAndRestore does) to continue from the middle of an epoch. If a
+    (BackupAndRestore does) to continue from the middle of an epoch. Epoch
+    `e` reads pass `model._data_origin + e` of array data, so passes go on
+    being numbered across calls of fit and each epoch is shuffled anew. If a
     callback handles preemption, SIGTERM stops training at the next step
     boundary: `on_preemption` runs, then `Preempted` is raised.
     """
@@ -75,9 +77,11 @@ def fit_loop(model, train_data, *, epochs: int, initial_epoch: int, callbacks: C
         for epoch in range(start_epoch, epochs):
             if start_step == 0:
                 runner.reset_train_metrics()  # else they were restored mid-epoch
+            data_epoch = model._data_origin + epoch
+            model._epochs_begun = data_epoch + 1
             callbacks.on_epoch_begin(epoch)
             logs, step = None, start_step
-            for count, batch in runner.train_executions(train_data, epoch, start_step):
+            for count, batch in runner.train_executions(train_data, data_epoch, start_step):
                 for hook in batch_begin:
                     hook(step)
                 logs = runner.train(batch)
@@ -92,7 +96,7 @@ def fit_loop(model, train_data, *, epochs: int, initial_epoch: int, callbacks: C
                     callbacks.on_preemption(epoch, step)
                     raise Preempted()
             if epoch + 1 < epochs and not model.stop_training:
-                runner.prefetch(train_data, epoch + 1)  # host work the devices need not wait for
+                runner.prefetch(train_data, data_epoch + 1)  # host work the devices need not wait for
             logs = runner.end_epoch(logs)
             if logs is None and start_step == 0:  # a one-shot input ran out of data
                 break

@@ -69,6 +69,10 @@ class Model:
         self._host_step = 0  # optimizer steps taken, counted on the host
         self._counted_state = None  # the state `_host_step` was last known to count (fit's last state)
         self._resume_point: tuple[int, int] | None = None
+        # Shuffled passes over array data are numbered across calls of fit, so each
+        # epoch draws a new order; fit epoch e reads pass `_data_origin + e`.
+        self._epochs_begun = 0
+        self._data_origin = 0
         self._resumed = False  # this fit continues a run restored from a backup
         self._fit_data = None
         self._fit_callbacks: list = []
@@ -346,6 +350,7 @@ class Model:
         if self._state is not self._counted_state:  # set from outside since the last fit: read its step
             self._host_step = int(self.strategy.to_host(self._state.step))
         self._counted_state = None
+        self._data_origin = self._epochs_begun - initial_epoch  # BackupAndRestore may set the saved one
         try:
             fit_loop(self, data, epochs=epochs, initial_epoch=initial_epoch, callbacks=callback_list,
                      val_data=val_data, validation_freq=validation_freq, validation_steps=validation_steps)

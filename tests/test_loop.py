@@ -1,6 +1,7 @@
 """The training loop: steps_per_execution, callback order and indices, stop_training, validation_freq."""
 
 import numpy as np
+import optax
 
 import pytest
 from helpers import MLP, assert_trees_close, classification_data
@@ -200,3 +201,22 @@ def test_csv_logger_and_tensorboard_in_fit(tmp_path):
     assert list((tmp_path / "tb" / "train").iterdir()) and list((tmp_path / "tb" / "validation").iterdir())
 
 
+
+
+def test_each_call_of_fit_shuffles_anew_and_a_loop_of_fits_trains_as_one_fit():
+    """As in Keras, epochs of separate `fit` calls are shuffled differently; here exactly as one longer fit."""
+    x, y = classification_data(n=64)
+    first_batch_losses = []
+    frozen = make_model(optimizer=optax.sgd(0.0))  # no update: a batch's loss shows which rows it holds
+    probe = mf.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: batch == 0 and first_batch_losses.append(float(logs["loss"])))
+    for _ in range(3):
+        frozen.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[probe])
+    assert len(set(first_batch_losses)) == 3, first_batch_losses  # three orders, not one repeated
+
+    once, looped = make_model(), make_model()
+    h_once = once.fit(x, y, batch_size=16, epochs=3, verbose=0)
+    h_looped = [looped.fit(x, y, batch_size=16, epochs=1, verbose=0) for _ in range(3)]
+    for a, b in zip(once.get_weights(), looped.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert [h.history["loss"][0] for h in h_looped] == h_once.history["loss"]

@@ -102,7 +102,8 @@ class BackupAndRestore(Callback):
                      for i, cb in enumerate(self._siblings())}
         arrays = {k: np.asarray(v) for k, v in arrays.items()}
         data = split_arrays(model._fit_data_state(), arrays)
-        meta = {"epoch": epoch, "step_in_epoch": step_in_epoch, "history": history_dict,
+        meta = {"epoch": epoch, "step_in_epoch": step_in_epoch, "data_origin": model._data_origin,
+                "history": history_dict,
                 "history_epochs": history_epochs, "callbacks": callbacks, "data": data, "format": 1,
                 "array_specs": {k: [list(v.shape), str(v.dtype)] for k, v in arrays.items()}}
         step = int(model._host_step)
@@ -131,6 +132,7 @@ class BackupAndRestore(Callback):
                 cb.load_state_dict(join_arrays(saved, arrays))
         model._restore_fit_data_state(join_arrays(meta["data"], arrays))
         model._resume_point = (meta["epoch"], meta["step_in_epoch"])
+        model._data_origin = meta.get("data_origin", 0)  # backups from before it was saved: passes began at 0
         model._resumed = True
         if model.strategy.is_chief:
             print(f"BackupAndRestore: resumed from {self._dir.directory} at epoch {meta['epoch'] + 1}, "

@@ -257,3 +257,34 @@ def test_a_fit_that_raises_leaves_a_usable_backup_for_the_next_fit(tmp_path):
     assert history.history == uninterrupted.history
     for a, b in zip(fresh.get_weights(), resumed.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_resumed_fit_reads_the_shuffled_passes_of_the_fit_it_resumes(tmp_path):
+    """The crashed fit was the model's second: its epochs read passes 1 to 3, and so does its resumption."""
+    x, y = classification_data(n=96)
+
+    class Crash(mf.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if self.model._host_step == 13:  # in the second epoch of the second fit
+                raise RuntimeError("simulated crash")
+
+    def model_():
+        model = mf.Model(MLP(), seed=3)
+        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    def fit(model, callbacks=()):
+        return model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=list(callbacks))
+
+    full = model_()
+    full.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    full_history = fit(full)
+    crashed = model_()
+    crashed.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        fit(crashed, [Crash(), mf.callbacks.BackupAndRestore(tmp_path / "b", save_freq=2)])
+    resumed = model_()  # a restarted job need not redo the first fit: the backup holds what it did
+    history = fit(resumed, [mf.callbacks.BackupAndRestore(tmp_path / "b", save_freq=2)])
+    assert history.history == full_history.history
+    for a, b in zip(full.get_weights(), resumed.get_weights()):
+        np.testing.assert_array_equal(a, b)
