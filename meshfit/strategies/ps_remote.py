@@ -144,12 +144,12 @@ class _WorkerProgram:
 
 def _connect(address, authkey: bytes, timeout: float = 120.0):
     """Connects to the coordinator, retrying while it starts up."""
-    deadline = time.monotonic() + timeout
+    give_up_at = time.monotonic() + timeout
     while True:
         try:
             return Client(address, authkey=authkey)
         except ConnectionRefusedError:
-            if time.monotonic() > deadline:
+            if time.monotonic() > give_up_at:
                 raise
             time.sleep(0.2)
 

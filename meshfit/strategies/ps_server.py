@@ -64,8 +64,8 @@ class ServerLayout:
                             is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
 
     def take(self, state, grads, model_state, increments):
-        """Puts a worker's results on the servers of this process: each gradient beside its parameter,
-        the rest replicated."""
+        """Puts a worker's results on this process's server devices: each gradient beside its parameter,
+        the rest replicated (one server process; `ps_group` places them over several)."""
         if not self.partitioned:
             return jax.device_put((grads, model_state, increments), self.devices[0])
         grads = jax.device_put(grads, jax.tree.map(lambda p: p.sharding, state.params))
