@@ -71,6 +71,7 @@ def fit_loop(model, train_data, *, epochs: int, initial_epoch: int, callbacks: C
     start_epoch, start_step = model._resume_point or (initial_epoch, 0)
     model._resume_point = None
     watch = PreemptionWatch() if callbacks.wants("on_preemption") else None
+    per_step = bool(batch_begin or batch_end) or watch is not None  # else steps may run in blocks
     device_logs = callbacks.accepts_device_logs  # no callback reads epoch values now: no sync per epoch
     epoch_logs: dict[str, float] = {}
     with watch or contextlib.nullcontext():
@@ -81,7 +82,7 @@ def fit_loop(model, train_data, *, epochs: int, initial_epoch: int, callbacks: C
             model._epochs_begun = data_epoch + 1
             callbacks.on_epoch_begin(epoch)
             logs, step = None, start_step
-            for count, batch in runner.train_executions(train_data, data_epoch, start_step):
+            for count, batch in runner.train_executions(train_data, data_epoch, start_step, per_step):
                 for hook in batch_begin:
                     hook(step)
                 logs = runner.train(batch)
@@ -96,7 +97,7 @@ def fit_loop(model, train_data, *, epochs: int, initial_epoch: int, callbacks: C
                     callbacks.on_preemption(epoch, step)
                     raise Preempted()
             if epoch + 1 < epochs and not model.stop_training:
-                runner.prefetch(train_data, data_epoch + 1)  # host work the devices need not wait for
+                runner.prefetch(train_data, data_epoch + 1, per_step)  # host work the devices need not wait for
             logs = runner.end_epoch(logs)
             if logs is None and start_step == 0:  # a one-shot input ran out of data
                 break

@@ -31,6 +31,13 @@ class Staged(NamedTuple):
     index: jax.Array
 
 
+class StagedBlock(NamedTuple):
+    """Batches `indices` of a block already on the devices, trained in one go (no one looks in between)."""
+
+    block: Any
+    indices: list
+
+
 class Runner:
     def __init__(self, model, steps: Steps, steps_per_execution: int = 1, max_in_flight: int = 4):
         self.model = model
@@ -49,7 +56,7 @@ class Runner:
         if not multi and self.strategy.stages_batches:
             self._train_staged = compile_(steps.staged_train_step, donate_argnums=(0,))
         self._indices: list = []  # device scalars 0, 1, ... picking a batch of a staged block
-        self._prefetched = None  # (data, epoch, start step, executions) read ahead by `prefetch`
+        self._prefetched = None  # (data, epoch, start step, per_step, executions) read ahead by `prefetch`
         self._fresh_metrics = None  # compiled on first use, to lay out fresh accumulators like the first
         # The next epoch's accumulators, made while the devices finish an epoch: the
         # host work before an epoch's first step is what the devices wait for.
@@ -79,17 +86,20 @@ class Runner:
             return placed
         return self._fresh_metrics()
 
-    def train_executions(self, data, epoch: int, start_step: int = 0):
+    def train_executions(self, data, epoch: int, start_step: int = 0, per_step: bool = True):
         """Yields `(count, execution)` for the training steps of one epoch, from `start_step` on.
 
         With one step per execution and data that can gather any batch (in-memory
         arrays), batches travel to the devices in blocks of up to `STAGE_BYTES`:
         one host gather and one transfer per block, and each step picks its
-        batch on the device (`Staged`). Otherwise an execution is a host batch.
+        batch on the device (`Staged`). With `per_step=False` (nothing runs
+        between steps: no batch callbacks, no preemption watch) a block's steps
+        come as one execution (`StagedBlock`), which saves the loop's work per
+        step. Otherwise an execution is a host batch.
         """
         ahead, self._prefetched = self._prefetched, None
-        if ahead is not None and ahead[:3] == (data, epoch, start_step):
-            yield from ahead[3]
+        if ahead is not None and ahead[:4] == (data, epoch, start_step, per_step):
+            yield from ahead[4]
             return
         block_steps = self._block_steps(data)
         if block_steps == 1:
@@ -99,10 +109,13 @@ class Runner:
             self._indices.append(self.strategy.replicate(np.int32(len(self._indices))))
         for count, block in data.executions(epoch, block_steps, start_step, pad_last=True):
             placed = self.strategy.place_block(block)
+            if not per_step:
+                yield count, StagedBlock(placed, self._indices[:count])
+                continue
             for index in self._indices[:count]:
                 yield 1, Staged(placed, index)
 
-    def prefetch(self, data, epoch: int) -> None:
+    def prefetch(self, data, epoch: int, per_step: bool = True) -> None:
         """Prepares the first execution of `epoch` now, while the devices finish the last one.
 
         Only for data whose batches depend on nothing but their position
@@ -110,10 +123,10 @@ class Runner:
         """
         if not getattr(data, "random_access", False):
             return
-        executions = self.train_executions(data, epoch)
+        executions = self.train_executions(data, epoch, per_step=per_step)
         first = next(executions, None)
         ahead = executions if first is None else itertools.chain([first], executions)
-        self._prefetched = (data, epoch, 0, ahead)
+        self._prefetched = (data, epoch, 0, per_step, ahead)
 
     def _block_steps(self, data) -> int:
         if self._train_staged is None or not getattr(data, "random_access", False):
@@ -121,7 +134,10 @@ class Runner:
         return max(1, min(MAX_STAGED_STEPS, STAGE_BYTES // data.batch_nbytes))
 
     def train(self, execution):
-        """One execution: a staged batch, a (stacked) host batch, or a list of single batches (a short last group)."""
+        """One execution: a staged batch or block, a (stacked) host batch, or a list of single batches
+        (a short last group)."""
+        if isinstance(execution, StagedBlock):
+            return self._train_block(execution)
         if isinstance(execution, Staged):
             self.model._state, logs = self._train_staged(self.model._state, execution.block, execution.index)
         elif isinstance(execution, list):
@@ -132,6 +148,14 @@ class Runner:
             batch = self.strategy.distribute_batch(execution, self.stacked)
             self.model._state, logs = self._train(self.model._state, batch)
         self.in_flight.add(logs[LOSS_KEY])
+        return logs
+
+    def _train_block(self, staged: StagedBlock):
+        """Each step of a staged block in turn, with the in-flight bound kept at every step."""
+        model, train, block, add = self.model, self._train_staged, staged.block, self.in_flight.add
+        for index in staged.indices:
+            model._state, logs = train(model._state, block, index)
+            add(logs[LOSS_KEY])
         return logs
 
     def end_epoch(self, logs):

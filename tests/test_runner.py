@@ -26,17 +26,23 @@ def fit_weights(monkeypatch, stage_bytes, max_steps=runner_lib.MAX_STAGED_STEPS,
     return model, history
 
 
+@pytest.mark.parametrize("per_step", [False, True], ids=["whole-blocks", "step-by-step"])
 @pytest.mark.parametrize("max_steps", [2, 3, 64], ids=["blocks-of-2", "blocks-of-3", "one-block"])
-def test_staged_blocks_train_exactly_as_host_batches(monkeypatch, max_steps):
+def test_staged_blocks_train_exactly_as_host_batches(monkeypatch, max_steps, per_step):
+    """Without batch callbacks a block's steps run as one execution; with one, step by step."""
+    seen = []
+    watcher = mf.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(batch))
     host, h_host = fit_weights(monkeypatch, 0, epochs=3)
-    staged, h_staged = fit_weights(monkeypatch, 2 ** 20, max_steps=max_steps, epochs=3)
+    staged, h_staged = fit_weights(monkeypatch, 2 ** 20, max_steps=max_steps, epochs=3,
+                                   callbacks=[watcher] if per_step else [])
+    assert seen == ([0, 1, 2, 3, 4] * 3 if per_step else [])
     assert host._runner._train_staged._cache_size() == 0  # staging off: every step took a host batch
     assert staged._runner._train._cache_size() == 0  # staging on: no step took a host batch
     assert staged._runner._train_staged._cache_size() == 1  # one compile, the partial batch included
     for a, b in zip(host.get_weights(), staged.get_weights()):
         np.testing.assert_array_equal(a, b)
     assert h_host.history == h_staged.history
-    assert int(staged._state.step) == 15
+    assert int(staged._state.step) == 15 == staged._host_step
 
 
 def test_block_size_follows_the_byte_budget(monkeypatch):
