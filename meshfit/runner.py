@@ -25,17 +25,15 @@ MAX_STAGED_STEPS = 64
 
 
 class Staged(NamedTuple):
-    """Batch `index` of a block of batches already on the devices."""
-
-    block: Any
-    index: jax.Array
-
-
-class StagedBlock(NamedTuple):
-    """Batches `indices` of a block already on the devices, trained in one go (no one looks in between)."""
+    """Batches `indices` (device scalars) of a block already on the devices: one step each, in order."""
 
     block: Any
     indices: list
+
+    @property
+    def index(self) -> jax.Array:
+        """The batch picked by the first (for a single step, the only) of these steps."""
+        return self.indices[0]
 
 
 class Runner:
@@ -92,9 +90,9 @@ class Runner:
         With one step per execution and data that can gather any batch (in-memory
         arrays), batches travel to the devices in blocks of up to `STAGE_BYTES`:
         one host gather and one transfer per block, and each step picks its
-        batch on the device (`Staged`). With `per_step=False` (nothing runs
-        between steps: no batch callbacks, no preemption watch) a block's steps
-        come as one execution (`StagedBlock`), which saves the loop's work per
+        batch on the device (`Staged`, one step each). With `per_step=False`
+        (nothing runs between steps: no batch callbacks, no preemption watch) a
+        block's steps come as one execution, which saves the loop's work per
         step. Otherwise an execution is a host batch.
         """
         ahead, self._prefetched = self._prefetched, None
@@ -110,10 +108,10 @@ class Runner:
         for count, block in data.executions(epoch, block_steps, start_step, pad_last=True):
             placed = self.strategy.place_block(block)
             if not per_step:
-                yield count, StagedBlock(placed, self._indices[:count])
+                yield count, Staged(placed, self._indices[:count])
                 continue
             for index in self._indices[:count]:
-                yield 1, Staged(placed, index)
+                yield 1, Staged(placed, [index])
 
     def prefetch(self, data, epoch: int, per_step: bool = True) -> None:
         """Prepares the first execution of `epoch` now, while the devices finish the last one.
@@ -134,13 +132,11 @@ class Runner:
         return max(1, min(MAX_STAGED_STEPS, STAGE_BYTES // data.batch_nbytes))
 
     def train(self, execution):
-        """One execution: a staged batch or block, a (stacked) host batch, or a list of single batches
+        """One execution: staged batches, a (stacked) host batch, or a list of single batches
         (a short last group)."""
-        if isinstance(execution, StagedBlock):
-            return self._train_block(execution)
         if isinstance(execution, Staged):
-            self.model._state, logs = self._train_staged(self.model._state, execution.block, execution.index)
-        elif isinstance(execution, list):
+            return self._train_staged_steps(execution)
+        if isinstance(execution, list):
             for single in execution:
                 batch = self.strategy.distribute_batch(single, False)
                 self.model._state, logs = self._train_one(self.model._state, batch)
@@ -150,8 +146,8 @@ class Runner:
         self.in_flight.add(logs[LOSS_KEY])
         return logs
 
-    def _train_block(self, staged: StagedBlock):
-        """Each step of a staged block in turn, with the in-flight bound kept at every step."""
+    def _train_staged_steps(self, staged: Staged):
+        """Each staged step in turn, with the in-flight bound kept at every step."""
         model, train, block, add = self.model, self._train_staged, staged.block, self.in_flight.add
         for index in staged.indices:
             model._state, logs = train(model._state, block, index)

@@ -63,7 +63,8 @@ class Partition:
 
         return cls([dim(leaf) if count > 1 else None for leaf in jax.tree.leaves(tree)], count)
 
-    def _held(self, dim, server: int, whole_everywhere: bool) -> bool:
+    def holds(self, dim, server: int, whole_everywhere: bool = False) -> bool:
+        """Whether server `server` has a part of a leaf split along `dim` (None: kept whole)."""
         return dim is not None or server == 0 or whole_everywhere
 
     def parts(self, leaves, server: int, whole_everywhere: bool = False) -> list:
@@ -74,7 +75,7 @@ class Partition:
         """
         out = []
         for leaf, dim in zip(leaves, self.dims):
-            if not self._held(dim, server, whole_everywhere):
+            if not self.holds(dim, server, whole_everywhere):
                 continue
             if dim is not None:
                 size = leaf.shape[dim] // self.count
@@ -86,7 +87,7 @@ class Partition:
         """`(shape, dtype)` of each of `parts(...)` for leaves of these avals."""
         out = []
         for aval, dim in zip(avals, self.dims):
-            if not self._held(dim, server, whole_everywhere):
+            if not self.holds(dim, server, whole_everywhere):
                 continue
             shape = tuple(aval.shape)
             if dim is not None:
@@ -139,7 +140,7 @@ class StateView:
         leaves = jax.tree.leaves((state.params, encode(local_tree(state.model_state))))
         if self.count == 1:  # one process, perhaps several devices: whole leaves from the first
             return jax.tree.leaves(self.layout.gather(leaves))
-        return [local(leaf) for leaf, dim in zip(leaves, self.pulled.dims) if dim is not None or server == 0]
+        return [local(leaf) for leaf, dim in zip(leaves, self.pulled.dims) if self.pulled.holds(dim, server)]
 
     def result_parts(self, server: int, grads, model_state, increments) -> list:
         """Server `server`'s part of a worker's result: its gradient parts; module state and increments whole."""
