@@ -115,6 +115,32 @@ def make_batch(x, y, sample_weight, padded_rows: int) -> Batch:
     )
 
 
+class ShuffleOrders:
+    """The row orders of shuffled passes, computed once and shared by a model's fits.
+
+    Pass `p` of `n` rows is ordered by a generator seeded with `(seed, p)`;
+    the order depends on nothing else, so it can be computed before it is
+    needed (`prepare`: at the end of a fit, while the devices finish) and
+    serve the next fit, which then starts without a shuffle on its critical
+    path. Only the most recent orders are kept.
+    """
+
+    def __init__(self, keep: int = 2):
+        self.keep = keep
+        self._orders: dict[tuple[int, int, int], np.ndarray] = {}
+
+    def get(self, seed: int, pass_index: int, num_rows: int) -> np.ndarray:
+        key = (seed, pass_index, num_rows)
+        order = self._orders.get(key)
+        if order is None:
+            order = np.random.default_rng([seed, pass_index]).permutation(num_rows)
+            order.flags.writeable = False  # shared by every batch of the pass
+            if len(self._orders) >= self.keep:
+                del self._orders[next(iter(self._orders))]  # the oldest
+            self._orders[key] = order
+        return order
+
+
 class ArrayData:
     """In-memory arrays, batched as a stream of shuffled passes.
 
@@ -128,7 +154,7 @@ class ArrayData:
 
     def __init__(self, x, y=None, sample_weight=None, *, batch_size: int, shuffle: bool = False,
                  seed: int = 0, batch_multiple: int = 1, steps_per_epoch: int | None = None,
-                 block: tuple[int, int] = (0, 1)):
+                 block: tuple[int, int] = (0, 1), orders: ShuffleOrders | None = None):
         self.x = _to_numpy(x)
         self.y = None if y is None else _to_numpy(y)
         self.sample_weight = None if sample_weight is None else np.asarray(sample_weight, np.float32)
@@ -155,7 +181,7 @@ class ArrayData:
         self._full_mask = np.ones(self.local_rows, np.float32)
         self._full_mask.flags.writeable = False
         self._stacked_mask: np.ndarray | None = None  # all-ones masks of a group of full batches
-        self._cached_order: tuple[int, np.ndarray] | None = None  # (pass, row order) last used
+        self._orders = orders if orders is not None else ShuffleOrders()
         self.shuffle = shuffle
         self.seed = seed
         self.steps_per_pass = math.ceil(self.num_samples / batch_size)
@@ -173,14 +199,12 @@ class ArrayData:
         return (row + self._full_mask.itemsize) * self.local_rows
 
     def _order(self, pass_index: int) -> np.ndarray | None:
-        """The row order of one pass (None: unshuffled); the last one is kept for the next batches."""
-        if not self.shuffle:
-            return None
-        cached = self._cached_order
-        if cached is None or cached[0] != pass_index:
-            cached = self._cached_order = (
-                pass_index, np.random.default_rng([self.seed, pass_index]).permutation(self.num_samples))
-        return cached[1]
+        """The row order of one pass (None: unshuffled)."""
+        return self._orders.get(self.seed, pass_index, self.num_samples) if self.shuffle else None
+
+    def prepare(self, epoch: int) -> None:
+        """Computes the shuffle order `epoch` starts with, ahead of need (it does not read the arrays)."""
+        self._position(epoch * self.steps_per_epoch)
 
     def _position(self, global_step: int):
         """(order, within): the pass order and the batch within the pass of global batch `global_step`."""
@@ -291,7 +315,7 @@ class ArrayData:
             return ArrayData(_take(self.x, rows), _take(self.y, rows), _take(self.sample_weight, rows),
                              batch_size=self.batch_size, shuffle=shuffle, seed=self.seed,
                              batch_multiple=self.batch_multiple, steps_per_epoch=steps_per_epoch,
-                             block=self.block)
+                             block=self.block, orders=self._orders)
 
         return part(slice(0, n_train), self.shuffle, self._steps_arg), part(slice(n_train, None), False, None)
 

@@ -3,13 +3,13 @@
 The loop walks epochs and batches, calls callbacks, and hands each batch to
 the model's `Runner`, which dispatches compiled steps asynchronously. Values
 come back to the host only at logging points (the end of an epoch, or when a
-callback reads a per-batch value), and at most `max_in_flight` steps are queued
-at once, so slow collectives never pile up behind a fast Python loop.
+callback reads a per-batch value), and at most `2 * max_in_flight` executions
+are queued at once (`InFlight`), so slow collectives never pile up behind a
+fast Python loop.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 from typing import Callable, Iterator
 
@@ -21,30 +21,33 @@ from meshfit.preemption import Preempted, PreemptionWatch
 
 
 class InFlight:
-    """Bounds the number of dispatched, unfinished steps (a wait, not a transfer).
+    """Bounds the number of dispatched, unfinished executions (a wait, not a transfer).
 
-    At most `2 * limit` steps are queued; the wait happens once every `limit`
-    steps, on the step `limit` behind, so the host stays ahead of the device.
+    Every `limit`-th execution's token is kept as a mark; on reaching a mark
+    the host waits for the previous one, so between `limit` and `2 * limit`
+    executions stay queued and the host keeps ahead of the devices. Between
+    marks an execution costs one count.
     """
 
     def __init__(self, limit: int = 4):
         self.limit = limit
-        self._pending: collections.deque = collections.deque()
+        self._since_mark = 0
+        self._mark = None
 
     def add(self, token) -> None:
-        pending = self._pending
-        pending.append(token)
-        if len(pending) >= 2 * self.limit:
-            for _ in range(self.limit - 1):
-                pending.popleft()
-            oldest = pending.popleft()
-            if isinstance(oldest, jax.Array):
-                oldest.block_until_ready()  # the array's own method: no pytree walk
-            else:
-                jax.block_until_ready(oldest)
+        self._since_mark += 1
+        if self._since_mark < self.limit:
+            return
+        previous, self._mark, self._since_mark = self._mark, token, 0
+        if previous is None:
+            return
+        if isinstance(previous, jax.Array):
+            previous.block_until_ready()  # the array's own method: no pytree walk
+        else:
+            jax.block_until_ready(previous)
 
     def clear(self) -> None:
-        self._pending.clear()
+        self._since_mark, self._mark = 0, None
 
 
 def host_logs(logs, to_host: Callable) -> dict[str, float]:
@@ -98,6 +101,8 @@ def fit_loop(model, train_data, *, epochs: int, initial_epoch: int, callbacks: C
                     raise Preempted()
             if epoch + 1 < epochs and not model.stop_training:
                 runner.prefetch(train_data, data_epoch + 1, per_step)  # host work the devices need not wait for
+            elif hasattr(train_data, "prepare"):
+                train_data.prepare(data_epoch + 1)  # the next fit's shuffle, while the devices finish this one
             logs = runner.end_epoch(logs)
             if logs is None and start_step == 0:  # a one-shot input ran out of data
                 break

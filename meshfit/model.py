@@ -73,6 +73,7 @@ class Model:
         # epoch draws a new order; fit epoch e reads pass `_data_origin + e`.
         self._epochs_begun = 0
         self._data_origin = 0
+        self._shuffle_orders = data_lib.ShuffleOrders()  # computed ahead by one fit for the next
         self._resumed = False  # this fit continues a run restored from a backup
         self._fit_data = None
         self._fit_callbacks: list = []
@@ -253,7 +254,8 @@ class Model:
         if data_lib.is_array_tree(x):
             return data_lib.ArrayData(x, y, sample_weight, batch_size=batch_size or _DEFAULT_BATCH_SIZE,
                                       shuffle=shuffle, seed=self.seed, batch_multiple=strategy.batch_multiple,
-                                      steps_per_epoch=steps, block=strategy.batch_block)
+                                      steps_per_epoch=steps, block=strategy.batch_block,
+                                      orders=self._shuffle_orders)
         if y is not None or sample_weight is not None:
             raise ValueError(
                 f"When `x` is a dataset or generator, `y` and `sample_weight` must be None (the dataset "

@@ -7,6 +7,7 @@ import pytest
 from helpers import MLP, assert_trees_close, classification_data
 
 import meshfit as mf
+from meshfit.loop import InFlight
 
 
 class Recorder(mf.callbacks.Callback):
@@ -220,3 +221,27 @@ def test_each_call_of_fit_shuffles_anew_and_a_loop_of_fits_trains_as_one_fit():
     for a, b in zip(once.get_weights(), looped.get_weights()):
         np.testing.assert_array_equal(a, b)
     assert [h.history["loss"][0] for h in h_looped] == h_once.history["loss"]
+
+
+class Token:
+    """A stand-in for a step's output that records when the host waits on it."""
+
+    def __init__(self, name, waits):
+        self.name, self.waits = name, waits
+
+    def block_until_ready(self):
+        self.waits.append(self.name)
+        return self
+
+
+def test_in_flight_waits_on_the_mark_one_limit_back():
+    waits = []
+    in_flight = InFlight(limit=3)
+    for i in range(1, 11):
+        in_flight.add(Token(i, waits))
+    assert waits == [3, 6]  # at execution 6 for 3, at 9 for 6: at most 2 * limit queued
+    in_flight.clear()
+    for i in range(11, 17):
+        in_flight.add(Token(i, waits))
+    assert waits == [3, 6, 13]  # after clear, counting starts afresh
+
