@@ -424,6 +424,10 @@ class IterableData:
             raise ValueError(f"A batch has {rows} inputs but {_num_rows(y, 'y')} targets; they must match.")
         return make_batch(x, y, sw, self.padded_batch_size)
 
+    def prepare(self, epoch: int) -> None:
+        """Nothing: reading ahead of an iterator would move its position."""
+        del epoch
+
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
         """Yields one epoch's batches; sets `exhausted` if a one-shot input had none left."""
         del epoch

@@ -101,7 +101,7 @@ def fit_loop(model, train_data, *, epochs: int, initial_epoch: int, callbacks: C
                     raise Preempted()
             if epoch + 1 < epochs and not model.stop_training:
                 runner.prefetch(train_data, data_epoch + 1, per_step)  # host work the devices need not wait for
-            elif hasattr(train_data, "prepare"):
+            else:
                 train_data.prepare(data_epoch + 1)  # the next fit's shuffle, while the devices finish this one
             logs = runner.end_epoch(logs)
             if logs is None and start_step == 0:  # a one-shot input ran out of data

@@ -30,11 +30,6 @@ class Staged(NamedTuple):
     block: Any
     indices: list
 
-    @property
-    def index(self) -> jax.Array:
-        """The batch picked by the first (for a single step, the only) of these steps."""
-        return self.indices[0]
-
 
 class Runner:
     def __init__(self, model, steps: Steps, steps_per_execution: int = 1, max_in_flight: int = 4):

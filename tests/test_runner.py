@@ -96,7 +96,7 @@ def test_a_prefetch_for_other_data_is_not_used():
     count, first = next(runner.train_executions(data, 1))
     assert count == 1 and isinstance(first, runner_lib.Staged)
     expected = next(data.executions(1, 1))[1].x
-    np.testing.assert_array_equal(np.asarray(first.block.x[int(first.index)]), expected)
+    np.testing.assert_array_equal(np.asarray(first.block.x[int(first.indices[0])]), expected)
     assert runner._prefetched is None  # dropped, not kept for later
 
 
