@@ -2,29 +2,66 @@
 
 `CheckpointDir` wraps an `orbax.checkpoint.CheckpointManager` with what
 meshfit promises about saved files:
-  * a directory that holds files meshfit did not write is never used;
+  * a directory that holds files meshfit did not write is never used, and one
+    writer at a time holds it (`meshfit.dirlock`);
   * an older checkpoint is deleted only after a newer one is complete (Orbax
     writes to a temporary directory and renames it when done);
-  * a checkpoint that cannot be read (cut off, truncated) is skipped with a
-    warning naming it and moved aside as `<step>.unreadable` (never deleted),
-    and the previous one is restored;
+  * every array's fingerprint is recorded, and a state with NaN or Inf can be
+    refused (`meshfit.integrity`);
+  * a restore first compares the saved shapes and dtypes with the template: a
+    different model is the caller's mistake (`CheckpointMismatch`, nothing on
+    disk touched); only content that cannot be read or does not match its
+    fingerprints is damage, skipped with a warning naming it (and, for a
+    writer, moved aside as `<step>.unreadable`, never deleted);
   * restoring lays arrays out as the template says — a different strategy
-    or mesh than the one that saved them.
+    or mesh than the one that saved them;
+  * a save that fails (read-only or full disk) raises `CheckpointWriteError`
+    and leaves no Orbax thread behind that would keep the process alive.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import warnings
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
+
+from meshfit import integrity
+from meshfit.compat import release_orbax_waiters
+from meshfit.dirlock import LOCK_NAME, DirectoryLock
 
 MARKER = "meshfit_checkpoints.json"
 STATE, META = "state", "meta"
+FINGERPRINTS = "fingerprints"
+UNREADABLE = ".unreadable"
+#: Mismatched paths named in a `CheckpointMismatch` (the rest are counted).
+SHOWN_MISMATCHES = 6
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint holds another model's (or optimizer's) arrays than the one loading it."""
+
+
+class CheckpointDamaged(Exception):
+    """A checkpoint's content cannot be read, or does not match the fingerprints saved with it."""
+
+
+class CheckpointWriteError(OSError):
+    """Writing a checkpoint failed (a read-only or full disk, ...); earlier checkpoints are kept."""
+
+
+class NonFiniteState(ValueError):
+    """A state with NaN or Inf values was not saved."""
+
+    def __init__(self, paths: list[str]):
+        super().__init__(f"{len(paths)} array(s) hold NaN or Inf: {', '.join(paths[:SHOWN_MISMATCHES])}")
+        self.paths = paths
 
 
 def is_key(leaf) -> bool:
@@ -53,8 +90,41 @@ def abstract(template):
     return jax.tree.map(one, encode(template))
 
 
+def _looks_like_checkpoints(directory: str, entries: list[str]) -> bool:
+    return any(e.isdigit() and os.path.exists(os.path.join(directory, e, "_CHECKPOINT_METADATA")) for e in entries)
+
+
+def read_marker(directory: str) -> dict | None:
+    """The directory's marker (`{"kind": ..., "format": ...}`), or None if it has none.
+
+    A damaged marker, or checkpoints without one, is an error that says what to do.
+    """
+    marker = os.path.join(directory, MARKER)
+    if not os.path.exists(marker):
+        entries = os.listdir(directory) if os.path.isdir(directory) else []
+        if _looks_like_checkpoints(directory, entries):
+            raise FileNotFoundError(
+                f"{directory!r} holds Orbax checkpoints but not meshfit's marker file {MARKER} (deleted?), which "
+                "records what kind of checkpoints they are. Nothing was changed. If meshfit wrote them, recreate "
+                f"the marker, e.g. `echo '{{\"kind\": \"backup\", \"format\": 1}}' > {marker}` (kind: backup for "
+                "BackupAndRestore, checkpoint for ModelCheckpoint, model for model.save, weights for save_weights).")
+        return None
+    try:
+        with open(marker, "rb") as f:
+            found = json.loads(f.read().decode("utf-8"))
+        if not isinstance(found, dict) or not isinstance(found.get("kind"), str):
+            raise ValueError(f"expected a JSON object with a 'kind', found {str(found)[:80]!r}")
+    except (UnicodeDecodeError, ValueError) as error:
+        raise ValueError(
+            f"meshfit's marker file {marker} is damaged ({type(error).__name__}: {str(error)[:120]}). It records "
+            "what kind of checkpoints the directory holds; nothing was changed. If the directory holds meshfit "
+            "checkpoints, rewrite the file as `{\"kind\": \"backup\", \"format\": 1}` (kind: backup, checkpoint, "
+            "model or weights); otherwise choose another directory.") from None
+    return found
+
+
 def check_directory(directory: str, kind: str) -> None:
-    """Refuses a directory that holds anything meshfit did not write there."""
+    """Refuses a directory that holds anything meshfit did not write there, or another kind's checkpoints."""
     if not os.path.exists(directory):
         return
     if not os.path.isdir(directory):
@@ -62,16 +132,46 @@ def check_directory(directory: str, kind: str) -> None:
     entries = [e for e in os.listdir(directory) if not e.startswith(".")]
     if not entries:
         return
-    marker = os.path.join(directory, MARKER)
-    if not os.path.exists(marker):
+    marker = read_marker(directory)
+    if marker is None:
         raise FileExistsError(
             f"{kind} directory {directory!r} already holds files meshfit did not write ({sorted(entries)[:5]}). "
             "meshfit never writes into such a directory; choose a new or empty one.")
-    with open(marker) as f:
-        found = json.load(f).get("kind")
-    if found != kind:
+    if marker["kind"] != kind:
         raise FileExistsError(
-            f"Directory {directory!r} holds meshfit {found} checkpoints, not {kind} ones; choose another directory.")
+            f"Directory {directory!r} holds meshfit {marker['kind']} checkpoints, not {kind} ones; "
+            "choose another directory.")
+
+
+def _describe(leaf) -> str:
+    return f"{tuple(leaf.shape)} {np.dtype(leaf.dtype).name}"
+
+
+def structure_problems(saved, target, *, partial: bool) -> list[str]:
+    """How the saved arrays (Orbax metadata) differ from `target`, one line per path; [] if they fit.
+
+    With `partial`, arrays saved but not in `target` are fine (loading weights
+    from a checkpoint that also holds optimizer state).
+    """
+    def flat(tree):
+        leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+        return {integrity.path_name(p): leaf for p, leaf in leaves if hasattr(leaf, "shape")}
+
+    have, want = flat(saved), flat(target)
+    problems = []
+    for name, expected in want.items():
+        found = have.get(name)
+        if found is None:
+            problems.append(f"{name}: not in the checkpoint (expected {_describe(expected)})")
+        elif tuple(found.shape) != tuple(expected.shape) or np.dtype(found.dtype) != np.dtype(expected.dtype):
+            problems.append(f"{name}: saved {_describe(found)}, expected {_describe(expected)}")
+    if not partial:
+        problems += [f"{name}: saved {_describe(have[name])}, not in this model" for name in have if name not in want]
+    return sorted(problems, key=lambda line: "opt_state" in line.split(":")[0])  # weights first
+
+
+def _is_resource_error(error: Exception) -> bool:
+    return isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in str(error)
 
 
 class CheckpointDir:
@@ -79,54 +179,134 @@ class CheckpointDir:
 
     Args:
         directory: where checkpoints go (created if missing).
-        kind: what this directory is for ("backup", "checkpoint", "model");
-            a directory is only ever reused for the same kind.
+        kind: what this directory is for ("backup", "checkpoint", "model",
+            "weights"); a directory is only ever reused for the same kind.
         max_to_keep: how many complete checkpoints to keep (None: all).
         async_save: write in a background thread; `save` returns once the
             arrays are copied off the devices.
+        read_only: only read: nothing is created, locked or written (loading).
     """
 
-    def __init__(self, directory: str, kind: str, *, max_to_keep: int | None = 2, async_save: bool = True):
+    def __init__(self, directory: str, kind: str, *, max_to_keep: int | None = 2, async_save: bool = True,
+                 read_only: bool = False):
         self.directory = os.path.abspath(os.fspath(directory))
         self.kind = kind
-        check_directory(self.directory, kind)
-        if jax.process_index() == 0:
-            os.makedirs(self.directory, exist_ok=True)
-            marker = os.path.join(self.directory, MARKER)
-            if not os.path.exists(marker):
-                with open(marker, "w") as f:
-                    json.dump({"kind": kind, "format": 1}, f)
-        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
-                                               enable_async_checkpointing=async_save)
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=(STATE, META))
+        self.read_only = read_only
+        self._lock = DirectoryLock(self.directory)
+        self.manager = None
+        if read_only:
+            options = ocp.CheckpointManagerOptions(read_only=True, enable_async_checkpointing=False)
+        else:
+            check_directory(self.directory, kind)
+            if jax.process_index() == 0:
+                try:
+                    os.makedirs(self.directory, exist_ok=True)
+                    self._lock.acquire()
+                except OSError as error:
+                    raise CheckpointWriteError(
+                        f"Cannot write {kind} checkpoints into {self.directory!r}: {error}. Check that it is "
+                        "writable (not a read-only mount) and has free space.") from error
+            options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+                                                   enable_async_checkpointing=async_save)
+        try:
+            if not read_only and jax.process_index() == 0:
+                marker = os.path.join(self.directory, MARKER)
+                if not os.path.exists(marker):
+                    with open(marker, "w") as f:
+                        json.dump({"kind": kind, "format": 1}, f)
+            self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=(STATE, META))
+        except BaseException:
+            self._lock.release()
+            raise
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints, oldest first."""
         return sorted(self.manager.all_steps())
 
-    def save(self, step: int, state, meta: dict[str, Any], *, wait: bool = False, if_exists: str = "skip") -> None:
+    def _path(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    # -- writing -----------------------------------------------------------------------
+
+    def _probe(self) -> None:
+        """Fails now, with the OS's reason, if the directory cannot be written (before Orbax starts)."""
+        probe = os.path.join(self.directory, f".meshfit-probe-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+
+    def _write_failed(self, error: BaseException) -> CheckpointWriteError:
+        release_orbax_waiters()
+        kept = self.steps() if self.manager is not None else []
+        return CheckpointWriteError(
+            f"Writing a checkpoint into {self.directory!r} failed: {type(error).__name__}: {str(error)[:300]}. "
+            f"The complete checkpoints already there are kept (steps: {kept or 'none'}). Check that the "
+            "directory is writable (not a read-only mount) and that its disk has free space.")
+
+    def save(self, step: int, state, meta: dict[str, Any], *, wait: bool = False, if_exists: str = "skip",
+             finite_only: bool = False) -> None:
         """Starts writing checkpoint `step`; with `wait`, returns when it is complete.
 
-        If checkpoint `step` exists already it is never overwritten: with
+        The fingerprint of every array goes into the JSON part. If checkpoint
+        `step` exists already it is never overwritten: with
         `if_exists="skip"` it is kept (a resumed run saves the same values),
-        with "error" a FileExistsError says so.
+        with "error" a FileExistsError says so. With `finite_only`, a state
+        holding NaN or Inf is not written: `NonFiniteState` names its arrays.
+        A failed write raises `CheckpointWriteError`.
         """
+        if self.read_only:
+            raise RuntimeError(f"{self.directory!r} was opened read-only.")
         if step in self.manager.all_steps():
             if if_exists == "error":
                 raise FileExistsError(
-                    f"Checkpoint {os.path.join(self.directory, str(step))} already exists (from an earlier run?). "
+                    f"Checkpoint {self._path(step)} already exists (from an earlier run?). "
                     "meshfit does not overwrite it: use a new directory, or move the old checkpoints away.")
             if wait:
-                self.manager.wait_until_finished()
+                self.wait()
             return
-        args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(encode(state)), META: ocp.args.JsonSave(meta)})
-        self.manager.save(step, args=args, force=True)
+        encoded = encode(state)
+        report = integrity.report(encoded)
+        if finite_only and report.non_finite():
+            raise NonFiniteState(report.non_finite())
+        meta = {**meta, FINGERPRINTS: report.fingerprints}
+        args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(encoded), META: ocp.args.JsonSave(meta)})
+        try:
+            self._probe()
+            self.manager.save(step, args=args, force=True)
+        except Exception as error:
+            raise self._write_failed(error) from error
         if wait:
+            self.wait()
+
+    def wait(self) -> None:
+        """Returns when the checkpoint being written is complete; a failed write raises `CheckpointWriteError`."""
+        try:
             self.manager.wait_until_finished()
+        except Exception as error:
+            raise self._write_failed(error) from error
+
+    # -- reading -----------------------------------------------------------------------
 
     def read_meta(self, step: int) -> dict[str, Any]:
-        """The JSON part of checkpoint `step`."""
-        return dict(self.manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META])
+        """The JSON part of checkpoint `step`; `CheckpointDamaged` if it cannot be read."""
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+            if not isinstance(meta, dict):
+                raise ValueError(f"expected a JSON object, found {type(meta).__name__}")
+        except Exception as error:  # noqa: BLE001 - a JSON part that cannot be read is damage
+            raise CheckpointDamaged(f"its JSON part cannot be read ({type(error).__name__}: {str(error)[:200]})")
+        return dict(meta)
+
+    def _saved_structure(self, step: int):
+        try:
+            handler = ocp.PyTreeCheckpointHandler()
+            try:
+                return handler.metadata(epath.Path(self._path(step)) / STATE)
+            finally:
+                handler.close()
+        except Exception as error:  # noqa: BLE001 - metadata that cannot be read is damage
+            raise CheckpointDamaged(
+                f"its array metadata cannot be read ({type(error).__name__}: {str(error)[:200]})") from None
 
     def restore(self, step: int, template, *, partial: bool = False):
         """Restores checkpoint `step`; returns (state, meta).
@@ -134,53 +314,122 @@ class CheckpointDir:
         `template` is a pytree of arrays laid out as the restored state should
         be, or a function of the checkpoint's meta that returns one. With
         `partial`, the template may name a subset of what was saved.
+
+        Raises `CheckpointMismatch` (shapes, dtypes or arrays differ from the
+        template) before reading any array, and `CheckpointDamaged` if the
+        content cannot be read or does not match its fingerprints.
         """
         meta = self.read_meta(step)
         if callable(template):
             template = template(meta)
         target = abstract(template)
+        problems = structure_problems(self._saved_structure(step), target, partial=partial)
+        if problems:
+            shown = "; ".join(problems[:SHOWN_MISMATCHES])
+            more = f"; and {len(problems) - SHOWN_MISMATCHES} more" if len(problems) > SHOWN_MISMATCHES else ""
+            raise self._mismatch(step, f"{len(problems)} array(s) differ: {shown}{more}")
         if partial:  # the PyTree handler reads Standard checkpoints and can skip what the target lacks
             restore = ocp.args.PyTreeRestore(item=target, partial_restore=True,
                                              restore_args=ocp.checkpoint_utils.construct_restore_args(target))
         else:
             restore = ocp.args.StandardRestore(target)
-        args = ocp.args.Composite(**{STATE: restore})
-        restored = self.manager.restore(step, args=args)
-        return decode(restored[STATE], template), meta
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(**{STATE: restore}))[STATE]
+        except TypeError as error:  # Orbax's "Type mismatch at key path ...": containers differ, not bytes
+            raise self._mismatch(step, str(error).split("\n")[0][:300]) from None
+        except Exception as error:
+            if _is_resource_error(error):
+                raise
+            raise CheckpointDamaged(f"its arrays cannot be read ({type(error).__name__}: {str(error)[:200]})") \
+                from None
+        host = jax.tree.map(lambda new, old: new if isinstance(old, jax.Array) else np.asarray(new),
+                            restored, encode(template))
+        altered = integrity.mismatched(meta.get(FINGERPRINTS, {}), integrity.report(host).fingerprints)
+        if altered:
+            raise CheckpointDamaged(
+                f"the data of {len(altered)} array(s) in {os.path.join(self._path(step), STATE)} changed on disk "
+                f"since it was written (fingerprint mismatch: {', '.join(altered[:SHOWN_MISMATCHES])})")
+        return decode(restored, template), meta
+
+    def _mismatch(self, step: int, what: str) -> CheckpointMismatch:
+        return CheckpointMismatch(
+            f"Checkpoint {self._path(step)} does not match the model loading it ({what}). It was saved from a "
+            "different model, optimizer or configuration; load it with the same architecture and optimizer, or "
+            "use another directory. Nothing on disk was changed.")
 
     def _move_aside(self, step: int) -> None:
-        source = os.path.join(self.directory, str(step))
-        target = f"{source}.unreadable"
+        source = self._path(step)
+        target = f"{source}{UNREADABLE}"
         if jax.process_index() == 0:
             suffix = 0
             while os.path.exists(target):
                 suffix += 1
-                target = f"{source}.unreadable{suffix}"
+                target = f"{source}{UNREADABLE}{suffix}"
             os.rename(source, target)
-            warnings.warn(f"Moved the unreadable checkpoint {source} to {target}.", stacklevel=3)
+            warnings.warn(f"Moved the unreadable checkpoint {source} to {target} (kept, never deleted).",
+                          stacklevel=3)
         self.manager.reload()
 
     def restore_latest(self, template, *, partial: bool = False, steps=None):
         """The newest readable checkpoint as (step, state, meta), or None if there is none.
 
-        A checkpoint that fails to load is skipped with a warning naming it.
+        A damaged checkpoint is skipped with a warning naming it; a writer
+        moves it aside (`<step>.unreadable`) so no rotation deletes it. A
+        `CheckpointMismatch` is raised at once, with nothing changed.
         `steps` limits the candidates (default: all complete checkpoints).
         """
         for step in reversed(sorted(self.steps() if steps is None else steps)):
             try:
                 state, meta = self.restore(step, template, partial=partial)
-            except Exception as error:  # noqa: BLE001 - any unreadable checkpoint is skipped
-                warnings.warn(
-                    f"Checkpoint {os.path.join(self.directory, str(step))} could not be read "
-                    f"({type(error).__name__}: {str(error)[:200]}); trying the previous one.", stacklevel=2)
-                self._move_aside(step)  # out of the rotation, so nothing deletes it
+            except CheckpointDamaged as damage:
+                warnings.warn(f"Checkpoint {self._path(step)} could not be read: {damage}; trying the previous "
+                              "one.", stacklevel=2)
+                if not self.read_only:
+                    self._move_aside(step)  # out of the rotation, so nothing deletes it
                 continue
             return step, state, meta
         return None
 
-    def wait(self) -> None:
-        self.manager.wait_until_finished()
+    # -- ending ------------------------------------------------------------------------
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Waits for the write in progress, then releases Orbax and the lock, also when the write failed."""
+        if self.manager is None:
+            return
+        try:
+            if not self.read_only:
+                self.wait()
+        finally:
+            try:
+                self.manager.close()
+            finally:
+                self.manager = None
+                self._lock.release()
+
+    def remove_complete(self) -> list[str]:
+        """Deletes the complete and unfinished checkpoints and the marker (after `close`), keeping
+        anything moved aside as unreadable; removes the directory if nothing is left.
+
+        Returns the names kept. Only process 0 deletes.
+        """
+        if self.manager is not None:
+            raise RuntimeError("close() the directory before removing its checkpoints.")
+        if jax.process_index() != 0 or not os.path.isdir(self.directory):
+            return []
+        kept = []
+        for name in os.listdir(self.directory):
+            path = os.path.join(self.directory, name)
+            if UNREADABLE in name:
+                kept.append(name)
+            elif name.split(".")[0].isdigit() and os.path.isdir(path):  # <step>, <step>.orbax-checkpoint-tmp...
+                shutil.rmtree(path)
+            elif name in (MARKER, LOCK_NAME):
+                os.remove(path)
+            else:
+                kept.append(name)
+        if kept:
+            with open(os.path.join(self.directory, MARKER), "w") as f:  # still meshfit's: keep it reusable
+                json.dump({"kind": self.kind, "format": 1}, f)
+        else:
+            os.rmdir(self.directory)
+        return sorted(kept)

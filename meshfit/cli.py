@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from meshfit.launch import LaunchConfig, launch
+from meshfit.launch import PREEMPTION_GRACE_SECONDS, LaunchConfig, launch
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -13,7 +13,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser(
         "launch", help="run a multi-process JAX job on this machine",
-        description="Start N processes of a script, wired to a coordinator on 127.0.0.1, as one JAX job.")
+        description="Start N processes of a script, wired to a coordinator on 127.0.0.1, as one JAX job.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     run.add_argument("--nprocs", type=int, default=None, help="number of processes")
     run.add_argument("--ps", type=int, default=None,
                      help="parameter-server processes (with --workers); the state is partitioned over them")
@@ -24,6 +25,11 @@ def _parser() -> argparse.ArgumentParser:
                      help="start the whole job again up to this many times after a failure")
     run.add_argument("--heartbeat-timeout", type=int, default=10,
                      help="seconds without heartbeats after which a process is declared dead")
+    run.add_argument("--grace-period", type=float, default=PREEMPTION_GRACE_SECONDS,
+                     help="seconds the ranks get to write their preemption backups after the launcher receives "
+                          "SIGTERM, SIGINT or SIGHUP; what is left is then killed")
+    run.add_argument("--server-timeout", type=float, default=60.0,
+                     help="seconds a parameter-server worker waits on a silent server before ending the job")
     run.add_argument("-m", dest="module", default=None, help="run a module (like python -m)")
     run.add_argument("script", nargs="?", help="the Python script to run")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -52,7 +58,7 @@ def main(argv=None) -> int:
             nprocs = args.nprocs
         config = LaunchConfig(command=command, nprocs=nprocs, devices_per_proc=args.devices_per_proc,
                               max_restarts=args.max_restarts, heartbeat_timeout=args.heartbeat_timeout,
-                              servers=servers)
+                              servers=servers, grace_period=args.grace_period, server_timeout=args.server_timeout)
         return launch(config)
     return 2
 

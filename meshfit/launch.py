@@ -3,12 +3,22 @@
 Starts N copies of a script wired to a coordinator on 127.0.0.1 (a free port),
 each with `--devices-per-proc` simulated CPU devices (or a slice of the GPUs),
 prefixes every output line with the process's rank, and when any process
-fails stops the others and exits with its status. With `--max-restarts`, a
-failed job is started again from scratch (use BackupAndRestore to resume).
+fails stops the others and exits with the status of the first to fail. With
+`--max-restarts`, a failed job is started again from scratch (use
+BackupAndRestore to resume).
+
+No rank outlives the launcher: SIGTERM, SIGINT or SIGHUP to the launcher (a
+scheduler preempting the job) is passed on to every rank as SIGTERM, the
+ranks get `--grace-period` seconds to write their preemption backups, what
+is left is killed, and the launcher exits with 128 + the signal (143 for
+SIGTERM). A launcher killed outright takes its ranks along (they get SIGTERM
+from the kernel). A rank stopped (SIGSTOP) for longer than the heartbeat
+timeout is treated as hung and ends the job.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -21,7 +31,9 @@ from dataclasses import dataclass, field
 from meshfit import cluster
 from meshfit.strategies import ps_remote
 
-GRACE_SECONDS = 5.0
+GRACE_SECONDS = 5.0  # after a rank failed: the others get this long to end before SIGKILL
+PREEMPTION_GRACE_SECONDS = 60.0  # after a signal to the launcher: time for the ranks' preemption backups
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def free_port() -> int:
@@ -48,6 +60,10 @@ class LaunchConfig:
     max_restarts: int = 0
     heartbeat_timeout: int = 10
     env: dict[str, str] = field(default_factory=dict)
+    #: Seconds the ranks get to save and exit after the launcher is sent SIGTERM/SIGINT/SIGHUP.
+    grace_period: float = PREEMPTION_GRACE_SECONDS
+    #: Seconds a parameter-server worker waits on a silent server before giving up.
+    server_timeout: float = 60.0
     #: Parameter-server processes (ranks 0 to servers - 1); 0 for a plain job. In a
     #: parameter-server job the other ranks are workers, which may die without
     #: stopping the job: they are never part of a jax.distributed job. Servers
@@ -73,6 +89,7 @@ def process_env(config: LaunchConfig, rank: int, ports: tuple[int, int], attempt
             ps_remote.ENV_AUTHKEY: authkey,
             ps_remote.ENV_WORKERS: str(config.nprocs - config.servers),
             ps_remote.ENV_SERVERS: str(config.servers),
+            ps_remote.ENV_SERVER_TIMEOUT: str(config.server_timeout),
             "MESHFIT_PROCESS_ID": str(rank),
         })
         if server:
@@ -113,70 +130,188 @@ def _pump(stream, rank: int, out) -> None:
     stream.close()
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM every live process, then SIGKILL what is left after a grace period."""
+def _die_with_parent():
+    """A `preexec_fn` asking the kernel to SIGTERM the child when the launcher dies (Linux)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+
+    def arm():  # runs in the child between fork and exec: no allocation, no locks
+        prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+
+    return arm
+
+
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped by a signal (SIGSTOP, SIGTSTP): state T in /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
+
+
+class _Exits:
+    """Exit statuses in the order the processes ended: a thread per process waits for it.
+
+    Polling all processes at once cannot tell which of two ranks that died
+    within one interval died first; the rank killed is the cause, the one that
+    aborted on losing its peer a consequence.
+    """
+
+    def __init__(self, procs: list[subprocess.Popen]):
+        self.order: list[tuple[int, int]] = []  # (rank, status), first to end first
+        self.changed = threading.Condition()
+        for rank, proc in enumerate(procs):
+            threading.Thread(target=self._wait, args=(rank, proc), daemon=True).start()
+
+    def _wait(self, rank: int, proc: subprocess.Popen) -> None:
+        status = proc.wait()
+        with self.changed:
+            self.order.append((rank, status))
+            self.changed.notify_all()
+
+    def wait(self, timeout: float) -> list[tuple[int, int]]:
+        with self.changed:
+            self.changed.wait(timeout)
+            return list(self.order)
+
+
+class _Signals:
+    """Catches SIGTERM, SIGINT and SIGHUP sent to the launcher while a job runs (main thread only)."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in FORWARDED:
+                self._previous[sig] = signal.signal(sig, self._catch)
+        return self
+
+    def _catch(self, signum, frame):
+        del frame
+        if self.received is None:
+            self.received = signum
+
+    def __exit__(self, *exc):
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+
+
+def _stop(procs: list[subprocess.Popen], grace: float = GRACE_SECONDS) -> list[int]:
+    """SIGTERM every live process, then SIGKILL what is left after `grace` seconds; returns the ranks killed."""
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + GRACE_SECONDS
-    for proc in procs:
+    deadline = time.monotonic() + grace
+    killed = []
+    for rank, proc in enumerate(procs):
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+            killed.append(rank)
+    return killed
+
+
+def _watch(config: LaunchConfig, procs: list[subprocess.Popen], exits: _Exits, signals: _Signals, log) -> int:
+    """Waits until the job ends, fails, or the launcher is signalled; returns the job's status."""
+    lost: set[int] = set()
+    stopped_since: dict[int, float] = {}
+    while True:
+        order = exits.wait(0.05)
+        if signals.received is not None:
+            name = signal.Signals(signals.received).name
+            log.write(f"[launch] received {name}: sending SIGTERM to every rank and waiting up to "
+                      f"{config.grace_period:g} s for their preemption backups.\n")
+            return -signals.received
+        statuses = dict(order)
+        now = time.monotonic()
+        # A rank stopped by a signal never fails by itself; a parameter-server worker may
+        # (the server drops it after worker_timeout), so only ranks the job needs are watched.
+        for rank, proc in enumerate(procs[:config.servers or len(procs)]):
+            if rank not in statuses and _stopped(proc.pid):
+                since = stopped_since.setdefault(rank, now)
+                if now - since > config.heartbeat_timeout:
+                    log.write(f"[launch] rank {rank}{_role(config, rank)} (pid {proc.pid}) is stopped (SIGSTOP?) "
+                              f"and has not run for {config.heartbeat_timeout} s; stopping the job.\n")
+                    return 1
+            else:
+                stopped_since.pop(rank, None)
+        failed = [(rank, code) for rank, code in order if code != 0]
+        if config.servers:
+            for rank, code in failed:
+                if rank >= config.servers and rank not in lost:
+                    lost.add(rank)
+                    if code == ps_remote.EXIT_SERVER_SILENT:
+                        log.write(f"[launch] worker rank {rank} found the parameter server silent (see its "
+                                  "output); stopping the job.\n")
+                        return code
+                    log.write(f"[launch] worker rank {rank} exited with status {code}{_signal_name(code)}; "
+                              "the job goes on without it.\n")
+            servers = [(rank, code) for rank, code in failed if rank < config.servers]
+            if servers:  # a server failed: the job is over
+                rank, status = servers[0]
+                log.write(f"[launch] the parameter server (rank {rank}) exited with status {status}"
+                          f"{_signal_name(status)}; stopping the job.\n")
+                return status
+            if all(statuses.get(rank) == 0 for rank in range(config.servers)):  # the workers are done too
+                return 0
+            continue
+        if failed:
+            rank, status = failed[0]
+            log.write(f"[launch] rank {rank} exited with status {status}{_signal_name(status)}; "
+                      f"stopping the other {config.nprocs - 1} process(es).\n")
+            return status
+        if len(order) == len(procs):
+            return 0
+
+
+def _role(config: LaunchConfig, rank: int) -> str:
+    if not config.servers:
+        return ""
+    return " (the parameter server)" if rank < config.servers else " (a worker)"
 
 
 def run_once(config: LaunchConfig, attempt: int, log=sys.stderr) -> int:
-    """Runs the job once; returns 0, or the status of the first process that failed."""
+    """Runs the job once; returns 0, the status of the first process that failed, or -signal if the
+    launcher was signalled."""
     ports, gpus = (free_port(), free_port()), _visible_gpus() if config.devices_per_proc else 0
     authkey = ps_remote.new_authkey() if config.servers else ""
     procs, pumps = [], []
-    for rank in range(config.nprocs):
-        proc = subprocess.Popen([sys.executable, "-u", *config.command],
-                                env=process_env(config, rank, ports, attempt, gpus, authkey),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
-        procs.append(proc)
-        pump = threading.Thread(target=_pump, args=(proc.stdout, rank, sys.stdout), daemon=True)
-        pump.start()
-        pumps.append(pump)
-    status = 0
-    lost: set[int] = set()
-    try:
-        while True:
-            codes = [proc.poll() for proc in procs]
-            if config.servers:
-                for rank, code in enumerate(codes[config.servers:], start=config.servers):
-                    if code not in (None, 0) and rank not in lost:
-                        lost.add(rank)
-                        log.write(f"[launch] worker rank {rank} exited with status {code}{_signal_name(code)}; "
-                                  "the job goes on without it.\n")
-                servers = codes[:config.servers]
-                failed = [(rank, code) for rank, code in enumerate(servers) if code not in (None, 0)]
-                if failed:  # a server failed: the job is over
-                    rank, status = failed[0]
-                    log.write(f"[launch] the parameter server (rank {rank}) exited with status {status}"
-                              f"{_signal_name(status)}; stopping the job.\n")
-                    break
-                if all(code == 0 for code in servers):  # the servers finished: the workers are done too
-                    break
-                time.sleep(0.05)
-                continue
-            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
-            if failed:
-                rank, status = failed[0]
-                log.write(f"[launch] rank {rank} exited with status {status}{_signal_name(status)}; "
-                          f"stopping the other {config.nprocs - 1} process(es).\n")
-                break
-            if all(code == 0 for code in codes):
-                break
-            time.sleep(0.05)
-    except KeyboardInterrupt:
-        status = 130
-    finally:
-        _stop(procs)
-        for pump in pumps:
-            pump.join(timeout=2)
+    with _Signals() as signals:
+        try:
+            for rank in range(config.nprocs):
+                proc = subprocess.Popen([sys.executable, "-u", *config.command],
+                                        env=process_env(config, rank, ports, attempt, gpus, authkey),
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        errors="replace", preexec_fn=_die_with_parent())
+                procs.append(proc)
+                pump = threading.Thread(target=_pump, args=(proc.stdout, rank, sys.stdout), daemon=True)
+                pump.start()
+                pumps.append(pump)
+            exits = _Exits(procs)
+            status = _watch(config, procs, exits, signals, log)
+            time.sleep(0.2)  # ranks failing because the first one did: reported as its consequences
+            before_stop = list(exits.order)
+        except KeyboardInterrupt:  # outside the main thread's handler (e.g. before it was installed)
+            status, before_stop = -signal.SIGINT, []
+        finally:
+            signalled = signals.received is not None
+            killed = _stop(procs, config.grace_period if signalled else GRACE_SECONDS)
+            for pump in pumps:
+                pump.join(timeout=2)
+        failures = [(rank, code) for rank, code in before_stop if code != 0]
+        for rank, code in failures[1:] if not signalled else []:
+            log.write(f"[launch] rank {rank} then exited with status {code}{_signal_name(code)}, a consequence "
+                      f"of rank {failures[0][0]}'s exit.\n")
+        if killed:
+            log.write(f"[launch] rank(s) {killed} did not end within the grace period and were killed.\n")
     return status
 
 
@@ -190,17 +325,19 @@ def _signal_name(status: int) -> str:
 
 
 def launch(config: LaunchConfig, log=sys.stderr) -> int:
-    """Runs the job, restarting it up to `max_restarts` times after a failure."""
+    """Runs the job, restarting it up to `max_restarts` times after a failure (not after a signal)."""
     if config.nprocs < 1:
         raise ValueError(f"--nprocs must be at least 1. Received: {config.nprocs}.")
     attempt = 0
     while True:
         status = run_once(config, attempt, log)
-        if status == 0 or status == 130 or attempt >= config.max_restarts:
+        if status == 0 or -status in FORWARDED or attempt >= config.max_restarts:
             break
         attempt += 1
         log.write(f"[launch] restarting the job ({attempt}/{config.max_restarts}).\n")
-    if status:
+    if -status in FORWARDED:
+        log.write(f"[launch] stopped by {signal.Signals(-status).name}.\n")
+    elif status:
         log.write(f"[launch] job failed with status {status}.\n")
     # A negative status (killed by a signal) becomes the shell's 128 + signal.
     return status if status > 0 else 128 - status if status < 0 else 0

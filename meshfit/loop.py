@@ -10,7 +10,6 @@ fast Python loop.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Iterator
 
 import jax
@@ -56,7 +55,7 @@ def host_logs(logs, to_host: Callable) -> dict[str, float]:
 
 
 def fit_loop(model, train_data, *, epochs: int, initial_epoch: int, callbacks: CallbackList,
-             val_data=None, validation_freq=1, validation_steps=None) -> None:
+             val_data=None, validation_freq=1, validation_steps=None, watch: PreemptionWatch | None = None) -> None:
     """Runs epochs of training with Keras's callback order and `stop_training` checks.
 
     A callback may set `model._resume_point = (epoch, batch)` in `on_train_begin`
@@ -64,7 +63,9 @@ def fit_loop(model, train_data, *, epochs: int, initial_epoch: int, callbacks: C
     `e` reads pass `model._data_origin + e` of array data, so passes go on
     being numbered across calls of fit and each epoch is shuffled anew. If a
     callback handles preemption, SIGTERM stops training at the next step
-    boundary: `on_preemption` runs, then `Preempted` is raised.
+    boundary: `on_preemption` runs, then `Preempted` is raised. `watch` is
+    the armed `PreemptionWatch` (armed by `fit` before anything compiles, so a
+    SIGTERM that comes early still ends in a backup).
     """
     runner = model._runner
     to_host = model.strategy.to_host
@@ -73,49 +74,47 @@ def fit_loop(model, train_data, *, epochs: int, initial_epoch: int, callbacks: C
     batch_end = callbacks._bound_hooks("on_train_batch_end")
     start_epoch, start_step = model._resume_point or (initial_epoch, 0)
     model._resume_point = None
-    watch = PreemptionWatch() if callbacks.wants("on_preemption") else None
     per_step = bool(batch_begin or batch_end) or watch is not None  # else steps may run in blocks
     device_logs = callbacks.accepts_device_logs  # no callback reads epoch values now: no sync per epoch
     epoch_logs: dict[str, float] = {}
-    with watch or contextlib.nullcontext():
-        for epoch in range(start_epoch, epochs):
-            if start_step == 0:
-                runner.reset_train_metrics()  # else they were restored mid-epoch
-            data_epoch = model._data_origin + epoch
-            model._epochs_begun = data_epoch + 1
-            callbacks.on_epoch_begin(epoch)
-            logs, step = None, start_step
-            for count, batch in runner.train_executions(train_data, data_epoch, start_step, per_step):
-                for hook in batch_begin:
-                    hook(step)
-                logs = runner.train(batch)
-                step += count
-                model._host_step += count
-                for hook in batch_end:
-                    hook(step - 1, logs)
-                if model.stop_training:
-                    break
-                if watch is not None and watch.should_stop(model._host_step):
-                    runner.end_epoch(logs)
-                    callbacks.on_preemption(epoch, step)
-                    raise Preempted()
-            if epoch + 1 < epochs and not model.stop_training:
-                runner.prefetch(train_data, data_epoch + 1, per_step)  # host work the devices need not wait for
-            else:
-                train_data.prepare(data_epoch + 1)  # the next fit's shuffle, while the devices finish this one
-            logs = runner.end_epoch(logs)
-            if logs is None and start_step == 0:  # a one-shot input ran out of data
-                break
-            start_step = 0
-            if logs is None:
-                logs = runner.steps.logs(model._state.metrics)
-            epoch_logs = dict(logs) if device_logs else host_logs(logs, to_host)
-            if val_data is not None and _should_validate(epoch, validation_freq):
-                val_logs = evaluate_loop(model, val_data, callbacks=callbacks, steps=validation_steps)
-                epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
-            callbacks.on_epoch_end(epoch, epoch_logs)
+    for epoch in range(start_epoch, epochs):
+        if start_step == 0:
+            runner.reset_train_metrics()  # else they were restored mid-epoch
+        data_epoch = model._data_origin + epoch
+        model._epochs_begun = data_epoch + 1
+        callbacks.on_epoch_begin(epoch)
+        logs, step = None, start_step
+        for count, batch in runner.train_executions(train_data, data_epoch, start_step, per_step):
+            for hook in batch_begin:
+                hook(step)
+            logs = runner.train(batch)
+            step += count
+            model._host_step += count
+            for hook in batch_end:
+                hook(step - 1, logs)
             if model.stop_training:
                 break
+            if watch is not None and watch.should_stop(model._host_step):
+                runner.end_epoch(logs)
+                callbacks.on_preemption(epoch, step)
+                raise Preempted()
+        if epoch + 1 < epochs and not model.stop_training:
+            runner.prefetch(train_data, data_epoch + 1, per_step)  # host work the devices need not wait for
+        else:
+            train_data.prepare(data_epoch + 1)  # the next fit's shuffle, while the devices finish this one
+        logs = runner.end_epoch(logs)
+        if logs is None and start_step == 0:  # a one-shot input ran out of data
+            break
+        start_step = 0
+        if logs is None:
+            logs = runner.steps.logs(model._state.metrics)
+        epoch_logs = dict(logs) if device_logs else host_logs(logs, to_host)
+        if val_data is not None and _should_validate(epoch, validation_freq):
+            val_logs = evaluate_loop(model, val_data, callbacks=callbacks, steps=validation_steps)
+            epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
+        callbacks.on_epoch_end(epoch, epoch_logs)
+        if model.stop_training:
+            break
     callbacks.on_train_end(epoch_logs)
 
 

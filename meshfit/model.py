@@ -7,6 +7,7 @@ turns inputs into batches and hands them to the loop in `meshfit.loop`.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -21,6 +22,7 @@ from meshfit import optimizers as optimizers_lib
 from meshfit import saving
 from meshfit.loop import evaluate_loop, fit_loop, predict_loop
 from meshfit.modules import adapt
+from meshfit.preemption import PreemptionWatch
 from meshfit.runner import Runner
 from meshfit.state import TrainState
 from meshfit.steps import Steps
@@ -325,44 +327,56 @@ class Model:
         if not (isinstance(validation_freq, int) and validation_freq >= 1) and not (
                 isinstance(validation_freq, (list, tuple, set)) and all(isinstance(v, int) for v in validation_freq)):
             raise ValueError(f"`validation_freq` must be a positive int or a list of epochs. Received: {validation_freq!r}.")
-        if class_weight is not None:
-            sample_weight = _class_weights(y, class_weight, sample_weight)
-        data = self._make_data(x, y, sample_weight, batch_size, shuffle=shuffle, steps=steps_per_epoch)
-        val_data = None
-        if validation_split:
-            if not isinstance(data, data_lib.ArrayData):
-                raise ValueError("`validation_split` works only with array inputs; pass `validation_data` for datasets.")
-            data, val_data = data.split(validation_split)
-        if validation_data is not None:
-            vx, vy, vsw = _unpack_validation(validation_data)
-            val_batch_size = (validation_batch_size or batch_size) if data_lib.is_array_tree(vx) else None
-            val_data = self._make_data(vx, vy, vsw, val_batch_size, what="fit")
-        first = self._first_batch(data)
-        if first.y is None:
-            raise ValueError("`fit()` needs targets: pass `y`, or a dataset yielding (x, y) pairs.")
-        self._build(first)
-        if val_data is not None:
-            self._check_input(self._first_batch(val_data))
-        steps = getattr(data, "steps_per_epoch", None)
-        callback_list, history = self._callback_list(callbacks, verbose=verbose, epochs=epochs, steps=steps,
-                                                     add_history=True)
-        self.history = history
-        self.stop_training = False
-        self._fit_data, self._fit_callbacks, self._resumed = data, list(callback_list), False
-        if self._state is not self._counted_state:  # set from outside since the last fit: read its step
-            self._host_step = int(self.strategy.to_host(self._state.step))
-        self._counted_state = None
-        self._data_origin = self._epochs_begun - initial_epoch  # BackupAndRestore may set the saved one
-        try:
-            fit_loop(self, data, epochs=epochs, initial_epoch=initial_epoch, callbacks=callback_list,
-                     val_data=val_data, validation_freq=validation_freq, validation_steps=validation_steps)
-            self._counted_state = self._state  # `_host_step` counts its steps: the next fit need not sync
-        finally:
-            for cb in self._fit_callbacks:  # finish background writes even when fit raised
-                close = getattr(cb, "close", None)
-                if close is not None:
-                    close()
-            self._fit_data, self._fit_callbacks = None, []
+        # Armed before anything compiles or restores: a SIGTERM from now on ends in a backup.
+        watch = PreemptionWatch() if any(_handles_preemption(cb) for cb in callbacks or ()) else None
+        with watch or contextlib.nullcontext():
+            if class_weight is not None:
+                sample_weight = _class_weights(y, class_weight, sample_weight)
+            data = self._make_data(x, y, sample_weight, batch_size, shuffle=shuffle, steps=steps_per_epoch)
+            val_data = None
+            if validation_split:
+                if not isinstance(data, data_lib.ArrayData):
+                    raise ValueError("`validation_split` works only with array inputs; pass `validation_data` for datasets.")
+                data, val_data = data.split(validation_split)
+            if validation_data is not None:
+                vx, vy, vsw = _unpack_validation(validation_data)
+                val_batch_size = (validation_batch_size or batch_size) if data_lib.is_array_tree(vx) else None
+                val_data = self._make_data(vx, vy, vsw, val_batch_size, what="fit")
+            first = self._first_batch(data)
+            if first.y is None:
+                raise ValueError("`fit()` needs targets: pass `y`, or a dataset yielding (x, y) pairs.")
+            self._build(first)
+            if val_data is not None:
+                self._check_input(self._first_batch(val_data))
+            steps = getattr(data, "steps_per_epoch", None)
+            callback_list, history = self._callback_list(callbacks, verbose=verbose, epochs=epochs, steps=steps,
+                                                         add_history=True)
+            self.history = history
+            self.stop_training = False
+            self._fit_data, self._fit_callbacks, self._resumed = data, list(callback_list), False
+            if self._state is not self._counted_state:  # set from outside since the last fit: read its step
+                self._host_step = int(self.strategy.to_host(self._state.step))
+            self._counted_state = None
+            self._data_origin = self._epochs_begun - initial_epoch  # BackupAndRestore may set the saved one
+            finished = False
+            try:
+                fit_loop(self, data, epochs=epochs, initial_epoch=initial_epoch, callbacks=callback_list,
+                         val_data=val_data, validation_freq=validation_freq, validation_steps=validation_steps,
+                         watch=watch)
+                self._counted_state = self._state  # `_host_step` counts its steps: the next fit need not sync
+                finished = True
+            finally:
+                errors = []
+                for cb in self._fit_callbacks:  # finish background writes even when fit raised
+                    close = getattr(cb, "close", None)
+                    if close is not None:
+                        try:
+                            close()
+                        except Exception as error:  # noqa: BLE001 - every callback is closed, the first error raised
+                            errors.append(error)
+                self._fit_data, self._fit_callbacks = None, []
+                if finished and errors:
+                    raise errors[0]
         return history
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None, steps=None,
@@ -434,6 +448,12 @@ class Model:
 
 
 # -- helpers ------------------------------------------------------------------------------------
+
+
+def _handles_preemption(callback) -> bool:
+    return getattr(callback, "handles_preemption", False) or (
+        isinstance(callback, callbacks_lib.Callback)
+        and type(callback).on_preemption is not callbacks_lib.Callback.on_preemption)
 
 
 def _key_name(key) -> str:

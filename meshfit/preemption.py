@@ -36,7 +36,11 @@ def _sync_manager():
 
 
 class PreemptionWatch:
-    """Arms a SIGTERM handler (main thread only) for the duration of a `with` block."""
+    """Arms a SIGTERM handler (main thread only) for the duration of a `with` block.
+
+    Once a SIGTERM was seen, further ones are ignored after the block too:
+    the preemption backup is written and the process exits with status 143.
+    """
 
     def __init__(self):
         self.requested = False
@@ -53,7 +57,9 @@ class PreemptionWatch:
 
     def __exit__(self, *exc):
         if self._armed:
-            signal.signal(signal.SIGTERM, self._previous)
+            # After a preemption the process is on its way out with status 143: a repeated
+            # SIGTERM (schedulers send more than one) must not turn that into a kill by signal.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN if self.requested else self._previous)
             self._armed = False
 
     def _on_sigterm(self, signum, frame):

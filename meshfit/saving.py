@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from meshfit.checkpoint import CheckpointDir
+from meshfit.checkpoint import CheckpointDamaged, CheckpointDir, read_marker
 
 FORMAT = 1
 _LABELS = {"model": "a saved model", "weights": "saved weights"}
@@ -53,10 +53,22 @@ def compile_record(model) -> dict | None:
     return {"optimizer": optimizer, "loss": loss, "metrics": names(compiled["metrics"])}
 
 
-def _open(path, kind: str, *, reading: bool = False) -> CheckpointDir:
-    if reading and not os.path.isdir(os.fspath(path)):
-        raise FileNotFoundError(f"No saved {kind} at {os.fspath(path)!r}.")
+def _open(path, kind: str) -> CheckpointDir:
     return CheckpointDir(os.fspath(path), kind, max_to_keep=1, async_save=False)
+
+
+def _open_for_reading(path, kinds: tuple[str, ...]) -> CheckpointDir:
+    """Opens a saved model, weights or checkpoints without writing anything there (not even a marker)."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"No meshfit checkpoint at {path!r}: no such directory.")
+    marker = read_marker(path)
+    if marker is None:
+        raise FileNotFoundError(f"No meshfit checkpoint at {path!r}: it has no {'meshfit_checkpoints.json'} "
+                                "marker. Pass the directory that model.save, save_weights or ModelCheckpoint wrote.")
+    if marker["kind"] not in kinds:
+        raise ValueError(f"{path!r} holds meshfit {marker['kind']} checkpoints; expected {' or '.join(kinds)}.")
+    return CheckpointDir(path, marker["kind"], read_only=True)
 
 
 def _write(path, kind: str, tree, meta: dict, overwrite: bool) -> None:
@@ -83,29 +95,26 @@ def save_weights(model, path, overwrite: bool = False) -> None:
     _write(path, "weights", {"weights": weights_tree(model)}, {"format": FORMAT}, overwrite)
 
 
-def _kind_of(path) -> str:
-    import json
-
-    marker = os.path.join(os.fspath(path), "meshfit_checkpoints.json")
-    if not os.path.exists(marker):
-        raise FileNotFoundError(f"No meshfit checkpoint at {os.fspath(path)!r}.")
-    with open(marker) as f:
-        return json.load(f)["kind"]
-
-
 def load_weights(model, path) -> None:
     """Loads weights saved by `save_weights`, `save` or `ModelCheckpoint` (its newest checkpoint).
 
     Arrays are laid out by the model's strategy, whatever layout saved them.
     """
-    ckpt = _open(path, _kind_of(path), reading=True)
+    ckpt = _open_for_reading(path, ("weights", "model", "checkpoint", "backup"))
     try:
-        found = ckpt.restore_latest({"weights": weights_tree(model)}, partial=True)
+        template = {"weights": weights_tree(model)}
+        if ckpt.kind == "backup":  # a backup's weights live in its training state
+            template = {"train": {"params": template["weights"]["params"],
+                                  "model_state": template["weights"]["model_state"]}}
+        found = ckpt.restore_latest(template, partial=True)
     finally:
         ckpt.close()
     if found is None:
         raise FileNotFoundError(f"{os.fspath(path)!r} holds no complete checkpoint.")
-    set_from_tree(model, found[1])
+    tree = found[1]
+    if "train" in tree:
+        tree = {"weights": tree["train"]}
+    set_from_tree(model, tree)
 
 
 def load_model(path, module, *, sample_input=None, seed: int = 0, compile: bool = True, **compile_kwargs):
@@ -127,13 +136,16 @@ def load_model(path, module, *, sample_input=None, seed: int = 0, compile: bool 
     """
     from meshfit.model import Model
 
+    ckpt = _open_for_reading(path, ("model",))
     model = Model(module, sample_input=sample_input, seed=seed)
-    ckpt = _open(path, "model", reading=True)
     try:
         steps = ckpt.steps()
         if not steps:
             raise FileNotFoundError(f"{ckpt.directory!r} holds no complete saved model.")
-        meta = ckpt.read_meta(steps[-1])
+        try:
+            meta = ckpt.read_meta(steps[-1])
+        except CheckpointDamaged as damage:
+            raise CheckpointDamaged(f"The saved model {ckpt.directory!r} is damaged: {damage}.") from None
         saved = meta.get("compile") or {}
         kwargs = {k: v for k, v in saved.items() if v}
         kwargs.update(compile_kwargs)
@@ -145,6 +157,6 @@ def load_model(path, module, *, sample_input=None, seed: int = 0, compile: bool 
     finally:
         ckpt.close()
     if found is None:
-        raise FileNotFoundError(f"{ckpt.directory!r} holds no readable saved model.")
+        raise FileNotFoundError(f"{ckpt.directory!r} holds no readable saved model (see the warnings above).")
     set_from_tree(model, found[1])
     return model

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import os
-import shutil
 
 import numpy as np
 
+from meshfit import integrity
 from meshfit.callbacks.base import Callback
-from meshfit.checkpoint import CheckpointDir
+from meshfit.checkpoint import CheckpointDir, NonFiniteState
 
 
 def split_arrays(value, arrays: dict, prefix: str = "a"):
@@ -50,8 +51,13 @@ class BackupAndRestore(Callback):
     ones on the same machine.
 
     Backups are written asynchronously with Orbax; the previous backup is
-    deleted only after a newer one is complete, and an unreadable newest
-    backup is skipped for the one before. On SIGTERM (preemption), `fit`
+    deleted only after a newer one is complete. A backup that cannot be read
+    or whose arrays no longer match their fingerprints is moved aside as
+    `<step>.unreadable` (never deleted) and the one before is restored; a
+    backup of a different model is refused with a `ValueError` and nothing on
+    disk changes. A state holding NaN or Inf is never saved, and a fit that
+    ends on a non-finite loss keeps its backups. Only one job at a time may
+    write into `backup_dir` (a lock file). On SIGTERM (preemption), `fit`
     saves a backup at the next step boundary and raises `meshfit.Preempted`
     (exit status 143). After a `fit` that ends normally the backups are
     deleted (`delete_checkpoint=True`), as in Keras.
@@ -80,6 +86,7 @@ class BackupAndRestore(Callback):
         self._dir: CheckpointDir | None = None
         self._epoch = 0
         self._saved_step = 0
+        self._refused_step: int | None = None  # a step whose state was not finite, so not saved
 
     # -- what goes into a backup ---------------------------------------------------
 
@@ -107,8 +114,19 @@ class BackupAndRestore(Callback):
                 "history_epochs": history_epochs, "callbacks": callbacks, "data": data, "format": 1,
                 "array_specs": {k: [list(v.shape), str(v.dtype)] for k, v in arrays.items()}}
         step = int(model._host_step)
-        self._dir.save(step, {"train": model._state, "arrays": arrays}, meta, wait=wait or not self.async_save)
         self._saved_step = step
+        try:
+            self._dir.save(step, {"train": model._state, "arrays": arrays}, meta, wait=wait or not self.async_save,
+                           finite_only=True)
+        except NonFiniteState as error:
+            if self._refused_step is None and model.strategy.is_chief:
+                print(f"BackupAndRestore: not saving the state at step {step}: {error}. The last finite backup "
+                      f"(step {self._newest()}) is kept.", flush=True)
+            self._refused_step = step
+
+    def _newest(self):
+        steps = self._dir.steps() if self._dir is not None else []
+        return steps[-1] if steps else "none"
 
     def _restore(self) -> None:
         model = self.model
@@ -141,6 +159,7 @@ class BackupAndRestore(Callback):
     # -- hooks ---------------------------------------------------------------------
 
     def on_train_begin(self, logs=None):
+        self._refused_step = None
         self._dir = CheckpointDir(self.backup_dir, "backup", max_to_keep=self.max_to_keep,
                                   async_save=self.async_save)
         self._saved_step = self.model._host_step
@@ -162,9 +181,28 @@ class BackupAndRestore(Callback):
         self._save(epoch, step_in_epoch, wait=True)
 
     def on_train_end(self, logs=None):
+        directory = self._dir
+        newest = self._newest()
         self.close()
-        if self.delete_checkpoint and self.model.strategy.is_chief:
-            shutil.rmtree(self.backup_dir, ignore_errors=True)
+        if not self.delete_checkpoint or directory is None:
+            return
+        if self._ended_non_finite(logs):
+            if self.model.strategy.is_chief:
+                print(f"BackupAndRestore: training ended on a non-finite loss or state (NaN or Inf), so the "
+                      f"backups in {directory.directory} are kept (newest: step {newest}; no non-finite state "
+                      "was saved). Fix the cause (a lower learning rate, clipping, the data) and run again to "
+                      "resume from it.", flush=True)
+            return
+        kept = directory.remove_complete()
+        if kept and self.model.strategy.is_chief:
+            print(f"BackupAndRestore: deleted the backups but kept {kept} in {directory.directory} "
+                  "(moved aside as unreadable; meshfit never deletes them).", flush=True)
+
+    def _ended_non_finite(self, logs) -> bool:
+        loss = (logs or {}).get("loss")
+        if self._refused_step is not None or (loss is not None and not math.isfinite(float(loss))):
+            return True
+        return bool(integrity.report(self.model._state).non_finite())
 
     def close(self) -> None:
         """Waits for the backup being written and releases the directory (also after a failed fit)."""

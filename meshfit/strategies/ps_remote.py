@@ -45,6 +45,10 @@ ENV_AUTHKEY = "MESHFIT_PS_AUTHKEY"  # hex secret shared by the job's processes
 ENV_WORKERS = "MESHFIT_PS_WORKERS"  # number of worker processes the coordinator waits for
 ENV_SERVERS = "MESHFIT_PS_SERVERS"  # number of server processes (rank 0 included)
 ENV_SERVER_RANK = "MESHFIT_PS_SERVER_RANK"  # this server's rank among the servers
+ENV_SERVER_TIMEOUT = "MESHFIT_PS_SERVER_TIMEOUT"  # seconds without a word from rank 0 before its peers give up
+DEFAULT_SERVER_TIMEOUT = 60.0
+#: Exit status of a worker that found the parameter server silent (`meshfit launch` then ends the job).
+EXIT_SERVER_SILENT = 3
 
 
 def role() -> str | None:
@@ -59,6 +63,51 @@ def server_count() -> int:
 def _address() -> tuple[str, int]:
     host, port = os.environ[ENV_ADDRESS].rsplit(":", 1)
     return host, int(port)
+
+
+def server_timeout() -> float:
+    """Seconds a worker or a server of rank 1.. waits without any message from rank 0 (pings included)."""
+    value = os.environ.get(ENV_SERVER_TIMEOUT)
+    try:
+        timeout = float(value) if value else DEFAULT_SERVER_TIMEOUT
+    except ValueError:
+        raise ValueError(f"{ENV_SERVER_TIMEOUT} must be a number of seconds. Received: {value!r}.") from None
+    if timeout <= 0:
+        raise ValueError(f"{ENV_SERVER_TIMEOUT} must be positive. Received: {value!r}.")
+    return timeout
+
+
+def _silent_server(timeout: float) -> str:
+    return (f"the parameter server (rank 0, which coordinates the job, at {os.environ.get(ENV_ADDRESS)}) sent "
+            f"nothing for {timeout:g} s ({ENV_SERVER_TIMEOUT}); it is stopped or hung")
+
+
+class Channel:
+    """A control connection whose sends are serialised: rank 0's heartbeat thread sends beside its main
+    thread, and two writers must not interleave one message's bytes."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, message) -> None:
+        with self._lock:
+            self.conn.send(message)
+
+    def recv(self, timeout: float | None = None, silent=None):
+        """The next message other than a ping; with `timeout`, raises `silent()` when rank 0 says nothing."""
+        while True:
+            if timeout is not None and not self.conn.poll(timeout):
+                raise silent()
+            message = self.conn.recv()
+            if message[0] != "ping":
+                return message
+
+    def fileno(self) -> int:
+        return self.conn.fileno()
+
+    def close(self) -> None:
+        self.conn.close()
 
 
 def _authkey() -> bytes:
@@ -95,14 +144,19 @@ def run_worker() -> None:
     """The life of a worker process: connect, take work until told to stop, exit."""
     device = jax.local_devices()[0]
     server = _transfer_server()
-    conn = _connect(_address(), _authkey())
+    conn = Channel(_connect(_address(), _authkey()))
     conn.send(("hello", "worker", server.address(), os.getpid()))
     print(f"parameter-server worker pid {os.getpid()} connected", flush=True)
     program = None
+    timeout = server_timeout()
     while True:
         try:
-            message = conn.recv()
-        except (EOFError, OSError):
+            message = conn.recv(timeout, silent=lambda: TimeoutError(_silent_server(timeout)))
+        except (EOFError, OSError) as error:
+            if isinstance(error, TimeoutError):
+                print(f"parameter-server worker pid {os.getpid()}: {error}. Exiting with status "
+                      f"{EXIT_SERVER_SILENT}.", file=sys.stderr, flush=True)
+                sys.exit(EXIT_SERVER_SILENT)
             break
         kind = message[0]
         if kind == "stop":
@@ -203,22 +257,38 @@ class Coordinator:
         self.program = None
         self.log = collections.Counter()
         self._ready = threading.Event()
+        self._closed = threading.Event()
         self._expected = expected_workers, expected_servers - 1
         self._accepting = threading.Thread(target=self._accept, daemon=True, name="ps-accept")
         self._accepting.start()
+        # Pings tell workers and other servers this process still runs: a stopped or hung
+        # rank 0 goes silent, and they end the job after `server_timeout` instead of waiting forever.
+        self._heartbeat = threading.Thread(target=self._ping, args=(server_timeout() / 4,), daemon=True,
+                                           name="ps-heartbeat")
+        self._heartbeat.start()
         if not self._ready.wait(accept_timeout):
             raise TimeoutError(
                 f"Only {len(self.workers)} of {expected_workers} parameter-server workers and "
                 f"{len(self.followers)} of {expected_servers - 1} other servers connected within "
                 f"{accept_timeout:.0f} s to {os.environ.get(ENV_ADDRESS)}.")
 
+    def _ping(self, every: float) -> None:
+        while not self._closed.wait(every):
+            with self.lock:
+                channels = [w.conn for w in self.workers if w.alive] + [c for c, _ in self.followers.values()]
+            for channel in channels:
+                try:
+                    channel.send(("ping",))
+                except OSError:
+                    pass  # a lost worker is noticed and dropped by the main thread
+
     def _accept(self) -> None:
         while True:
             try:
-                conn = self.listener.accept()
+                conn = Channel(self.listener.accept())
                 hello = conn.recv()
             except (OSError, EOFError):
-                if getattr(self, "_closed", False):
+                if self._closed.is_set():
                     return
                 continue
             _, kind, address, pid = hello[:4]
@@ -261,7 +331,7 @@ class Coordinator:
             pass
 
     def close(self) -> None:
-        self._closed = True
+        self._closed.set()
         for worker in self.live():
             try:
                 worker.conn.send(("stop",))
@@ -277,14 +347,18 @@ class FollowerLink:
         self.rank = int(os.environ[ENV_SERVER_RANK])
         self.count = server_count()
         self.transfer = _transfer_server()
-        self.conn = _connect(_address(), _authkey())
+        self.timeout = server_timeout()
+        self.conn = Channel(_connect(_address(), _authkey()))
         self.conn.send(("hello", "server", self.transfer.address(), os.getpid(), self.rank))
-        _, coordinator_address = self.conn.recv()
+        _, coordinator_address = self.recv()
         self.coordinator = self.transfer.connect(coordinator_address)
 
     def recv(self):
+        """rank 0's next decision; an error if the connection breaks or rank 0 goes silent."""
         try:
-            return self.conn.recv()
+            return self.conn.recv(self.timeout, silent=lambda: TimeoutError(_silent_server(self.timeout)))
+        except TimeoutError as error:
+            raise RuntimeError(f"Parameter server rank {self.rank}: {error}; the job cannot go on.") from None
         except (EOFError, OSError) as error:
             raise RuntimeError(f"Parameter server rank {self.rank} lost its connection to rank 0, which "
                                "coordinates the job; the job cannot go on.") from error

@@ -4,10 +4,13 @@ Resumed runs are compared with uninterrupted ones bitwise (CPU, same machine: th
 same computations in the same order give the same bits).
 """
 
+import glob
+import hashlib
 import json
 import os
 import signal
 import sys
+import time
 import warnings
 
 import numpy as np
@@ -28,6 +31,19 @@ def run_worker(out, backup, *args, stop_at=None, sig=signal.SIGKILL, timeout=180
             job.proc.send_signal(sig)
         status = job.finish()
     return status, job.stdout + job.stderr
+
+
+def snapshot(directory) -> dict[str, str]:
+    """Every file under `directory`, by relative path and content hash (the writers' lock file aside: a
+    SIGKILLed writer leaves a stale one, which the next writer takes over and removes)."""
+    found = {}
+    for root, _, files in os.walk(directory):
+        for name in files:
+            if name == ".meshfit.lock":
+                continue
+            with open(os.path.join(root, name), "rb") as f:
+                found[os.path.relpath(os.path.join(root, name), directory)] = hashlib.sha256(f.read()).hexdigest()
+    return found
 
 
 def load(out):
@@ -288,3 +304,123 @@ def test_a_resumed_fit_reads_the_shuffled_passes_of_the_fit_it_resumes(tmp_path)
     assert history.history == full_history.history
     for a, b in zip(full.get_weights(), resumed.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+# -- faults that must lose nothing and hang nothing ---------------------------------------------
+
+
+def backup_steps(backup) -> list[int]:
+    return sorted(int(p) for p in os.listdir(backup) if p.isdigit())
+
+
+def test_resuming_with_a_different_model_is_refused_and_the_backups_are_untouched(tmp_path):
+    backup = tmp_path / "backup"
+    status, output = run_worker(tmp_path / "out", backup, "--slow", "0.02", stop_at=10)
+    assert status == -signal.SIGKILL
+    before = snapshot(backup)
+    status, output = run_worker(tmp_path / "other", backup, "--hidden", "48")
+    assert status != 0
+    assert "does not match the model loading it" in output and "params/hidden/kernel: saved (4, 32) float32, " \
+        "expected (4, 48) float32" in output, output[-3000:]
+    assert snapshot(backup) == before  # nothing renamed, nothing deleted
+    status, output = run_worker(tmp_path / "out", backup)  # the right model still resumes from them
+    assert status == 0 and "BackupAndRestore: resumed" in output, output[-3000:]
+
+
+def test_sigterm_while_fit_sets_up_still_ends_in_a_backup_and_143(tmp_path):
+    """The SIGTERM arrives before the restore and the first compile: the handler is armed already."""
+    status, output = run_worker(tmp_path / "out", tmp_path / "backup", "--sigterm-in-setup")
+    assert status == 143, output[-3000:]
+    assert "sent SIGTERM in setup" in output
+    assert backup_steps(tmp_path / "backup") == [1]  # stopped after the first step, and saved it
+
+
+def test_repeated_sigterms_during_the_preemption_save_still_exit_143(tmp_path, uninterrupted):
+    backup = tmp_path / "backup"
+    with Job([sys.executable, WORKER, str(tmp_path / "out"), str(backup), "--slow", "0.02"], timeout=180) as job:
+        job.wait_for(r"step 13$")
+        job.proc.send_signal(signal.SIGTERM)
+        while job.proc.poll() is None:  # as a scheduler may: again and again until it is gone
+            time.sleep(0.05)
+            try:
+                job.proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                break
+        status = job.finish()
+    assert status == 143, job.stdout[-2000:] + job.stderr[-2000:]
+    assert backup_steps(backup)[-1] in (13, 14)
+    status, output = run_worker(tmp_path / "out", backup)
+    assert status == 0, output
+    assert_same_run(tmp_path / "out", uninterrupted["freq3"])
+
+
+def test_a_second_job_on_the_same_backup_directory_is_refused_and_the_first_is_undisturbed(tmp_path,
+                                                                                             uninterrupted):
+    backup = tmp_path / "backup"
+    with Job([sys.executable, WORKER, str(tmp_path / "out"), str(backup), "--slow", "0.25"], timeout=180) as first:
+        pid = int(first.wait_for(r"pid (\d+) fitting")[0].group(1))
+        first.wait_for(r"step 7$")
+        status, output = run_worker(tmp_path / "second", backup)
+        assert status != 0
+        assert f"is being written by another process: pid {pid} on host" in output, output[-3000:]
+        assert first.finish() == 0, first.stderr[-3000:]
+    assert not backup.exists()  # the first job finished and cleaned up its own backups
+    assert_same_run(tmp_path / "out", uninterrupted["freq3"])
+
+
+class SpikeLearningRate(mf.callbacks.Callback):
+    """Sets a learning rate that makes the weights overflow, as a bad schedule would."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at = at
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.model._host_step == self.at:
+            self.model.optimizer.learning_rate = 1e38
+
+
+@pytest.mark.parametrize("terminate_on_nan, delete_checkpoint", [(True, True), (True, False), (False, True)])
+def test_a_nan_stop_keeps_the_last_finite_backup_and_saves_no_nan(tmp_path, capsys, terminate_on_nan,
+                                                                  delete_checkpoint):
+    from meshfit import integrity
+    from meshfit.checkpoint import CheckpointDir
+
+    x, y = classification_data(n=96)
+    model = mf.Model(MLP(), seed=3)
+    model.compile(optimizer="sgd", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    backup = tmp_path / "backup"
+    callbacks = [SpikeLearningRate(at=5)] + ([mf.callbacks.TerminateOnNaN()] if terminate_on_nan else [])
+    model.fit(x, y, batch_size=16, epochs=4, verbose=0,
+              callbacks=callbacks + [mf.callbacks.BackupAndRestore(backup, save_freq=2, max_to_keep=20,
+                                                                   delete_checkpoint=delete_checkpoint)])
+    out = capsys.readouterr().out
+    if terminate_on_nan:
+        assert "Invalid loss, terminating training" in out
+    else:  # training went on in NaN: every later backup was refused
+        assert "not saving the state at step" in out and "NaN or Inf" in out
+        assert model._host_step == 24
+    if delete_checkpoint:
+        assert "training ended on a non-finite loss or state" in out and "are kept" in out
+    steps = backup_steps(backup)
+    assert steps and steps[-1] <= 6  # nothing after the weights overflowed
+    ckpt = CheckpointDir(backup, "backup", read_only=True)
+    try:
+        for step in steps:  # every backup on disk is finite
+            restored, _ = ckpt.restore(step, lambda meta: {"train": model._state, "arrays": {
+                k: np.zeros(shape, dtype) for k, (shape, dtype) in meta["array_specs"].items()}})
+            assert integrity.report(restored["train"]).non_finite() == [], step
+    finally:
+        ckpt.close()
+
+
+def test_unreadable_backups_are_kept_when_fit_deletes_its_backups(tmp_path):
+    backup = tmp_path / "backup"
+    train_in_process(backup, 2, save_freq=4, delete_checkpoint=False, max_to_keep=3)
+    for path in glob.glob(str(backup / "12" / "state" / "**" / "d" / "*"), recursive=True):
+        with open(path, "r+b") as f:
+            f.truncate(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train_in_process(backup, 2, save_freq=4)  # resumes from 8, ends normally, deletes the backups
+    assert sorted(os.listdir(backup)) == ["12.unreadable", "meshfit_checkpoints.json"]

@@ -26,6 +26,9 @@ def main():
     parser.add_argument("--slow", type=float, default=0.0, help="seconds to sleep after each batch")
     parser.add_argument("--die-at-step", type=int, default=None,
                         help="in the first attempt of a launched job, rank 1 SIGKILLs itself at this step")
+    parser.add_argument("--hidden", type=int, default=32, help="width of the hidden layer (another model)")
+    parser.add_argument("--sigterm-in-setup", action="store_true",
+                        help="send this process SIGTERM while fit sets up, before any step or restore")
     args = parser.parse_args()
     strategy = (mf.strategies.MultiWorkerMirroredStrategy() if args.strategy == "multi_worker"
                 else mf.strategies.OneDeviceStrategy())
@@ -36,7 +39,7 @@ def main():
 
     x, y = classification_data(n=200)
     with strategy.scope():
-        model = mf.Model(MLP(din=4, hidden=32, dout=3, dropout=0.2), seed=7)
+        model = mf.Model(MLP(din=4, hidden=args.hidden, dout=3, dropout=0.2), seed=7)
         model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"], steps_per_execution=args.spe)
 
@@ -49,6 +52,12 @@ def main():
         if args.slow:
             time.sleep(args.slow)
 
+    class SigtermInSetup(mf.callbacks.Callback):
+        def set_model(self, model):  # called by fit before on_train_begin (the restore) and the first step
+            super().set_model(model)
+            os.kill(os.getpid(), signal.SIGTERM)
+            print("sent SIGTERM in setup", flush=True)
+
     save_freq = "epoch" if args.save_freq == "epoch" else int(args.save_freq)
     callbacks = [
         mf.callbacks.LambdaCallback(on_train_batch_end=on_batch_end),
@@ -56,6 +65,9 @@ def main():
         mf.callbacks.ReduceLROnPlateau(monitor="loss", patience=1, factor=0.5, min_delta=0.05),
         mf.callbacks.BackupAndRestore(args.backup, save_freq=save_freq),
     ]
+    if args.sigterm_in_setup:
+        callbacks.insert(0, SigtermInSetup())
+    print(f"pid {os.getpid()} fitting", flush=True)
     history = model.fit(x, y, batch_size=16, epochs=args.epochs, validation_split=0.2, callbacks=callbacks,
                         verbose=0)
     if strategy.process_index == 0:

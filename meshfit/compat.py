@@ -1,0 +1,37 @@
+"""The few places meshfit reaches into a library's private code, each with why.
+
+Keep every such use here, so a version bump has one file to check.
+"""
+
+from __future__ import annotations
+
+import threading
+
+
+def release_orbax_waiters() -> int:
+    """Ends Orbax's background threads left waiting for a save that failed; returns how many.
+
+    Why: when a save fails in its synchronous part (the directory became
+    read-only), Orbax 0.11-0.12 leaves non-daemon `_SignalingThread`s waiting
+    for "directory created" signals that will never be set, with a timeout of
+    many minutes: the interpreter cannot exit until they give up. Cancelling a
+    thread and setting the signals it waits for lets it return at once. Only
+    called after a failed save, when nothing of that save should proceed.
+    """
+    try:
+        from orbax.checkpoint._src.futures import future
+    except ImportError:  # another Orbax layout: nothing known to release
+        return 0
+    thread_type = getattr(future, "_SignalingThread", None)
+    if thread_type is None:
+        return 0
+    released = 0
+    for thread in threading.enumerate():
+        if isinstance(thread, thread_type) and thread.is_alive():
+            thread.cancel()
+            try:
+                future.set_signals(thread._receive_signals, operation_id=thread._operation_id)
+            except Exception:  # noqa: BLE001 - best effort: the thread still times out by itself
+                continue
+            released += 1
+    return released

@@ -1,0 +1,211 @@
+"""Checkpoint directories: a different model is refused with nothing touched, damage is told from
+mismatch, altered bytes are caught, markers that are broken or missing give errors that say what to do.
+
+Each fault is injected for real: files Orbax wrote are rewritten, truncated or removed.
+"""
+
+import hashlib
+import os
+import shutil
+import warnings
+
+import numpy as np
+import optax
+import pytest
+from helpers import MLP, classification_data
+
+import meshfit as mf
+from meshfit.checkpoint import MARKER, CheckpointDamaged, CheckpointDir, CheckpointMismatch
+
+
+def snapshot(directory) -> dict[str, str]:
+    """Every file under `directory` (names and contents' hashes): compared before and after an operation."""
+    found = {}
+    for root, _, files in os.walk(directory):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                found[os.path.relpath(path, directory)] = hashlib.sha256(f.read()).hexdigest()
+    return found
+
+
+def trained(hidden=16, optimizer="adam", epochs=1):
+    x, y = classification_data(n=64)
+    model = mf.Model(MLP(hidden=hidden), seed=1)
+    model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.fit(x, y, batch_size=16, epochs=epochs, verbose=0)
+    return model
+
+
+def largest_data_file(step_dir) -> str:
+    files = [os.path.join(root, f) for root, _, names in os.walk(os.path.join(step_dir, "state")) for f in names
+             if os.sep + "d" + os.sep in os.path.join(root, f)]
+    return max(files, key=os.path.getsize)
+
+
+def flip_bytes(path, count=8) -> None:
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        data = f.read(count)
+        f.seek(size // 2)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def test_load_model_into_a_different_architecture_is_a_mismatch_and_touches_nothing(tmp_path):
+    trained(hidden=16).save(tmp_path / "m")
+    before = snapshot(tmp_path / "m")
+    with pytest.raises(ValueError, match=r"does not match the model loading it") as caught:
+        mf.load_model(tmp_path / "m", MLP(hidden=32))
+    message = str(caught.value)
+    assert isinstance(caught.value, CheckpointMismatch)
+    assert "params/hidden/kernel: saved (4, 16) float32, expected (4, 32) float32" in message
+    assert message.index("params/hidden") < message.index("opt_state")  # weights named first
+    assert "Nothing on disk was changed" in message and len(message) < 1200  # a short list, no spec dumps
+    assert snapshot(tmp_path / "m") == before  # byte for byte
+    assert mf.load_model(tmp_path / "m", MLP(hidden=16)).count_params() > 0  # the right module still loads
+
+
+def test_load_model_with_another_optimizer_is_a_mismatch_and_touches_nothing(tmp_path):
+    trained(optimizer="adam").save(tmp_path / "m")
+    before = snapshot(tmp_path / "m")
+    with pytest.raises(CheckpointMismatch, match="opt_state"):
+        mf.load_model(tmp_path / "m", MLP(), optimizer="sgd")
+    assert snapshot(tmp_path / "m") == before
+
+
+def test_load_weights_of_another_shape_is_a_mismatch_and_touches_nothing(tmp_path):
+    trained(hidden=16).save_weights(tmp_path / "w")
+    before = snapshot(tmp_path / "w")
+    other = mf.Model(MLP(hidden=8))
+    with pytest.raises(CheckpointMismatch, match=r"params/out/kernel: saved \(16, 3\) float32, expected \(8, 3\)"):
+        other.load_weights(tmp_path / "w")
+    assert snapshot(tmp_path / "w") == before
+
+
+def restore_outcome(directory, state) -> str:
+    """Restores the newest checkpoint read-only: "same", "fingerprint", "unreadable" or "SILENTLY ALTERED"."""
+    ckpt = CheckpointDir(directory, "backup", read_only=True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            found = ckpt.restore_latest(state)
+    finally:
+        ckpt.close()
+    messages = " ".join(str(w.message) for w in caught)
+    if found is None:
+        return "fingerprint" if "fingerprint mismatch" in messages else "unreadable"
+    same = all(np.array_equal(a, np.asarray(b)) for a, b in zip(state.values(), found[1].values(), strict=True))
+    return "same" if same and not messages else "SILENTLY ALTERED"
+
+
+def test_flipped_bytes_in_any_data_file_are_never_restored_silently(tmp_path):
+    """8 bytes flipped in each data file Orbax wrote, one file at a time: each restore is exact or refused."""
+    rng = np.random.default_rng(0)
+    state = {"kernel": rng.standard_normal((64, 256)).astype(np.float32), "step": np.int32(7)}
+    ckpt = CheckpointDir(tmp_path / "b", "backup")  # asynchronous, as BackupAndRestore writes
+    ckpt.save(1, state, {})
+    ckpt.close()
+    files = [os.path.relpath(os.path.join(root, name), tmp_path / "b")
+             for root, _, names in os.walk(tmp_path / "b" / "1") for name in names
+             if os.sep + "d" + os.sep in os.path.join(root, name)]
+    outcomes = {}
+    for name in files:
+        copy = tmp_path / "copy"
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(tmp_path / "b", copy)
+        flip_bytes(copy / name)
+        outcomes[name] = restore_outcome(copy, state)
+    assert "SILENTLY ALTERED" not in outcomes.values(), outcomes
+    assert "fingerprint" in outcomes.values(), outcomes  # bytes the format itself does not check
+
+
+def test_an_altered_model_file_is_refused_and_left_in_place(tmp_path):
+    trained(hidden=64).save(tmp_path / "m")
+    data = [os.path.join(root, f) for root, _, names in os.walk(tmp_path / "m" / "0" / "state") for f in names
+            if os.sep + "d" + os.sep in os.path.join(root, f)]
+    for path in data:
+        flip_bytes(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(FileNotFoundError, match="holds no readable saved model"):
+            mf.load_model(tmp_path / "m", MLP(hidden=64))
+    assert any(str(tmp_path / "m" / "0") in str(w.message) for w in caught)
+    assert sorted(os.listdir(tmp_path / "m")) == ["0", MARKER]  # a reader moves nothing
+
+
+def test_fingerprints_verify_under_another_layout(tmp_path):
+    """Saved from 8 devices (replicated), loaded on one and onto an FSDP mesh: fingerprints still match."""
+    with mf.strategies.MirroredStrategy().scope():
+        model = trained(hidden=64)
+    model.save(tmp_path / "m")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # a fingerprint mismatch would warn
+        with mf.strategies.MeshStrategy(axes={"data": 2, "fsdp": 4}, min_shard_size=16).scope():
+            sharded = mf.load_model(tmp_path / "m", MLP(hidden=64))
+    assert "fsdp" in str(sharded.params["hidden"]["kernel"].sharding.spec)
+    for a, b in zip(model.get_weights(), sharded.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_damaged_content_is_damage_not_mismatch(tmp_path):
+    trained().save(tmp_path / "m")
+    metadata = tmp_path / "m" / "0" / "state" / "_METADATA"
+    metadata.write_bytes(b"\x00garbage")
+    ckpt = CheckpointDir(tmp_path / "m", "model", read_only=True)
+    try:
+        with pytest.raises(CheckpointDamaged, match="array metadata cannot be read"):
+            ckpt.restore(0, {"weights": {"params": trained().params}}, partial=True)
+    finally:
+        ckpt.close()
+
+
+def test_a_garbled_marker_says_what_is_wrong_and_what_to_do(tmp_path):
+    trained().save(tmp_path / "m")
+    (tmp_path / "m" / MARKER).write_bytes(b"\xff\xfe\x00 not json")
+    before = snapshot(tmp_path / "m")
+    with pytest.raises(ValueError, match=r"marker file .* is damaged .*rewrite the file as"):
+        mf.load_model(tmp_path / "m", MLP())
+    with pytest.raises(ValueError, match="is damaged"):
+        trained().save(tmp_path / "m", overwrite=True)
+    assert snapshot(tmp_path / "m") == before
+
+
+def test_a_deleted_marker_says_so_and_how_to_recreate_it(tmp_path):
+    trained().save(tmp_path / "m")
+    os.remove(tmp_path / "m" / MARKER)
+    before = snapshot(tmp_path / "m")
+    with pytest.raises(FileNotFoundError, match=r"holds Orbax checkpoints but not meshfit's marker file .*recreate"):
+        mf.load_model(tmp_path / "m", MLP())
+    with pytest.raises(FileNotFoundError, match="recreate"):
+        trained().save(tmp_path / "m", overwrite=True)
+    assert snapshot(tmp_path / "m") == before
+
+
+def test_loading_from_an_empty_directory_writes_nothing_there(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="No meshfit checkpoint"):
+        mf.load_model(tmp_path / "empty", MLP())
+    with pytest.raises(FileNotFoundError, match="No meshfit checkpoint"):
+        mf.Model(MLP()).load_weights(tmp_path / "empty")
+    assert os.listdir(tmp_path / "empty") == []
+
+
+def test_a_custom_optimizer_state_still_loads_with_the_same_optimizer(tmp_path):
+    model = mf.Model(MLP())
+    model.compile(optimizer=optax.adamw(1e-3), loss="mse")
+    model.save(tmp_path / "m")
+    loaded = mf.load_model(tmp_path / "m", MLP(), optimizer=optax.adamw(1e-3))
+    for a, b in zip(model.get_weights(), loaded.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_remove_complete_keeps_what_was_moved_aside(tmp_path):
+    ckpt = CheckpointDir(tmp_path / "b", "backup", async_save=False)
+    state = {"w": np.arange(4.0, dtype=np.float32)}
+    for step in (1, 2):
+        ckpt.save(step, state, {})
+    os.rename(tmp_path / "b" / "1", tmp_path / "b" / "1.unreadable")
+    ckpt.close()
+    assert ckpt.remove_complete() == ["1.unreadable"]
+    assert sorted(os.listdir(tmp_path / "b")) == ["1.unreadable", MARKER]
