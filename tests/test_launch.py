@@ -81,3 +81,36 @@ def test_launch_rejects_a_parameter_server_job_without_servers_or_workers():
         result = run(launch_cmd(*args, "train.py"), timeout=60)
         assert result.returncode == 2, args
         assert "a parameter-server job takes --ps S --workers N (S, N >= 1) and no --nprocs" in result.stderr
+
+
+def test_the_rank_that_died_first_is_blamed_not_the_one_that_aborted_after_it(tmp_path):
+    """rank 1 is SIGKILLed; rank 0 then fails on losing its peer. The launcher names rank 1, three times of three."""
+    for attempt in range(3):
+        with Job(launch_cmd("--nprocs", "2", "--devices-per-proc", "2",
+                            os.path.join(WORKERS, "train_data_parallel.py"), str(tmp_path / str(attempt)), "--hang"),
+                 timeout=180) as job:
+            pids = {int(m.group(1)): int(m.group(2)) for m in job.wait_for(r"\[rank (\d)\] pid (\d+) rank", count=2)}
+            job.wait_for(r"\[rank 0\] epoch ", count=2)
+            os.kill(pids[1], signal.SIGKILL)
+            job.finish(timeout=60)
+        assert "[launch] rank 1 exited with status -9 (killed by SIGKILL); stopping the other 1" in job.stderr, \
+            job.stderr[-2000:]
+        assert "[launch] rank 0 exited with status" not in job.stderr
+
+
+def test_a_stopped_rank_ends_the_job_within_the_heartbeat_timeout():
+    with Job(launch_cmd("--nprocs", "2", "--heartbeat-timeout", "3", os.path.join(WORKERS, "exit_with.py"), "0"),
+             timeout=120) as job:
+        job.wait_for(r"\[rank 0\] rank 0 of 2")
+        ranks = job.children()
+        os.kill(ranks[0], signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        status = job.finish(timeout=60)
+    assert time.monotonic() - stopped_at < 20
+    assert status == 1
+    assert re.search(r"\[launch\] rank \d \(pid \d+\) is stopped \(SIGSTOP\?\) and has not run for 3 s", job.stderr)
+
+
+def test_launch_help_shows_the_defaults():
+    result = run(launch_cmd("--help"), timeout=60)
+    assert "(default: 60.0)" in result.stdout and "--grace-period" in result.stdout

@@ -18,11 +18,14 @@ coordinates them (`ps_group`).
 
 from __future__ import annotations
 
+import array
 import collections
+import fcntl
 import itertools
 import os
 import secrets
 import sys
+import termios
 import threading
 import time
 from typing import NamedTuple
@@ -82,6 +85,28 @@ def _silent_server(timeout: float) -> str:
             f"nothing for {timeout:g} s ({ENV_SERVER_TIMEOUT}); it is stopped or hung")
 
 
+def _watch_for_silence(channel: Channel, timeout: float, describe) -> None:
+    """Ends this process (status `EXIT_SERVER_SILENT`) once nothing came from rank 0 for `timeout` s.
+
+    A daemon thread, for the time the main thread is busy with a job: then it
+    reads nothing, so new bytes waiting in the socket are the sign of life (a
+    job blocked on a transfer from a stopped server would otherwise wait forever).
+    """
+    def run():
+        unread, changed = channel.unread_bytes(), time.monotonic()
+        while True:
+            time.sleep(min(1.0, timeout / 4))
+            now, pending = time.monotonic(), channel.unread_bytes()
+            if pending != unread:
+                unread, changed = pending, now
+            if now - max(changed, channel.last_heard) > timeout:
+                print(f"{describe()}: {_silent_server(timeout)}. Exiting with status {EXIT_SERVER_SILENT}.",
+                      file=sys.stderr, flush=True)
+                os._exit(EXIT_SERVER_SILENT)
+
+    threading.Thread(target=run, daemon=True, name="ps-silence-watch").start()
+
+
 class Channel:
     """A control connection whose sends are serialised: rank 0's heartbeat thread sends beside its main
     thread, and two writers must not interleave one message's bytes."""
@@ -89,6 +114,7 @@ class Channel:
     def __init__(self, conn):
         self.conn = conn
         self._lock = threading.Lock()
+        self.last_heard = time.monotonic()  # when a message (a ping too) was last read
 
     def send(self, message) -> None:
         with self._lock:
@@ -100,8 +126,15 @@ class Channel:
             if timeout is not None and not self.conn.poll(timeout):
                 raise silent()
             message = self.conn.recv()
+            self.last_heard = time.monotonic()
             if message[0] != "ping":
                 return message
+
+    def unread_bytes(self) -> int:
+        """Bytes received but not read yet (pings arriving while the reader is busy)."""
+        buffer = array.array("i", [0])
+        fcntl.ioctl(self.conn.fileno(), termios.FIONREAD, buffer)
+        return buffer[0]
 
     def fileno(self) -> int:
         return self.conn.fileno()
@@ -149,6 +182,7 @@ def run_worker() -> None:
     print(f"parameter-server worker pid {os.getpid()} connected", flush=True)
     program = None
     timeout = server_timeout()
+    _watch_for_silence(conn, timeout, lambda: f"parameter-server worker pid {os.getpid()}")
     while True:
         try:
             message = conn.recv(timeout, silent=lambda: TimeoutError(_silent_server(timeout)))
@@ -352,6 +386,7 @@ class FollowerLink:
         self.conn.send(("hello", "server", self.transfer.address(), os.getpid(), self.rank))
         _, coordinator_address = self.recv()
         self.coordinator = self.transfer.connect(coordinator_address)
+        _watch_for_silence(self.conn, self.timeout, lambda: f"parameter server rank {self.rank}")
 
     def recv(self):
         """rank 0's next decision; an error if the connection breaks or rank 0 goes silent."""

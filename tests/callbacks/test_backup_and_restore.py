@@ -4,11 +4,13 @@ Resumed runs are compared with uninterrupted ones bitwise (CPU, same machine: th
 same computations in the same order give the same bits).
 """
 
+import contextlib
 import glob
 import hashlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 import warnings
@@ -424,3 +426,110 @@ def test_unreadable_backups_are_kept_when_fit_deletes_its_backups(tmp_path):
         warnings.simplefilter("ignore")
         train_in_process(backup, 2, save_freq=4)  # resumes from 8, ends normally, deletes the backups
     assert sorted(os.listdir(backup)) == ["12.unreadable", "meshfit_checkpoints.json"]
+
+
+@contextlib.contextmanager
+def mounted(target, *options):
+    """Mounts `target` (a bind of itself, or a tmpfs with `-t tmpfs`); skips the test where mounting is not
+    allowed (mounting needs root, as on the CI machines)."""
+    target.mkdir(exist_ok=True)
+    source = ["tmpfs", str(target)] if "-t" in options else [str(target), str(target)]
+    made = subprocess.run(["mount", *options, *source], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount here: {made.stderr.strip()}")
+    try:
+        yield target
+    finally:
+        subprocess.run(["umount", "-l", str(target)], capture_output=True)
+
+
+def remount_read_only(target, deadline=30.0):
+    end = time.monotonic() + deadline
+    while subprocess.run(["mount", "-o", "remount,bind,ro", str(target)], capture_output=True).returncode != 0:
+        assert time.monotonic() < end, "could not remount read-only"  # busy while a file is open for writing
+        time.sleep(0.01)
+
+
+def test_a_read_only_backup_directory_fails_fit_clearly_and_the_process_exits(tmp_path):
+    backup = tmp_path / "backup"
+    with mounted(backup, "--bind"):
+        status, _ = run_worker(tmp_path / "out", backup, "--slow", "0.02", stop_at=8)
+        assert status == -signal.SIGKILL
+        before = snapshot(backup)
+        remount_read_only(backup)
+        start = time.monotonic()
+        status, output = run_worker(tmp_path / "out", backup, timeout=90)
+        assert time.monotonic() - start < 60
+        assert status == 1 and "CheckpointWriteError" in output and "Read-only file system" in output, output[-3000:]
+        assert snapshot(backup) == before
+
+
+def test_a_backup_directory_that_becomes_read_only_ends_the_process_at_the_next_save(tmp_path):
+    backup = tmp_path / "backup"
+    with mounted(backup, "--bind"):
+        with Job([sys.executable, WORKER, str(tmp_path / "out"), str(backup), "--slow", "0.1"], timeout=120) as job:
+            job.wait_for(r"step 8$")  # the backup of step 3 is complete; that of step 6 may be in flight
+            remount_read_only(backup)
+            made_read_only = time.monotonic()
+            status = job.finish(timeout=60)  # fails the test, killing the job, if it hangs
+        assert time.monotonic() - made_read_only < 60
+        output = job.stdout + job.stderr
+        assert status == 1 and "Writing a checkpoint into" in output and "Read-only file system" in output, \
+            output[-3000:]
+        assert 3 in backup_steps(backup)  # what was written before is all there
+
+
+def test_a_full_disk_ends_the_process_with_a_clear_error(tmp_path):
+    backup = tmp_path / "backup"
+    with mounted(backup, "-t", "tmpfs", "-o", "size=192k"):
+        with open(backup / "filler", "wb") as f:  # leave too little for a backup
+            try:
+                f.write(b"\0" * (160 * 1024))
+            except OSError:
+                pass
+        status, output = run_worker(tmp_path / "out", tmp_path / "backup" / "b", timeout=90)
+        assert status == 1 and "No space left on device" in output and "CheckpointWriteError" in output, \
+            output[-3000:]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie waiting for its parent is gone too
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_sigterm_to_the_launcher_reaches_every_rank_saves_and_exits_143(tmp_path, uninterrupted_two_processes):
+    """What SLURM and Kubernetes do on preemption: SIGTERM to the launcher, not to the ranks."""
+    with Job(LAUNCH + ["--grace-period", "60", WORKER, str(tmp_path / "a"), str(tmp_path / "ab"),
+                       "--strategy", "multi_worker", "--slow", "0.03"], timeout=300) as job:
+        job.wait_for(r".*step 11$")
+        ranks = job.children()
+        assert len(ranks) == 2
+        job.proc.send_signal(signal.SIGTERM)
+        assert job.finish(timeout=90) == 143, job.stderr[-3000:]
+    assert "[launch] received SIGTERM: sending SIGTERM to every rank" in job.stderr
+    assert not [pid for pid in ranks if alive(pid)], "a rank outlived the launcher"
+    steps = backup_steps(tmp_path / "ab")
+    assert steps and steps[-1] >= 11  # the preemption backup, at the step all ranks agreed on
+    resumed = run(LAUNCH + [WORKER, str(tmp_path / "a"), str(tmp_path / "ab"), "--strategy", "multi_worker"],
+                  timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"(step {steps[-1]})" in resumed.stdout
+    assert_same_run(tmp_path / "a", uninterrupted_two_processes)
+
+
+def test_a_launcher_killed_outright_takes_its_ranks_along(tmp_path):
+    with Job(LAUNCH + [WORKER, str(tmp_path / "a"), str(tmp_path / "ab"), "--strategy", "multi_worker",
+                       "--slow", "0.05"], timeout=300) as job:
+        job.wait_for(r".*step 5$")
+        ranks = job.children()
+        os.kill(job.proc.pid, signal.SIGKILL)  # no handler runs: the kernel sends the ranks SIGTERM
+        end = time.monotonic() + 60
+        while any(alive(pid) for pid in ranks) and time.monotonic() < end:
+            time.sleep(0.2)
+        left = [pid for pid in ranks if alive(pid)]
+        job.kill()
+    assert not left, "ranks outlived a SIGKILLed launcher"

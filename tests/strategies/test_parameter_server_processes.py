@@ -4,6 +4,7 @@ import os
 import re
 import signal
 import sys
+import time
 
 import pytest
 
@@ -120,3 +121,20 @@ def test_sync_mode_across_processes_equals_mirrored_even_when_a_worker_dies(tmp_
     for i, array in enumerate(loaded.get_weights()):
         np.testing.assert_array_equal(array, saved[f"arr_{i}"])
     assert loaded.optimizer.iterations == model.optimizer.iterations
+
+
+def test_a_stopped_parameter_server_ends_the_job_naming_it(tmp_path):
+    """SIGSTOP on the server: its pings stop, the workers give up after --server-timeout, the launcher ends the job."""
+    with Job(LAUNCH + ["--ps", "1", "--workers", "2", "--server-timeout", "8", "--heartbeat-timeout", "120", WORKER,
+                       str(tmp_path / "backup"), "--epochs", "50"], timeout=300) as job:
+        workers = worker_pids(job, 2)
+        job.wait_for(r"\[rank 0\] Epoch 2/50")
+        (server,) = set(job.children()) - set(workers.values())
+        os.kill(server, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        status = job.finish(timeout=90)  # fails the test (and kills the job) if it hangs
+    assert time.monotonic() - stopped_at < 8 + 30
+    assert status == 3, job.stderr[-2000:]
+    assert re.search(r"\[rank [12]\] parameter-server worker pid \d+: the parameter server \(rank 0, which "
+                     r"coordinates the job, at 127\.0\.0\.1:\d+\) sent nothing for 8 s", job.stdout), job.stdout[-3000:]
+    assert re.search(r"\[launch\] worker rank [12] found the parameter server silent", job.stderr), job.stderr[-2000:]
