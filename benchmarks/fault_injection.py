@@ -1,0 +1,311 @@
+"""Injects the faults a training job meets and counts what happened: exact resumes, data lost, hangs.
+
+Every fault is real: processes are killed with SIGKILL or SIGTERM, files Orbax
+wrote are altered, a different model loads the backups, a second job writes into
+the same directory, a backup directory is made read-only, a parameter server is
+stopped with SIGSTOP. Each trial runs the resumable worker of the test suite
+(`tests/workers/train_resumable.py`: an MLP with dropout, EarlyStopping,
+ReduceLROnPlateau and BackupAndRestore) and compares the final weights and History
+bitwise with an uninterrupted run.
+
+    python benchmarks/fault_injection.py [--kills 20] [--seed 0]
+
+Columns: injected (trials), exact (resumed run bitwise equal to the
+uninterrupted one, where the fault allows a resume), data lost (a complete
+backup deleted or altered, or a directory changed by a refused load: must be 0),
+hangs (a process that did not end within its bound: must be 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.join(HERE, "..", "tests")
+sys.path.insert(0, TESTS)
+
+import numpy as np  # noqa: E402
+from processes import LAUNCH, Job  # noqa: E402
+
+WORKER = os.path.join(TESTS, "workers", "train_resumable.py")
+PS_WORKER = os.path.join(TESTS, "workers", "train_ps.py")
+STEPS = 40  # the worker's run: 4 epochs of 10 batches, a backup every 3 steps
+BOUND = 180.0  # seconds any one process may take before it counts as a hang
+
+
+class Hang(Exception):
+    pass
+
+
+def worker(out, backup, *args, stop_at=None, sig=signal.SIGKILL, repeat_signal=False):
+    """Runs the worker; with `stop_at`, sends `sig` when it prints that step. Returns (status, output)."""
+    with Job([sys.executable, WORKER, str(out), str(backup), *args], timeout=BOUND) as job:
+        try:
+            if stop_at is not None:
+                job.wait_for(rf"step {stop_at}$")
+                job.proc.send_signal(sig)
+                while repeat_signal and job.proc.poll() is None:
+                    time.sleep(0.05)
+                    try:
+                        job.proc.send_signal(sig)
+                    except ProcessLookupError:
+                        break
+            status = job.finish()
+        except AssertionError as error:
+            raise Hang(str(error)[:300]) from None
+    return status, job.stdout + job.stderr
+
+
+def result(out):
+    weights = np.load(os.path.join(out, "weights.npz"))
+    with open(os.path.join(out, "history.json")) as f:
+        return [weights[k] for k in sorted(weights.files, key=lambda k: int(k.split("_")[1]))], f.read()
+
+
+def same(a, b) -> bool:
+    (wa, ha), (wb, hb) = result(a), result(b)
+    return ha == hb and len(wa) == len(wb) and all(np.array_equal(x, y) for x, y in zip(wa, wb))
+
+
+def snapshot(directory) -> dict[str, str]:
+    found = {}
+    for root, _, files in os.walk(directory):
+        for name in files:
+            if name != ".meshfit.lock":
+                with open(os.path.join(root, name), "rb") as f:
+                    found[os.path.relpath(os.path.join(root, name), directory)] = hashlib.sha256(f.read()).hexdigest()
+    return found
+
+
+def steps_in(backup) -> list[int]:
+    return sorted(int(p) for p in os.listdir(backup) if p.isdigit()) if os.path.isdir(backup) else []
+
+
+class Tally:
+    def __init__(self):
+        self.rows: dict[str, list[int]] = {}
+
+    def add(self, fault: str, exact: bool | None, lost: bool, hung: bool) -> None:
+        row = self.rows.setdefault(fault, [0, 0, 0, 0, 0])  # injected, exact, exact-applicable, lost, hangs
+        row[0] += 1
+        if exact is not None:
+            row[2] += 1
+            row[1] += int(exact)
+        row[3] += int(lost)
+        row[4] += int(hung)
+        print(f"  {fault}: exact={exact} lost={lost} hung={hung}", flush=True)
+
+    def table(self) -> str:
+        lines = ["| fault | injected | runs exact | data lost | hangs |", "| --- | --- | --- | --- | --- |"]
+        for fault, (n, exact, applicable, lost, hung) in self.rows.items():
+            exact_cell = f"{exact} of {applicable}" if applicable else "n/a"
+            lines.append(f"| {fault} | {n} | {exact_cell} | {lost} | {hung} |")
+        total = [sum(r[i] for r in self.rows.values()) for i in range(5)]
+        lines.append(f"| **all** | {total[0]} | {total[1]} of {total[2]} | {total[3]} | {total[4]} |")
+        return "\n".join(lines)
+
+
+def trial(tally: Tally, fault: str, body) -> None:
+    try:
+        exact, lost = body()
+        tally.add(fault, exact, lost, False)
+    except Hang as error:
+        print(f"  hang: {error}", flush=True)
+        tally.add(fault, None, False, True)
+
+
+def sigkill(base, reference, step):
+    out, backup = base / "out", base / "backup"
+    status, _ = worker(out, backup, "--slow", "0.02", stop_at=step)
+    before = steps_in(backup)
+    status, output = worker(out, backup)
+    lost = status != 0 or (before and "BackupAndRestore: resumed" not in output)
+    return status == 0 and same(out, reference), bool(lost)
+
+
+def corrupt(base, reference, how):
+    """Damages the newest backup after a SIGKILL; the resume must use the one before and keep the damaged one."""
+    out, backup = base / "out", base / "backup"
+    worker(out, backup, "--slow", "0.02", stop_at=20)
+    steps = steps_in(backup)
+    newest = backup / str(steps[-1])
+    data = [os.path.join(r, f) for r, _, fs in os.walk(newest / "state") for f in fs if os.sep + "d" + os.sep in
+            os.path.join(r, f)]
+    if how == "flip 8 bytes in every data file":
+        for path in data:
+            size = os.path.getsize(path)
+            with open(path, "r+b") as f:
+                f.seek(size // 2)
+                chunk = f.read(8)
+                f.seek(size // 2)
+                f.write(bytes(b ^ 0xFF for b in chunk))
+    elif how == "truncate the data files":
+        for path in data:
+            with open(path, "r+b") as f:
+                f.truncate(3)
+    elif how == "delete the array metadata":
+        os.remove(newest / "state" / "_METADATA")
+    elif how == "garble the JSON part":
+        meta = [os.path.join(r, f) for r, _, fs in os.walk(newest / "meta") for f in fs if f == "metadata"][0]
+        with open(meta, "wb") as f:
+            f.write(b"\xff\x00{not json")
+    previous = snapshot(backup / str(steps[-2])) if len(steps) > 1 else {}
+    status, output = worker(out, backup)
+    kept_aside = os.path.isdir(f"{newest}.unreadable")
+    previous_intact = not previous or status == 0  # it was restored, so it was read whole
+    return status == 0 and same(out, reference), not (kept_aside and previous_intact)
+
+
+def mismatch(base, reference):
+    out, backup = base / "out", base / "backup"
+    worker(out, backup, "--slow", "0.02", stop_at=14)
+    before = snapshot(backup)
+    status, output = worker(base / "other", backup, "--hidden", "48")
+    lost = snapshot(backup) != before or status == 0
+    status, _ = worker(out, backup)  # the right model still resumes from them
+    return status == 0 and same(out, reference), lost
+
+
+def sigterm(base, reference, repeat):
+    out, backup = base / "out", base / "backup"
+    status, _ = worker(out, backup, "--slow", "0.02", stop_at=13, sig=signal.SIGTERM, repeat_signal=repeat)
+    lost = status != 143 or not steps_in(backup)
+    status, _ = worker(out, backup)
+    return status == 0 and same(out, reference), lost
+
+
+def sigterm_in_setup(base, reference):
+    out, backup = base / "out", base / "backup"
+    status, _ = worker(out, backup, "--sigterm-in-setup")
+    lost = status != 143 or steps_in(backup) != [1]
+    status, _ = worker(out, backup)
+    return status == 0 and same(out, reference), lost
+
+
+def two_writers(base, reference):
+    out, backup = base / "out", base / "backup"
+    with Job([sys.executable, WORKER, str(out), str(backup), "--slow", "0.25"], timeout=BOUND) as first:
+        try:
+            first.wait_for(r"step 7$")
+            status, output = worker(base / "second", backup)
+            refused = status != 0 and "is being written by another process" in output
+            first_status = first.finish()
+        except AssertionError as error:
+            raise Hang(str(error)[:300]) from None
+    return first_status == 0 and same(out, reference), not refused
+
+
+def read_only(base, reference):
+    backup = base / "backup"
+    backup.mkdir()
+    if subprocess.run(["mount", "--bind", str(backup), str(backup)], capture_output=True).returncode:
+        return None, False  # not root here: skipped
+    try:
+        worker(base / "out", backup, "--slow", "0.02", stop_at=8)
+        before = snapshot(backup)
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(backup)], check=True)
+        start = time.monotonic()
+        status, output = worker(base / "out", backup)
+        if time.monotonic() - start > 60:
+            raise Hang("the read-only case took over 60 s")
+        return None, status == 0 or snapshot(backup) != before
+    finally:
+        subprocess.run(["umount", "-l", str(backup)], capture_output=True)
+
+
+def launcher_sigterm(base, reference_two):
+    out, backup = base / "out", base / "backup"
+    argv = LAUNCH + ["--nprocs", "2", "--devices-per-proc", "2", WORKER, str(out), str(backup),
+                     "--strategy", "multi_worker"]
+    with Job(argv[:4] + ["--grace-period", "60"] + argv[4:] + ["--slow", "0.03"], timeout=BOUND) as job:
+        try:
+            job.wait_for(r".*step 11$")
+            ranks = job.children()
+            job.proc.send_signal(signal.SIGTERM)
+            status = job.finish(timeout=90)
+        except AssertionError as error:
+            raise Hang(str(error)[:300]) from None
+    orphans = [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]
+    if orphans:
+        raise Hang(f"ranks {orphans} outlived the launcher")
+    lost = status != 143 or not steps_in(backup)
+    with Job(argv, timeout=BOUND) as job:
+        try:
+            resumed = job.finish()
+        except AssertionError as error:
+            raise Hang(str(error)[:300]) from None
+    return resumed == 0 and same(out, reference_two), lost
+
+
+def stopped_server(base):
+    argv = LAUNCH + ["--ps", "1", "--workers", "2", "--server-timeout", "8", PS_WORKER, str(base / "backup"),
+                     "--epochs", "50"]
+    with Job(argv, timeout=BOUND) as job:
+        try:
+            pids = {int(m.group(2)) for m in job.wait_for(r"\[rank (\d)\] parameter-server worker pid (\d+)", 2)}
+            job.wait_for(r"\[rank 0\] Epoch 2/50")
+            (server,) = set(job.children()) - pids
+            os.kill(server, signal.SIGSTOP)
+            stopped = time.monotonic()
+            job.finish(timeout=90)
+        except AssertionError as error:
+            raise Hang(str(error)[:300]) from None
+    if time.monotonic() - stopped > 60:
+        raise Hang("the job ran on for over 60 s after its server stopped")
+    return None, False
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kills", type=int, default=20, help="random SIGKILL trials")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    root = tempfile.mkdtemp(prefix="meshfit-faults-")
+    from pathlib import Path
+
+    base = Path(root)
+    tally = Tally()
+    print("reference runs (uninterrupted)", flush=True)
+    status, output = worker(base / "ref", base / "ref-backup")
+    assert status == 0, output[-2000:]
+    with Job(LAUNCH + ["--nprocs", "2", "--devices-per-proc", "2", WORKER, str(base / "ref2"),
+                       str(base / "ref2-backup"), "--strategy", "multi_worker"], timeout=BOUND) as job:
+        assert job.finish() == 0, job.stderr[-2000:]
+    case = iter(range(10 ** 6))
+
+    def fresh():
+        path = base / f"t{next(case)}"
+        path.mkdir()
+        return path
+
+    for _ in range(args.kills):
+        step = rng.randint(2, STEPS - 2)
+        trial(tally, "SIGKILL at a random step", lambda: sigkill(fresh(), base / "ref", step))
+    for how in ("flip 8 bytes in every data file", "truncate the data files", "delete the array metadata",
+                "garble the JSON part"):
+        trial(tally, f"newest backup damaged: {how}", lambda: corrupt(fresh(), base / "ref", how))
+    trial(tally, "resume with a different model", lambda: mismatch(fresh(), base / "ref"))
+    trial(tally, "SIGTERM (preemption)", lambda: sigterm(fresh(), base / "ref", repeat=False))
+    trial(tally, "SIGTERM repeated every 50 ms", lambda: sigterm(fresh(), base / "ref", repeat=True))
+    trial(tally, "SIGTERM while fit sets up", lambda: sigterm_in_setup(fresh(), base / "ref"))
+    trial(tally, "second job on the same backup directory", lambda: two_writers(fresh(), base / "ref"))
+    trial(tally, "backup directory read-only", lambda: read_only(fresh(), base / "ref"))
+    trial(tally, "SIGTERM to `meshfit launch` (2 ranks)", lambda: launcher_sigterm(fresh(), base / "ref2"))
+    trial(tally, "parameter server stopped (SIGSTOP)", lambda: stopped_server(fresh()))
+    shutil.rmtree(root, ignore_errors=True)
+    print()
+    print(tally.table())
+
+
+if __name__ == "__main__":
+    main()
