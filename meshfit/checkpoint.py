@@ -35,6 +35,7 @@ from etils import epath
 from meshfit import integrity
 from meshfit.compat import release_orbax_waiters
 from meshfit.dirlock import LOCK_NAME, DirectoryLock
+from meshfit.trees import path_name
 
 MARKER = "meshfit_checkpoints.json"
 STATE, META = "state", "meta"
@@ -155,7 +156,7 @@ def structure_problems(saved, target, *, partial: bool) -> list[str]:
     """
     def flat(tree):
         leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-        return {integrity.path_name(p): leaf for p, leaf in leaves if hasattr(leaf, "shape")}
+        return {path_name(p): leaf for p, leaf in leaves if hasattr(leaf, "shape")}
 
     have, want = flat(saved), flat(target)
     problems = []

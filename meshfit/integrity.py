@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshfit.trees import path_name
+
 _GOLDEN = 0x9E3779B9
 
 
@@ -32,19 +34,6 @@ class Report(NamedTuple):
 
     def non_finite(self) -> list[str]:
         return [path for path, ok in self.finite.items() if not ok]
-
-
-def path_name(path) -> str:
-    """A pytree path as "a/b/0": the same for dicts, attributes and sequences."""
-    parts = []
-    for key in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-        else:
-            parts.append(str(key))
-    return "/".join(parts)
 
 
 def _mix(h):

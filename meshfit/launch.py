@@ -11,8 +11,10 @@ No rank outlives the launcher: SIGTERM, SIGINT or SIGHUP to the launcher (a
 scheduler preempting the job) is passed on to every rank as SIGTERM, the
 ranks get `--grace-period` seconds to write their preemption backups, what
 is left is killed, and the launcher exits with 128 + the signal (143 for
-SIGTERM). A launcher killed outright takes its ranks along (they get SIGTERM
-from the kernel). A rank stopped (SIGSTOP) for longer than the heartbeat
+SIGTERM). A launcher killed outright takes its ranks along: the kernel kills
+them (their output would have nowhere to go, and a rank failing on that alone
+could leave the other waiting in a collective); the last periodic backup is
+what is left. A rank stopped (SIGSTOP) for longer than the heartbeat
 timeout is treated as hung and ends the job.
 """
 
@@ -131,7 +133,7 @@ def _pump(stream, rank: int, out) -> None:
 
 
 def _die_with_parent():
-    """A `preexec_fn` asking the kernel to SIGTERM the child when the launcher dies (Linux)."""
+    """A `preexec_fn` asking the kernel to SIGKILL the child when the launcher dies (Linux)."""
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
@@ -139,7 +141,7 @@ def _die_with_parent():
     pr_set_pdeathsig = 1
 
     def arm():  # runs in the child between fork and exec: no allocation, no locks
-        prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+        prctl(pr_set_pdeathsig, int(signal.SIGKILL))
 
     return arm
 

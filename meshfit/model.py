@@ -28,6 +28,7 @@ from meshfit.state import TrainState
 from meshfit.steps import Steps
 from meshfit.strategies import get_strategy, has_strategy, placement
 from meshfit.summary import format_summary
+from meshfit.trees import path_name
 
 _DEFAULT_BATCH_SIZE = 32
 
@@ -102,7 +103,7 @@ class Model:
     def weight_names(self) -> list[str]:
         """Names of `get_weights()` entries: trainable paths, then non-trainable ones."""
         return [
-            "/".join(_key_name(k) for k in path)
+            path_name(path)
             for tree in self._weight_trees()
             for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
         ]
@@ -454,13 +455,6 @@ def _handles_preemption(callback) -> bool:
     return getattr(callback, "handles_preemption", False) or (
         isinstance(callback, callbacks_lib.Callback)
         and type(callback).on_preemption is not callbacks_lib.Callback.on_preemption)
-
-
-def _key_name(key) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
 
 
 def _describe(spec) -> str:

@@ -160,24 +160,25 @@ def test_damaged_content_is_damage_not_mismatch(tmp_path):
         ckpt.close()
 
 
-def test_a_garbled_marker_says_what_is_wrong_and_what_to_do(tmp_path):
-    trained().save(tmp_path / "m")
-    (tmp_path / "m" / MARKER).write_bytes(b"\xff\xfe\x00 not json")
-    before = snapshot(tmp_path / "m")
-    with pytest.raises(ValueError, match=r"marker file .* is damaged .*rewrite the file as"):
-        mf.load_model(tmp_path / "m", MLP())
-    with pytest.raises(ValueError, match="is damaged"):
-        trained().save(tmp_path / "m", overwrite=True)
-    assert snapshot(tmp_path / "m") == before
+def garble_marker(directory):
+    (directory / MARKER).write_bytes(b"\xff\xfe\x00 not json")
 
 
-def test_a_deleted_marker_says_so_and_how_to_recreate_it(tmp_path):
+def delete_marker(directory):
+    os.remove(directory / MARKER)
+
+
+@pytest.mark.parametrize("damage, error, says", [
+    (garble_marker, ValueError, r"marker file .* is damaged .*rewrite the file as"),
+    (delete_marker, FileNotFoundError, r"holds Orbax checkpoints but not meshfit's marker file .*recreate the marker"),
+])
+def test_a_broken_or_missing_marker_says_what_is_wrong_and_what_to_do(tmp_path, damage, error, says):
     trained().save(tmp_path / "m")
-    os.remove(tmp_path / "m" / MARKER)
+    damage(tmp_path / "m")
     before = snapshot(tmp_path / "m")
-    with pytest.raises(FileNotFoundError, match=r"holds Orbax checkpoints but not meshfit's marker file .*recreate"):
+    with pytest.raises(error, match=says):  # reading
         mf.load_model(tmp_path / "m", MLP())
-    with pytest.raises(FileNotFoundError, match="recreate"):
+    with pytest.raises(error, match=says):  # writing
         trained().save(tmp_path / "m", overwrite=True)
     assert snapshot(tmp_path / "m") == before
 

@@ -23,20 +23,9 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from meshfit.trees import path_name
+
 Rules = Sequence[tuple[str, Any]]
-
-
-def path_name(path) -> str:
-    """'layers/0/kernel' for a pytree key path."""
-    parts = []
-    for key in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-        else:
-            parts.append(str(key))
-    return "/".join(parts)
 
 
 def as_spec(spec) -> P:

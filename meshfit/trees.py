@@ -1,0 +1,16 @@
+"""Small helpers on pytrees shared across the package."""
+
+from __future__ import annotations
+
+
+def path_name(path) -> str:
+    """'layers/0/kernel' for a pytree key path: the same for dict keys, attributes and sequence indices."""
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
