@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from meshfit import __version__
 from meshfit.launch import PREEMPTION_GRACE_SECONDS, LaunchConfig, launch
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshfit", description="meshfit command line tools.")
+    parser.add_argument("--version", action="version", version=f"meshfit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser(
         "launch", help="run a multi-process JAX job on this machine",

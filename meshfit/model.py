@@ -314,10 +314,47 @@ class Model:
             validation_split: float = 0.0, validation_data=None, shuffle: bool = True,
             class_weight=None, sample_weight=None, initial_epoch: int = 0, steps_per_epoch=None,
             validation_steps=None, validation_batch_size=None, validation_freq=1):
-        """Trains the model (Keras's `fit`); returns a `History`.
+        """Trains the model for a number of epochs (Keras's `fit`); returns a `History`.
 
-        `batch_size` is the global batch size. The last partial batch of an
-        epoch is trained on exactly (padded and masked), with no recompilation.
+        The last partial batch of an epoch is trained on exactly (padded and
+        masked), with no recompilation. Every check runs before any state
+        changes.
+
+        Args:
+            x: input data: a numpy/JAX array, a dict, tuple or list of arrays,
+                or an iterable of batches (a generator, a grain dataset)
+                yielding `(x, y)` or `(x, y, sample_weight)`.
+            y: targets, for array `x`; None when `x` yields them.
+            batch_size: the global batch size, split over the strategy's
+                devices and processes (default 32); None for datasets.
+            epochs: the index of the epoch to stop after (with
+                `initial_epoch`, as in Keras: epochs `initial_epoch` to
+                `epochs - 1` run).
+            verbose: "auto" or 1 (progress bar), 2 (a line per epoch), 0 (silent).
+            callbacks: `meshfit.callbacks.Callback` objects; History is added.
+            validation_split: the fraction of array data (taken from the end,
+                before shuffling) held out to validate on after each epoch.
+            validation_data: `(x_val, y_val)`, `(x_val, y_val, sample_weight)`
+                or a dataset, evaluated after each epoch (`val_` logs).
+            shuffle: shuffle array data anew each epoch (seeded by the model's
+                `seed`; passes are numbered across calls of fit).
+            class_weight: `{class: weight}`, multiplied into the sample weights.
+            sample_weight: per-sample weights for array data.
+            initial_epoch: the epoch to start at (to continue an earlier fit).
+            steps_per_epoch: batches per epoch; required for an endless
+                iterator, optional otherwise (an array epoch stops early).
+            validation_steps: batches of `validation_data` per evaluation.
+            validation_batch_size: batch size for array `validation_data`
+                (default: `batch_size`).
+            validation_freq: validate every N epochs (an int) or after the
+                epochs listed (1-based, as in Keras).
+
+        Returns:
+            A `History` whose `.history` maps each log name to its per-epoch values.
+
+        Raises:
+            meshfit.Preempted: after a SIGTERM was handled by a callback
+                that saves (BackupAndRestore); exits with status 143 if uncaught.
         """
         self._check_strategy("fit")
         self._require_compiled("fit")
@@ -384,9 +421,22 @@ class Model:
                  callbacks=None, return_dict: bool = False):
         """Loss and metrics over the data (Keras's `evaluate`).
 
-        Returns a dict with `return_dict=True`; otherwise the loss alone when
-        there are no metrics, else `[loss, *metrics]` in `metrics_names` order.
-        Results over N samples equal the full-batch values, whatever the batch size.
+        Results over N samples equal the full-batch values, whatever the batch
+        size (partial batches are masked).
+
+        Args:
+            x: input data, as for `fit`.
+            y: targets, for array `x`.
+            batch_size: the global batch size (default 32); None for datasets.
+            verbose: "auto" or 1 (progress bar), 2 or 0 (silent).
+            sample_weight: per-sample weights for array data.
+            steps: stop after this many batches (None: the whole data).
+            callbacks: callbacks whose test hooks are called.
+            return_dict: return `{name: value}` instead of a list.
+
+        Returns:
+            A dict with `return_dict=True`; otherwise the loss alone when there
+            are no metrics, else `[loss, *metrics]` in `metrics_names` order.
         """
         self._check_strategy("evaluate")
         self._require_compiled("evaluate")
@@ -406,7 +456,21 @@ class Model:
         return values[0] if len(values) == 1 else values
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
-        """Model outputs for `x` as numpy (Keras's `predict`), exact on partial batches."""
+        """Model outputs for `x` as numpy (Keras's `predict`), exact on partial batches.
+
+        Works without `compile` (as in Keras).
+
+        Args:
+            x: input data: arrays or an iterable of batches (targets, if any, are ignored).
+            batch_size: the global batch size (default 32); None for datasets.
+            verbose: "auto" or 1 (progress bar), 2 or 0 (silent).
+            steps: stop after this many batches (None: the whole data).
+            callbacks: callbacks whose predict hooks are called.
+
+        Returns:
+            The outputs for every input row, as numpy arrays (a pytree of them
+            for a module with several outputs).
+        """
         self._check_strategy("predict")
         verbose = _verbose(verbose)
         data = self._make_data(x, None, None, batch_size, steps=None, what="predict")

@@ -114,3 +114,10 @@ def test_a_stopped_rank_ends_the_job_within_the_heartbeat_timeout():
 def test_launch_help_shows_the_defaults():
     result = run(launch_cmd("--help"), timeout=60)
     assert "(default: 60.0)" in result.stdout and "--grace-period" in result.stdout
+
+
+def test_version():
+    import meshfit
+
+    result = run([sys.executable, "-m", "meshfit.cli", "--version"], timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == f"meshfit {meshfit.__version__}"

@@ -27,6 +27,12 @@ class Callback:
     #: True if the epoch hooks of this class (not its subclasses) take device
     #: scalars as they come and read them later.
     accepts_device_logs = False
+    #: True for callbacks that save training state (BackupAndRestore): they run after
+    #: the others, and their presence arms the SIGTERM handler for `on_preemption`.
+    handles_preemption = False
+
+    def close(self) -> None:
+        """Finishes background work (an asynchronous save); called when `fit` ends, also by an error."""
 
     def __init__(self):
         self.model = None
@@ -46,34 +52,136 @@ class Callback:
         del state
 
     # Training.
-    def on_train_begin(self, logs=None): ...
-    def on_train_end(self, logs=None): ...
-    def on_epoch_begin(self, epoch, logs=None): ...
-    def on_epoch_end(self, epoch, logs=None): ...
+    def on_train_begin(self, logs=None):
+        """Called once at the start of `fit`, before any step (BackupAndRestore restores here).
+
+        Args:
+            logs: an empty dict (reserved).
+        """
+
+    def on_train_end(self, logs=None):
+        """Called once at the end of `fit`, also after an early stop.
+
+        Args:
+            logs: the last epoch's logs.
+        """
+
+    def on_epoch_begin(self, epoch, logs=None):
+        """Called at the start of each epoch.
+
+        Args:
+            epoch: the epoch's index (0-based; from `initial_epoch` on).
+            logs: an empty dict (reserved).
+        """
+
+    def on_epoch_end(self, epoch, logs=None):
+        """Called at the end of each epoch, after validation.
+
+        Args:
+            epoch: the epoch's index.
+            logs: the epoch's training logs (`loss`, metrics) and `val_` logs,
+                as Python floats (device scalars when every callback declares
+                `accepts_device_logs`).
+        """
+
     def on_train_batch_begin(self, batch, logs=None):
+        """Called before each training step (each execution with `steps_per_execution`).
+
+        Args:
+            batch: the batch's index within the epoch.
+            logs: an empty dict (reserved).
+        """
         self.on_batch_begin(batch, logs=logs)
 
     def on_train_batch_end(self, batch, logs=None):
+        """Called after each training step (each execution with `steps_per_execution`).
+
+        Args:
+            batch: the index within the epoch of the last batch the step trained on.
+            logs: the running epoch logs as device scalars: reading one waits
+                for that step.
+        """
         self.on_batch_end(batch, logs=logs)
 
     # Evaluation.
-    def on_test_begin(self, logs=None): ...
-    def on_test_end(self, logs=None): ...
-    def on_test_batch_begin(self, batch, logs=None): ...
-    def on_test_batch_end(self, batch, logs=None): ...
+    def on_test_begin(self, logs=None):
+        """Called at the start of `evaluate` (and of validation within `fit`).
+
+        Args:
+            logs: an empty dict (reserved).
+        """
+
+    def on_test_end(self, logs=None):
+        """Called at the end of `evaluate` or validation.
+
+        Args:
+            logs: the evaluation's results, as Python floats.
+        """
+
+    def on_test_batch_begin(self, batch, logs=None):
+        """Called before each evaluation step.
+
+        Args:
+            batch: the batch's index.
+            logs: an empty dict (reserved).
+        """
+
+    def on_test_batch_end(self, batch, logs=None):
+        """Called after each evaluation step.
+
+        Args:
+            batch: the batch's index.
+            logs: the running results as device scalars.
+        """
 
     # Prediction.
-    def on_predict_begin(self, logs=None): ...
-    def on_predict_end(self, logs=None): ...
-    def on_predict_batch_begin(self, batch, logs=None): ...
-    def on_predict_batch_end(self, batch, logs=None): ...
+    def on_predict_begin(self, logs=None):
+        """Called at the start of `predict`.
 
-    # meshfit: the loop stops for a preemption (SIGTERM) after this returns.
-    def on_preemption(self, epoch, batch): ...
+        Args:
+            logs: an empty dict (reserved).
+        """
+
+    def on_predict_end(self, logs=None):
+        """Called at the end of `predict`.
+
+        Args:
+            logs: an empty dict (reserved).
+        """
+
+    def on_predict_batch_begin(self, batch, logs=None):
+        """Called before each prediction step.
+
+        Args:
+            batch: the batch's index.
+            logs: an empty dict (reserved).
+        """
+
+    def on_predict_batch_end(self, batch, logs=None):
+        """Called after each prediction step.
+
+        Args:
+            batch: the batch's index.
+            logs: `{"outputs": ...}`, the batch's outputs on the devices.
+        """
+
+    def on_preemption(self, epoch, batch):
+        """meshfit: called when training stops for a preemption (SIGTERM), before `Preempted` is raised.
+
+        Every process calls it at the same step. A callback that saves here
+        should set `handles_preemption = True` (it then runs after the others).
+
+        Args:
+            epoch: the epoch the stop falls in.
+            batch: how many batches of that epoch were trained.
+        """
 
     # Keras 2 aliases, still called by much user code.
-    def on_batch_begin(self, batch, logs=None): ...
-    def on_batch_end(self, batch, logs=None): ...
+    def on_batch_begin(self, batch, logs=None):
+        """Keras 2 alias of `on_train_batch_begin` (called by its default)."""
+
+    def on_batch_end(self, batch, logs=None):
+        """Keras 2 alias of `on_train_batch_end` (called by its default)."""
 
 
 _HOOKS = [
