@@ -77,8 +77,10 @@ def main():
     y = rng.integers(0, 10, len(x)).astype(np.int32)
     model = make_model()
     state_bytes = sum(a.nbytes for a in jax.tree.leaves((model._state.params, model._state.opt_state)))
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {os.cpu_count()} cpus; "
-          f"state {state_bytes / 1e6:.0f} MB; {args.steps} steps, a checkpoint every {args.every}")
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {os.cpu_count()} cpus; "
+        f"state {state_bytes / 1e6:.0f} MB; {args.steps} steps, a checkpoint every {args.every}"
+    )
     timed_fit(model, x[:64], y[:64], [])  # compile
     root = tempfile.mkdtemp(prefix="meshfit-bench-")
     saves = args.steps // args.every
@@ -90,8 +92,9 @@ def main():
                 callbacks = []
                 if kind != "none":
                     path = os.path.join(root, f"{kind}{r}")
-                    callbacks = [TimedCheckpoint(path, save_freq=args.every, max_to_keep=2,
-                                                 async_save=(kind == "async"))]
+                    callbacks = [
+                        TimedCheckpoint(path, save_freq=args.every, max_to_keep=2, async_save=(kind == "async"))
+                    ]
                 results[kind].append(timed_fit(model, x, y, callbacks))
                 if callbacks:
                     blocked[kind] += callbacks[0].blocked
@@ -99,9 +102,11 @@ def main():
         print(f"  no checkpoints: {base:.2f} s")
         for kind in ("async", "sync"):
             total = statistics.median(results[kind])
-            print(f"  {kind:5s}: loop blocked {statistics.median(blocked[kind]) * 1e3:7.1f} ms per checkpoint "
-                  f"(median of {len(blocked[kind])}); whole fit {total:.2f} s, "
-                  f"{(total - base) / saves * 1e3:.0f} ms more per checkpoint than none")
+            print(
+                f"  {kind:5s}: loop blocked {statistics.median(blocked[kind]) * 1e3:7.1f} ms per checkpoint "
+                f"(median of {len(blocked[kind])}); whole fit {total:.2f} s, "
+                f"{(total - base) / saves * 1e3:.0f} ms more per checkpoint than none"
+            )
         ratio = statistics.median(blocked["async"]) / statistics.median(blocked["sync"])
         print(f"  blocked async / blocked sync = {ratio:.3f}")
 
@@ -116,8 +121,10 @@ def main():
         loaded = mf.load_model(os.path.join(root, "saved"), Wide())
         jax.block_until_ready(loaded._state)
         t_model = time.perf_counter() - t0
-        print(f"  restore: load_weights {t_weights:.2f} s ({state_bytes / 3 / 1e6:.0f} MB of weights), "
-              f"load_model {t_model:.2f} s ({state_bytes / 1e6:.0f} MB incl. optimizer state)")
+        print(
+            f"  restore: load_weights {t_weights:.2f} s ({state_bytes / 3 / 1e6:.0f} MB of weights), "
+            f"load_model {t_model:.2f} s ({state_bytes / 1e6:.0f} MB incl. optimizer state)"
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

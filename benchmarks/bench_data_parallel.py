@@ -52,7 +52,7 @@ def raw_epochs(sizes, x, y, batch, epochs, strategy):
         for _ in range(epochs):
             order = rng.permutation(len(x))
             for i in range(steps):
-                idx = order[i * batch:(i + 1) * batch]
+                idx = order[i * batch : (i + 1) * batch]
                 xb, yb = jax.device_put((x[idx], y[idx]), sharded)
                 state = step(state, xb, yb)
                 if i % 8 == 7:  # bound the steps in flight, as meshfit does
@@ -93,8 +93,10 @@ def main():
     parser.add_argument("--batch", type=int, default=256, help="global batch size")
     args = parser.parse_args()
     sizes, steps_per_epoch = (784, 512, 512, 10), 32
-    print(f"jax {jax.__version__}, {len(jax.devices())} x {jax.devices()[0].device_kind} "
-          f"({jax.default_backend()}), {os.cpu_count()} cpus")
+    print(
+        f"jax {jax.__version__}, {len(jax.devices())} x {jax.devices()[0].device_kind} "
+        f"({jax.default_backend()}), {os.cpu_count()} cpus"
+    )
     x, y = make_data(args.batch * steps_per_epoch, sizes[0], sizes[-1])
     strategy = mf.strategies.MirroredStrategy()
     model = meshfit_model(sizes, strategy)
@@ -114,8 +116,10 @@ def main():
             times[k].append(time.perf_counter() - t0)
     steps = steps_per_epoch * args.epochs
     sps = {k: steps / statistics.median(v) for k, v in times.items()}
-    print(f"\nMLP {'-'.join(map(str, sizes))}, global batch {args.batch} on {strategy.num_replicas_in_sync} "
-          f"replicas, {steps} steps/run, median of {args.repeats}")
+    print(
+        f"\nMLP {'-'.join(map(str, sizes))}, global batch {args.batch} on {strategy.num_replicas_in_sync} "
+        f"replicas, {steps} steps/run, median of {args.repeats}"
+    )
     for k, v in sps.items():
         print(f"  {k:8s} {v:8.1f} steps/s  {1e3 / v:7.2f} ms/step")
     print(f"  ratio meshfit/raw = {sps['meshfit'] / sps['raw']:.3f}  (target >= 0.95)")
@@ -125,8 +129,10 @@ def main():
     hlo = runner._train_staged.lower(model._state, staged.block, staged.index).compile().as_text()
     reduced, n_reduce, n_gather = collective_bytes(hlo)
     param_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(model.params))
-    print(f"\nall-reduce: {n_reduce} op(s), {reduced:,} bytes per step; parameters {param_bytes:,} bytes; "
-          f"ratio {reduced / param_bytes:.4f} (target 1.0); all-gathers: {n_gather}")
+    print(
+        f"\nall-reduce: {n_reduce} op(s), {reduced:,} bytes per step; parameters {param_bytes:,} bytes; "
+        f"ratio {reduced / param_bytes:.4f} (target 1.0); all-gathers: {n_gather}"
+    )
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import meshfit as mf
 
 class MLP(nnx.Module):
     def __init__(self, sizes, *, rngs):
-        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:])])
+        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:], strict=True)])
 
     def __call__(self, x):
         for layer in self.layers[:-1]:
@@ -82,8 +82,9 @@ def raw_epochs(sizes, x, y, batch, epochs, scan_steps=1):
     if scan_steps == 1:
         run = jax.jit(step, donate_argnums=0)
     else:
-        run = jax.jit(lambda s, xs, ys: jax.lax.scan(lambda c, b: (step(c, *b), None), s, (xs, ys))[0],
-                      donate_argnums=0)
+        run = jax.jit(
+            lambda s, xs, ys: jax.lax.scan(lambda c, b: (step(c, *b), None), s, (xs, ys))[0], donate_argnums=0
+        )
     steps = len(x) // batch
     rng = np.random.default_rng(0)
 
@@ -92,7 +93,7 @@ def raw_epochs(sizes, x, y, batch, epochs, scan_steps=1):
         for _ in range(epochs):
             order = rng.permutation(len(x))
             for i in range(0, steps, scan_steps):
-                idx = order[i * batch:(i + scan_steps) * batch]
+                idx = order[i * batch : (i + scan_steps) * batch]
                 xb, yb = x[idx], y[idx]
                 if scan_steps > 1:
                     xb, yb = xb.reshape(scan_steps, batch, -1), yb.reshape(scan_steps, batch)
@@ -104,8 +105,11 @@ def raw_epochs(sizes, x, y, batch, epochs, scan_steps=1):
 
 def meshfit_epochs(sizes, x, y, batch, epochs, steps_per_execution=1):
     model = mf.Model(MLP(sizes, rngs=nnx.Rngs(0)))
-    model.compile(optimizer=optimizer(), loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  steps_per_execution=steps_per_execution)
+    model.compile(
+        optimizer=optimizer(),
+        loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+        steps_per_execution=steps_per_execution,
+    )
 
     def go():
         model.fit(x, y, batch_size=batch, epochs=epochs, verbose=0)
@@ -123,8 +127,9 @@ def keras_epochs(sizes, x, y, batch, epochs):
     layers = [keras.Input((sizes[0],))]
     layers += [keras.layers.Dense(s, activation="relu") for s in sizes[1:-1]] + [keras.layers.Dense(sizes[-1])]
     model = keras.Sequential(layers)
-    model.compile(optimizer=keras.optimizers.Adam(1e-3),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
 
     def go():
         model.fit(x, y, batch_size=batch, epochs=epochs, verbose=0)
@@ -138,7 +143,7 @@ def paired_ratio(times: dict, ours: str, baseline: str) -> float:
     Less sensitive than the ratio of medians to the machine's speed drifting
     between rounds (short runs on a shared 2-core machine).
     """
-    return statistics.median(b / o for b, o in zip(times[baseline], times[ours]))
+    return statistics.median(b / o for b, o in zip(times[baseline], times[ours], strict=True))
 
 
 def bench(name, sizes, batch, steps_per_epoch, epochs, repeats):
@@ -165,10 +170,14 @@ def bench(name, sizes, batch, steps_per_epoch, epochs, repeats):
     print(f"\n{name}: batch {batch}, {steps_per_epoch} steps/epoch, {epochs} epochs/run, median of {repeats}")
     for k, v in sps.items():
         print(f"  {k:14s} {v:10.1f} steps/s   {1e6 / v:8.1f} us/step")
-    print(f"  ratio meshfit/raw               = {sps['meshfit'] / sps['raw']:.3f}  (target >= 0.95)"
-          f"   paired: {paired_ratio(times, 'meshfit', 'raw'):.3f}")
-    print(f"  ratio meshfit_spe32/raw_scan32  = {sps['meshfit_spe32'] / sps['raw_scan32']:.3f}  (target >= 0.95)"
-          f"   paired: {paired_ratio(times, 'meshfit_spe32', 'raw_scan32'):.3f}")
+    print(
+        f"  ratio meshfit/raw               = {sps['meshfit'] / sps['raw']:.3f}  (target >= 0.95)"
+        f"   paired: {paired_ratio(times, 'meshfit', 'raw'):.3f}"
+    )
+    print(
+        f"  ratio meshfit_spe32/raw_scan32  = {sps['meshfit_spe32'] / sps['raw_scan32']:.3f}  (target >= 0.95)"
+        f"   paired: {paired_ratio(times, 'meshfit_spe32', 'raw_scan32'):.3f}"
+    )
     if "keras" in sps:
         print(f"  ratio meshfit/keras             = {sps['meshfit'] / sps['keras']:.3f}")
     return sps
@@ -179,12 +188,19 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--only", choices=["large", "tiny"], help="run one of the two models")
-    parser.add_argument("--tiny-steps-per-epoch", type=int, nargs="+", default=[512, 128],
-                        help="epoch lengths of the tiny MLP's runs: 512 measures throughput; 128 makes a fit "
-                             "last about 10 ms, so fit's fixed costs (setup, epoch ends) weigh too")
+    parser.add_argument(
+        "--tiny-steps-per-epoch",
+        type=int,
+        nargs="+",
+        default=[512, 128],
+        help="epoch lengths of the tiny MLP's runs: 512 measures throughput; 128 makes a fit "
+        "last about 10 ms, so fit's fixed costs (setup, epoch ends) weigh too",
+    )
     args = parser.parse_args()
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}), "
-          f"{os.cpu_count()} cpus, {platform.processor() or platform.machine()}")
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}), "
+        f"{os.cpu_count()} cpus, {platform.processor() or platform.machine()}"
+    )
     if args.only != "tiny":
         bench("MLP 784-512-512-10", (784, 512, 512, 10), 128, 64, args.epochs, args.repeats)
     if args.only != "large":
@@ -194,5 +210,3 @@ def main():
 
 if __name__ == "__main__":
     main()
-
-

@@ -36,12 +36,22 @@ SIZES = (512, 1024, 1024, 512, 16)
 MESHES = {
     "data=8": ({"data": 8, "fsdp": 1, "tensor": 1}, ()),
     "fsdp=8": ({"data": 1, "fsdp": 8, "tensor": 1}, ()),
-    "fsdp=4 x tensor=2": ({"data": 1, "fsdp": 4, "tensor": 2}, (
-        (r"layers/0/kernel", ("fsdp", "tensor")), (r"layers/0/bias", ("tensor",)),
-        (r"layers/1/kernel", ("tensor", "fsdp")))),
-    "data=2 x fsdp=2 x tensor=2": ({"data": 2, "fsdp": 2, "tensor": 2}, (
-        (r"layers/0/kernel", ("fsdp", "tensor")), (r"layers/0/bias", ("tensor",)),
-        (r"layers/1/kernel", ("tensor", "fsdp")))),
+    "fsdp=4 x tensor=2": (
+        {"data": 1, "fsdp": 4, "tensor": 2},
+        (
+            (r"layers/0/kernel", ("fsdp", "tensor")),
+            (r"layers/0/bias", ("tensor",)),
+            (r"layers/1/kernel", ("tensor", "fsdp")),
+        ),
+    ),
+    "data=2 x fsdp=2 x tensor=2": (
+        {"data": 2, "fsdp": 2, "tensor": 2},
+        (
+            (r"layers/0/kernel", ("fsdp", "tensor")),
+            (r"layers/0/bias", ("tensor",)),
+            (r"layers/1/kernel", ("tensor", "fsdp")),
+        ),
+    ),
 }
 
 
@@ -50,8 +60,10 @@ def raw_loop(strategy, x, y, batch, epochs):
     params = nnx.to_pure_dict(params)
     tx = optax.adam(1e-3, eps=1e-7)
     mesh = strategy.mesh
-    named = lambda specs: jax.tree.map(lambda s: NamedSharding(mesh, s), specs,  # noqa: E731
-                                       is_leaf=lambda s: isinstance(s, P))
+
+    def named(specs):
+        return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
+
     param_specs = strategy.param_specs(params)
     opt_state = tx.init(params)
     opt_specs = layout.follow_params(opt_state, params, param_specs)
@@ -59,8 +71,12 @@ def raw_loop(strategy, x, y, batch, epochs):
     state = jax.device_put((params, opt_state, np.zeros((), np.float32)), state_shardings)
     batch_sharding = NamedSharding(mesh, P(("data", "fsdp")))
 
-    run = jax.jit(train_step(graphdef, tx), in_shardings=(state_shardings, batch_sharding, batch_sharding),
-                  out_shardings=state_shardings, donate_argnums=0)
+    run = jax.jit(
+        train_step(graphdef, tx),
+        in_shardings=(state_shardings, batch_sharding, batch_sharding),
+        out_shardings=state_shardings,
+        donate_argnums=0,
+    )
     steps = len(x) // batch
     rng = np.random.default_rng(0)
 
@@ -69,7 +85,7 @@ def raw_loop(strategy, x, y, batch, epochs):
         for _ in range(epochs):
             order = rng.permutation(len(x))
             for i in range(steps):
-                idx = order[i * batch:(i + 1) * batch]
+                idx = order[i * batch : (i + 1) * batch]
                 xb, yb = jax.device_put((x[idx], y[idx]), batch_sharding)
                 state = run(state, xb, yb)
                 if i % 8 == 7:
@@ -97,18 +113,21 @@ def main():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((args.batch * args.steps, SIZES[0]), dtype=np.float32)
     y = rng.integers(0, SIZES[-1], len(x)).astype(np.int32)
-    print(f"jax {jax.__version__}, {len(jax.devices())} x {jax.devices()[0].device_kind}, {os.cpu_count()} cpus; "
-          f"MLP {'-'.join(map(str, SIZES))}, global batch {args.batch}, {args.steps} steps/run, "
-          f"median of {args.repeats}")
+    print(
+        f"jax {jax.__version__}, {len(jax.devices())} x {jax.devices()[0].device_kind}, {os.cpu_count()} cpus; "
+        f"MLP {'-'.join(map(str, SIZES))}, global batch {args.batch}, {args.steps} steps/run, "
+        f"median of {args.repeats}"
+    )
     table = []
     for name, (axes, rules) in MESHES.items():
         strategy = mf.strategies.MeshStrategy(axes=axes, rules=rules, min_shard_size=1024)
         with strategy.scope():
             model = mf.Model(MLP(SIZES, rngs=nnx.Rngs(0)))
-            model.compile(optimizer=optax.adam(1e-3, eps=1e-7),
-                          loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model.compile(
+                optimizer=optax.adam(1e-3, eps=1e-7), loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True)
+            )
 
-        def meshfit_go():
+        def meshfit_go(model=model):
             model.fit(x, y, batch_size=args.batch, epochs=args.epochs, verbose=0)
             jax.block_until_ready(model.params)
 
@@ -126,8 +145,10 @@ def main():
         total = sum(a.nbytes for a in jax.tree.leaves(state))
         per_device = bytes_per_device(state)
         table.append((name, total, per_device))
-        print(f"  {name:28s} raw {sps['raw']:6.1f} steps/s  meshfit {sps['meshfit']:6.1f} steps/s  "
-              f"ratio {sps['meshfit'] / sps['raw']:.3f}  paired {paired_ratio(times, 'meshfit', 'raw'):.3f}")
+        print(
+            f"  {name:28s} raw {sps['raw']:6.1f} steps/s  meshfit {sps['meshfit']:6.1f} steps/s  "
+            f"ratio {sps['meshfit'] / sps['raw']:.3f}  paired {paired_ratio(times, 'meshfit', 'raw'):.3f}"
+        )
     print("\n  mesh                          params+opt total   per device   per device / (total/8)")
     for name, total, per_device in table:
         print(f"  {name:28s} {total / 2**20:12.2f} MiB {per_device / 2**20:9.2f} MiB   {per_device / (total / 8):6.3f}")

@@ -42,7 +42,7 @@ def run(mode, x, y, batch, base, epochs):
     with strategy.scope():
         model = mf.Model(MLP(nnx.Rngs(0)))
         model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
-    model.fit(x[:batch * 4], y[:batch * 4], batch_size=batch, epochs=1, verbose=0)  # compile
+    model.fit(x[: batch * 4], y[: batch * 4], batch_size=batch, epochs=1, verbose=0)  # compile
     t0 = time.perf_counter()
     history = model.fit(x, y, batch_size=batch, epochs=epochs, verbose=0)
     return len(x) * epochs / (time.perf_counter() - t0), history
@@ -59,9 +59,11 @@ def main():
     n = args.rows * 4 * args.steps
     x = rng.standard_normal((n, 64), dtype=np.float32)
     y = rng.integers(0, 10, n).astype(np.int32)
-    print(f"jax {jax.__version__}, 4 workers on {jax.devices()[0].device_kind}, {os.cpu_count()} cpus; "
-          f"{args.rows} rows per gradient, simulated {args.base * 1e3:.0f} ms per gradient, straggler "
-          f"{3 * args.base * 1e3:.0f} ms")
+    print(
+        f"jax {jax.__version__}, 4 workers on {jax.devices()[0].device_kind}, {os.cpu_count()} cpus; "
+        f"{args.rows} rows per gradient, simulated {args.base * 1e3:.0f} ms per gradient, straggler "
+        f"{3 * args.base * 1e3:.0f} ms"
+    )
     sync_sps, _ = run("sync", x, y, args.rows * 4, args.base, args.epochs)
     async_sps, history = run("async", x, y, args.rows, args.base, args.epochs)
     print(f"  sync : {sync_sps:9.1f} samples/s")

@@ -73,7 +73,7 @@ def result(out):
 
 def same(a, b) -> bool:
     (wa, ha), (wb, hb) = result(a), result(b)
-    return ha == hb and len(wa) == len(wb) and all(np.array_equal(x, y) for x, y in zip(wa, wb))
+    return ha == hb and len(wa) == len(wb) and all(np.array_equal(x, y) for x, y in zip(wa, wb, strict=True))
 
 
 def snapshot(directory) -> dict[str, str]:
@@ -138,8 +138,12 @@ def corrupt(base, reference, how):
     worker(out, backup, "--slow", "0.02", stop_at=20)
     steps = steps_in(backup)
     newest = backup / str(steps[-1])
-    data = [os.path.join(r, f) for r, _, fs in os.walk(newest / "state") for f in fs if os.sep + "d" + os.sep in
-            os.path.join(r, f)]
+    data = [
+        os.path.join(r, f)
+        for r, _, fs in os.walk(newest / "state")
+        for f in fs
+        if os.sep + "d" + os.sep in os.path.join(r, f)
+    ]
     if how == "flip 8 bytes in every data file":
         for path in data:
             size = os.path.getsize(path)
@@ -224,8 +228,17 @@ def read_only(base, reference):
 
 def launcher_sigterm(base, reference_two):
     out, backup = base / "out", base / "backup"
-    argv = LAUNCH + ["--nprocs", "2", "--devices-per-proc", "2", WORKER, str(out), str(backup),
-                     "--strategy", "multi_worker"]
+    argv = LAUNCH + [
+        "--nprocs",
+        "2",
+        "--devices-per-proc",
+        "2",
+        WORKER,
+        str(out),
+        str(backup),
+        "--strategy",
+        "multi_worker",
+    ]
     with Job(argv[:4] + ["--grace-period", "60"] + argv[4:] + ["--slow", "0.03"], timeout=BOUND) as job:
         try:
             job.wait_for(r".*step 11$")
@@ -247,8 +260,18 @@ def launcher_sigterm(base, reference_two):
 
 
 def stopped_server(base):
-    argv = LAUNCH + ["--ps", "1", "--workers", "2", "--server-timeout", "8", PS_WORKER, str(base / "backup"),
-                     "--epochs", "50"]
+    argv = LAUNCH + [
+        "--ps",
+        "1",
+        "--workers",
+        "2",
+        "--server-timeout",
+        "8",
+        PS_WORKER,
+        str(base / "backup"),
+        "--epochs",
+        "50",
+    ]
     with Job(argv, timeout=BOUND) as job:
         try:
             pids = {int(m.group(2)) for m in job.wait_for(r"\[rank (\d)\] parameter-server worker pid (\d+)", 2)}
@@ -278,10 +301,23 @@ def main() -> None:
     print("reference runs (uninterrupted)", flush=True)
     status, output = worker(base / "ref", base / "ref-backup")
     assert status == 0, output[-2000:]
-    with Job(LAUNCH + ["--nprocs", "2", "--devices-per-proc", "2", WORKER, str(base / "ref2"),
-                       str(base / "ref2-backup"), "--strategy", "multi_worker"], timeout=BOUND) as job:
+    with Job(
+        LAUNCH
+        + [
+            "--nprocs",
+            "2",
+            "--devices-per-proc",
+            "2",
+            WORKER,
+            str(base / "ref2"),
+            str(base / "ref2-backup"),
+            "--strategy",
+            "multi_worker",
+        ],
+        timeout=BOUND,
+    ) as job:
         assert job.finish() == 0, job.stderr[-2000:]
-    case = iter(range(10 ** 6))
+    case = iter(range(10**6))
 
     def fresh():
         path = base / f"t{next(case)}"
@@ -290,10 +326,14 @@ def main() -> None:
 
     for _ in range(args.kills):
         step = rng.randint(2, STEPS - 2)
-        trial(tally, "SIGKILL at a random step", lambda: sigkill(fresh(), base / "ref", step))
-    for how in ("flip 8 bytes in every data file", "truncate the data files", "delete the array metadata",
-                "garble the JSON part"):
-        trial(tally, f"newest backup damaged: {how}", lambda: corrupt(fresh(), base / "ref", how))
+        trial(tally, "SIGKILL at a random step", lambda step=step: sigkill(fresh(), base / "ref", step))
+    for how in (
+        "flip 8 bytes in every data file",
+        "truncate the data files",
+        "delete the array metadata",
+        "garble the JSON part",
+    ):
+        trial(tally, f"newest backup damaged: {how}", lambda how=how: corrupt(fresh(), base / "ref", how))
     trial(tally, "resume with a different model", lambda: mismatch(fresh(), base / "ref"))
     trial(tally, "SIGTERM (preemption)", lambda: sigterm(fresh(), base / "ref", repeat=False))
     trial(tally, "SIGTERM repeated every 50 ms", lambda: sigterm(fresh(), base / "ref", repeat=True))

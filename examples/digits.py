@@ -1,7 +1,7 @@
 """Train an MLP on scikit-learn's bundled 8x8 digits and print the test accuracy.
 
-    python examples/digits.py                      # one device
-    python examples/digits.py --epochs 30 --batch-size 64
+python examples/digits.py                      # one device
+python examples/digits.py --epochs 30 --batch-size 64
 """
 
 from __future__ import annotations
@@ -40,9 +40,17 @@ def load_data(seed: int = 0):
 def make_strategy(name: str):
     if name == "one_device":
         return mf.strategies.OneDeviceStrategy()
-    factory = getattr(mf.strategies, {"mirrored": "MirroredStrategy", "multi_worker": "MultiWorkerMirroredStrategy",
-                                      "mesh": "MeshStrategy", "parameter_server": "ParameterServerStrategy",
-                                      "parameter_server_sync": "ParameterServerStrategy"}.get(name, name), None)
+    factory = getattr(
+        mf.strategies,
+        {
+            "mirrored": "MirroredStrategy",
+            "multi_worker": "MultiWorkerMirroredStrategy",
+            "mesh": "MeshStrategy",
+            "parameter_server": "ParameterServerStrategy",
+            "parameter_server_sync": "ParameterServerStrategy",
+        }.get(name, name),
+        None,
+    )
     if factory is None:
         raise SystemExit(f"Unknown --strategy {name!r}.")
     if name == "parameter_server_sync":
@@ -54,9 +62,11 @@ def main(argv=None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--strategy", default="one_device",
-                        help="one_device (default), mirrored, multi_worker, mesh, parameter_server (async) "
-                             "or parameter_server_sync")
+    parser.add_argument(
+        "--strategy",
+        default="one_device",
+        help="one_device (default), mirrored, multi_worker, mesh, parameter_server (async) or parameter_server_sync",
+    )
     parser.add_argument("--verbose", type=int, default=2)
     args = parser.parse_args(argv)
 
@@ -64,15 +74,19 @@ def main(argv=None) -> float:
     start = time.perf_counter()
     with make_strategy(args.strategy).scope():
         model = mf.Model(MLP(64, 128, 10, rngs=nnx.Rngs(0)))
-        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
-    model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs, validation_split=0.1,
-              verbose=args.verbose)
+        model.compile(
+            optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"]
+        )
+    model.fit(
+        x_train, y_train, batch_size=args.batch_size, epochs=args.epochs, validation_split=0.1, verbose=args.verbose
+    )
     result = model.evaluate(x_test, y_test, verbose=0, return_dict=True)
     elapsed = time.perf_counter() - start
     if model.strategy.is_chief:
-        print(f"test accuracy: {result['accuracy']:.4f}  test loss: {result['loss']:.4f}  "
-              f"({elapsed:.1f} s, {model.strategy!r})")
+        print(
+            f"test accuracy: {result['accuracy']:.4f}  test loss: {result['loss']:.4f}  "
+            f"({elapsed:.1f} s, {model.strategy!r})"
+        )
     return result["accuracy"]
 
 

@@ -30,14 +30,17 @@ def main(argv=None) -> float:
     x_train, x_test, y_train, y_test = load_data()  # every process loads the same arrays ...
     with strategy.scope():
         model = mf.Model(MLP(64, 128, 10, rngs=nnx.Rngs(0)))
-        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
+        model.compile(
+            optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"]
+        )
     # ... and feeds only its own rows of each global batch.
     model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs, validation_split=0.1, verbose=2)
     result = model.evaluate(x_test, y_test, verbose=0, return_dict=True)
     if strategy.is_chief:
-        print(f"test accuracy: {result['accuracy']:.4f} on {strategy.process_count} processes, "
-              f"{strategy.num_replicas_in_sync} replicas")
+        print(
+            f"test accuracy: {result['accuracy']:.4f} on {strategy.process_count} processes, "
+            f"{strategy.num_replicas_in_sync} replicas"
+        )
     return result["accuracy"]
 
 

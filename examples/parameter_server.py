@@ -31,8 +31,9 @@ def main(argv=None) -> float:
     x_train, x_test, y_train, y_test = load_data()
     with strategy.scope():
         model = mf.Model(MLP(64, 128, 10, rngs=nnx.Rngs(0)))
-        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
+        model.compile(
+            optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"]
+        )
     model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs, verbose=2)
     result = model.evaluate(x_test, y_test, verbose=0, return_dict=True)
     print(f"test accuracy: {result['accuracy']:.4f}")

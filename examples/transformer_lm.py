@@ -75,8 +75,17 @@ VOCAB = 256  # bytes
 
 # A fixed, sorted list of standard-library modules: ~440 KB of Python source.
 # Modules missing from some Python version are skipped; `--max-bytes` truncates.
-CORPUS_MODULES = ("argparse.py", "dataclasses.py", "difflib.py", "functools.py", "heapq.py",
-                  "pathlib.py", "shutil.py", "string.py", "textwrap.py")
+CORPUS_MODULES = (
+    "argparse.py",
+    "dataclasses.py",
+    "difflib.py",
+    "functools.py",
+    "heapq.py",
+    "pathlib.py",
+    "shutil.py",
+    "string.py",
+    "textwrap.py",
+)
 
 
 # -- data ----------------------------------------------------------------------------------------
@@ -166,8 +175,17 @@ class Block(nnx.Module):
 class TransformerLM(nnx.Module):
     """Decoder-only transformer: (batch, time) int tokens -> (batch, time, vocab) logits."""
 
-    def __init__(self, *, vocab: int = VOCAB, context: int = 64, layers: int = 2, d_model: int = 128,
-                 heads: int = 4, tied: bool = True, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        *,
+        vocab: int = VOCAB,
+        context: int = 64,
+        layers: int = 2,
+        d_model: int = 128,
+        heads: int = 4,
+        tied: bool = True,
+        rngs: nnx.Rngs,
+    ):
         self.context = context
         self.tied = tied
         embed_init = nnx.initializers.normal(0.02)
@@ -234,7 +252,7 @@ def sample(module: TransformerLM, prompt: str, length: int, temperature: float =
     for _ in range(length):
         recent = tokens[-context:]
         window = np.zeros((1, context), np.int32)
-        window[0, :len(recent)] = recent
+        window[0, : len(recent)] = recent
         logits = np.asarray(next_logits(state, window, len(recent) - 1), np.float64)
         if temperature <= 0:
             token = int(np.argmax(logits))
@@ -249,16 +267,21 @@ def sample(module: TransformerLM, prompt: str, length: int, temperature: float =
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mesh", default=None,
-                        help='data,fsdp,tensor sizes; one may be -1 (default "1,4,2" on 8 devices, else "-1,1,1")')
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--mesh",
+        default=None,
+        help='data,fsdp,tensor sizes; one may be -1 (default "1,4,2" on 8 devices, else "-1,1,1")',
+    )
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--context", type=int, default=64, help="bytes per training window")
-    parser.add_argument("--untied-head", action="store_true", help="a separate output projection "
-                        "instead of reusing the token embedding")
+    parser.add_argument(
+        "--untied-head", action="store_true", help="a separate output projection instead of reusing the token embedding"
+    )
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=32, help="global batch size (windows)")
     parser.add_argument("--steps-per-epoch", type=int, default=100)
@@ -271,8 +294,12 @@ def parse_args(argv=None):
     parser.add_argument("--temperature", type=float, default=0.8, help="0 samples greedily")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", type=int, default=2)
-    parser.add_argument("--host-devices", type=int, default=DEFAULT_HOST_DEVICES,
-                        help="simulated CPU devices when run as a script without XLA_FLAGS (0: off)")
+    parser.add_argument(
+        "--host-devices",
+        type=int,
+        default=DEFAULT_HOST_DEVICES,
+        help="simulated CPU devices when run as a script without XLA_FLAGS (0: off)",
+    )
     return parser.parse_args(argv)
 
 
@@ -282,7 +309,7 @@ def parse_mesh(text: str | None) -> dict[str, int]:
     sizes = [int(s) for s in text.split(",")]
     if len(sizes) != 3:
         raise SystemExit(f"--mesh takes three sizes data,fsdp,tensor. Received: {text!r}.")
-    return dict(zip(("data", "fsdp", "tensor"), sizes))
+    return dict(zip(("data", "fsdp", "tensor"), sizes, strict=True))
 
 
 def main(argv=None) -> dict:
@@ -296,31 +323,55 @@ def main(argv=None) -> dict:
     strategy = mf.strategies.MeshStrategy(axes=parse_mesh(args.mesh), rules=sharding_rules(tied))
     chief = strategy.is_chief
     if chief:
-        print(f"{len(text):,} bytes of stdlib source -> {len(x_train):,} train / {len(x_val):,} validation "
-              f"windows of {args.context} bytes; {jax.device_count()} devices ({jax.devices()[0].platform})")
+        print(
+            f"{len(text):,} bytes of stdlib source -> {len(x_train):,} train / {len(x_val):,} validation "
+            f"windows of {args.context} bytes; {jax.device_count()} devices ({jax.devices()[0].platform})"
+        )
     with strategy.scope():
-        module = TransformerLM(context=args.context, layers=args.layers, d_model=args.d_model,
-                               heads=args.heads, tied=tied, rngs=nnx.Rngs(args.seed))
+        module = TransformerLM(
+            context=args.context,
+            layers=args.layers,
+            d_model=args.d_model,
+            heads=args.heads,
+            tied=tied,
+            rngs=nnx.Rngs(args.seed),
+        )
         model = mf.Model(module, seed=args.seed)
-        model.compile(optimizer=mf.optimizers.get("adam", learning_rate=args.learning_rate),
-                      loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      steps_per_execution=args.steps_per_execution)
+        model.compile(
+            optimizer=mf.optimizers.get("adam", learning_rate=args.learning_rate),
+            loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+            steps_per_execution=args.steps_per_execution,
+        )
     if chief:
         model.summary()
-    history = model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs,
-                        steps_per_epoch=args.steps_per_epoch, validation_data=(x_val, y_val),
-                        validation_steps=args.validation_steps, verbose=args.verbose)
+    history = model.fit(
+        x_train,
+        y_train,
+        batch_size=args.batch_size,
+        epochs=args.epochs,
+        steps_per_epoch=args.steps_per_epoch,
+        validation_data=(x_val, y_val),
+        validation_steps=args.validation_steps,
+        verbose=args.verbose,
+    )
     losses = history.history["loss"]
     val_losses = history.history["val_loss"]
     text_out = sample(model.module, args.prompt, args.sample_len, args.temperature, args.seed)
     elapsed = time.perf_counter() - start
     if chief:
-        print(f"train loss {losses[0]:.3f} -> {losses[-1]:.3f}, validation loss {val_losses[0]:.3f} -> "
-              f"{val_losses[-1]:.3f} nats/byte ({elapsed:.1f} s, {strategy!r})")
+        print(
+            f"train loss {losses[0]:.3f} -> {losses[-1]:.3f}, validation loss {val_losses[0]:.3f} -> "
+            f"{val_losses[-1]:.3f} nats/byte ({elapsed:.1f} s, {strategy!r})"
+        )
         print(f"--- sample (prompt {args.prompt!r}, temperature {args.temperature}) ---")
         print(text_out)
-    return {"history": history.history, "val_loss": val_losses[-1], "sample": text_out, "model": model,
-            "seconds": elapsed}
+    return {
+        "history": history.history,
+        "val_loss": val_losses[-1],
+        "sample": text_out,
+        "model": model,
+        "seconds": elapsed,
+    }
 
 
 if __name__ == "__main__":

@@ -7,4 +7,17 @@ from meshfit.saving import load_model
 
 __version__ = "0.1.0"
 
-__all__ = ["Model", "load_model", "Preempted", "PREEMPTED_EXIT_CODE", "callbacks", "cluster", "data", "losses", "metrics", "optimizers", "strategies", "__version__"]
+__all__ = [
+    "Model",
+    "load_model",
+    "Preempted",
+    "PREEMPTED_EXIT_CODE",
+    "callbacks",
+    "cluster",
+    "data",
+    "losses",
+    "metrics",
+    "optimizers",
+    "strategies",
+    "__version__",
+]

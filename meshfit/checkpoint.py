@@ -79,11 +79,14 @@ def decode(restored, template):
     """Wraps raw key data back into typed keys where the template has keys."""
     return jax.tree.map(
         lambda new, old: jax.random.wrap_key_data(new, impl=jax.random.key_impl(old)) if is_key(old) else new,
-        restored, template)
+        restored,
+        template,
+    )
 
 
 def abstract(template):
     """Shape, dtype and sharding of each leaf: the target layout of a restore."""
+
     def one(leaf):
         sharding = getattr(leaf, "sharding", None)
         return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding)
@@ -107,8 +110,9 @@ def read_marker(directory: str) -> dict | None:
             raise FileNotFoundError(
                 f"{directory!r} holds Orbax checkpoints but not meshfit's marker file {MARKER} (deleted?), which "
                 "records what kind of checkpoints they are. Nothing was changed. If meshfit wrote them, recreate "
-                f"the marker, e.g. `echo '{{\"kind\": \"backup\", \"format\": 1}}' > {marker}` (kind: backup for "
-                "BackupAndRestore, checkpoint for ModelCheckpoint, model for model.save, weights for save_weights).")
+                f'the marker, e.g. `echo \'{{"kind": "backup", "format": 1}}\' > {marker}` (kind: backup for '
+                "BackupAndRestore, checkpoint for ModelCheckpoint, model for model.save, weights for save_weights)."
+            )
         return None
     try:
         with open(marker, "rb") as f:
@@ -119,8 +123,9 @@ def read_marker(directory: str) -> dict | None:
         raise ValueError(
             f"meshfit's marker file {marker} is damaged ({type(error).__name__}: {str(error)[:120]}). It records "
             "what kind of checkpoints the directory holds; nothing was changed. If the directory holds meshfit "
-            "checkpoints, rewrite the file as `{\"kind\": \"backup\", \"format\": 1}` (kind: backup, checkpoint, "
-            "model or weights); otherwise choose another directory.") from None
+            'checkpoints, rewrite the file as `{"kind": "backup", "format": 1}` (kind: backup, checkpoint, '
+            "model or weights); otherwise choose another directory."
+        ) from None
     return found
 
 
@@ -137,11 +142,13 @@ def check_directory(directory: str, kind: str) -> None:
     if marker is None:
         raise FileExistsError(
             f"{kind} directory {directory!r} already holds files meshfit did not write ({sorted(entries)[:5]}). "
-            "meshfit never writes into such a directory; choose a new or empty one.")
+            "meshfit never writes into such a directory; choose a new or empty one."
+        )
     if marker["kind"] != kind:
         raise FileExistsError(
             f"Directory {directory!r} holds meshfit {marker['kind']} checkpoints, not {kind} ones; "
-            "choose another directory.")
+            "choose another directory."
+        )
 
 
 def _describe(leaf) -> str:
@@ -154,6 +161,7 @@ def structure_problems(saved, target, *, partial: bool) -> list[str]:
     With `partial`, arrays saved but not in `target` are fine (loading weights
     from a checkpoint that also holds optimizer state).
     """
+
     def flat(tree):
         leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
         return {path_name(p): leaf for p, leaf in leaves if hasattr(leaf, "shape")}
@@ -188,8 +196,15 @@ class CheckpointDir:
         read_only: only read: nothing is created, locked or written (loading).
     """
 
-    def __init__(self, directory: str, kind: str, *, max_to_keep: int | None = 2, async_save: bool = True,
-                 read_only: bool = False):
+    def __init__(
+        self,
+        directory: str,
+        kind: str,
+        *,
+        max_to_keep: int | None = 2,
+        async_save: bool = True,
+        read_only: bool = False,
+    ):
         self.directory = os.path.abspath(os.fspath(directory))
         self.kind = kind
         self.read_only = read_only
@@ -206,9 +221,11 @@ class CheckpointDir:
                 except OSError as error:
                     raise CheckpointWriteError(
                         f"Cannot write {kind} checkpoints into {self.directory!r}: {error}. Check that it is "
-                        "writable (not a read-only mount) and has free space.") from error
-            options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
-                                                   enable_async_checkpointing=async_save)
+                        "writable (not a read-only mount) and has free space."
+                    ) from error
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save
+            )
         try:
             if not read_only and jax.process_index() == 0:
                 marker = os.path.join(self.directory, MARKER)
@@ -242,10 +259,19 @@ class CheckpointDir:
         return CheckpointWriteError(
             f"Writing a checkpoint into {self.directory!r} failed: {type(error).__name__}: {str(error)[:300]}. "
             f"The complete checkpoints already there are kept (steps: {kept or 'none'}). Check that the "
-            "directory is writable (not a read-only mount) and that its disk has free space.")
+            "directory is writable (not a read-only mount) and that its disk has free space."
+        )
 
-    def save(self, step: int, state, meta: dict[str, Any], *, wait: bool = False, if_exists: str = "skip",
-             finite_only: bool = False) -> None:
+    def save(
+        self,
+        step: int,
+        state,
+        meta: dict[str, Any],
+        *,
+        wait: bool = False,
+        if_exists: str = "skip",
+        finite_only: bool = False,
+    ) -> None:
         """Starts writing checkpoint `step`; with `wait`, returns when it is complete.
 
         The fingerprint of every array goes into the JSON part. If checkpoint
@@ -261,7 +287,8 @@ class CheckpointDir:
             if if_exists == "error":
                 raise FileExistsError(
                     f"Checkpoint {self._path(step)} already exists (from an earlier run?). "
-                    "meshfit does not overwrite it: use a new directory, or move the old checkpoints away.")
+                    "meshfit does not overwrite it: use a new directory, or move the old checkpoints away."
+                )
             if wait:
                 self.wait()
             return
@@ -295,7 +322,9 @@ class CheckpointDir:
             if not isinstance(meta, dict):
                 raise ValueError(f"expected a JSON object, found {type(meta).__name__}")
         except Exception as error:  # noqa: BLE001 - a JSON part that cannot be read is damage
-            raise CheckpointDamaged(f"its JSON part cannot be read ({type(error).__name__}: {str(error)[:200]})")
+            raise CheckpointDamaged(
+                f"its JSON part cannot be read ({type(error).__name__}: {str(error)[:200]})"
+            ) from None
         return dict(meta)
 
     def _saved_structure(self, step: int):
@@ -307,7 +336,8 @@ class CheckpointDir:
                 handler.close()
         except Exception as error:  # noqa: BLE001 - metadata that cannot be read is damage
             raise CheckpointDamaged(
-                f"its array metadata cannot be read ({type(error).__name__}: {str(error)[:200]})") from None
+                f"its array metadata cannot be read ({type(error).__name__}: {str(error)[:200]})"
+            ) from None
 
     def restore(self, step: int, template, *, partial: bool = False):
         """Restores checkpoint `step`; returns (state, meta).
@@ -330,8 +360,9 @@ class CheckpointDir:
             more = f"; and {len(problems) - SHOWN_MISMATCHES} more" if len(problems) > SHOWN_MISMATCHES else ""
             raise self._mismatch(step, f"{len(problems)} array(s) differ: {shown}{more}")
         if partial:  # the PyTree handler reads Standard checkpoints and can skip what the target lacks
-            restore = ocp.args.PyTreeRestore(item=target, partial_restore=True,
-                                             restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+            restore = ocp.args.PyTreeRestore(
+                item=target, partial_restore=True, restore_args=ocp.checkpoint_utils.construct_restore_args(target)
+            )
         else:
             restore = ocp.args.StandardRestore(target)
         try:
@@ -341,22 +372,24 @@ class CheckpointDir:
         except Exception as error:
             if _is_resource_error(error):
                 raise
-            raise CheckpointDamaged(f"its arrays cannot be read ({type(error).__name__}: {str(error)[:200]})") \
-                from None
-        host = jax.tree.map(lambda new, old: new if isinstance(old, jax.Array) else np.asarray(new),
-                            restored, encode(template))
+            raise CheckpointDamaged(f"its arrays cannot be read ({type(error).__name__}: {str(error)[:200]})") from None
+        host = jax.tree.map(
+            lambda new, old: new if isinstance(old, jax.Array) else np.asarray(new), restored, encode(template)
+        )
         altered = integrity.mismatched(meta.get(FINGERPRINTS, {}), integrity.report(host).fingerprints)
         if altered:
             raise CheckpointDamaged(
                 f"the data of {len(altered)} array(s) in {os.path.join(self._path(step), STATE)} changed on disk "
-                f"since it was written (fingerprint mismatch: {', '.join(altered[:SHOWN_MISMATCHES])})")
+                f"since it was written (fingerprint mismatch: {', '.join(altered[:SHOWN_MISMATCHES])})"
+            )
         return decode(restored, template), meta
 
     def _mismatch(self, step: int, what: str) -> CheckpointMismatch:
         return CheckpointMismatch(
             f"Checkpoint {self._path(step)} does not match the model loading it ({what}). It was saved from a "
             "different model, optimizer or configuration; load it with the same architecture and optimizer, or "
-            "use another directory. Nothing on disk was changed.")
+            "use another directory. Nothing on disk was changed."
+        )
 
     def _move_aside(self, step: int) -> None:
         source = self._path(step)
@@ -367,8 +400,7 @@ class CheckpointDir:
                 suffix += 1
                 target = f"{source}{UNREADABLE}{suffix}"
             os.rename(source, target)
-            warnings.warn(f"Moved the unreadable checkpoint {source} to {target} (kept, never deleted).",
-                          stacklevel=3)
+            warnings.warn(f"Moved the unreadable checkpoint {source} to {target} (kept, never deleted).", stacklevel=3)
         self.manager.reload()
 
     def restore_latest(self, template, *, partial: bool = False, steps=None):
@@ -383,8 +415,9 @@ class CheckpointDir:
             try:
                 state, meta = self.restore(step, template, partial=partial)
             except CheckpointDamaged as damage:
-                warnings.warn(f"Checkpoint {self._path(step)} could not be read: {damage}; trying the previous "
-                              "one.", stacklevel=2)
+                warnings.warn(
+                    f"Checkpoint {self._path(step)} could not be read: {damage}; trying the previous one.", stacklevel=2
+                )
                 if not self.read_only:
                     self._move_aside(step)  # out of the rotation, so nothing deletes it
                 continue

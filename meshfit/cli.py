@@ -14,24 +14,47 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"meshfit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser(
-        "launch", help="run a multi-process JAX job on this machine",
+        "launch",
+        help="run a multi-process JAX job on this machine",
         description="Start N processes of a script, wired to a coordinator on 127.0.0.1, as one JAX job.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     run.add_argument("--nprocs", type=int, default=None, help="number of processes")
-    run.add_argument("--ps", type=int, default=None,
-                     help="parameter-server processes (with --workers); the state is partitioned over them")
+    run.add_argument(
+        "--ps",
+        type=int,
+        default=None,
+        help="parameter-server processes (with --workers); the state is partitioned over them",
+    )
     run.add_argument("--workers", type=int, default=None, help="worker processes of a parameter-server job")
-    run.add_argument("--devices-per-proc", type=int, default=None,
-                     help="devices per process: simulated CPU devices, or a slice of the GPUs")
-    run.add_argument("--max-restarts", type=int, default=0,
-                     help="start the whole job again up to this many times after a failure")
-    run.add_argument("--heartbeat-timeout", type=int, default=10,
-                     help="seconds without heartbeats after which a process is declared dead")
-    run.add_argument("--grace-period", type=float, default=PREEMPTION_GRACE_SECONDS,
-                     help="seconds the ranks get to write their preemption backups after the launcher receives "
-                          "SIGTERM, SIGINT or SIGHUP; what is left is then killed")
-    run.add_argument("--server-timeout", type=float, default=60.0,
-                     help="seconds a parameter-server worker waits on a silent server before ending the job")
+    run.add_argument(
+        "--devices-per-proc",
+        type=int,
+        default=None,
+        help="devices per process: simulated CPU devices, or a slice of the GPUs",
+    )
+    run.add_argument(
+        "--max-restarts", type=int, default=0, help="start the whole job again up to this many times after a failure"
+    )
+    run.add_argument(
+        "--heartbeat-timeout",
+        type=int,
+        default=10,
+        help="seconds without heartbeats after which a process is declared dead",
+    )
+    run.add_argument(
+        "--grace-period",
+        type=float,
+        default=PREEMPTION_GRACE_SECONDS,
+        help="seconds the ranks get to write their preemption backups after the launcher receives "
+        "SIGTERM, SIGINT or SIGHUP; what is left is then killed",
+    )
+    run.add_argument(
+        "--server-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a parameter-server worker waits on a silent server before ending the job",
+    )
     run.add_argument("-m", dest="module", default=None, help="run a module (like python -m)")
     run.add_argument("script", nargs="?", help="the Python script to run")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -51,16 +74,25 @@ def main(argv=None) -> int:
         if args.ps is not None or args.workers is not None:
             servers = 1 if args.ps is None else args.ps
             if servers < 1 or not args.workers or args.workers < 1 or args.nprocs is not None:
-                _parser().error("a parameter-server job takes --ps S --workers N (S, N >= 1) and no --nprocs; "
-                                f"received --ps {args.ps} --workers {args.workers} --nprocs {args.nprocs}")
+                _parser().error(
+                    "a parameter-server job takes --ps S --workers N (S, N >= 1) and no --nprocs; "
+                    f"received --ps {args.ps} --workers {args.workers} --nprocs {args.nprocs}"
+                )
             nprocs = servers + args.workers
         elif args.nprocs is None:
             _parser().error("launch needs --nprocs N, or --ps S --workers N")
         else:
             nprocs = args.nprocs
-        config = LaunchConfig(command=command, nprocs=nprocs, devices_per_proc=args.devices_per_proc,
-                              max_restarts=args.max_restarts, heartbeat_timeout=args.heartbeat_timeout,
-                              servers=servers, grace_period=args.grace_period, server_timeout=args.server_timeout)
+        config = LaunchConfig(
+            command=command,
+            nprocs=nprocs,
+            devices_per_proc=args.devices_per_proc,
+            max_restarts=args.max_restarts,
+            heartbeat_timeout=args.heartbeat_timeout,
+            servers=servers,
+            grace_period=args.grace_period,
+            server_timeout=args.server_timeout,
+        )
         return launch(config)
     return 2
 

@@ -44,9 +44,14 @@ def _int_env(name: str) -> int | None:
         raise ValueError(f"Environment variable {name} must be an integer. Received: {name}={value!r}.") from None
 
 
-def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, local_device_ids=None,
-               heartbeat_timeout_seconds: int | None = None, initialization_timeout: int = 300) -> bool:
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    local_device_ids=None,
+    heartbeat_timeout_seconds: int | None = None,
+    initialization_timeout: int = 300,
+) -> bool:
     """Initializes `jax.distributed` once; returns True if this is a multi-process job.
 
     Must run before any JAX computation. CPU collectives go through gloo, so a
@@ -65,15 +70,20 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
             warnings.warn(
                 f"The environment says this is one of several processes ({hinted}) but JAX detected no cluster, "
                 "so this process trains alone. Pass coordinator_address, num_processes and process_id (or set "
-                f"{ENV_COORDINATOR}, {ENV_NUM_PROCESSES}, {ENV_PROCESS_ID}).", stacklevel=3)
+                f"{ENV_COORDINATOR}, {ENV_NUM_PROCESSES}, {ENV_PROCESS_ID}).",
+                stacklevel=3,
+            )
         logger.info("No coordinator address or cluster found; running as a single process.")
         return False
     if num_processes == 1:
         return False
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
-        coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id,
-        local_device_ids=local_device_ids, heartbeat_timeout_seconds=heartbeat,
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+        local_device_ids=local_device_ids,
+        heartbeat_timeout_seconds=heartbeat,
         initialization_timeout=initialization_timeout,
     )
     logger.info("Joined a %d-process job as process %d.", jax.process_count(), jax.process_index())

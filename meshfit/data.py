@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Iterable, Iterator, NamedTuple
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -152,9 +153,20 @@ class ArrayData:
     separate calls of fit read separate passes.
     """
 
-    def __init__(self, x, y=None, sample_weight=None, *, batch_size: int, shuffle: bool = False,
-                 seed: int = 0, batch_multiple: int = 1, steps_per_epoch: int | None = None,
-                 block: tuple[int, int] = (0, 1), orders: ShuffleOrders | None = None):
+    def __init__(
+        self,
+        x,
+        y=None,
+        sample_weight=None,
+        *,
+        batch_size: int,
+        shuffle: bool = False,
+        seed: int = 0,
+        batch_multiple: int = 1,
+        steps_per_epoch: int | None = None,
+        block: tuple[int, int] = (0, 1),
+        orders: ShuffleOrders | None = None,
+    ):
         self.x = _to_numpy(x)
         self.y = None if y is None else _to_numpy(y)
         self.sample_weight = None if sample_weight is None else np.asarray(sample_weight, np.float32)
@@ -194,8 +206,9 @@ class ArrayData:
     @property
     def batch_nbytes(self) -> int:
         """Bytes of this process's rows of one batch (inputs, targets, weights and mask)."""
-        row = sum(leaf.itemsize * math.prod(leaf.shape[1:])
-                  for leaf in jax.tree.leaves((self.x, self.y, self.sample_weight)))
+        row = sum(
+            leaf.itemsize * math.prod(leaf.shape[1:]) for leaf in jax.tree.leaves((self.x, self.y, self.sample_weight))
+        )
         return (row + self._full_mask.itemsize) * self.local_rows
 
     def _order(self, pass_index: int) -> np.ndarray | None:
@@ -246,8 +259,9 @@ class ArrayData:
         for order, within in self._positions(epoch, start_step):
             yield self._take_all(*self._rows(order, within))
 
-    def executions(self, epoch: int, size: int, start_step: int = 0,
-                   pad_last: bool = True) -> Iterator[tuple[int, Batch | list[Batch]]]:
+    def executions(
+        self, epoch: int, size: int, start_step: int = 0, pad_last: bool = True
+    ) -> Iterator[tuple[int, Batch | list[Batch]]]:
         """Yields `(count, batches)`: `size` batches stacked on a new leading axis.
 
         Gathers all rows of a group in one indexing operation. A short last
@@ -273,8 +287,14 @@ class ArrayData:
                 index = np.concatenate([np.arange(i.start, i.stop) if isinstance(i, slice) else i for i, _ in rows])
                 mask = np.stack([m for _, m in rows])
             batch = self._take_all(index, mask)  # all rows of the group in one gather
-            yield count, batch._replace(x=_stack_rows(batch.x, size), y=_stack_rows(batch.y, size),
-                                        sample_weight=_stack_rows(batch.sample_weight, size))
+            yield (
+                count,
+                batch._replace(
+                    x=_stack_rows(batch.x, size),
+                    y=_stack_rows(batch.y, size),
+                    sample_weight=_stack_rows(batch.sample_weight, size),
+                ),
+            )
 
     def _full_masks(self, size: int) -> np.ndarray:
         if self._stacked_mask is None or self._stacked_mask.shape[0] != size:
@@ -299,7 +319,7 @@ class ArrayData:
     def set_state(self, state: dict) -> None:
         del state
 
-    def split(self, fraction: float) -> tuple["ArrayData", "ArrayData"]:
+    def split(self, fraction: float) -> tuple[ArrayData, ArrayData]:
         """Keras's `validation_split`: the last `fraction` of samples, taken before shuffling."""
         if not 0.0 < fraction < 1.0:
             raise ValueError(f"`validation_split` must be in (0, 1). Received: validation_split={fraction}.")
@@ -312,10 +332,18 @@ class ArrayData:
             )
 
         def part(rows, shuffle, steps_per_epoch):
-            return ArrayData(_take(self.x, rows), _take(self.y, rows), _take(self.sample_weight, rows),
-                             batch_size=self.batch_size, shuffle=shuffle, seed=self.seed,
-                             batch_multiple=self.batch_multiple, steps_per_epoch=steps_per_epoch,
-                             block=self.block, orders=self._orders)
+            return ArrayData(
+                _take(self.x, rows),
+                _take(self.y, rows),
+                _take(self.sample_weight, rows),
+                batch_size=self.batch_size,
+                shuffle=shuffle,
+                seed=self.seed,
+                batch_multiple=self.batch_multiple,
+                steps_per_epoch=steps_per_epoch,
+                block=self.block,
+                orders=self._orders,
+            )
 
         return part(slice(0, n_train), self.shuffle, self._steps_arg), part(slice(n_train, None), False, None)
 
@@ -387,10 +415,12 @@ class IterableData:
 
     def set_state(self, state: dict) -> None:
         if state.get("rewindable") is False or not self.reiterable:
-            warnings.warn("The training input is a one-shot iterator (e.g. a generator), which cannot be rewound: "
-                          "the resumed run continues with the batches it yields next, so it will not repeat the "
-                          "interrupted run exactly. Pass a re-iterable dataset (e.g. grain) for exact resume.",
-                          stacklevel=2)
+            warnings.warn(
+                "The training input is a one-shot iterator (e.g. a generator), which cannot be rewound: "
+                "the resumed run continues with the batches it yields next, so it will not repeat the "
+                "interrupted run exactly. Pass a re-iterable dataset (e.g. grain) for exact resume.",
+                stacklevel=2,
+            )
             return
         self._pending_state = state or None
         self._iterator = None
@@ -454,8 +484,9 @@ class IterableData:
                 yield self._to_batch(element)
             step += 1
 
-    def executions(self, epoch: int, size: int, start_step: int = 0,
-                   pad_last: bool = True) -> Iterator[tuple[int, Batch | list[Batch]]]:
+    def executions(
+        self, epoch: int, size: int, start_step: int = 0, pad_last: bool = True
+    ) -> Iterator[tuple[int, Batch | list[Batch]]]:
         """Yields `(count, batches)`, `size` batches stacked (see `ArrayData.executions`)."""
         batches = self.epoch(epoch, start_step)
         if size == 1:
@@ -475,7 +506,9 @@ class IterableData:
                 return self._to_batch(next(iter(self.data)))
             element = self._next_element()
         except StopIteration:
-            raise ValueError("The dataset is empty: it yielded no batches. Pass data with at least one batch.") from None
+            raise ValueError(
+                "The dataset is empty: it yielded no batches. Pass data with at least one batch."
+            ) from None
         rest = self._iterator
         self._iterator = _chain_first(element, rest)
         return self._to_batch(element)

@@ -75,7 +75,8 @@ class DirectoryLock:
         return DirectoryLocked(
             f"{self.directory!r} is being written by another process: {describe(holder)}. "
             "Two jobs must not write into one checkpoint directory: give this one its own directory, or stop "
-            f"the other first. If no such process runs any more (on another host), delete {self.path}.")
+            f"the other first. If no such process runs any more (on another host), delete {self.path}."
+        )
 
     def acquire(self) -> DirectoryLock:
         """Takes the lock or raises `DirectoryLocked` naming its holder; takes over a stale one."""
@@ -103,8 +104,12 @@ class DirectoryLock:
             if same:
                 break
             os.close(fd)
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "process_start": _process_start(os.getpid()),
-              "time": time.time()}
+        me = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "process_start": _process_start(os.getpid()),
+            "time": time.time(),
+        }
         try:
             with open(self.path, "w") as f:
                 f.write(json.dumps(me))

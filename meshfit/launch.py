@@ -73,8 +73,9 @@ class LaunchConfig:
     servers: int = 0
 
 
-def process_env(config: LaunchConfig, rank: int, ports: tuple[int, int], attempt: int, gpus: int,
-                authkey: str = "") -> dict[str, str]:
+def process_env(
+    config: LaunchConfig, rank: int, ports: tuple[int, int], attempt: int, gpus: int, authkey: str = ""
+) -> dict[str, str]:
     """The environment of process `rank`: coordinator, rank, devices.
 
     `ports`: the `jax.distributed` coordinator's, and the parameter-server
@@ -85,15 +86,17 @@ def process_env(config: LaunchConfig, rank: int, ports: tuple[int, int], attempt
         env.update(_distributed_env(ports[0], config.nprocs, rank, config.heartbeat_timeout))
     else:
         server = rank < config.servers
-        env.update({
-            ps_remote.ENV_ROLE: "coordinator" if rank == 0 else "server" if server else "worker",
-            ps_remote.ENV_ADDRESS: f"127.0.0.1:{ports[1]}",
-            ps_remote.ENV_AUTHKEY: authkey,
-            ps_remote.ENV_WORKERS: str(config.nprocs - config.servers),
-            ps_remote.ENV_SERVERS: str(config.servers),
-            ps_remote.ENV_SERVER_TIMEOUT: str(config.server_timeout),
-            "MESHFIT_PROCESS_ID": str(rank),
-        })
+        env.update(
+            {
+                ps_remote.ENV_ROLE: "coordinator" if rank == 0 else "server" if server else "worker",
+                ps_remote.ENV_ADDRESS: f"127.0.0.1:{ports[1]}",
+                ps_remote.ENV_AUTHKEY: authkey,
+                ps_remote.ENV_WORKERS: str(config.nprocs - config.servers),
+                ps_remote.ENV_SERVERS: str(config.servers),
+                ps_remote.ENV_SERVER_TIMEOUT: str(config.server_timeout),
+                "MESHFIT_PROCESS_ID": str(rank),
+            }
+        )
         if server:
             env[ps_remote.ENV_SERVER_RANK] = str(rank)
             if config.servers > 1:
@@ -229,19 +232,23 @@ def _watch(config: LaunchConfig, procs: list[subprocess.Popen], exits: _Exits, s
         order = exits.wait(0.05)
         if signals.received is not None:
             name = signal.Signals(signals.received).name
-            log.write(f"[launch] received {name}: sending SIGTERM to every rank and waiting up to "
-                      f"{config.grace_period:g} s for their preemption backups.\n")
+            log.write(
+                f"[launch] received {name}: sending SIGTERM to every rank and waiting up to "
+                f"{config.grace_period:g} s for their preemption backups.\n"
+            )
             return -signals.received
         statuses = dict(order)
         now = time.monotonic()
         # A rank stopped by a signal never fails by itself; a parameter-server worker may
         # (the server drops it after worker_timeout), so only ranks the job needs are watched.
-        for rank, proc in enumerate(procs[:config.servers or len(procs)]):
+        for rank, proc in enumerate(procs[: config.servers or len(procs)]):
             if rank not in statuses and _stopped(proc.pid):
                 since = stopped_since.setdefault(rank, now)
                 if now - since > config.heartbeat_timeout:
-                    log.write(f"[launch] rank {rank}{_role(config, rank)} (pid {proc.pid}) is stopped (SIGSTOP?) "
-                              f"and has not run for {config.heartbeat_timeout} s; stopping the job.\n")
+                    log.write(
+                        f"[launch] rank {rank}{_role(config, rank)} (pid {proc.pid}) is stopped (SIGSTOP?) "
+                        f"and has not run for {config.heartbeat_timeout} s; stopping the job.\n"
+                    )
                     return 1
             else:
                 stopped_since.pop(rank, None)
@@ -251,24 +258,32 @@ def _watch(config: LaunchConfig, procs: list[subprocess.Popen], exits: _Exits, s
                 if rank >= config.servers and rank not in lost:
                     lost.add(rank)
                     if code == ps_remote.EXIT_SERVER_SILENT:
-                        log.write(f"[launch] worker rank {rank} found the parameter server silent (see its "
-                                  "output); stopping the job.\n")
+                        log.write(
+                            f"[launch] worker rank {rank} found the parameter server silent (see its "
+                            "output); stopping the job.\n"
+                        )
                         return code
-                    log.write(f"[launch] worker rank {rank} exited with status {code}{_signal_name(code)}; "
-                              "the job goes on without it.\n")
+                    log.write(
+                        f"[launch] worker rank {rank} exited with status {code}{_signal_name(code)}; "
+                        "the job goes on without it.\n"
+                    )
             servers = [(rank, code) for rank, code in failed if rank < config.servers]
             if servers:  # a server failed: the job is over
                 rank, status = servers[0]
-                log.write(f"[launch] the parameter server (rank {rank}) exited with status {status}"
-                          f"{_signal_name(status)}; stopping the job.\n")
+                log.write(
+                    f"[launch] the parameter server (rank {rank}) exited with status {status}"
+                    f"{_signal_name(status)}; stopping the job.\n"
+                )
                 return status
             if all(statuses.get(rank) == 0 for rank in range(config.servers)):  # the workers are done too
                 return 0
             continue
         if failed:
             rank, status = failed[0]
-            log.write(f"[launch] rank {rank} exited with status {status}{_signal_name(status)}; "
-                      f"stopping the other {config.nprocs - 1} process(es).\n")
+            log.write(
+                f"[launch] rank {rank} exited with status {status}{_signal_name(status)}; "
+                f"stopping the other {config.nprocs - 1} process(es).\n"
+            )
             return status
         if len(order) == len(procs):
             return 0
@@ -289,10 +304,15 @@ def run_once(config: LaunchConfig, attempt: int, log=sys.stderr) -> int:
     with _Signals() as signals:
         try:
             for rank in range(config.nprocs):
-                proc = subprocess.Popen([sys.executable, "-u", *config.command],
-                                        env=process_env(config, rank, ports, attempt, gpus, authkey),
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        errors="replace", preexec_fn=_die_with_parent())
+                proc = subprocess.Popen(
+                    [sys.executable, "-u", *config.command],
+                    env=process_env(config, rank, ports, attempt, gpus, authkey),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    errors="replace",
+                    preexec_fn=_die_with_parent(),
+                )
                 procs.append(proc)
                 pump = threading.Thread(target=_pump, args=(proc.stdout, rank, sys.stdout), daemon=True)
                 pump.start()
@@ -310,8 +330,10 @@ def run_once(config: LaunchConfig, attempt: int, log=sys.stderr) -> int:
                 pump.join(timeout=2)
         failures = [(rank, code) for rank, code in before_stop if code != 0]
         for rank, code in failures[1:] if not signalled else []:
-            log.write(f"[launch] rank {rank} then exited with status {code}{_signal_name(code)}, a consequence "
-                      f"of rank {failures[0][0]}'s exit.\n")
+            log.write(
+                f"[launch] rank {rank} then exited with status {code}{_signal_name(code)}, a consequence "
+                f"of rank {failures[0][0]}'s exit.\n"
+            )
         if killed:
             log.write(f"[launch] rank(s) {killed} did not end within the grace period and were killed.\n")
     return status

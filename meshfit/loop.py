@@ -10,7 +10,7 @@ fast Python loop.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import jax
 import numpy as np
@@ -54,8 +54,18 @@ def host_logs(logs, to_host: Callable) -> dict[str, float]:
     return {k: float(v) for k, v in to_host(logs).items()} if logs else {}
 
 
-def fit_loop(model, train_data, *, epochs: int, initial_epoch: int, callbacks: CallbackList,
-             val_data=None, validation_freq=1, validation_steps=None, watch: PreemptionWatch | None = None) -> None:
+def fit_loop(
+    model,
+    train_data,
+    *,
+    epochs: int,
+    initial_epoch: int,
+    callbacks: CallbackList,
+    val_data=None,
+    validation_freq=1,
+    validation_steps=None,
+    watch: PreemptionWatch | None = None,
+) -> None:
     """Runs epochs of training with Keras's callback order and `stop_training` checks.
 
     A callback may set `model._resume_point = (epoch, batch)` in `on_train_begin`

@@ -13,7 +13,7 @@ Everything here is pure `jax.numpy` and traceable under `jax.jit`.
 from __future__ import annotations
 
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -81,9 +81,7 @@ def _align_to(w, values):
     return w
 
 
-def reduce_values(
-    values, sample_weight=None, mask=None, reduction="sum_over_batch_size"
-):
+def reduce_values(values, sample_weight=None, mask=None, reduction="sum_over_batch_size"):
     """Weights, masks and reduces per-sample loss values like Keras 3.
 
     Args:
@@ -181,27 +179,21 @@ def _float(x):
 def mean_squared_error(y_true, y_pred):
     """Mean of `(y_true - y_pred) ** 2` over the last axis."""
     y_pred = _float(y_pred)
-    y_true, y_pred = squeeze_or_expand_to_same_rank(
-        jnp.asarray(y_true, y_pred.dtype), y_pred
-    )
+    y_true, y_pred = squeeze_or_expand_to_same_rank(jnp.asarray(y_true, y_pred.dtype), y_pred)
     return jnp.mean(jnp.square(y_true - y_pred), axis=-1)
 
 
 def mean_absolute_error(y_true, y_pred):
     """Mean of `|y_true - y_pred|` over the last axis."""
     y_pred = _float(y_pred)
-    y_true, y_pred = squeeze_or_expand_to_same_rank(
-        jnp.asarray(y_true, y_pred.dtype), y_pred
-    )
+    y_true, y_pred = squeeze_or_expand_to_same_rank(jnp.asarray(y_true, y_pred.dtype), y_pred)
     return jnp.mean(jnp.abs(y_true - y_pred), axis=-1)
 
 
 def mean_absolute_percentage_error(y_true, y_pred):
     """`100 * mean(|y_true - y_pred| / max(|y_true|, eps))` over the last axis."""
     y_pred = _float(y_pred)
-    y_true, y_pred = squeeze_or_expand_to_same_rank(
-        jnp.asarray(y_true, y_pred.dtype), y_pred
-    )
+    y_true, y_pred = squeeze_or_expand_to_same_rank(jnp.asarray(y_true, y_pred.dtype), y_pred)
     diff = jnp.abs((y_true - y_pred) / jnp.maximum(jnp.abs(y_true), EPSILON))
     return 100.0 * jnp.mean(diff, axis=-1)
 
@@ -209,9 +201,7 @@ def mean_absolute_percentage_error(y_true, y_pred):
 def mean_squared_logarithmic_error(y_true, y_pred):
     """Mean of `(log(max(y_pred, eps) + 1) - log(max(y_true, eps) + 1)) ** 2`."""
     y_pred = _float(y_pred)
-    y_true, y_pred = squeeze_or_expand_to_same_rank(
-        jnp.asarray(y_true, y_pred.dtype), y_pred
-    )
+    y_true, y_pred = squeeze_or_expand_to_same_rank(jnp.asarray(y_true, y_pred.dtype), y_pred)
     first_log = jnp.log(jnp.maximum(y_pred, EPSILON) + 1.0)
     second_log = jnp.log(jnp.maximum(y_true, EPSILON) + 1.0)
     return jnp.mean(jnp.square(first_log - second_log), axis=-1)
@@ -226,20 +216,14 @@ def _l2_normalize(x, axis):
 def cosine_similarity(y_true, y_pred, axis=-1):
     """Negative cosine similarity along `axis` (-1 is most similar)."""
     y_pred = _float(y_pred)
-    y_true, y_pred = squeeze_or_expand_to_same_rank(
-        jnp.asarray(y_true, y_pred.dtype), y_pred
-    )
-    return -jnp.sum(
-        _l2_normalize(y_true, axis) * _l2_normalize(y_pred, axis), axis=axis
-    )
+    y_true, y_pred = squeeze_or_expand_to_same_rank(jnp.asarray(y_true, y_pred.dtype), y_pred)
+    return -jnp.sum(_l2_normalize(y_true, axis) * _l2_normalize(y_pred, axis), axis=axis)
 
 
 def huber(y_true, y_pred, delta=1.0):
     """Huber loss: quadratic for `|error| <= delta`, linear beyond."""
     y_pred = _float(y_pred)
-    y_true, y_pred = squeeze_or_expand_to_same_rank(
-        jnp.asarray(y_true, y_pred.dtype), y_pred
-    )
+    y_true, y_pred = squeeze_or_expand_to_same_rank(jnp.asarray(y_true, y_pred.dtype), y_pred)
     delta = jnp.asarray(delta, y_pred.dtype)
     error = y_pred - y_true
     abs_error = jnp.abs(error)
@@ -256,13 +240,9 @@ def huber(y_true, y_pred, delta=1.0):
 def log_cosh(y_true, y_pred):
     """Mean of `log(cosh(y_pred - y_true))`, computed without overflow."""
     y_pred = _float(y_pred)
-    y_true, y_pred = squeeze_or_expand_to_same_rank(
-        jnp.asarray(y_true, y_pred.dtype), y_pred
-    )
+    y_true, y_pred = squeeze_or_expand_to_same_rank(jnp.asarray(y_true, y_pred.dtype), y_pred)
     x = y_pred - y_true
-    return jnp.mean(
-        x + jax.nn.softplus(-2.0 * x) - jnp.log(2.0).astype(x.dtype), axis=-1
-    )
+    return jnp.mean(x + jax.nn.softplus(-2.0 * x) - jnp.log(2.0).astype(x.dtype), axis=-1)
 
 
 def _to_hinge_labels(y_true):
@@ -330,15 +310,10 @@ def _smooth_categorical(y_true, label_smoothing):
 
 def _check_axis(axis):
     if isinstance(axis, bool) or not isinstance(axis, int):
-        raise ValueError(
-            f"Expected `axis` to be an int. Received: axis={axis!r}; "
-            "pass the class axis, e.g. -1."
-        )
+        raise ValueError(f"Expected `axis` to be an int. Received: axis={axis!r}; pass the class axis, e.g. -1.")
 
 
-def categorical_crossentropy(
-    y_true, y_pred, from_logits=False, label_smoothing=0.0, axis=-1
-):
+def categorical_crossentropy(y_true, y_pred, from_logits=False, label_smoothing=0.0, axis=-1):
     """Cross-entropy between one-hot (or soft) labels and predictions.
 
     Args:
@@ -412,9 +387,7 @@ def _sparse_ce_and_mask(y_true, y_pred, from_logits, ignore_class, axis):
     return res, valid
 
 
-def sparse_categorical_crossentropy(
-    y_true, y_pred, from_logits=False, ignore_class=None, axis=-1
-):
+def sparse_categorical_crossentropy(y_true, y_pred, from_logits=False, ignore_class=None, axis=-1):
     """Cross-entropy between integer labels and predictions.
 
     Args:
@@ -433,18 +406,14 @@ def sparse_categorical_crossentropy(
 
 def _binary_ce_elementwise(y_true, y_pred, from_logits):
     if from_logits:
-        return -y_true * jax.nn.log_sigmoid(y_pred) - (1.0 - y_true) * (
-            jax.nn.log_sigmoid(-y_pred)
-        )
+        return -y_true * jax.nn.log_sigmoid(y_pred) - (1.0 - y_true) * (jax.nn.log_sigmoid(-y_pred))
     y_pred = jnp.clip(y_pred, EPSILON, 1.0 - EPSILON)
     bce = y_true * jnp.log(y_pred)
     bce += (1.0 - y_true) * jnp.log(1.0 - y_pred)
     return -bce
 
 
-def binary_crossentropy(
-    y_true, y_pred, from_logits=False, label_smoothing=0.0, axis=-1
-):
+def binary_crossentropy(y_true, y_pred, from_logits=False, label_smoothing=0.0, axis=-1):
     """Binary cross-entropy, averaged over `axis`.
 
     Args:
@@ -520,9 +489,7 @@ class Loss:
         self.dtype = jnp.dtype(dtype or "float32")
 
     def call(self, y_true, y_pred) -> jax.Array:
-        raise NotImplementedError(
-            f"{type(self).__name__} must implement `call(y_true, y_pred)`."
-        )
+        raise NotImplementedError(f"{type(self).__name__} must implement `call(y_true, y_pred)`.")
 
     def _values_and_mask(self, y_true, y_pred):
         """Per-sample values and an optional mask of entries that count."""
@@ -551,9 +518,7 @@ class Loss:
             )
         if value_mask is not None:
             if mask is not None:
-                value_mask = value_mask & _align_to(
-                    jnp.asarray(mask).astype(bool), value_mask
-                )
+                value_mask = value_mask & _align_to(jnp.asarray(mask).astype(bool), value_mask)
             mask = value_mask
         return reduce_values(values, sample_weight, mask, self.reduction)
 
@@ -577,7 +542,11 @@ class LossFunctionWrapper(Loss):
     """
 
     def __init__(
-        self, fn: Callable, name=None, reduction="sum_over_batch_size", dtype=None,
+        self,
+        fn: Callable,
+        name=None,
+        reduction="sum_over_batch_size",
+        dtype=None,
         **kwargs,
     ):
         if not callable(fn):
@@ -594,9 +563,7 @@ class LossFunctionWrapper(Loss):
 
     def call(self, y_true, y_pred):
         if hasattr(y_true, "ndim") and hasattr(y_pred, "ndim"):
-            y_true, y_pred = squeeze_or_expand_to_same_rank(
-                jnp.asarray(y_true), jnp.asarray(y_pred)
-            )
+            y_true, y_pred = squeeze_or_expand_to_same_rank(jnp.asarray(y_true), jnp.asarray(y_pred))
         return self.fn(y_true, y_pred, **self._fn_kwargs)
 
     def __repr__(self):
@@ -606,21 +573,15 @@ class LossFunctionWrapper(Loss):
 class MeanSquaredError(LossFunctionWrapper):
     """Mean of squares of errors between labels and predictions."""
 
-    def __init__(
-        self, reduction="sum_over_batch_size", name="mean_squared_error", dtype=None
-    ):
+    def __init__(self, reduction="sum_over_batch_size", name="mean_squared_error", dtype=None):
         super().__init__(mean_squared_error, name=name, reduction=reduction, dtype=dtype)
 
 
 class MeanAbsoluteError(LossFunctionWrapper):
     """Mean of absolute differences between labels and predictions."""
 
-    def __init__(
-        self, reduction="sum_over_batch_size", name="mean_absolute_error", dtype=None
-    ):
-        super().__init__(
-            mean_absolute_error, name=name, reduction=reduction, dtype=dtype
-        )
+    def __init__(self, reduction="sum_over_batch_size", name="mean_absolute_error", dtype=None):
+        super().__init__(mean_absolute_error, name=name, reduction=reduction, dtype=dtype)
 
 
 class MeanAbsolutePercentageError(LossFunctionWrapper):
@@ -632,9 +593,7 @@ class MeanAbsolutePercentageError(LossFunctionWrapper):
         name="mean_absolute_percentage_error",
         dtype=None,
     ):
-        super().__init__(
-            mean_absolute_percentage_error, name=name, reduction=reduction, dtype=dtype
-        )
+        super().__init__(mean_absolute_percentage_error, name=name, reduction=reduction, dtype=dtype)
 
 
 class MeanSquaredLogarithmicError(LossFunctionWrapper):
@@ -646,9 +605,7 @@ class MeanSquaredLogarithmicError(LossFunctionWrapper):
         name="mean_squared_logarithmic_error",
         dtype=None,
     ):
-        super().__init__(
-            mean_squared_logarithmic_error, name=name, reduction=reduction, dtype=dtype
-        )
+        super().__init__(mean_squared_logarithmic_error, name=name, reduction=reduction, dtype=dtype)
 
 
 class CosineSimilarity(LossFunctionWrapper):
@@ -665,9 +622,7 @@ class CosineSimilarity(LossFunctionWrapper):
         name="cosine_similarity",
         dtype=None,
     ):
-        super().__init__(
-            cosine_similarity, name=name, reduction=reduction, dtype=dtype, axis=axis
-        )
+        super().__init__(cosine_similarity, name=name, reduction=reduction, dtype=dtype, axis=axis)
 
 
 class Huber(LossFunctionWrapper):
@@ -677,12 +632,8 @@ class Huber(LossFunctionWrapper):
         delta: the error size where the loss turns linear.
     """
 
-    def __init__(
-        self, delta=1.0, reduction="sum_over_batch_size", name="huber_loss", dtype=None
-    ):
-        super().__init__(
-            huber, name=name, reduction=reduction, dtype=dtype, delta=delta
-        )
+    def __init__(self, delta=1.0, reduction="sum_over_batch_size", name="huber_loss", dtype=None):
+        super().__init__(huber, name=name, reduction=reduction, dtype=dtype, delta=delta)
 
 
 class LogCosh(LossFunctionWrapper):
@@ -702,29 +653,21 @@ class Hinge(LossFunctionWrapper):
 class SquaredHinge(LossFunctionWrapper):
     """Squared hinge loss; {0, 1} labels are mapped to {-1, 1}."""
 
-    def __init__(
-        self, reduction="sum_over_batch_size", name="squared_hinge", dtype=None
-    ):
+    def __init__(self, reduction="sum_over_batch_size", name="squared_hinge", dtype=None):
         super().__init__(squared_hinge, name=name, reduction=reduction, dtype=dtype)
 
 
 class CategoricalHinge(LossFunctionWrapper):
     """Categorical hinge loss for one-hot labels."""
 
-    def __init__(
-        self, reduction="sum_over_batch_size", name="categorical_hinge", dtype=None
-    ):
-        super().__init__(
-            categorical_hinge, name=name, reduction=reduction, dtype=dtype
-        )
+    def __init__(self, reduction="sum_over_batch_size", name="categorical_hinge", dtype=None):
+        super().__init__(categorical_hinge, name=name, reduction=reduction, dtype=dtype)
 
 
 class KLDivergence(LossFunctionWrapper):
     """Kullback-Leibler divergence `sum(y_true * log(y_true / y_pred))`."""
 
-    def __init__(
-        self, reduction="sum_over_batch_size", name="kl_divergence", dtype=None
-    ):
+    def __init__(self, reduction="sum_over_batch_size", name="kl_divergence", dtype=None):
         super().__init__(kl_divergence, name=name, reduction=reduction, dtype=dtype)
 
 
@@ -900,12 +843,8 @@ class SparseCategoricalCrossentropy(LossFunctionWrapper):
         )
 
     def _values_and_mask(self, y_true, y_pred):
-        y_true, y_pred = squeeze_or_expand_to_same_rank(
-            jnp.asarray(y_true), jnp.asarray(y_pred)
-        )
-        return _sparse_ce_and_mask(
-            y_true, y_pred, self.from_logits, self.ignore_class, self.axis
-        )
+        y_true, y_pred = squeeze_or_expand_to_same_rank(jnp.asarray(y_true), jnp.asarray(y_pred))
+        return _sparse_ce_and_mask(y_true, y_pred, self.from_logits, self.ignore_class, self.axis)
 
 
 # ---------------------------------------------------------------------------

@@ -13,7 +13,7 @@ internal state, for use outside a jitted step.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -62,14 +62,11 @@ class Metric:
 
     def update(self, state, y_true, y_pred, sample_weight=None):
         raise NotImplementedError(
-            f"{type(self).__name__} must implement "
-            "`update(state, y_true, y_pred, sample_weight=None)`."
+            f"{type(self).__name__} must implement `update(state, y_true, y_pred, sample_weight=None)`."
         )
 
     def compute(self, state) -> jax.Array:
-        raise NotImplementedError(
-            f"{type(self).__name__} must implement `compute(state)`."
-        )
+        raise NotImplementedError(f"{type(self).__name__} must implement `compute(state)`.")
 
     @staticmethod
     def merge(state_a, state_b):
@@ -167,9 +164,7 @@ class Mean(Metric):
         return {"total": _zeros(), "count": _zeros()}
 
     def update(self, state, values, sample_weight=None):
-        values, sample_weight = _reduce_to_samplewise(
-            values, sample_weight, jnp.mean, self.dtype
-        )
+        values, sample_weight = _reduce_to_samplewise(values, sample_weight, jnp.mean, self.dtype)
         if sample_weight is not None:
             count = jnp.sum(sample_weight)
         else:
@@ -230,9 +225,7 @@ class MeanMetricWrapper(Mean):
             if sample_weight is None:
                 sample_weight = mask
             else:
-                sample_weight = mask * _align_to(
-                    jnp.asarray(sample_weight, self.dtype), mask
-                )
+                sample_weight = mask * _align_to(jnp.asarray(sample_weight, self.dtype), mask)
         return super().update(state, values, sample_weight)
 
     def update_state(self, y_true, y_pred, sample_weight=None):
@@ -247,27 +240,20 @@ class MeanMetricWrapper(Mean):
 def accuracy(y_true, y_pred):
     """1.0 where `y_true == y_pred`, else 0.0."""
     y_pred = jnp.asarray(y_pred)
-    y_true, y_pred = squeeze_or_expand_to_same_rank(
-        jnp.asarray(y_true, y_pred.dtype), y_pred
-    )
+    y_true, y_pred = squeeze_or_expand_to_same_rank(jnp.asarray(y_true, y_pred.dtype), y_pred)
     return (y_true == y_pred).astype(jnp.float32)
 
 
 def binary_accuracy(y_true, y_pred, threshold=0.5):
     """1.0 where `y_true == (y_pred > threshold)`, else 0.0."""
-    y_true, y_pred = squeeze_or_expand_to_same_rank(
-        jnp.asarray(y_true), jnp.asarray(y_pred)
-    )
+    y_true, y_pred = squeeze_or_expand_to_same_rank(jnp.asarray(y_true), jnp.asarray(y_pred))
     y_pred = (y_pred > threshold).astype(y_true.dtype)
     return (y_true == y_pred).astype(jnp.float32)
 
 
 def categorical_accuracy(y_true, y_pred):
     """1.0 where `argmax(y_true) == argmax(y_pred)` on the last axis."""
-    return (
-        jnp.argmax(jnp.asarray(y_true), axis=-1)
-        == jnp.argmax(jnp.asarray(y_pred), axis=-1)
-    ).astype(jnp.float32)
+    return (jnp.argmax(jnp.asarray(y_true), axis=-1) == jnp.argmax(jnp.asarray(y_pred), axis=-1)).astype(jnp.float32)
 
 
 def sparse_categorical_accuracy(y_true, y_pred):
@@ -282,9 +268,7 @@ def sparse_categorical_accuracy(y_true, y_pred):
 
 def _in_top_k(targets, predictions, k):
     """Keras's `in_top_k`: rank of the target's score among all scores <= k."""
-    at_label = jnp.take_along_axis(
-        predictions, jnp.expand_dims(targets, -1), axis=-1
-    )
+    at_label = jnp.take_along_axis(predictions, jnp.expand_dims(targets, -1), axis=-1)
     at_label = jnp.where(jnp.isnan(at_label), -jnp.inf, at_label)
     rank = 1 + jnp.sum(predictions > at_label, axis=-1)
     return rank <= k
@@ -370,9 +354,7 @@ class SparseTopKCategoricalAccuracy(MeanMetricWrapper):
     """
 
     def __init__(self, k=5, name="sparse_top_k_categorical_accuracy", dtype=None):
-        super().__init__(
-            sparse_top_k_categorical_accuracy, name=name, dtype=dtype, k=k
-        )
+        super().__init__(sparse_top_k_categorical_accuracy, name=name, dtype=dtype, k=k)
 
 
 class MeanSquaredError(MeanMetricWrapper):
@@ -393,18 +375,14 @@ class MeanAbsolutePercentageError(MeanMetricWrapper):
     """Mean of `100 * |y_true - y_pred| / |y_true|`."""
 
     def __init__(self, name="mean_absolute_percentage_error", dtype=None):
-        super().__init__(
-            losses_lib.mean_absolute_percentage_error, name=name, dtype=dtype
-        )
+        super().__init__(losses_lib.mean_absolute_percentage_error, name=name, dtype=dtype)
 
 
 class MeanSquaredLogarithmicError(MeanMetricWrapper):
     """Mean of `(log(y_pred + 1) - log(y_true + 1)) ** 2`."""
 
     def __init__(self, name="mean_squared_logarithmic_error", dtype=None):
-        super().__init__(
-            losses_lib.mean_squared_logarithmic_error, name=name, dtype=dtype
-        )
+        super().__init__(losses_lib.mean_squared_logarithmic_error, name=name, dtype=dtype)
 
 
 class CosineSimilarity(MeanMetricWrapper):
@@ -470,7 +448,10 @@ class BinaryCrossentropy(MeanMetricWrapper):
     """
 
     def __init__(
-        self, name="binary_crossentropy", dtype=None, from_logits=False,
+        self,
+        name="binary_crossentropy",
+        dtype=None,
+        from_logits=False,
         label_smoothing=0,
     ):
         super().__init__(
@@ -492,8 +473,12 @@ class CategoricalCrossentropy(MeanMetricWrapper):
     """
 
     def __init__(
-        self, name="categorical_crossentropy", dtype=None, from_logits=False,
-        label_smoothing=0, axis=-1,
+        self,
+        name="categorical_crossentropy",
+        dtype=None,
+        from_logits=False,
+        label_smoothing=0,
+        axis=-1,
     ):
         super().__init__(
             losses_lib.categorical_crossentropy,
@@ -515,8 +500,12 @@ class SparseCategoricalCrossentropy(MeanMetricWrapper):
     """
 
     def __init__(
-        self, name="sparse_categorical_crossentropy", dtype=None, from_logits=False,
-        ignore_class=None, axis=-1,
+        self,
+        name="sparse_categorical_crossentropy",
+        dtype=None,
+        from_logits=False,
+        ignore_class=None,
+        axis=-1,
     ):
         super().__init__(
             losses_lib.sparse_categorical_crossentropy,
@@ -528,9 +517,7 @@ class SparseCategoricalCrossentropy(MeanMetricWrapper):
         )
 
     def _values_and_mask(self, y_true, y_pred):
-        return losses_lib._sparse_ce_and_mask(
-            y_true, y_pred, self.from_logits, self.ignore_class, self.axis
-        )
+        return losses_lib._sparse_ce_and_mask(y_true, y_pred, self.from_logits, self.ignore_class, self.axis)
 
 
 class RootMeanSquaredError(Mean):
@@ -559,21 +546,17 @@ class RootMeanSquaredError(Mean):
 # Confusion-matrix metrics.
 # ---------------------------------------------------------------------------
 
-_CONFUSION_KEYS = ("true_positives", "false_positives", "true_negatives",
-                   "false_negatives")
+_CONFUSION_KEYS = ("true_positives", "false_positives", "true_negatives", "false_negatives")
 
 
-def _prepare_confusion_inputs(y_true, y_pred, sample_weight, top_k=None,
-                              class_id=None):
+def _prepare_confusion_inputs(y_true, y_pred, sample_weight, top_k=None, class_id=None):
     """Shapes labels, predictions and weights as Keras's confusion update does."""
     y_true = jnp.asarray(y_true, jnp.float32)
     y_pred = jnp.asarray(y_pred, jnp.float32)
     y_pred, y_true = squeeze_or_expand_to_same_rank(y_pred, y_true)
     if sample_weight is not None:
         sample_weight = jnp.expand_dims(jnp.asarray(sample_weight, jnp.float32), -1)
-        _, sample_weight = squeeze_or_expand_to_same_rank(
-            y_true, sample_weight, expand_rank_1=False
-        )
+        _, sample_weight = squeeze_or_expand_to_same_rank(y_true, sample_weight, expand_rank_1=False)
     if top_k is not None:
         _, idx = jax.lax.top_k(y_pred, top_k)
         in_top = jnp.sum(jax.nn.one_hot(idx, y_pred.shape[-1]), axis=-2)
@@ -638,12 +621,9 @@ class _ConfusionMetric(Metric):
 
     _keys: tuple[str, ...] = ()
 
-    def __init__(self, thresholds=None, top_k=None, class_id=None, name=None,
-                 dtype=None):
+    def __init__(self, thresholds=None, top_k=None, class_id=None, name=None, dtype=None):
         super().__init__(name=name, dtype=dtype)
-        self.thresholds = _check_single_threshold(
-            thresholds, 0.5 if top_k is None else NEG_INF
-        )
+        self.thresholds = _check_single_threshold(thresholds, 0.5 if top_k is None else NEG_INF)
         self.top_k = top_k
         self.class_id = class_id
 
@@ -651,9 +631,7 @@ class _ConfusionMetric(Metric):
         return {k: _zeros() for k in self._keys}
 
     def update(self, state, y_true, y_pred, sample_weight=None):
-        y_true, y_pred, weights = _prepare_confusion_inputs(
-            y_true, y_pred, sample_weight, self.top_k, self.class_id
-        )
+        y_true, y_pred, weights = _prepare_confusion_inputs(y_true, y_pred, sample_weight, self.top_k, self.class_id)
         counts = _confusion_counts(y_true, y_pred, weights, [self.thresholds])
         return {k: state[k] + jnp.sum(counts[k]) for k in self._keys}
 
@@ -799,29 +777,19 @@ class AUC(Metric):
         self.summation_method = str(summation_method).lower()
         if thresholds is not None:
             if any(t is None or t < 0 or t > 1 for t in thresholds):
-                raise ValueError(
-                    "Expected every threshold in [0, 1]. Received: "
-                    f"thresholds={thresholds!r}."
-                )
+                raise ValueError(f"Expected every threshold in [0, 1]. Received: thresholds={thresholds!r}.")
             thresholds = sorted(thresholds)
             self.num_thresholds = len(thresholds) + 2
-            self._evenly = _is_evenly_distributed(
-                np.array([0.0] + thresholds + [1.0])
-            )
+            self._evenly = _is_evenly_distributed(np.array([0.0] + thresholds + [1.0]))
         else:
             if num_thresholds <= 1:
                 raise ValueError(
-                    "Expected `num_thresholds` to be an integer > 1. Received: "
-                    f"num_thresholds={num_thresholds}."
+                    f"Expected `num_thresholds` to be an integer > 1. Received: num_thresholds={num_thresholds}."
                 )
             self.num_thresholds = num_thresholds
-            thresholds = [
-                (i + 1) * 1.0 / (num_thresholds - 1) for i in range(num_thresholds - 2)
-            ]
+            thresholds = [(i + 1) * 1.0 / (num_thresholds - 1) for i in range(num_thresholds - 2)]
             self._evenly = True
-        self._thresholds = np.array(
-            [0.0 - EPSILON] + thresholds + [1.0 + EPSILON], dtype=np.float32
-        )
+        self._thresholds = np.array([0.0 - EPSILON] + thresholds + [1.0 + EPSILON], dtype=np.float32)
         if multi_label and not num_labels:
             raise ValueError(
                 "Expected `num_labels` with `multi_label=True`. Received: "
@@ -835,9 +803,7 @@ class AUC(Metric):
             )
         self.multi_label = multi_label
         self.num_labels = num_labels
-        self.label_weights = (
-            None if label_weights is None else jnp.asarray(label_weights, jnp.float32)
-        )
+        self.label_weights = None if label_weights is None else jnp.asarray(label_weights, jnp.float32)
         self.from_logits = from_logits
 
     @property
@@ -853,21 +819,16 @@ class AUC(Metric):
     def update(self, state, y_true, y_pred, sample_weight=None):
         if self.from_logits:
             y_pred = jax.nn.sigmoid(jnp.asarray(y_pred, jnp.float32))
-        y_true, y_pred, weights = _prepare_confusion_inputs(
-            y_true, y_pred, sample_weight
-        )
+        y_true, y_pred, weights = _prepare_confusion_inputs(y_true, y_pred, sample_weight)
         if self.label_weights is not None and not self.multi_label:
             weights = weights * jnp.broadcast_to(self.label_weights, y_pred.shape)
         if self.multi_label:
             if y_pred.ndim != 2:
                 raise ValueError(
-                    "Expected y_pred of rank 2 with `multi_label=True`. Received: "
-                    f"y_pred.shape={y_pred.shape}."
+                    f"Expected y_pred of rank 2 with `multi_label=True`. Received: y_pred.shape={y_pred.shape}."
                 )
         else:
-            y_true, y_pred, weights = (
-                jnp.reshape(x, (-1,)) for x in (y_true, y_pred, weights)
-            )
+            y_true, y_pred, weights = (jnp.reshape(x, (-1,)) for x in (y_true, y_pred, weights))
         if self._evenly:
             counts = self._bucket_counts(y_true, y_pred, weights)
         else:
@@ -910,9 +871,7 @@ class AUC(Metric):
         by_label = jnp.sum(by_threshold, axis=0)
         if self.label_weights is None:
             return jnp.mean(by_label)
-        return divide_no_nan(
-            jnp.sum(by_label * self.label_weights), jnp.sum(self.label_weights)
-        )
+        return divide_no_nan(jnp.sum(by_label * self.label_weights), jnp.sum(self.label_weights))
 
     def _interpolate_pr_auc(self, s):
         tp, fp, fn = s["true_positives"], s["false_positives"], s["false_negatives"]
@@ -1018,17 +977,14 @@ def _accuracy_from_loss(loss):
         fn = loss.fn
     else:
         fn = None
-    if isinstance(loss, (losses_lib.BinaryCrossentropy,
-                         losses_lib.BinaryFocalCrossentropy)) or fn in (
-        losses_lib.binary_crossentropy, losses_lib.binary_focal_crossentropy
+    if isinstance(loss, (losses_lib.BinaryCrossentropy, losses_lib.BinaryFocalCrossentropy)) or fn in (
+        losses_lib.binary_crossentropy,
+        losses_lib.binary_focal_crossentropy,
     ):
         return BinaryAccuracy
-    if isinstance(loss, losses_lib.SparseCategoricalCrossentropy) or (
-        fn is losses_lib.sparse_categorical_crossentropy
-    ):
+    if isinstance(loss, losses_lib.SparseCategoricalCrossentropy) or (fn is losses_lib.sparse_categorical_crossentropy):
         return SparseCategoricalAccuracy
-    if isinstance(loss, (losses_lib.CategoricalCrossentropy,
-                         losses_lib.CategoricalFocalCrossentropy)) or fn in (
+    if isinstance(loss, (losses_lib.CategoricalCrossentropy, losses_lib.CategoricalFocalCrossentropy)) or fn in (
         losses_lib.categorical_crossentropy,
         losses_lib.categorical_focal_crossentropy,
     ):
@@ -1045,9 +1001,7 @@ class _LossMean(MeanMetricWrapper):
 
     def _values_and_mask(self, y_true, y_pred):
         cast = lambda x: jnp.asarray(x, self._loss.dtype)  # noqa: E731
-        return self._loss._values_and_mask(
-            jax.tree.map(cast, y_true), jax.tree.map(cast, y_pred)
-        )
+        return self._loss._values_and_mask(jax.tree.map(cast, y_true), jax.tree.map(cast, y_pred))
 
 
 def _shape(x):
@@ -1080,8 +1034,8 @@ def _resolve_accuracy(identifier, y_true, y_pred, loss):
         cls = _accuracy_from_loss(loss)
         if cls is None:
             raise ValueError(
-                f'Expected y_true and y_pred (arrays or jax.ShapeDtypeStruct) or '
-                f'a cross-entropy loss to resolve {identifier!r}. Received: '
+                f"Expected y_true and y_pred (arrays or jax.ShapeDtypeStruct) or "
+                f"a cross-entropy loss to resolve {identifier!r}. Received: "
                 f"y_true={y_true!r}, y_pred={y_pred!r}, loss={loss!r}; pass the "
                 "shapes, or name the metric explicitly (e.g. "
                 '"sparse_categorical_accuracy").'
@@ -1118,7 +1072,7 @@ def get(identifier, *, y_true=None, y_pred=None, loss=None) -> Metric:
             return _NAMES[identifier](name=identifier)
         raise ValueError(
             f"Expected a known metric name. Received: identifier={identifier!r}; "
-            f'use one of {sorted({"acc", *_NAMES})}, a meshfit.metrics.Metric, '
+            f"use one of {sorted({'acc', *_NAMES})}, a meshfit.metrics.Metric, "
             "or a callable (y_true, y_pred) -> per-sample values."
         )
     if isinstance(identifier, type) and issubclass(identifier, Metric):

@@ -56,12 +56,18 @@ class Model:
         self.seed = int(seed)
         self._adapter = adapt(module, sample_input, self.seed)
         params, model_state = self._adapter.init()
-        self._state: TrainState = self.strategy.place_state(TrainState(
-            params=params, model_state=model_state, opt_state=None, metrics=(),
-            step=jnp.zeros((), jnp.int32),
-            # Only modules that take an RNG argument (Linen) carry a key; NNX keeps its own streams.
-            rng=jax.random.key_data(jax.random.key(self.seed)) if self._adapter.uses_rng else None,
-        ), self._adapter.partition_specs())
+        self._state: TrainState = self.strategy.place_state(
+            TrainState(
+                params=params,
+                model_state=model_state,
+                opt_state=None,
+                metrics=(),
+                step=jnp.zeros((), jnp.int32),
+                # Only modules that take an RNG argument (Linen) carry a key; NNX keeps its own streams.
+                rng=jax.random.key_data(jax.random.key(self.seed)) if self._adapter.uses_rng else None,
+            ),
+            self._adapter.partition_specs(),
+        )
         self._compiled: dict[str, Any] | None = None
         self._runner: Runner | None = None
         self._input_spec = None
@@ -124,12 +130,15 @@ class Model:
                 f"set_weights expected a list of {len(leaves)} arrays (see model.weight_names()). "
                 f"Received {len(weights)}."
             )
-        for name, old, new in zip(self.weight_names(), leaves, weights):
+        for name, old, new in zip(self.weight_names(), leaves, weights, strict=True):
             if tuple(np.shape(new)) != tuple(old.shape):
                 raise ValueError(
                     f"Weight '{name}' has shape {tuple(old.shape)}. Received an array of shape {np.shape(new)}."
                 )
-        placed = [placement.put(np.asarray(new, dtype=old.dtype), old.sharding) for old, new in zip(leaves, weights)]
+        placed = [
+            placement.put(np.asarray(new, dtype=old.dtype), old.sharding)
+            for old, new in zip(leaves, weights, strict=True)
+        ]
         n_params = len(jax.tree.leaves(params))
         new_params = jax.tree.unflatten(jax.tree.structure(params), placed[:n_params])
         new_non_trainable = jax.tree.unflatten(jax.tree.structure(non_trainable), placed[n_params:])
@@ -142,8 +151,9 @@ class Model:
 
     # -- compile -------------------------------------------------------------------------
 
-    def compile(self, optimizer="rmsprop", loss=None, metrics=None, weighted_metrics=None,
-                steps_per_execution: int = 1) -> None:
+    def compile(
+        self, optimizer="rmsprop", loss=None, metrics=None, weighted_metrics=None, steps_per_execution: int = 1
+    ) -> None:
         """Configures the model for training (Keras's `compile`).
 
         Args:
@@ -169,8 +179,15 @@ class Model:
         state = self._state
         state = state._replace(opt_state=tx.init(state.params), metrics=(), step=jnp.zeros((), jnp.int32))
         self._state = self.strategy.place_state(state, self._adapter.partition_specs())
-        self._compiled = dict(tx=tx, optimizer_id=optimizer, loss=loss_obj, loss_id=loss, metrics=metric_ids,
-                              weighted=weighted_ids, steps_per_execution=steps_per_execution)
+        self._compiled = dict(
+            tx=tx,
+            optimizer_id=optimizer,
+            loss=loss_obj,
+            loss_id=loss,
+            metrics=metric_ids,
+            weighted=weighted_ids,
+            steps_per_execution=steps_per_execution,
+        )
         self._runner = None
         self._host_step = 0
         self.optimizer = optimizers_lib.Optimizer(tx, self)
@@ -189,7 +206,9 @@ class Model:
 
     def _require_compiled(self, what: str) -> None:
         if self._compiled is None:
-            raise ValueError(f"You must call `compile()` before `{what}()`. Call model.compile(optimizer=..., loss=...).")
+            raise ValueError(
+                f"You must call `compile()` before `{what}()`. Call model.compile(optimizer=..., loss=...)."
+            )
         if self._compiled["loss"] is None and what in ("fit", "evaluate"):
             raise ValueError(f"`{what}()` needs a loss. Call model.compile(..., loss=...).")
 
@@ -211,12 +230,13 @@ class Model:
         try:
             return jax.eval_shape(
                 lambda p, s, x: self._adapter.apply(p, s, x, training=False, rng=None)[0],
-                state.params, state.model_state, batch.x)
+                state.params,
+                state.model_state,
+                batch.x,
+            )
         except (TypeError, ValueError) as error:
             shapes = jax.tree.map(lambda a: tuple(a.shape), batch.x)
-            raise ValueError(
-                f"The model could not be called on inputs of shape {shapes}: {error}"
-            ) from error
+            raise ValueError(f"The model could not be called on inputs of shape {shapes}: {error}") from error
 
     def _build(self, batch: data_lib.Batch) -> None:
         """Resolves metrics from the first batch's shapes and compiles the steps once."""
@@ -255,10 +275,18 @@ class Model:
             raise ValueError(f"The number of steps must be a positive int or None. Received: {steps!r}.")
         strategy = self.strategy
         if data_lib.is_array_tree(x):
-            return data_lib.ArrayData(x, y, sample_weight, batch_size=batch_size or _DEFAULT_BATCH_SIZE,
-                                      shuffle=shuffle, seed=self.seed, batch_multiple=strategy.batch_multiple,
-                                      steps_per_epoch=steps, block=strategy.batch_block,
-                                      orders=self._shuffle_orders)
+            return data_lib.ArrayData(
+                x,
+                y,
+                sample_weight,
+                batch_size=batch_size or _DEFAULT_BATCH_SIZE,
+                shuffle=shuffle,
+                seed=self.seed,
+                batch_multiple=strategy.batch_multiple,
+                steps_per_epoch=steps,
+                block=strategy.batch_block,
+                orders=self._shuffle_orders,
+            )
         if y is not None or sample_weight is not None:
             raise ValueError(
                 f"When `x` is a dataset or generator, `y` and `sample_weight` must be None (the dataset "
@@ -310,10 +338,25 @@ class Model:
 
     # -- Keras API -----------------------------------------------------------------------------
 
-    def fit(self, x=None, y=None, batch_size=None, epochs: int = 1, verbose="auto", callbacks=None,
-            validation_split: float = 0.0, validation_data=None, shuffle: bool = True,
-            class_weight=None, sample_weight=None, initial_epoch: int = 0, steps_per_epoch=None,
-            validation_steps=None, validation_batch_size=None, validation_freq=1):
+    def fit(
+        self,
+        x=None,
+        y=None,
+        batch_size=None,
+        epochs: int = 1,
+        verbose="auto",
+        callbacks=None,
+        validation_split: float = 0.0,
+        validation_data=None,
+        shuffle: bool = True,
+        class_weight=None,
+        sample_weight=None,
+        initial_epoch: int = 0,
+        steps_per_epoch=None,
+        validation_steps=None,
+        validation_batch_size=None,
+        validation_freq=1,
+    ):
         """Trains the model for a number of epochs (Keras's `fit`); returns a `History`.
 
         The last partial batch of an epoch is trained on exactly (padded and
@@ -363,8 +406,11 @@ class Model:
         if not isinstance(initial_epoch, int) or not 0 <= initial_epoch:
             raise ValueError(f"`initial_epoch` must be a non-negative int. Received: {initial_epoch!r}.")
         if not (isinstance(validation_freq, int) and validation_freq >= 1) and not (
-                isinstance(validation_freq, (list, tuple, set)) and all(isinstance(v, int) for v in validation_freq)):
-            raise ValueError(f"`validation_freq` must be a positive int or a list of epochs. Received: {validation_freq!r}.")
+            isinstance(validation_freq, (list, tuple, set)) and all(isinstance(v, int) for v in validation_freq)
+        ):
+            raise ValueError(
+                f"`validation_freq` must be a positive int or a list of epochs. Received: {validation_freq!r}."
+            )
         # Armed before anything compiles or restores: a SIGTERM from now on ends in a backup.
         watch = PreemptionWatch() if any(_handles_preemption(cb) for cb in callbacks or ()) else None
         with watch or contextlib.nullcontext():
@@ -374,7 +420,9 @@ class Model:
             val_data = None
             if validation_split:
                 if not isinstance(data, data_lib.ArrayData):
-                    raise ValueError("`validation_split` works only with array inputs; pass `validation_data` for datasets.")
+                    raise ValueError(
+                        "`validation_split` works only with array inputs; pass `validation_data` for datasets."
+                    )
                 data, val_data = data.split(validation_split)
             if validation_data is not None:
                 vx, vy, vsw = _unpack_validation(validation_data)
@@ -387,8 +435,9 @@ class Model:
             if val_data is not None:
                 self._check_input(self._first_batch(val_data))
             steps = getattr(data, "steps_per_epoch", None)
-            callback_list, history = self._callback_list(callbacks, verbose=verbose, epochs=epochs, steps=steps,
-                                                         add_history=True)
+            callback_list, history = self._callback_list(
+                callbacks, verbose=verbose, epochs=epochs, steps=steps, add_history=True
+            )
             self.history = history
             self.stop_training = False
             self._fit_data, self._fit_callbacks, self._resumed = data, list(callback_list), False
@@ -398,9 +447,17 @@ class Model:
             self._data_origin = self._epochs_begun - initial_epoch  # BackupAndRestore may set the saved one
             finished = False
             try:
-                fit_loop(self, data, epochs=epochs, initial_epoch=initial_epoch, callbacks=callback_list,
-                         val_data=val_data, validation_freq=validation_freq, validation_steps=validation_steps,
-                         watch=watch)
+                fit_loop(
+                    self,
+                    data,
+                    epochs=epochs,
+                    initial_epoch=initial_epoch,
+                    callbacks=callback_list,
+                    val_data=val_data,
+                    validation_freq=validation_freq,
+                    validation_steps=validation_steps,
+                    watch=watch,
+                )
                 self._counted_state = self._state  # `_host_step` counts its steps: the next fit need not sync
                 finished = True
             finally:
@@ -417,8 +474,17 @@ class Model:
                     raise errors[0]
         return history
 
-    def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None, steps=None,
-                 callbacks=None, return_dict: bool = False):
+    def evaluate(
+        self,
+        x=None,
+        y=None,
+        batch_size=None,
+        verbose="auto",
+        sample_weight=None,
+        steps=None,
+        callbacks=None,
+        return_dict: bool = False,
+    ):
         """Loss and metrics over the data (Keras's `evaluate`).
 
         Results over N samples equal the full-batch values, whatever the batch
@@ -446,9 +512,13 @@ class Model:
         if first.y is None:
             raise ValueError("`evaluate()` needs targets: pass `y`, or a dataset yielding (x, y) pairs.")
         self._build(first)
-        callback_list, _ = self._callback_list(callbacks, verbose=verbose, epochs=1,
-                                               steps=steps or getattr(data, "steps_per_epoch", None),
-                                               add_history=False)
+        callback_list, _ = self._callback_list(
+            callbacks,
+            verbose=verbose,
+            epochs=1,
+            steps=steps or getattr(data, "steps_per_epoch", None),
+            add_history=False,
+        )
         logs = evaluate_loop(self, data, callbacks=callback_list, steps=steps)
         if return_dict:
             return logs
@@ -481,9 +551,13 @@ class Model:
             self._build(first)
         else:
             self._check_input(first)
-        callback_list, _ = self._callback_list(callbacks, verbose=verbose, epochs=1,
-                                               steps=steps or getattr(data, "steps_per_epoch", None),
-                                               add_history=False)
+        callback_list, _ = self._callback_list(
+            callbacks,
+            verbose=verbose,
+            epochs=1,
+            steps=steps or getattr(data, "steps_per_epoch", None),
+            add_history=False,
+        )
         return predict_loop(self, data, callbacks=callback_list, steps=steps)
 
     def summary(self, print_fn=print) -> str:
@@ -518,12 +592,18 @@ class Model:
 def _handles_preemption(callback) -> bool:
     return getattr(callback, "handles_preemption", False) or (
         isinstance(callback, callbacks_lib.Callback)
-        and type(callback).on_preemption is not callbacks_lib.Callback.on_preemption)
+        and type(callback).on_preemption is not callbacks_lib.Callback.on_preemption
+    )
 
 
 def _describe(spec) -> str:
-    return str(jax.tree.map(lambda s: "(None, " + ", ".join(map(str, s[0])) + ")" if s[0] else "(None,)", spec,
-                            is_leaf=lambda s: isinstance(s, tuple) and len(s) == 2 and isinstance(s[1], str)))
+    return str(
+        jax.tree.map(
+            lambda s: "(None, " + ", ".join(map(str, s[0])) + ")" if s[0] else "(None,)",
+            spec,
+            is_leaf=lambda s: isinstance(s, tuple) and len(s) == 2 and isinstance(s[1], str),
+        )
+    )
 
 
 def _as_list(value, name: str) -> list:
@@ -554,7 +634,11 @@ def _check_positive_int(value, name: str) -> None:
 
 
 def _unpack_validation(validation_data):
-    if isinstance(validation_data, tuple) and len(validation_data) in (2, 3) and data_lib.is_array_tree(validation_data[0]):
+    if (
+        isinstance(validation_data, tuple)
+        and len(validation_data) in (2, 3)
+        and data_lib.is_array_tree(validation_data[0])
+    ):
         return (*validation_data, None)[:3]
     if isinstance(validation_data, tuple) and len(validation_data) not in (2, 3):
         raise ValueError(
@@ -576,4 +660,3 @@ def _class_weights(y, class_weight: dict, sample_weight):
         raise ValueError(f"`class_weight` has no weight for classes {missing}. Received keys {sorted(class_weight)}.")
     weights = np.array([class_weight[c] for c in labels], np.float32)
     return weights if sample_weight is None else weights * np.asarray(sample_weight, np.float32)
-

@@ -9,7 +9,8 @@ compiled step call passes, which costs host time on small models.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import optax
@@ -52,8 +53,7 @@ def get(identifier, **overrides) -> optax.GradientTransformation:
         key = identifier.lower()
         if key not in _FACTORIES:
             raise ValueError(
-                f"Unknown optimizer name {identifier!r}. Expected one of {names()}, "
-                "or an optax.GradientTransformation."
+                f"Unknown optimizer name {identifier!r}. Expected one of {names()}, or an optax.GradientTransformation."
             )
         factory, defaults = _FACTORIES[key]
         kwargs = {**defaults, **overrides}

@@ -19,7 +19,7 @@ from meshfit.loop import InFlight
 from meshfit.steps import LOSS_KEY, Steps
 
 #: Bytes of batches placed on the devices at once for single-step training from arrays.
-STAGE_BYTES = 8 * 2 ** 20
+STAGE_BYTES = 8 * 2**20
 #: At most this many batches are placed at once (the host gathers them in one go).
 MAX_STAGED_STEPS = 64
 

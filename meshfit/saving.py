@@ -64,8 +64,10 @@ def _open_for_reading(path, kinds: tuple[str, ...]) -> CheckpointDir:
         raise FileNotFoundError(f"No meshfit checkpoint at {path!r}: no such directory.")
     marker = read_marker(path)
     if marker is None:
-        raise FileNotFoundError(f"No meshfit checkpoint at {path!r}: it has no {'meshfit_checkpoints.json'} "
-                                "marker. Pass the directory that model.save, save_weights or ModelCheckpoint wrote.")
+        raise FileNotFoundError(
+            f"No meshfit checkpoint at {path!r}: it has no {'meshfit_checkpoints.json'} "
+            "marker. Pass the directory that model.save, save_weights or ModelCheckpoint wrote."
+        )
     if marker["kind"] not in kinds:
         raise ValueError(f"{path!r} holds meshfit {marker['kind']} checkpoints; expected {' or '.join(kinds)}.")
     return CheckpointDir(path, marker["kind"], read_only=True)
@@ -76,8 +78,9 @@ def _write(path, kind: str, tree, meta: dict, overwrite: bool) -> None:
     try:
         steps = ckpt.steps()
         if steps and not overwrite:
-            raise FileExistsError(f"{ckpt.directory!r} already holds {_LABELS[kind]}. "
-                                  "Pass overwrite=True to replace it.")
+            raise FileExistsError(
+                f"{ckpt.directory!r} already holds {_LABELS[kind]}. Pass overwrite=True to replace it."
+            )
         # A new number: the old checkpoint is deleted only once this one is complete.
         ckpt.save(max(steps) + 1 if steps else 0, tree, meta, wait=True)
     finally:
@@ -104,8 +107,9 @@ def load_weights(model, path) -> None:
     try:
         template = {"weights": weights_tree(model)}
         if ckpt.kind == "backup":  # a backup's weights live in its training state
-            template = {"train": {"params": template["weights"]["params"],
-                                  "model_state": template["weights"]["model_state"]}}
+            template = {
+                "train": {"params": template["weights"]["params"], "model_state": template["weights"]["model_state"]}
+            }
         found = ckpt.restore_latest(template, partial=True)
     finally:
         ckpt.close()

@@ -7,7 +7,7 @@ pytrees and a strategy compiles it. `steps_per_execution=K` wraps a step in a
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,8 +32,14 @@ class Steps:
         weighted_metrics: metrics updated with `mask * sample_weight`.
     """
 
-    def __init__(self, adapter: ModuleAdapter, loss, tx: optax.GradientTransformation,
-                 metrics: Sequence = (), weighted_metrics: Sequence = ()):
+    def __init__(
+        self,
+        adapter: ModuleAdapter,
+        loss,
+        tx: optax.GradientTransformation,
+        metrics: Sequence = (),
+        weighted_metrics: Sequence = (),
+    ):
         self.adapter = adapter
         self.loss = loss
         self.tx = tx
@@ -56,9 +62,9 @@ class Steps:
         loss_state = states[0] + jnp.stack([loss_value.astype(jnp.float32) * n_real, n_real])
         weighted = mask if batch.sample_weight is None else mask * _per_sample(batch.sample_weight)
         new = [loss_state]
-        for metric, state in zip(self.metrics, states[1:]):
+        for metric, state in zip(self.metrics, states[1:], strict=True):
             new.append(metric.update(state, batch.y, y_pred, mask))
-        for metric, state in zip(self.weighted_metrics, states[1 + len(self.metrics):]):
+        for metric, state in zip(self.weighted_metrics, states[1 + len(self.metrics) :], strict=True):
             new.append(metric.update(state, batch.y, y_pred, weighted))
         return tuple(new)
 
@@ -66,7 +72,7 @@ class Steps:
         """Current value of the loss and each metric (device scalars)."""
         total, count = states[0][0], states[0][1]
         values = {LOSS_KEY: total / jnp.maximum(count, 1.0)}
-        for metric, state in zip(self.metrics + self.weighted_metrics, states[1:]):
+        for metric, state in zip(self.metrics + self.weighted_metrics, states[1:], strict=True):
             values[metric.name] = metric.compute(state)
         return values
 
@@ -79,15 +85,17 @@ class Steps:
 
     def compute_loss(self, params, model_state, batch: Batch, rng, training: bool):
         values, y_pred, new_model_state = self._forward(params, model_state, batch, rng, training)
-        loss = losses_lib.reduce_values(values, sample_weight=batch.sample_weight, mask=batch.mask,
-                                        reduction=self.loss.reduction)
+        loss = losses_lib.reduce_values(
+            values, sample_weight=batch.sample_weight, mask=batch.mask, reduction=self.loss.reduction
+        )
         return loss, (y_pred, new_model_state)
 
     def _loss_parts(self, params, model_state, batch: Batch, rng):
         """The training loss as `(total, (divisor, y_pred, module state))`: loss = total / divisor."""
         values, y_pred, new_model_state = self._forward(params, model_state, batch, rng, True)
-        total, divisor = losses_lib.reduce_parts(values, sample_weight=batch.sample_weight, mask=batch.mask,
-                                                 reduction=self.loss.reduction)
+        total, divisor = losses_lib.reduce_parts(
+            values, sample_weight=batch.sample_weight, mask=batch.mask, reduction=self.loss.reduction
+        )
         return total, (divisor, y_pred, new_model_state)
 
     def gradients(self, params, model_state, batch: Batch, rng):
@@ -148,6 +156,7 @@ class Steps:
         (A fully padded batch would still move the optimizer state, so a short
         last group runs through `train_step` instead.)
         """
+
         def body(state, batch):
             return self.train_step(state, batch)[0], None
 
@@ -169,4 +178,3 @@ def _per_sample(sample_weight):
     """Reduces a sample-weight array to one weight per row (Keras allows (batch, 1))."""
     sample_weight = jnp.asarray(sample_weight, jnp.float32)
     return sample_weight.reshape(sample_weight.shape[0], -1)[:, 0] if sample_weight.ndim > 1 else sample_weight
-

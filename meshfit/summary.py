@@ -35,7 +35,7 @@ def format_summary(model) -> str:
     sharded = _sharded((params, non_trainable))
     header = ["Weight", "Shape", "Dtype", "Params", "Bytes"] + (["Sharding", "Bytes/device"] if sharded else [])
     rows = []
-    for name, leaf in zip(names, leaves):
+    for name, leaf in zip(names, leaves, strict=True):
         count = int(np.prod(leaf.shape))
         row = [name, str(tuple(leaf.shape)), str(leaf.dtype), f"{count:,}", human_bytes(count * leaf.dtype.itemsize)]
         if sharded:
@@ -47,21 +47,34 @@ def format_summary(model) -> str:
     left = {0, 1, 2, 5}
 
     def fmt(row):
-        return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        return "  ".join(
+            c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        )
 
     def total(tree_leaves):
         return sum(int(np.prod(a.shape)) for a in tree_leaves), sum(a.nbytes for a in tree_leaves)
 
     t_count, t_bytes = total(leaves[:n_params])
     f_count, f_bytes = total(leaves[n_params:])
-    out = [f'Model: "{type(model._adapter.module).__name__}"  strategy: {model.strategy!r}', line, fmt(header),
-           line, *(fmt(r) for r in rows), line,
-           f"Total params: {t_count + f_count:,} ({human_bytes(t_bytes + f_bytes)})",
-           f"Trainable params: {t_count:,} ({human_bytes(t_bytes)})",
-           f"Non-trainable params: {f_count:,} ({human_bytes(f_bytes)})"]
+    out = [
+        f'Model: "{type(model._adapter.module).__name__}"  strategy: {model.strategy!r}',
+        line,
+        fmt(header),
+        line,
+        *(fmt(r) for r in rows),
+        line,
+        f"Total params: {t_count + f_count:,} ({human_bytes(t_bytes + f_bytes)})",
+        f"Trainable params: {t_count:,} ({human_bytes(t_bytes)})",
+        f"Non-trainable params: {f_count:,} ({human_bytes(f_bytes)})",
+    ]
     if sharded:
         opt_leaves = jax.tree.leaves(model._state.opt_state)
-        out.append(f"Total bytes per device: {human_bytes(sum(bytes_per_device(a) for a in leaves))} of weights"
-                   + (f", {human_bytes(sum(bytes_per_device(a) for a in opt_leaves))} of optimizer state"
-                      if opt_leaves else ""))
+        out.append(
+            f"Total bytes per device: {human_bytes(sum(bytes_per_device(a) for a in leaves))} of weights"
+            + (
+                f", {human_bytes(sum(bytes_per_device(a) for a in opt_leaves))} of optimizer state"
+                if opt_leaves
+                else ""
+            )
+        )
     return "\n".join(out)

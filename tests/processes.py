@@ -25,13 +25,22 @@ class Job:
     def __init__(self, argv: list[str], timeout: float, env: dict | None = None):
         self.argv = argv
         self.deadline = time.monotonic() + timeout
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     errors="replace", env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+            env=env,
+            start_new_session=True,
+        )
         self.out: list[str] = []
         self.err: list[str] = []
         self._new_line = threading.Condition()
-        self._readers = [threading.Thread(target=self._read, args=(stream, lines), daemon=True)
-                         for stream, lines in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        self._readers = [
+            threading.Thread(target=self._read, args=(stream, lines), daemon=True)
+            for stream, lines in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))
+        ]
         for reader in self._readers:
             reader.start()
 
@@ -99,8 +108,10 @@ class Job:
 
     def _fail(self, why: str) -> None:
         self.kill()
-        raise AssertionError(f"{' '.join(self.argv)}: {why}.\n--- stdout (end) ---\n{self.stdout[-3000:]}"
-                             f"\n--- stderr (end) ---\n{self.stderr[-3000:]}")
+        raise AssertionError(
+            f"{' '.join(self.argv)}: {why}.\n--- stdout (end) ---\n{self.stdout[-3000:]}"
+            f"\n--- stderr (end) ---\n{self.stderr[-3000:]}"
+        )
 
     def __enter__(self) -> Job:
         return self

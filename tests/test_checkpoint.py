@@ -38,8 +38,12 @@ def trained(hidden=16, optimizer="adam", epochs=1):
 
 
 def largest_data_file(step_dir) -> str:
-    files = [os.path.join(root, f) for root, _, names in os.walk(os.path.join(step_dir, "state")) for f in names
-             if os.sep + "d" + os.sep in os.path.join(root, f)]
+    files = [
+        os.path.join(root, f)
+        for root, _, names in os.walk(os.path.join(step_dir, "state"))
+        for f in names
+        if os.sep + "d" + os.sep in os.path.join(root, f)
+    ]
     return max(files, key=os.path.getsize)
 
 
@@ -106,9 +110,12 @@ def test_flipped_bytes_in_any_data_file_are_never_restored_silently(tmp_path):
     ckpt = CheckpointDir(tmp_path / "b", "backup")  # asynchronous, as BackupAndRestore writes
     ckpt.save(1, state, {})
     ckpt.close()
-    files = [os.path.relpath(os.path.join(root, name), tmp_path / "b")
-             for root, _, names in os.walk(tmp_path / "b" / "1") for name in names
-             if os.sep + "d" + os.sep in os.path.join(root, name)]
+    files = [
+        os.path.relpath(os.path.join(root, name), tmp_path / "b")
+        for root, _, names in os.walk(tmp_path / "b" / "1")
+        for name in names
+        if os.sep + "d" + os.sep in os.path.join(root, name)
+    ]
     outcomes = {}
     for name in files:
         copy = tmp_path / "copy"
@@ -122,8 +129,12 @@ def test_flipped_bytes_in_any_data_file_are_never_restored_silently(tmp_path):
 
 def test_an_altered_model_file_is_refused_and_left_in_place(tmp_path):
     trained(hidden=64).save(tmp_path / "m")
-    data = [os.path.join(root, f) for root, _, names in os.walk(tmp_path / "m" / "0" / "state") for f in names
-            if os.sep + "d" + os.sep in os.path.join(root, f)]
+    data = [
+        os.path.join(root, f)
+        for root, _, names in os.walk(tmp_path / "m" / "0" / "state")
+        for f in names
+        if os.sep + "d" + os.sep in os.path.join(root, f)
+    ]
     for path in data:
         flip_bytes(path)
     with warnings.catch_warnings(record=True) as caught:
@@ -168,10 +179,17 @@ def delete_marker(directory):
     os.remove(directory / MARKER)
 
 
-@pytest.mark.parametrize("damage, error, says", [
-    (garble_marker, ValueError, r"marker file .* is damaged .*rewrite the file as"),
-    (delete_marker, FileNotFoundError, r"holds Orbax checkpoints but not meshfit's marker file .*recreate the marker"),
-])
+@pytest.mark.parametrize(
+    "damage, error, says",
+    [
+        (garble_marker, ValueError, r"marker file .* is damaged .*rewrite the file as"),
+        (
+            delete_marker,
+            FileNotFoundError,
+            r"holds Orbax checkpoints but not meshfit's marker file .*recreate the marker",
+        ),
+    ],
+)
 def test_a_broken_or_missing_marker_says_what_is_wrong_and_what_to_do(tmp_path, damage, error, says):
     trained().save(tmp_path / "m")
     damage(tmp_path / "m")

@@ -3,8 +3,8 @@
 import os
 import sys
 
-import pytest
 import processes
+import pytest
 
 CODE = """
 import warnings, meshfit as mf

@@ -1,7 +1,6 @@
 """Array data: shuffle orders shared across fits and computed ahead."""
 
 import numpy as np
-
 from helpers import MLP, classification_data
 
 import meshfit as mf

@@ -11,16 +11,19 @@ import meshfit as mf
 @pytest.fixture
 def model():
     model = mf.Model(MLP())
-    model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+    model.compile(
+        optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"]
+    )
     x, y = classification_data(n=16)
     model.fit(x, y, epochs=1, verbose=0)
     return model
 
 
 def snapshot(model):
-    return [np.asarray(a).copy() for a in jax.tree.leaves(jax.device_get(
-        (model._state.params, model._state.opt_state, model._state.step)))]
+    return [
+        np.asarray(a).copy()
+        for a in jax.tree.leaves(jax.device_get((model._state.params, model._state.opt_state, model._state.step)))
+    ]
 
 
 def assert_unchanged(model, before):
@@ -63,13 +66,16 @@ def test_input_shape_rejected_on_first_call():
         model.fit(x, y, batch_size=16, verbose=0)
 
 
-@pytest.mark.parametrize("kwargs, pattern", [
-    (dict(optimizer="adamm"), r"Unknown optimizer name 'adamm'. Expected one of \[.*'adam'"),
-    (dict(optimizer=3), r"`optimizer` must be"),
-    (dict(loss="crossentropee"), r"crossentropee.*mean_squared_error|mean_squared_error.*crossentropee"),
-    (dict(metrics=["acuracy"]), r"acuracy.*accuracy|accuracy.*acuracy"),
-    (dict(steps_per_execution=0), r"`steps_per_execution` must be a positive int"),
-])
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        (dict(optimizer="adamm"), r"Unknown optimizer name 'adamm'. Expected one of \[.*'adam'"),
+        (dict(optimizer=3), r"`optimizer` must be"),
+        (dict(loss="crossentropee"), r"crossentropee.*mean_squared_error|mean_squared_error.*crossentropee"),
+        (dict(metrics=["acuracy"]), r"acuracy.*accuracy|accuracy.*acuracy"),
+        (dict(steps_per_execution=0), r"`steps_per_execution` must be a positive int"),
+    ],
+)
 def test_unknown_names_list_valid_ones(model, kwargs, pattern):
     full = dict(optimizer="sgd", loss="mse")
     full.update(kwargs)
@@ -90,15 +96,18 @@ def test_empty_datasets(model):
     assert_unchanged(model, before)
 
 
-@pytest.mark.parametrize("kwargs, pattern", [
-    (dict(epochs=0), r"`epochs` must be a positive int. Received: epochs=0"),
-    (dict(batch_size=-1), r"`batch_size` must be a positive int"),
-    (dict(verbose=3), r"`verbose` must be 'auto', 0, 1 or 2"),
-    (dict(validation_split=1.5), r"`validation_split` must be in \(0, 1\)"),
-    (dict(validation_data=(1, 2, 3, 4)), r"`validation_data` must be"),
-    (dict(callbacks=[object()]), r"meshfit.callbacks.Callback"),
-    (dict(validation_freq=0), r"`validation_freq`"),
-])
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        (dict(epochs=0), r"`epochs` must be a positive int. Received: epochs=0"),
+        (dict(batch_size=-1), r"`batch_size` must be a positive int"),
+        (dict(verbose=3), r"`verbose` must be 'auto', 0, 1 or 2"),
+        (dict(validation_split=1.5), r"`validation_split` must be in \(0, 1\)"),
+        (dict(validation_data=(1, 2, 3, 4)), r"`validation_data` must be"),
+        (dict(callbacks=[object()]), r"meshfit.callbacks.Callback"),
+        (dict(validation_freq=0), r"`validation_freq`"),
+    ],
+)
 def test_bad_fit_arguments(model, kwargs, pattern):
     x, y = classification_data(n=16)
     before = snapshot(model)

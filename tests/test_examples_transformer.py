@@ -9,9 +9,30 @@ from jax.sharding import PartitionSpec as P
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "transformer_lm.py")
 
-TINY = ["--epochs", "2", "--steps-per-epoch", "20", "--layers", "1", "--d-model", "64", "--heads", "4",
-        "--context", "32", "--batch-size", "16", "--max-bytes", "60000", "--validation-steps", "4",
-        "--sample-len", "24", "--verbose", "0"]
+TINY = [
+    "--epochs",
+    "2",
+    "--steps-per-epoch",
+    "20",
+    "--layers",
+    "1",
+    "--d-model",
+    "64",
+    "--heads",
+    "4",
+    "--context",
+    "32",
+    "--batch-size",
+    "16",
+    "--max-bytes",
+    "60000",
+    "--validation-steps",
+    "4",
+    "--sample-len",
+    "24",
+    "--verbose",
+    "0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +43,11 @@ def example():
     return module
 
 
-@pytest.mark.parametrize("extra", [[], ["--mesh", "2,2,2", "--untied-head", "--steps-per-execution", "5"]],
-                         ids=["fsdp4-tensor2-tied", "data2-fsdp2-tensor2-untied-spe5"])
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--mesh", "2,2,2", "--untied-head", "--steps-per-execution", "5"]],
+    ids=["fsdp4-tensor2-tied", "data2-fsdp2-tensor2-untied-spe5"],
+)
 def test_transformer_lm_trains_and_samples(example, extra):
     assert jax.device_count() == 8
     result = example.main(TINY + extra)

@@ -17,20 +17,32 @@ def launch_cmd(*args):
 
 def test_failure_of_one_process_stops_the_others_and_sets_the_status():
     start = time.monotonic()
-    result = run(launch_cmd("--nprocs", "3", "--devices-per-proc", "2", os.path.join(WORKERS, "exit_with.py"), "3"),
-                 timeout=60)
+    result = run(
+        launch_cmd("--nprocs", "3", "--devices-per-proc", "2", os.path.join(WORKERS, "exit_with.py"), "3"), timeout=60
+    )
     elapsed = time.monotonic() - start
     assert result.returncode == 3
     assert elapsed < 30  # rank 0 and 2 would sleep 120 s if not stopped
     assert "[launch] rank 1 exited with status 3; stopping the other 2 process(es)." in result.stderr
     for rank in range(3):
-        assert re.search(rf"^\[rank {rank}\] rank {rank} of 3 at 127\.0\.0\.1:\d+ xla=.*device_count=2",
-                         result.stdout, re.M), result.stdout
+        assert re.search(
+            rf"^\[rank {rank}\] rank {rank} of 3 at 127\.0\.0\.1:\d+ xla=.*device_count=2", result.stdout, re.M
+        ), result.stdout
 
 
 def test_killed_worker_ends_the_job_with_a_clear_error_in_bounded_time(tmp_path):
-    with Job(launch_cmd("--nprocs", "2", "--devices-per-proc", "2", os.path.join(WORKERS, "train_data_parallel.py"),
-                        str(tmp_path), "--hang"), timeout=180) as job:
+    with Job(
+        launch_cmd(
+            "--nprocs",
+            "2",
+            "--devices-per-proc",
+            "2",
+            os.path.join(WORKERS, "train_data_parallel.py"),
+            str(tmp_path),
+            "--hang",
+        ),
+        timeout=180,
+    ) as job:
         pids = {int(m.group(1)): int(m.group(2)) for m in job.wait_for(r"\[rank (\d)\] pid (\d+) rank", count=2)}
         job.wait_for(r"\[rank 0\] epoch ", count=2)  # training is under way
         os.kill(pids[1], signal.SIGKILL)
@@ -62,11 +74,16 @@ def test_parameter_server_job_gives_each_rank_its_role():
     config = LaunchConfig(command=["train.py"], nprocs=5, servers=2)
     envs = [process_env(config, rank, (1111, 2222), attempt=0, gpus=0, authkey="ab") for rank in range(5)]
     assert [env[ps_remote.ENV_ROLE] for env in envs] == ["coordinator", "server", "worker", "worker", "worker"]
-    assert all(env[ps_remote.ENV_ADDRESS] == "127.0.0.1:2222" and env[ps_remote.ENV_WORKERS] == "3"
-               and env[ps_remote.ENV_SERVERS] == "2" for env in envs)
+    assert all(
+        env[ps_remote.ENV_ADDRESS] == "127.0.0.1:2222"
+        and env[ps_remote.ENV_WORKERS] == "3"
+        and env[ps_remote.ENV_SERVERS] == "2"
+        for env in envs
+    )
     # The servers form a jax.distributed job of their own; workers stay out of it.
-    assert [(env[cluster.ENV_PROCESS_ID], env[cluster.ENV_NUM_PROCESSES], env[cluster.ENV_COORDINATOR])
-            for env in envs[:2]] == [("0", "2", "127.0.0.1:1111"), ("1", "2", "127.0.0.1:1111")]
+    assert [
+        (env[cluster.ENV_PROCESS_ID], env[cluster.ENV_NUM_PROCESSES], env[cluster.ENV_COORDINATOR]) for env in envs[:2]
+    ] == [("0", "2", "127.0.0.1:1111"), ("1", "2", "127.0.0.1:1111")]
     assert [env[ps_remote.ENV_SERVER_RANK] for env in envs[:2]] == ["0", "1"]
     assert not any(cluster.ENV_COORDINATOR in env or ps_remote.ENV_SERVER_RANK in env for env in envs[2:])
 
@@ -86,21 +103,32 @@ def test_launch_rejects_a_parameter_server_job_without_servers_or_workers():
 def test_the_rank_that_died_first_is_blamed_not_the_one_that_aborted_after_it(tmp_path):
     """rank 1 is SIGKILLed; rank 0 then fails on losing its peer. The launcher names rank 1, three times of three."""
     for attempt in range(3):
-        with Job(launch_cmd("--nprocs", "2", "--devices-per-proc", "2",
-                            os.path.join(WORKERS, "train_data_parallel.py"), str(tmp_path / str(attempt)), "--hang"),
-                 timeout=180) as job:
+        with Job(
+            launch_cmd(
+                "--nprocs",
+                "2",
+                "--devices-per-proc",
+                "2",
+                os.path.join(WORKERS, "train_data_parallel.py"),
+                str(tmp_path / str(attempt)),
+                "--hang",
+            ),
+            timeout=180,
+        ) as job:
             pids = {int(m.group(1)): int(m.group(2)) for m in job.wait_for(r"\[rank (\d)\] pid (\d+) rank", count=2)}
             job.wait_for(r"\[rank 0\] epoch ", count=2)
             os.kill(pids[1], signal.SIGKILL)
             job.finish(timeout=60)
-        assert "[launch] rank 1 exited with status -9 (killed by SIGKILL); stopping the other 1" in job.stderr, \
+        assert "[launch] rank 1 exited with status -9 (killed by SIGKILL); stopping the other 1" in job.stderr, (
             job.stderr[-2000:]
+        )
         assert "[launch] rank 0 exited with status" not in job.stderr
 
 
 def test_a_stopped_rank_ends_the_job_within_the_heartbeat_timeout():
-    with Job(launch_cmd("--nprocs", "2", "--heartbeat-timeout", "3", os.path.join(WORKERS, "exit_with.py"), "0"),
-             timeout=120) as job:
+    with Job(
+        launch_cmd("--nprocs", "2", "--heartbeat-timeout", "3", os.path.join(WORKERS, "exit_with.py"), "0"), timeout=120
+    ) as job:
         job.wait_for(r"\[rank 0\] rank 0 of 2")
         ranks = job.children()
         os.kill(ranks[0], signal.SIGSTOP)

@@ -2,7 +2,6 @@
 
 import numpy as np
 import optax
-
 import pytest
 from helpers import MLP, assert_trees_close, classification_data
 
@@ -38,8 +37,12 @@ def recorder():
 
 def make_model(spe=1, optimizer="sgd"):
     model = mf.Model(MLP())
-    model.compile(optimizer=optimizer, loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"], steps_per_execution=spe)
+    model.compile(
+        optimizer=optimizer,
+        loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        steps_per_execution=spe,
+    )
     return model
 
 
@@ -54,8 +57,9 @@ def test_steps_per_execution_matches_single_steps_with_ragged_last_group():
     r1 = one.evaluate(x, y, batch_size=9, verbose=0, return_dict=True)
     r4 = four.evaluate(x, y, batch_size=9, verbose=0, return_dict=True)
     assert r1["loss"] == pytest.approx(r4["loss"], rel=1e-5)
-    np.testing.assert_allclose(one.predict(x, batch_size=9, verbose=0), four.predict(x, batch_size=9, verbose=0),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        one.predict(x, batch_size=9, verbose=0), four.predict(x, batch_size=9, verbose=0), rtol=1e-5, atol=1e-6
+    )
     assert four._runner._train._cache_size() == 1
 
 
@@ -67,12 +71,16 @@ def test_callback_order_and_batch_indices_follow_keras():
     calls = rec.calls
     train_batches = [(h, i) for h, i in calls if h.startswith("on_train_batch")]
     # 10 batches in calls of 4: Keras calls begin with the first index and end with the last.
-    assert train_batches == [("on_train_batch_begin", 0), ("on_train_batch_end", 3),
-                             ("on_train_batch_begin", 4), ("on_train_batch_end", 7),
-                             ("on_train_batch_begin", 8), ("on_train_batch_end", 9)]
+    assert train_batches == [
+        ("on_train_batch_begin", 0),
+        ("on_train_batch_end", 3),
+        ("on_train_batch_begin", 4),
+        ("on_train_batch_end", 7),
+        ("on_train_batch_begin", 8),
+        ("on_train_batch_end", 9),
+    ]
     hooks = [h for h, _ in calls if "batch" not in h]
-    assert hooks == ["on_train_begin", "on_epoch_begin", "on_test_begin", "on_test_end", "on_epoch_end",
-                     "on_train_end"]
+    assert hooks == ["on_train_begin", "on_epoch_begin", "on_test_begin", "on_test_end", "on_epoch_end", "on_train_end"]
 
 
 def test_batch_logs_are_running_means_and_epoch_logs_floats():
@@ -80,7 +88,8 @@ def test_batch_logs_are_running_means_and_epoch_logs_floats():
     seen = []
     cb = mf.callbacks.LambdaCallback(
         on_train_batch_end=lambda batch, logs: seen.append(float(logs["loss"])),
-        on_epoch_end=lambda epoch, logs: seen.append(logs))
+        on_epoch_end=lambda epoch, logs: seen.append(logs),
+    )
     model = make_model()
     model.fit(x, y, batch_size=8, epochs=1, callbacks=[cb], shuffle=False, verbose=0)
     epoch_logs = seen[-1]
@@ -138,9 +147,10 @@ def test_learning_rate_change_has_effect_on_updates():
     x, y = classification_data(n=16)
     frozen = make_model()
     before = frozen.get_weights()
-    frozen.fit(x, y, batch_size=16, epochs=2, callbacks=[mf.callbacks.LearningRateScheduler(lambda e, lr: 0.0)],
-               verbose=0)
-    for a, b in zip(before, frozen.get_weights()):
+    frozen.fit(
+        x, y, batch_size=16, epochs=2, callbacks=[mf.callbacks.LearningRateScheduler(lambda e, lr: 0.0)], verbose=0
+    )
+    for a, b in zip(before, frozen.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -157,12 +167,13 @@ def test_early_stopping_restores_best_weights():
     x, y = classification_data(n=64)
     model = make_model(optimizer=mf.optimizers.get("sgd", learning_rate=0.5))
     snapshots = []
-    record = mf.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: snapshots.append(
-        (logs["val_loss"], model.get_weights())))
+    record = mf.callbacks.LambdaCallback(
+        on_epoch_end=lambda e, logs: snapshots.append((logs["val_loss"], model.get_weights()))
+    )
     stop = mf.callbacks.EarlyStopping(monitor="val_loss", patience=2, restore_best_weights=True)
     model.fit(x, y, batch_size=8, epochs=12, validation_split=0.25, callbacks=[record, stop], verbose=0)
     best = min(snapshots, key=lambda s: s[0])[1]
-    for a, b in zip(model.get_weights(), best):
+    for a, b in zip(model.get_weights(), best, strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -171,8 +182,9 @@ def test_terminate_on_nan_stops_training():
     x = x.copy()
     x[5:] = np.nan
     model = make_model()
-    history = model.fit(x, y, batch_size=4, epochs=3, callbacks=[mf.callbacks.TerminateOnNaN()], shuffle=False,
-                        verbose=0)
+    history = model.fit(
+        x, y, batch_size=4, epochs=3, callbacks=[mf.callbacks.TerminateOnNaN()], shuffle=False, verbose=0
+    )
     assert history.epoch == [] or len(history.epoch) <= 1
     assert int(model._state.step) == 2  # the NaN appeared in the second batch
 
@@ -193,15 +205,19 @@ def test_csv_logger_and_tensorboard_in_fit(tmp_path):
     x, y = classification_data(n=32)
     model = make_model()
     csv_path = tmp_path / "log.csv"
-    model.fit(x, y, batch_size=8, epochs=2, validation_split=0.25, verbose=0,
-              callbacks=[mf.callbacks.CSVLogger(str(csv_path)),
-                         mf.callbacks.TensorBoard(log_dir=str(tmp_path / "tb"))])
+    model.fit(
+        x,
+        y,
+        batch_size=8,
+        epochs=2,
+        validation_split=0.25,
+        verbose=0,
+        callbacks=[mf.callbacks.CSVLogger(str(csv_path)), mf.callbacks.TensorBoard(log_dir=str(tmp_path / "tb"))],
+    )
     lines = csv_path.read_text().splitlines()
     assert lines[0] == "epoch,accuracy,loss,val_accuracy,val_loss"
     assert len(lines) == 3
     assert list((tmp_path / "tb" / "train").iterdir()) and list((tmp_path / "tb" / "validation").iterdir())
-
-
 
 
 def test_each_call_of_fit_shuffles_anew_and_a_loop_of_fits_trains_as_one_fit():
@@ -210,7 +226,8 @@ def test_each_call_of_fit_shuffles_anew_and_a_loop_of_fits_trains_as_one_fit():
     first_batch_losses = []
     frozen = make_model(optimizer=optax.sgd(0.0))  # no update: a batch's loss shows which rows it holds
     probe = mf.callbacks.LambdaCallback(
-        on_train_batch_end=lambda batch, logs: batch == 0 and first_batch_losses.append(float(logs["loss"])))
+        on_train_batch_end=lambda batch, logs: batch == 0 and first_batch_losses.append(float(logs["loss"]))
+    )
     for _ in range(3):
         frozen.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[probe])
     assert len(set(first_batch_losses)) == 3, first_batch_losses  # three orders, not one repeated
@@ -218,7 +235,7 @@ def test_each_call_of_fit_shuffles_anew_and_a_loop_of_fits_trains_as_one_fit():
     once, looped = make_model(), make_model()
     h_once = once.fit(x, y, batch_size=16, epochs=3, verbose=0)
     h_looped = [looped.fit(x, y, batch_size=16, epochs=1, verbose=0) for _ in range(3)]
-    for a, b in zip(once.get_weights(), looped.get_weights()):
+    for a, b in zip(once.get_weights(), looped.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
     assert [h.history["loss"][0] for h in h_looped] == h_once.history["loss"]
 
@@ -244,4 +261,3 @@ def test_in_flight_waits_on_the_mark_one_limit_back():
     for i in range(11, 17):
         in_flight.add(Token(i, waits))
     assert waits == [3, 6, 13]  # after clear, counting starts afresh
-

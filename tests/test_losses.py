@@ -48,23 +48,27 @@ CLOSED_FORM = [
     ("hinge_01_labels", losses.Hinge(), [[0.0, 1.0]], [[0.5, 0.5]], 1.0),
     ("squared_hinge", losses.SquaredHinge(), [[-1.0, 1.0]], [[0.5, 0.5]], 1.25),
     ("categorical_hinge", losses.CategoricalHinge(), [[0.0, 1.0]], [[0.3, 0.6]], 0.7),
-    ("kld", losses.KLDivergence(), [[0.5, 0.5]], [[0.25, 0.75]],
-     0.5 * math.log(2) + 0.5 * math.log(2 / 3)),
+    ("kld", losses.KLDivergence(), [[0.5, 0.5]], [[0.25, 0.75]], 0.5 * math.log(2) + 0.5 * math.log(2 / 3)),
     ("poisson", losses.Poisson(), [[2.0]], [[1.0]], 1.0 - 2.0 * math.log(1.0 + 1e-7)),
     ("cosine", losses.CosineSimilarity(), [[1.0, 0.0]], [[1.0, 1.0]], -1 / math.sqrt(2)),
-    ("bce_probs", losses.BinaryCrossentropy(), [[1.0, 0.0]], [[0.8, 0.4]],
-     -(math.log(0.8) + math.log(0.6)) / 2),
-    ("bce_logits", losses.BinaryCrossentropy(from_logits=True), [[1.0]], [[0.0]],
-     math.log(2.0)),
-    ("cce", losses.CategoricalCrossentropy(), [[0.0, 1.0, 0.0]], [[0.2, 0.5, 0.3]],
-     -math.log(0.5)),
-    ("cce_logits", losses.CategoricalCrossentropy(from_logits=True),
-     [[0.0, 0.0, 1.0]], [[1.0, 2.0, 3.0]], _lse([1, 2, 3]) - 3.0),
-    ("sce_logits", losses.SparseCategoricalCrossentropy(from_logits=True),
-     [2, 0], [[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]],
-     ((_lse([1, 2, 3]) - 3.0) + (_lse([1, 2, 3]) - 1.0)) / 2),
-    ("sce_probs_col_labels", losses.SparseCategoricalCrossentropy(),
-     [[1.0]], [[0.25, 0.75]], -math.log(0.75)),
+    ("bce_probs", losses.BinaryCrossentropy(), [[1.0, 0.0]], [[0.8, 0.4]], -(math.log(0.8) + math.log(0.6)) / 2),
+    ("bce_logits", losses.BinaryCrossentropy(from_logits=True), [[1.0]], [[0.0]], math.log(2.0)),
+    ("cce", losses.CategoricalCrossentropy(), [[0.0, 1.0, 0.0]], [[0.2, 0.5, 0.3]], -math.log(0.5)),
+    (
+        "cce_logits",
+        losses.CategoricalCrossentropy(from_logits=True),
+        [[0.0, 0.0, 1.0]],
+        [[1.0, 2.0, 3.0]],
+        _lse([1, 2, 3]) - 3.0,
+    ),
+    (
+        "sce_logits",
+        losses.SparseCategoricalCrossentropy(from_logits=True),
+        [2, 0],
+        [[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]],
+        ((_lse([1, 2, 3]) - 3.0) + (_lse([1, 2, 3]) - 1.0)) / 2,
+    ),
+    ("sce_probs_col_labels", losses.SparseCategoricalCrossentropy(), [[1.0]], [[0.25, 0.75]], -math.log(0.75)),
 ]
 
 
@@ -91,9 +95,7 @@ def closed_form_values():
     )
 
 
-@pytest.mark.parametrize(
-    "case_id,expected", [(c[0], c[4]) for c in CLOSED_FORM], ids=[c[0] for c in CLOSED_FORM]
-)
+@pytest.mark.parametrize("case_id,expected", [(c[0], c[4]) for c in CLOSED_FORM], ids=[c[0] for c in CLOSED_FORM])
 def test_closed_form(closed_form_values, case_id, expected):
     close(closed_form_values[case_id], expected)
 
@@ -111,9 +113,7 @@ def test_reductions_closed_form():
             "none": lambda: mse(reduction="none")(y_true, y_pred),
             "None_weighted": lambda: mse(reduction=None)(y_true, y_pred, sw),
             "default_weighted": lambda: mse()(y_true, y_pred, sample_weight=sw),
-            "mwsw_weighted": lambda: mse(reduction="mean_with_sample_weight")(
-                y_true, y_pred, sw
-            ),
+            "mwsw_weighted": lambda: mse(reduction="mean_with_sample_weight")(y_true, y_pred, sw),
             "mwsw": lambda: mse(reduction="mean_with_sample_weight")(y_true, y_pred),
         }
     )
@@ -140,9 +140,7 @@ def test_functional_forms_are_per_sample():
             "mean_squared_error": lambda: losses.mean_squared_error(y_true, y_pred),
             "mse": lambda: losses.mse(y_true, y_pred),
             "mae": lambda: losses.mae(y_true, y_pred),
-            "sce": lambda: losses.sparse_categorical_crossentropy(
-                jnp.array([0]), logits, from_logits=True
-            ),
+            "sce": lambda: losses.sparse_categorical_crossentropy(jnp.array([0]), logits, from_logits=True),
         }
     )
     close(got["mean_squared_error"], [0.5, 0.0])
@@ -276,8 +274,7 @@ KERAS_CASES = [
     ("CategoricalFocalCrossentropy", {"from_logits": True}, "onehot_logits"),
     ("SparseCategoricalCrossentropy", {}, "sparse_probs"),
     ("SparseCategoricalCrossentropy", {"from_logits": True}, "sparse_logits"),
-    ("SparseCategoricalCrossentropy", {"from_logits": True, "ignore_class": 1},
-     "sparse_logits"),
+    ("SparseCategoricalCrossentropy", {"from_logits": True, "ignore_class": 1}, "sparse_logits"),
 ]
 
 REDUCTIONS = ["sum_over_batch_size", "sum", "mean_with_sample_weight", None]
@@ -292,6 +289,8 @@ def _combos(name):
     if name in FULL_MATRIX:
         return [(r, w) for r in REDUCTIONS for w in ("unweighted", "weighted")]
     return SHORT_MATRIX
+
+
 CASE_IDS = [f"{n}-{k}-{sorted(kw.items())}" for n, kw, k in KERAS_CASES]
 
 
@@ -308,7 +307,7 @@ def keras_parity(keras):
     """
     ours, theirs = {}, {}
     sw = np.random.default_rng(1).uniform(0, 2, (B,)).astype("float32")
-    for case_id, (name, kwargs, kind) in zip(CASE_IDS, KERAS_CASES):
+    for case_id, (name, kwargs, kind) in zip(CASE_IDS, KERAS_CASES, strict=True):
         y_true, y_pred = _data(kind, seed=len(name) + len(kind))
         # Keras broadcasts (batch,) weights against the last axis, so give
         # per-timestep values (batch, 1) weights.
@@ -317,9 +316,7 @@ def keras_parity(keras):
             key = f"{case_id}|{reduction}|{weight_id}"
             for out, module in ((ours, losses), (theirs, keras.losses)):
                 loss = getattr(module, name)(reduction=reduction, **kwargs)
-                out[key] = functools.partial(
-                    _call, loss, y_true, y_pred, weights[weight_id]
-                )
+                out[key] = functools.partial(_call, loss, y_true, y_pred, weights[weight_id])
     return evaluate_all(ours), evaluate_all(theirs)
 
 
@@ -329,8 +326,7 @@ def test_matches_keras(keras_parity, case_id):
     keys = [k for k in ours if k.startswith(case_id + "|")]
     assert len(keys) == len(_combos(case_id.split("-")[0]))
     for key in keys:
-        np.testing.assert_allclose(ours[key], theirs[key], rtol=1e-5, atol=1e-5,
-                                   err_msg=key)
+        np.testing.assert_allclose(ours[key], theirs[key], rtol=1e-5, atol=1e-5, err_msg=key)
 
 
 @pytest.mark.parametrize("name,kwargs,kind", KERAS_CASES[:1] + KERAS_CASES[-3:])
@@ -339,8 +335,7 @@ def test_names_match_keras(keras, name, kwargs, kind):
 
 
 def test_functional_forms_match_keras(keras):
-    names = ["mean_squared_error", "mean_absolute_error", "log_cosh", "huber",
-             "cosine_similarity"]
+    names = ["mean_squared_error", "mean_absolute_error", "log_cosh", "huber", "cosine_similarity"]
     y_true, y_pred = _data("regression", 0)
     s_true, s_pred = _data("sparse_logits", 0)
     ours, theirs = (
@@ -348,7 +343,9 @@ def test_functional_forms_match_keras(keras):
             {
                 **{n: functools.partial(getattr(module, n), y_true, y_pred) for n in names},
                 "sce": functools.partial(
-                    module.sparse_categorical_crossentropy, s_true, s_pred,
+                    module.sparse_categorical_crossentropy,
+                    s_true,
+                    s_pred,
                     from_logits=True,
                 ),
             }
@@ -356,13 +353,11 @@ def test_functional_forms_match_keras(keras):
         for module in (losses, keras.losses)
     )
     for key in ours:
-        np.testing.assert_allclose(ours[key], theirs[key], rtol=RTOL, atol=ATOL,
-                                   err_msg=key)
+        np.testing.assert_allclose(ours[key], theirs[key], rtol=RTOL, atol=ATOL, err_msg=key)
 
 
 def test_keras_reduction_names_accepted():
-    for reduction in ["sum_over_batch_size", "sum", "mean", "mean_with_sample_weight",
-                      "none", None]:
+    for reduction in ["sum_over_batch_size", "sum", "mean", "mean_with_sample_weight", "none", None]:
         assert losses.MeanSquaredError(reduction=reduction).reduction == reduction
 
 
@@ -422,7 +417,7 @@ def padded_vs_unpadded():
     """For every case, reduction and weighting: (padded loss, unpadded loss)."""
     thunks = {}
     weights = {"unweighted": None, "weighted": jnp.linspace(0.5, 2.0, B)}
-    for index, (case_id, (proto, kind)) in enumerate(zip(MASK_IDS, MASK_CASES)):
+    for index, (case_id, (proto, kind)) in enumerate(zip(MASK_IDS, MASK_CASES, strict=True)):
         y_true, y_pred = _data(kind, 3)
         y_true, y_pred = jnp.asarray(y_true), jnp.asarray(y_pred, jnp.float32)
         for reduction, weight_id in _mask_combos(index):
@@ -475,9 +470,7 @@ def test_reduce_values_directly():
         {
             "mean": lambda: losses.reduce_values(values, mask=mask),
             "sum": lambda: losses.reduce_values(values, mask=mask, reduction="sum"),
-            "mwsw": lambda: losses.reduce_values(
-                values, sw, mask, reduction="mean_with_sample_weight"
-            ),
+            "mwsw": lambda: losses.reduce_values(values, sw, mask, reduction="mean_with_sample_weight"),
             "all_masked": lambda: losses.reduce_values(jnp.zeros(3), mask=jnp.zeros(3)),
         }
     )

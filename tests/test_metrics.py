@@ -19,9 +19,7 @@ ATOL = 1e-6
 
 
 def close(a, b, rtol=RTOL, atol=ATOL, err_msg=""):
-    np.testing.assert_allclose(
-        np.asarray(a), np.asarray(b), rtol=rtol, atol=atol, err_msg=err_msg
-    )
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol, err_msg=err_msg)
 
 
 def evaluate_all(thunks):
@@ -51,28 +49,54 @@ def run_values(metric, batches):
 
 CLOSED_FORM = [
     ("accuracy", metrics.Accuracy(), [[1], [2], [3], [4]], [[0], [2], [3], [4]], None, 0.75),
-    ("accuracy_weighted", metrics.Accuracy(), [[1], [2], [3], [4]], [[0], [2], [3], [4]],
-     [1, 1, 0, 0], 0.5),
-    ("binary_accuracy", metrics.BinaryAccuracy(), [[1], [1], [0], [0]],
-     [[0.98], [1], [0], [0.6]], None, 0.75),
-    ("categorical_accuracy", metrics.CategoricalAccuracy(), [[0, 0, 1], [0, 1, 0]],
-     [[0.1, 0.9, 0.8], [0.05, 0.95, 0]], None, 0.5),
-    ("categorical_accuracy_weighted", metrics.CategoricalAccuracy(),
-     [[0, 0, 1], [0, 1, 0]], [[0.1, 0.9, 0.8], [0.05, 0.95, 0]], [0.7, 0.3], 0.3),
-    ("sparse_categorical_accuracy", metrics.SparseCategoricalAccuracy(), [[2], [1]],
-     [[0.1, 0.6, 0.3], [0.05, 0.95, 0]], None, 0.5),
-    ("top_k", metrics.TopKCategoricalAccuracy(k=1), [[0, 0, 1], [0, 1, 0]],
-     [[0.1, 0.9, 0.8], [0.05, 0.95, 0]], None, 0.5),
-    ("sparse_top_k", metrics.SparseTopKCategoricalAccuracy(k=2), [2, 1],
-     [[0.1, 0.9, 0.8], [0.05, 0.15, 0.8]], None, 1.0),
+    ("accuracy_weighted", metrics.Accuracy(), [[1], [2], [3], [4]], [[0], [2], [3], [4]], [1, 1, 0, 0], 0.5),
+    ("binary_accuracy", metrics.BinaryAccuracy(), [[1], [1], [0], [0]], [[0.98], [1], [0], [0.6]], None, 0.75),
+    (
+        "categorical_accuracy",
+        metrics.CategoricalAccuracy(),
+        [[0, 0, 1], [0, 1, 0]],
+        [[0.1, 0.9, 0.8], [0.05, 0.95, 0]],
+        None,
+        0.5,
+    ),
+    (
+        "categorical_accuracy_weighted",
+        metrics.CategoricalAccuracy(),
+        [[0, 0, 1], [0, 1, 0]],
+        [[0.1, 0.9, 0.8], [0.05, 0.95, 0]],
+        [0.7, 0.3],
+        0.3,
+    ),
+    (
+        "sparse_categorical_accuracy",
+        metrics.SparseCategoricalAccuracy(),
+        [[2], [1]],
+        [[0.1, 0.6, 0.3], [0.05, 0.95, 0]],
+        None,
+        0.5,
+    ),
+    (
+        "top_k",
+        metrics.TopKCategoricalAccuracy(k=1),
+        [[0, 0, 1], [0, 1, 0]],
+        [[0.1, 0.9, 0.8], [0.05, 0.95, 0]],
+        None,
+        0.5,
+    ),
+    (
+        "sparse_top_k",
+        metrics.SparseTopKCategoricalAccuracy(k=2),
+        [2, 1],
+        [[0.1, 0.9, 0.8], [0.05, 0.15, 0.8]],
+        None,
+        1.0,
+    ),
     ("mse", metrics.MeanSquaredError(), [[0, 1], [0, 0]], [[1, 1], [0, 0]], None, 0.25),
     ("mae", metrics.MeanAbsoluteError(), [[0, 1], [0, 0]], [[1, 1], [2, 0]], None, 0.75),
     ("rmse", metrics.RootMeanSquaredError(), [[0, 1], [0, 0]], [[1, 1], [0, 0]], None, 0.5),
-    ("mape", metrics.MeanAbsolutePercentageError(), [[2.0], [4.0]], [[1.0], [5.0]], None,
-     37.5),
+    ("mape", metrics.MeanAbsolutePercentageError(), [[2.0], [4.0]], [[1.0], [5.0]], None, 37.5),
     ("cosine", metrics.CosineSimilarity(), [[0, 1], [1, 1]], [[1, 0], [1, 1]], None, 0.5),
-    ("sce_logits", metrics.SparseCategoricalCrossentropy(from_logits=True), [0],
-     [[0.0, 0.0]], None, np.log(2.0)),
+    ("sce_logits", metrics.SparseCategoricalCrossentropy(from_logits=True), [0], [[0.0, 0.0]], None, np.log(2.0)),
     ("precision", metrics.Precision(), [0, 1, 1, 1], [1, 0, 1, 1], None, 2 / 3),
     ("precision_weighted", metrics.Precision(), [0, 1, 1, 1], [1, 0, 1, 1], [0, 0, 1, 0], 1.0),
     ("recall", metrics.Recall(), [0, 1, 1, 1], [1, 0, 1, 1], None, 2 / 3),
@@ -89,17 +113,14 @@ def closed_form_values():
             case_id: functools.partial(
                 run,
                 metric,
-                [(jnp.array(t), jnp.array(p, jnp.float32),
-                  None if w is None else jnp.array(w, jnp.float32))],
+                [(jnp.array(t), jnp.array(p, jnp.float32), None if w is None else jnp.array(w, jnp.float32))],
             )
             for case_id, metric, t, p, w, _ in CLOSED_FORM
         }
     )
 
 
-@pytest.mark.parametrize(
-    "case_id,expected", [(c[0], c[-1]) for c in CLOSED_FORM], ids=[c[0] for c in CLOSED_FORM]
-)
+@pytest.mark.parametrize("case_id,expected", [(c[0], c[-1]) for c in CLOSED_FORM], ids=[c[0] for c in CLOSED_FORM])
 def test_closed_form(closed_form_values, case_id, expected):
     close(closed_form_values[case_id], expected)
 
@@ -231,12 +252,10 @@ KERAS_CASES = [
     ("BinaryCrossentropy", {}, "binary_probs"),
     ("BinaryCrossentropy", {"from_logits": True, "label_smoothing": 0.1}, "binary_logits"),
     ("CategoricalCrossentropy", {}, "onehot_probs"),
-    ("CategoricalCrossentropy", {"from_logits": True, "label_smoothing": 0.2},
-     "onehot_logits"),
+    ("CategoricalCrossentropy", {"from_logits": True, "label_smoothing": 0.2}, "onehot_logits"),
     ("SparseCategoricalCrossentropy", {}, "sparse_probs"),
     ("SparseCategoricalCrossentropy", {"from_logits": True}, "sparse_logits"),
-    ("SparseCategoricalCrossentropy", {"from_logits": True, "ignore_class": 1},
-     "sparse_logits"),
+    ("SparseCategoricalCrossentropy", {"from_logits": True, "ignore_class": 1}, "sparse_logits"),
     ("TruePositives", {}, "binary_probs"),
     ("FalsePositives", {"thresholds": 0.3}, "binary_probs"),
     ("TrueNegatives", {}, "binary_column"),
@@ -247,14 +266,19 @@ KERAS_CASES = [
     ("Recall", {"top_k": 1, "class_id": 2}, "binary_probs"),
     ("AUC", {}, "binary_column"),
     ("AUC", {"curve": "PR"}, "binary_probs"),
-    ("AUC", {"curve": "PR", "summation_method": "minoring", "from_logits": True},
-     "binary_logits"),
-    ("AUC", {"summation_method": "majoring", "num_thresholds": 50,
-             "label_weights": [0.1, 0.5, 1.0, 2.0]}, "binary_probs"),
+    ("AUC", {"curve": "PR", "summation_method": "minoring", "from_logits": True}, "binary_logits"),
+    (
+        "AUC",
+        {"summation_method": "majoring", "num_thresholds": 50, "label_weights": [0.1, 0.5, 1.0, 2.0]},
+        "binary_probs",
+    ),
     ("AUC", {"thresholds": [0.1, 0.5, 0.9]}, "binary_probs"),
     ("AUC", {"thresholds": [0.25, 0.5, 0.75], "curve": "PR"}, "binary_probs"),
-    ("AUC", {"multi_label": True, "num_labels": C, "curve": "PR",
-             "label_weights": [0.1, 0.5, 1.0, 2.0]}, "binary_probs"),
+    (
+        "AUC",
+        {"multi_label": True, "num_labels": C, "curve": "PR", "label_weights": [0.1, 0.5, 1.0, 2.0]},
+        "binary_probs",
+    ),
     ("Mean", {}, "values"),
     ("Sum", {}, "values"),
 ]
@@ -289,22 +313,18 @@ def keras_parity(keras):
     `test_padding_accumulation_and_merge`.
     """
     ours, theirs = {}, {}
-    for seed, (case_id, (name, kwargs, kind)) in enumerate(zip(CASE_IDS, KERAS_CASES)):
+    for seed, (case_id, (name, kwargs, kind)) in enumerate(zip(CASE_IDS, KERAS_CASES, strict=True)):
         values_only = name in ("Mean", "Sum")
         for weighted in (False, True):
             batch = _batches(kind, seed, weighted)[0]
             key = f"{case_id}|{'weighted' if weighted else 'unweighted'}"
-            ours[key] = functools.partial(
-                _ours_run, getattr(metrics, name)(**kwargs), [batch], values_only
-            )
+            ours[key] = functools.partial(_ours_run, getattr(metrics, name)(**kwargs), [batch], values_only)
             if "ignore_class" in kwargs and not weighted:
                 # Without weights Keras counts ignored entries in the mean's
                 # denominator; with weights (meshfit always has them, for
                 # padding) it leaves them out, as the loss does.
                 batch = batch[:2] + (np.ones(batch[0].shape[0], "float32"),)
-            theirs[key] = functools.partial(
-                _keras_run, getattr(keras.metrics, name)(**kwargs), [batch], values_only
-            )
+            theirs[key] = functools.partial(_keras_run, getattr(keras.metrics, name)(**kwargs), [batch], values_only)
     return evaluate_all(ours), evaluate_all(theirs)
 
 
@@ -341,7 +361,7 @@ def _pad_batch(y_true, y_pred, weight):
 
 
 def _concat(batches):
-    t, p, w = zip(*batches)
+    t, p, w = zip(*batches, strict=True)
     return np.concatenate(t), np.concatenate(p), None if w[0] is None else np.concatenate(w)
 
 
@@ -371,8 +391,7 @@ SEMANTIC_CASES = [
     ("SparseTopKCategoricalAccuracy", {"k": 2}, "sparse_probs"),
     ("MeanSquaredError", {}, "regression"),
     ("RootMeanSquaredError", {}, "regression"),
-    ("SparseCategoricalCrossentropy", {"from_logits": True, "ignore_class": 1},
-     "sparse_logits"),
+    ("SparseCategoricalCrossentropy", {"from_logits": True, "ignore_class": 1}, "sparse_logits"),
     ("Precision", {"top_k": 2}, "binary_probs"),
     ("Recall", {"class_id": 1}, "binary_probs"),
     ("AUC", {}, "binary_column"),
@@ -384,7 +403,7 @@ SEMANTIC_IDS = [f"{n}-{k}-{sorted(kw.items())}" for n, kw, k in SEMANTIC_CASES]
 @pytest.fixture(scope="module")
 def semantics():
     thunks = {}
-    for seed, (case_id, (name, kwargs, kind)) in enumerate(zip(SEMANTIC_IDS, SEMANTIC_CASES)):
+    for seed, (case_id, (name, kwargs, kind)) in enumerate(zip(SEMANTIC_IDS, SEMANTIC_CASES, strict=True)):
         thunks[case_id] = functools.partial(
             _semantics,
             getattr(metrics, name)(**kwargs),
@@ -398,8 +417,7 @@ def semantics():
 def test_padding_accumulation_and_merge(semantics, case_id):
     for weighting, results in semantics[case_id].items():
         for key, value in results.items():
-            close(value, results["one_pass"], rtol=1e-5, atol=1e-5,
-                  err_msg=f"{case_id} {weighting} {key}")
+            close(value, results["one_pass"], rtol=1e-5, atol=1e-5, err_msg=f"{case_id} {weighting} {key}")
 
 
 def test_multi_label_auc_with_uneven_thresholds_averages_labels():
@@ -412,9 +430,7 @@ def test_multi_label_auc_with_uneven_thresholds_averages_labels():
     got = evaluate_all(
         {
             "multi": lambda: run(multi, [(y_true, y_pred, weight)]),
-            "per_label": lambda: jnp.stack(
-                [run(single, [(y_true[:, i], y_pred[:, i], weight)]) for i in range(C)]
-            ),
+            "per_label": lambda: jnp.stack([run(single, [(y_true[:, i], y_pred[:, i], weight)]) for i in range(C)]),
         }
     )
     close(got["multi"], got["per_label"].mean())
@@ -427,9 +443,7 @@ def test_mean_padding_and_merge():
     weights = jnp.array([1.0, 1.0, 1.0, 0.0, 0.0])
     got = evaluate_all(
         {
-            "merged": lambda: m.compute(
-                m.merge(m.update(m.init(), values[:2]), m.update(m.init(), values[2:]))
-            ),
+            "merged": lambda: m.compute(m.merge(m.update(m.init(), values[:2]), m.update(m.init(), values[2:]))),
             "padded": lambda: m.compute(m.update(m.init(), padded, weights)),
         }
     )
@@ -452,10 +466,8 @@ def test_state_is_float32_zeros_of_sums():
 def test_update_and_compute_under_jit():
     m = metrics.SparseCategoricalAccuracy()
     update, compute = jax.jit(m.update), jax.jit(m.compute)
-    state = update(m.init(), jnp.array([0, 1, 1]), jnp.eye(3)[:, :2] + 0.1,
-                   jnp.array([1.0, 1.0, 0.0]))
-    state = update(state, jnp.array([1, 0, 0]), jnp.eye(3)[:, :2] + 0.1,
-                   jnp.array([1.0, 1.0, 1.0]))
+    state = update(m.init(), jnp.array([0, 1, 1]), jnp.eye(3)[:, :2] + 0.1, jnp.array([1.0, 1.0, 0.0]))
+    state = update(state, jnp.array([1, 0, 0]), jnp.eye(3)[:, :2] + 0.1, jnp.array([1.0, 1.0, 1.0]))
     # batch 1: rows 0,1 correct (row 2 has weight 0); batch 2: rows 0,1 wrong, row 2 right.
     close(compute(state), 3 / 5)
     # (The other metrics run under jit in the fixtures above.)
@@ -471,12 +483,32 @@ def my_metric_fn(y_true, y_pred):
 
 
 NAME_IDENTIFIERS = [
-    "mse", "MSE", "mae", "mape", "msle", "bce", "mean_squared_error", "MeanSquaredError",
-    "root_mean_squared_error", "binary_accuracy", "categorical_accuracy",
-    "sparse_categorical_accuracy", "top_k_categorical_accuracy",
-    "sparse_top_k_categorical_accuracy", "auc", "AUC", "precision", "recall",
-    "log_cosh_error", "LogCoshError", "kl_divergence", "poisson", "hinge",
-    "categorical_crossentropy", "sparse_categorical_crossentropy", "cosine_similarity",
+    "mse",
+    "MSE",
+    "mae",
+    "mape",
+    "msle",
+    "bce",
+    "mean_squared_error",
+    "MeanSquaredError",
+    "root_mean_squared_error",
+    "binary_accuracy",
+    "categorical_accuracy",
+    "sparse_categorical_accuracy",
+    "top_k_categorical_accuracy",
+    "sparse_top_k_categorical_accuracy",
+    "auc",
+    "AUC",
+    "precision",
+    "recall",
+    "log_cosh_error",
+    "LogCoshError",
+    "kl_divergence",
+    "poisson",
+    "hinge",
+    "categorical_crossentropy",
+    "sparse_categorical_crossentropy",
+    "cosine_similarity",
 ]
 
 SHAPES = {  # (y_true shape, y_pred shape) -> the accuracy Keras picks
@@ -522,12 +554,11 @@ def test_accuracy_resolution_from_shapes(shape_id):
 
 def test_accuracy_resolution_from_loss_without_shapes():
     assert type(metrics.get("acc", loss="binary_crossentropy")) is metrics.BinaryAccuracy
-    assert type(
-        metrics.get("accuracy", loss=losses.SparseCategoricalCrossentropy(from_logits=True))
-    ) is metrics.SparseCategoricalAccuracy
-    assert type(metrics.get("accuracy", loss="categorical_crossentropy")) is (
-        metrics.CategoricalAccuracy
+    assert (
+        type(metrics.get("accuracy", loss=losses.SparseCategoricalCrossentropy(from_logits=True)))
+        is metrics.SparseCategoricalAccuracy
     )
+    assert type(metrics.get("accuracy", loss="categorical_crossentropy")) is (metrics.CategoricalAccuracy)
     with pytest.raises(ValueError, match="sparse_categorical_accuracy"):
         metrics.get("accuracy", loss="mse")
 
@@ -542,9 +573,7 @@ def test_get_instances_callables_and_losses():
     got = evaluate_all(
         {
             "wrapped": lambda: run(wrapped, [(jnp.zeros((2, 2)), jnp.ones((2, 2)), None)]),
-            "from_loss": lambda: run(
-                from_loss, [(jnp.array([0, 1]), jnp.array([[0.5, 0.5], [0.25, 0.75]]), None)]
-            ),
+            "from_loss": lambda: run(from_loss, [(jnp.array([0, 1]), jnp.array([[0.5, 0.5], [0.25, 0.75]]), None)]),
         }
     )
     close(got["wrapped"], 1.0)

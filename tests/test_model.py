@@ -13,8 +13,9 @@ import meshfit as mf
 
 def make_model(**compile_kwargs):
     model = mf.Model(MLP())
-    kwargs = dict(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+    kwargs = dict(
+        optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"]
+    )
     kwargs.update(compile_kwargs)
     model.compile(**kwargs)
     return model
@@ -34,7 +35,11 @@ def test_fit_learns_and_history_has_keras_keys():
 
 def manual_loss(model, x, y):
     logits = np.asarray(model.module(jnp.asarray(x)))
-    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    logp = (
+        logits
+        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+        - logits.max(-1, keepdims=True)
+    )
     return float(-logp[np.arange(len(y)), y].mean()), float((logits.argmax(-1) == y).mean())
 
 
@@ -67,7 +72,7 @@ def sgd_reference(x, y, batch_size, lr):
         return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
 
     for start in range(0, len(x), batch_size):
-        grads = jax.grad(loss_fn)(params, x[start:start + batch_size], y[start:start + batch_size])
+        grads = jax.grad(loss_fn)(params, x[start : start + batch_size], y[start : start + batch_size])
         params = jax.tree.map(lambda p, g: p - lr * g, params, grads)
     return nnx.to_pure_dict(params)
 
@@ -89,9 +94,9 @@ def test_same_seed_same_result_and_different_seed_differs():
         return model.get_weights()
 
     a, b, c = run(0), run(0), run(1)
-    for u, v in zip(a, b):
+    for u, v in zip(a, b, strict=True):
         np.testing.assert_array_equal(u, v)
-    assert any(not np.array_equal(u, v) for u, v in zip(a, c))
+    assert any(not np.array_equal(u, v) for u, v in zip(a, c, strict=True))
 
 
 def test_steps_compile_once_across_epochs_partial_batches_and_fits():
@@ -127,7 +132,7 @@ def test_get_set_weights_round_trip_and_order():
     assert [w.shape for w in weights] == [(16,), (4, 16), (3,), (16, 3)]
     new = [w + 1.0 for w in weights]
     model.set_weights(new)
-    for got, want in zip(model.get_weights(), new):
+    for got, want in zip(model.get_weights(), new, strict=True):
         np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(np.asarray(model.module.out.bias[...]), new[2])
     with pytest.raises(ValueError, match="hidden/bias.*shape"):
@@ -140,7 +145,7 @@ def test_summary_lists_every_weight_with_totals():
     model = make_model()
     text = model.summary(print_fn=None)
     for name, shape, count in [("hidden/kernel", "(4, 16)", "64"), ("out/bias", "(3,)", "3")]:
-        line = next(l for l in text.splitlines() if l.startswith(name))
+        line = next(ln for ln in text.splitlines() if ln.startswith(name))
         assert shape in line and count in line and "float32" in line
     total = 4 * 16 + 16 + 16 * 3 + 3
     assert f"Total params: {total:,}" in text
@@ -156,8 +161,7 @@ def test_sample_weight_and_class_weight():
     logits = np.asarray(model.module(jnp.asarray(x)))
     per_sample = np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits, y))
     # Keras's sum_over_batch_size: sum(w * l) / batch size, averaged over batches weighted by size.
-    expected = sum(
-        (weights[s:s + 7] * per_sample[s:s + 7]).sum() for s in range(0, 40, 7)) / 40
+    expected = sum((weights[s : s + 7] * per_sample[s : s + 7]).sum() for s in range(0, 40, 7)) / 40
     assert weighted == pytest.approx(expected, rel=1e-5)
     model.fit(x, y, class_weight={0: 1.0, 1: 2.0, 2: 0.5}, batch_size=8, epochs=1, verbose=0)
     with pytest.raises(ValueError, match="no weight for classes"):
@@ -196,7 +200,7 @@ def test_multi_input_dict_and_tuple_inputs():
 
 def test_generator_and_list_of_batches_inputs():
     x, y = classification_data(n=40)
-    batches = [(x[i:i + 8], y[i:i + 8]) for i in range(0, 40, 8)] + [(x[:3], y[:3])]
+    batches = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 40, 8)] + [(x[:3], y[:3])]
 
     class Batches:  # re-iterable (a list would be read as multi-input arrays, as in Keras)
         def __iter__(self):
@@ -214,7 +218,7 @@ def test_generator_and_list_of_batches_inputs():
 
     def gen():
         for i in range(0, 40, 8):
-            yield x[i:i + 8], y[i:i + 8]
+            yield x[i : i + 8], y[i : i + 8]
 
     model = make_model()
     with pytest.warns(UserWarning, match="ran out of data"):
@@ -228,8 +232,9 @@ def test_generator_and_list_of_batches_inputs():
 def test_grain_dataset_input():
     grain = pytest.importorskip("grain")
     x, y = classification_data(n=48)
-    dataset = grain.MapDataset.source([{"x": x[i], "y": y[i]} for i in range(48)]).batch(16).map(
-        lambda b: (b["x"], b["y"]))
+    dataset = (
+        grain.MapDataset.source([{"x": x[i], "y": y[i]} for i in range(48)]).batch(16).map(lambda b: (b["x"], b["y"]))
+    )
     model = make_model()
     history = model.fit(dataset, epochs=2, verbose=0)
     assert len(history.history["loss"]) == 2
@@ -249,14 +254,15 @@ def test_linen_module_with_batchnorm_and_dropout():
 
     x, y = classification_data(n=96)
     model = mf.Model(Net(), sample_input=x[:1])
-    model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+    model.compile(
+        optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"]
+    )
     before = [w.copy() for w in model.get_weights()]
     history = model.fit(x, y, batch_size=16, epochs=10, verbose=0)
     assert history.history["loss"][-1] < history.history["loss"][0]
     names = model.weight_names()
     assert any(n.startswith("batch_stats/BatchNorm_0/mean") for n in names)
-    moved = [not np.allclose(a, b) for a, b in zip(before, model.get_weights())]
+    moved = [not np.allclose(a, b) for a, b in zip(before, model.get_weights(), strict=True)]
     assert all(moved)  # trainable params and BatchNorm statistics both changed
     with pytest.raises(ValueError, match="sample_input"):
         mf.Model(Net())
@@ -283,4 +289,4 @@ def test_keras_default_optimizer_and_learning_rate_access():
     assert model.optimizer.learning_rate == pytest.approx(0.5)
     plain = make_model(optimizer=optax.sgd(0.1))
     with pytest.raises(AttributeError, match="inject_hyperparams"):
-        plain.optimizer.learning_rate
+        _ = plain.optimizer.learning_rate

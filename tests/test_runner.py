@@ -2,7 +2,6 @@
 
 import jax
 import numpy as np
-
 import pytest
 from helpers import MLP, classification_data
 
@@ -12,8 +11,9 @@ import meshfit.runner as runner_lib
 
 def make_model(optimizer="adam"):
     model = mf.Model(MLP())
-    model.compile(optimizer=optimizer, loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+    model.compile(
+        optimizer=optimizer, loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"]
+    )
     return model
 
 
@@ -33,13 +33,14 @@ def test_staged_blocks_train_exactly_as_host_batches(monkeypatch, max_steps, per
     seen = []
     watcher = mf.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(batch))
     host, h_host = fit_weights(monkeypatch, 0, epochs=3)
-    staged, h_staged = fit_weights(monkeypatch, 2 ** 20, max_steps=max_steps, epochs=3,
-                                   callbacks=[watcher] if per_step else [])
+    staged, h_staged = fit_weights(
+        monkeypatch, 2**20, max_steps=max_steps, epochs=3, callbacks=[watcher] if per_step else []
+    )
     assert seen == ([0, 1, 2, 3, 4] * 3 if per_step else [])
     assert host._runner._train_staged._cache_size() == 0  # staging off: every step took a host batch
     assert staged._runner._train._cache_size() == 0  # staging on: no step took a host batch
     assert staged._runner._train_staged._cache_size() == 1  # one compile, the partial batch included
-    for a, b in zip(host.get_weights(), staged.get_weights()):
+    for a, b in zip(host.get_weights(), staged.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
     assert h_host.history == h_staged.history
     assert int(staged._state.step) == 15 == staged._host_step
@@ -65,7 +66,7 @@ def test_iterators_are_not_staged_or_read_ahead():
     def batches():
         for i in range(0, 64, 16):
             seen.append(i)
-            yield x[i:i + 16], y[i:i + 16]
+            yield x[i : i + 16], y[i : i + 16]
 
     model.fit(batches(), epochs=1, verbose=0)
     assert model._runner._train._cache_size() == 1
@@ -81,7 +82,7 @@ def test_epochs_read_ahead_equal_epochs_started_fresh():
     parts = make_model()
     for epoch in range(3):
         parts.fit(x, y, batch_size=16, epochs=epoch + 1, initial_epoch=epoch, verbose=0)
-    for a, b in zip(whole.get_weights(), parts.get_weights()):
+    for a, b in zip(whole.get_weights(), parts.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -106,7 +107,9 @@ def test_fresh_accumulators_keep_the_state_layout_and_values():
     model.fit(x, y, batch_size=16, epochs=2, verbose=0)
     fresh = model._runner.fresh_eval_metrics()
     expected = jax.device_get(model._runner.steps.init_metrics())
-    for a, b, c in zip(jax.tree.leaves(fresh), jax.tree.leaves(expected), jax.tree.leaves(model._state.metrics)):
+    for a, b, c in zip(
+        jax.tree.leaves(fresh), jax.tree.leaves(expected), jax.tree.leaves(model._state.metrics), strict=True
+    ):
         np.testing.assert_array_equal(np.asarray(a), b)
         assert a.sharding == c.sharding
 
@@ -120,7 +123,7 @@ def test_mirrored_staged_blocks_equal_one_device(monkeypatch):
         mirrored = make_model("sgd")
     mirrored.fit(x, y, batch_size=16, epochs=2, verbose=0)
     assert mirrored._runner._train_staged._cache_size() == 1
-    for a, b in zip(one.get_weights(), mirrored.get_weights()):
+    for a, b in zip(one.get_weights(), mirrored.get_weights(), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -132,8 +135,11 @@ def test_a_fit_after_a_fit_does_not_read_the_step_from_the_device(monkeypatch, s
     """
     x, y = classification_data(n=64)
     model = make_model()
-    model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  steps_per_execution=steps_per_execution)
+    model.compile(
+        optimizer="adam",
+        loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+        steps_per_execution=steps_per_execution,
+    )
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     reads = []
     to_host = model.strategy.to_host

@@ -31,11 +31,16 @@ def test_saved_under_mirrored8_restores_onto_other_layouts(tmp_path, target):
     # What Orbax wrote: a numbered, committed checkpoint with the state and our JSON record.
     assert (tmp_path / "model" / "0" / "state" / "_METADATA").exists()
     record = json.loads((tmp_path / "model" / "0" / "meta" / "metadata").read_text())
-    assert record["compile"] == {"optimizer": "adam", "loss": "sparse_categorical_crossentropy",
-                                 "metrics": ["accuracy"]}
-    strategy = {"one_device": mf.strategies.OneDeviceStrategy(),
-                "fsdp4": mf.strategies.MeshStrategy(axes={"data": 2, "fsdp": 4}, min_shard_size=64),
-                "mirrored8": mf.strategies.MirroredStrategy()}[target]
+    assert record["compile"] == {
+        "optimizer": "adam",
+        "loss": "sparse_categorical_crossentropy",
+        "metrics": ["accuracy"],
+    }
+    strategy = {
+        "one_device": mf.strategies.OneDeviceStrategy(),
+        "fsdp4": mf.strategies.MeshStrategy(axes={"data": 2, "fsdp": 4}, min_shard_size=64),
+        "mirrored8": mf.strategies.MirroredStrategy(),
+    }[target]
     with strategy.scope():
         loaded = mf.load_model(tmp_path / "model", MLP(din=4, hidden=64, dout=3, seed=99))
     assert same_weights(model, loaded)
@@ -45,7 +50,7 @@ def test_saved_under_mirrored8_restores_onto_other_layouts(tmp_path, target):
     # The optimizer state came back too: one more epoch from both gives the same weights.
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     loaded.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
-    for u, v in zip(model.get_weights(), loaded.get_weights()):
+    for u, v in zip(model.get_weights(), loaded.get_weights(), strict=True):
         np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-6)
 
 

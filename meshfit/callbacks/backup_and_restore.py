@@ -73,8 +73,14 @@ class BackupAndRestore(Callback):
 
     handles_preemption = True
 
-    def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint: bool = True, max_to_keep: int = 2,
-                 async_save: bool = True):
+    def __init__(
+        self,
+        backup_dir,
+        save_freq="epoch",
+        delete_checkpoint: bool = True,
+        max_to_keep: int = 2,
+        async_save: bool = True,
+    ):
         super().__init__()
         if save_freq != "epoch" and (not isinstance(save_freq, int) or save_freq < 1):
             raise ValueError(f"`save_freq` must be 'epoch' or a positive int. Received: save_freq={save_freq!r}.")
@@ -105,23 +111,39 @@ class BackupAndRestore(Callback):
             for k, v in logs.items():
                 history_dict.setdefault(k, []).append(v)
         arrays: dict = {}
-        callbacks = {f"{i}:{type(cb).__name__}": split_arrays(cb.state_dict(), arrays)
-                     for i, cb in enumerate(self._siblings())}
+        callbacks = {
+            f"{i}:{type(cb).__name__}": split_arrays(cb.state_dict(), arrays) for i, cb in enumerate(self._siblings())
+        }
         arrays = {k: np.asarray(v) for k, v in arrays.items()}
         data = split_arrays(model._fit_data_state(), arrays)
-        meta = {"epoch": epoch, "step_in_epoch": step_in_epoch, "data_origin": model._data_origin,
-                "history": history_dict,
-                "history_epochs": history_epochs, "callbacks": callbacks, "data": data, "format": 1,
-                "array_specs": {k: [list(v.shape), str(v.dtype)] for k, v in arrays.items()}}
+        meta = {
+            "epoch": epoch,
+            "step_in_epoch": step_in_epoch,
+            "data_origin": model._data_origin,
+            "history": history_dict,
+            "history_epochs": history_epochs,
+            "callbacks": callbacks,
+            "data": data,
+            "format": 1,
+            "array_specs": {k: [list(v.shape), str(v.dtype)] for k, v in arrays.items()},
+        }
         step = int(model._host_step)
         self._saved_step = step
         try:
-            self._dir.save(step, {"train": model._state, "arrays": arrays}, meta, wait=wait or not self.async_save,
-                           finite_only=True)
+            self._dir.save(
+                step,
+                {"train": model._state, "arrays": arrays},
+                meta,
+                wait=wait or not self.async_save,
+                finite_only=True,
+            )
         except NonFiniteState as error:
             if self._refused_step is None and model.strategy.is_chief:
-                print(f"BackupAndRestore: not saving the state at step {step}: {error}. The last finite backup "
-                      f"(step {self._newest()}) is kept.", flush=True)
+                print(
+                    f"BackupAndRestore: not saving the state at step {step}: {error}. The last finite backup "
+                    f"(step {self._newest()}) is kept.",
+                    flush=True,
+                )
             self._refused_step = step
 
     def _newest(self):
@@ -153,15 +175,17 @@ class BackupAndRestore(Callback):
         model._data_origin = meta.get("data_origin", 0)  # backups from before it was saved: passes began at 0
         model._resumed = True
         if model.strategy.is_chief:
-            print(f"BackupAndRestore: resumed from {self._dir.directory} at epoch {meta['epoch'] + 1}, "
-                  f"batch {meta['step_in_epoch']} (step {step}).", flush=True)
+            print(
+                f"BackupAndRestore: resumed from {self._dir.directory} at epoch {meta['epoch'] + 1}, "
+                f"batch {meta['step_in_epoch']} (step {step}).",
+                flush=True,
+            )
 
     # -- hooks ---------------------------------------------------------------------
 
     def on_train_begin(self, logs=None):
         self._refused_step = None
-        self._dir = CheckpointDir(self.backup_dir, "backup", max_to_keep=self.max_to_keep,
-                                  async_save=self.async_save)
+        self._dir = CheckpointDir(self.backup_dir, "backup", max_to_keep=self.max_to_keep, async_save=self.async_save)
         self._saved_step = self.model._host_step
         self._restore()
         self._saved_step = self.model._host_step
@@ -188,15 +212,21 @@ class BackupAndRestore(Callback):
             return
         if self._ended_non_finite(logs):
             if self.model.strategy.is_chief:
-                print(f"BackupAndRestore: training ended on a non-finite loss or state (NaN or Inf), so the "
-                      f"backups in {directory.directory} are kept (newest: step {newest}; no non-finite state "
-                      "was saved). Fix the cause (a lower learning rate, clipping, the data) and run again to "
-                      "resume from it.", flush=True)
+                print(
+                    f"BackupAndRestore: training ended on a non-finite loss or state (NaN or Inf), so the "
+                    f"backups in {directory.directory} are kept (newest: step {newest}; no non-finite state "
+                    "was saved). Fix the cause (a lower learning rate, clipping, the data) and run again to "
+                    "resume from it.",
+                    flush=True,
+                )
             return
         kept = directory.remove_complete()
         if kept and self.model.strategy.is_chief:
-            print(f"BackupAndRestore: deleted the backups but kept {kept} in {directory.directory} "
-                  "(moved aside as unreadable; meshfit never deletes them).", flush=True)
+            print(
+                f"BackupAndRestore: deleted the backups but kept {kept} in {directory.directory} "
+                "(moved aside as unreadable; meshfit never deletes them).",
+                flush=True,
+            )
 
     def _ended_non_finite(self, logs) -> bool:
         loss = (logs or {}).get("loss")

@@ -10,7 +10,8 @@ does): then the epoch ends without waiting for the devices.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 
 class Callback:

@@ -44,7 +44,7 @@ class CSVLogger(Callback):
             return
         if self.append:
             if os.path.exists(self.filename):
-                with open(self.filename, "r") as f:
+                with open(self.filename) as f:
                     self.append_header = not bool(len(f.readline()))
             mode = "a"
         else:

@@ -244,10 +244,7 @@ class EarlyStopping(MonitorCallback):
             print_msg(f"Epoch {self.stopped_epoch + 1}: early stopping")
         if self.restore_best_weights and self.best_weights is not None:
             if self.verbose > 0:
-                print_msg(
-                    "Restoring model weights from the end of the best epoch: "
-                    f"{self.best_epoch + 1}."
-                )
+                print_msg(f"Restoring model weights from the end of the best epoch: {self.best_epoch + 1}.")
             self.model.set_weights(self.best_weights)
 
     def get_monitor_value(self, logs):
@@ -271,9 +268,7 @@ class EarlyStopping(MonitorCallback):
             "best_epoch": int(self.best_epoch),
             "stopped_epoch": int(self.stopped_epoch),
             "best_weights": (
-                None
-                if self.best_weights is None
-                else [np.array(w, copy=True) for w in self.best_weights]
+                None if self.best_weights is None else [np.array(w, copy=True) for w in self.best_weights]
             ),
         }
 

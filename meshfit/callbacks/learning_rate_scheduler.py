@@ -40,9 +40,7 @@ class LearningRateScheduler(Callback):
             learning_rate = self.schedule(epoch)
 
         if not isinstance(learning_rate, (float, np.float32, np.float64)):
-            raise ValueError(
-                f"The output of the `schedule` function should be a float. Got: {learning_rate}"
-            )
+            raise ValueError(f"The output of the `schedule` function should be a float. Got: {learning_rate}")
 
         optimizer.learning_rate = learning_rate
         return learning_rate
@@ -50,10 +48,7 @@ class LearningRateScheduler(Callback):
     def on_epoch_begin(self, epoch, logs=None):
         learning_rate = self._update_optimizer_lr(self.model.optimizer, epoch)
         if self.verbose > 0:
-            print_msg(
-                f"\nEpoch {epoch + 1}: LearningRateScheduler setting "
-                f"learning rate to {learning_rate}."
-            )
+            print_msg(f"\nEpoch {epoch + 1}: LearningRateScheduler setting learning rate to {learning_rate}.")
 
     def on_epoch_end(self, epoch, logs=None):
         logs = logs or {}

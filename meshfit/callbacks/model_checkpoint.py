@@ -35,9 +35,19 @@ class ModelCheckpoint(MonitorCallback):
         async_save: write in the background (True) or block until written.
     """
 
-    def __init__(self, directory, monitor: str = "val_loss", verbose: int = 0, save_best_only: bool = False,
-                 save_weights_only: bool = False, mode: str = "auto", save_freq="epoch",
-                 initial_value_threshold=None, max_to_keep: int | None = None, async_save: bool = True):
+    def __init__(
+        self,
+        directory,
+        monitor: str = "val_loss",
+        verbose: int = 0,
+        save_best_only: bool = False,
+        save_weights_only: bool = False,
+        mode: str = "auto",
+        save_freq="epoch",
+        initial_value_threshold=None,
+        max_to_keep: int | None = None,
+        async_save: bool = True,
+    ):
         super().__init__(monitor=monitor, mode=mode, baseline=initial_value_threshold)
         if save_freq != "epoch" and (not isinstance(save_freq, int) or save_freq < 1):
             raise ValueError(f"`save_freq` must be 'epoch' or a positive int. Received: save_freq={save_freq!r}.")
@@ -54,8 +64,9 @@ class ModelCheckpoint(MonitorCallback):
 
     def on_train_begin(self, logs=None):
         if self._dir is None:
-            self._dir = CheckpointDir(self.directory, "checkpoint", max_to_keep=self.max_to_keep,
-                                      async_save=self.async_save)
+            self._dir = CheckpointDir(
+                self.directory, "checkpoint", max_to_keep=self.max_to_keep, async_save=self.async_save
+            )
         if self.monitor_op is None:
             self._set_monitor_op()
         self._last_step = self.model._host_step
@@ -87,15 +98,22 @@ class ModelCheckpoint(MonitorCallback):
                 return
             if self.verbose:
                 previous = "inf" if self.best is None else f"{self.best:.5f}"
-                print_msg(f"Epoch {self._epoch + 1}: {self.monitor} improved from {previous} to {current:.5f}, "
-                          f"saving to {os.path.join(self._dir.directory, str(number))}")
+                print_msg(
+                    f"Epoch {self._epoch + 1}: {self.monitor} improved from {previous} to {current:.5f}, "
+                    f"saving to {os.path.join(self._dir.directory, str(number))}"
+                )
             self.best = current
         elif self.verbose:
             print_msg(f"Epoch {self._epoch + 1}: saving model to {os.path.join(self._dir.directory, str(number))}")
-        tree = ({"weights": saving.weights_tree(self.model)} if self.save_weights_only
-                else saving.training_tree(self.model))
-        meta = {"epoch": self._epoch, "step": int(self.model._host_step), "weights_only": self.save_weights_only,
-                "logs": {k: float(v) for k, v in logs.items()}}
+        tree = (
+            {"weights": saving.weights_tree(self.model)} if self.save_weights_only else saving.training_tree(self.model)
+        )
+        meta = {
+            "epoch": self._epoch,
+            "step": int(self.model._host_step),
+            "weights_only": self.save_weights_only,
+            "logs": {k: float(v) for k, v in logs.items()},
+        }
         # A run resumed by BackupAndRestore may save a step it saved before (same values).
         self._dir.save(number, tree, meta, if_exists="skip" if self.model._resumed else "error")
 

@@ -89,8 +89,7 @@ class ProgbarLogger(Callback):
         super().__init__()
         if count_mode != "steps":
             raise ValueError(
-                "ProgbarLogger only supports count_mode='steps' (as Keras 3 does). "
-                f"Received: count_mode={count_mode!r}"
+                f"ProgbarLogger only supports count_mode='steps' (as Keras 3 does). Received: count_mode={count_mode!r}"
             )
         self.count_mode = count_mode
         self.stream = stream
@@ -201,8 +200,8 @@ class ProgbarLogger(Callback):
     def _count_str(self, current):
         if self.target is not None and self.target > 0:
             numdigits = int(math.log10(self.target)) + 1
-            return f"%{numdigits}d/%d" % (current, self.target)
-        return "%7d/Unknown" % current
+            return f"{current:{numdigits}d}/{self.target}"
+        return f"{current:7d}/Unknown"
 
     def _time_per_step(self, current, now):
         # Keras `Progbar._estimate_step_duration` (ignores the first, compiling step).
@@ -241,11 +240,11 @@ class ProgbarLogger(Callback):
         if self.target is not None and self.target > 0 and not finalize:
             eta = time_per_unit * (self.target - current)
             if eta > 3600:
-                eta_format = "%d:%02d:%02d" % (eta // 3600, (eta % 3600) // 60, eta % 60)
+                eta_format = f"{int(eta // 3600)}:{int((eta % 3600) // 60):02d}:{int(eta % 60):02d}"
             elif eta > 60:
-                eta_format = "%d:%02d" % (eta // 60, eta % 60)
+                eta_format = f"{int(eta // 60)}:{int(eta % 60):02d}"
             else:
-                eta_format = "%ds" % eta
+                eta_format = f"{int(eta)}s"
             info = f" {eta_format}"
         else:
             info = f" {now - self._start:.0f}s"

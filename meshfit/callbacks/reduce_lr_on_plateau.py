@@ -48,9 +48,7 @@ class ReduceLROnPlateau(MonitorCallback):
     ):
         super().__init__(monitor, mode, min_delta=min_delta)
         if factor >= 1.0:
-            raise ValueError(
-                f"ReduceLROnPlateau does not support a factor >= 1.0. Received factor={factor}"
-            )
+            raise ValueError(f"ReduceLROnPlateau does not support a factor >= 1.0. Received factor={factor}")
 
         self.factor = factor
         self.min_lr = min_lr
@@ -73,9 +71,7 @@ class ReduceLROnPlateau(MonitorCallback):
             new_lr = max(new_lr, self.min_lr)
             optimizer.learning_rate = new_lr
             if self.verbose > 0:
-                print_msg(
-                    f"\nEpoch {epoch + 1}: ReduceLROnPlateau reducing learning rate to {new_lr}."
-                )
+                print_msg(f"\nEpoch {epoch + 1}: ReduceLROnPlateau reducing learning rate to {new_lr}.")
             return True
         return False
 

@@ -19,7 +19,6 @@ import numpy as np
 from meshfit.callbacks.base import Callback
 from meshfit.callbacks.progbar_logger import is_chief
 
-
 # Event file names carry the time in whole seconds; a per-process counter keeps
 # writers opened within the same second (e.g. two quick fits) from overwriting
 # each other's file.
@@ -78,8 +77,7 @@ class TensorBoard(Callback):
             isinstance(update_freq, bool) or not isinstance(update_freq, int) or update_freq < 1
         ):
             raise ValueError(
-                "`update_freq` must be 'epoch', 'batch' or a positive integer. "
-                f"Received: update_freq={update_freq!r}"
+                f"`update_freq` must be 'epoch', 'batch' or a positive integer. Received: update_freq={update_freq!r}"
             )
         self.update_freq = update_freq
         self._train_dir = os.path.join(self.log_dir, "train")
@@ -228,7 +226,7 @@ class TensorBoard(Callback):
         weights = self.model.get_weights()
         names = self._weight_names(len(weights))
         writer = self._train_writer
-        for name, weight in zip(names, weights):
+        for name, weight in zip(names, weights, strict=True):
             tag = f"{str(name).replace(':', '_')}/histogram"
             writer.add_histogram(tag, np.asarray(weight), epoch)
         writer.flush()

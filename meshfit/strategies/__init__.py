@@ -13,5 +13,14 @@ from meshfit.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from meshfit.strategies.one_device import OneDeviceStrategy
 from meshfit.strategies.parameter_server import ParameterServerStrategy
 
-__all__ = ["Strategy", "OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy", "MeshStrategy",
-           "ParameterServerStrategy", "constrain", "get_strategy", "has_strategy"]
+__all__ = [
+    "Strategy",
+    "OneDeviceStrategy",
+    "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
+    "MeshStrategy",
+    "ParameterServerStrategy",
+    "constrain",
+    "get_strategy",
+    "has_strategy",
+]

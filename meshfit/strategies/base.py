@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 
@@ -25,7 +25,7 @@ from meshfit.strategies import placement
 _local = threading.local()
 
 
-def _stack() -> list["Strategy"]:
+def _stack() -> list[Strategy]:
     if not hasattr(_local, "stack"):
         _local.stack = []
     return _local.stack
@@ -150,4 +150,3 @@ def get_strategy() -> Strategy:
 def has_strategy() -> bool:
     """True inside some strategy's `scope()`."""
     return bool(_stack())
-

@@ -16,7 +16,8 @@ parameter, its shape and the rule.
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -53,7 +54,8 @@ def check_spec(spec: P, shape: tuple[int, ...], mesh: Mesh, name: str, source: s
     if len(spec) > len(shape):
         raise ValueError(
             f"Parameter '{name}' with shape {shape} cannot use {source} {spec}: the spec has {len(spec)} "
-            f"entries but the parameter has {len(shape)} dimensions.")
+            f"entries but the parameter has {len(shape)} dimensions."
+        )
     used = []
     for dim, entry in enumerate(spec):
         axes = _axes_of(entry)
@@ -61,13 +63,15 @@ def check_spec(spec: P, shape: tuple[int, ...], mesh: Mesh, name: str, source: s
         if unknown:
             raise ValueError(
                 f"Parameter '{name}' with shape {shape}: {source} {spec} names mesh axis {unknown[0]!r}, "
-                f"but the mesh has axes {tuple(mesh.axis_names)}.")
+                f"but the mesh has axes {tuple(mesh.axis_names)}."
+            )
         size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
         if shape[dim] % size:
             raise ValueError(
                 f"Parameter '{name}' with shape {shape}: {source} {spec} splits dimension {dim} "
                 f"(size {shape[dim]}) over {'x'.join(axes)} = {size} devices, which does not divide it. "
-                "Change the rule or the mesh.")
+                "Change the rule or the mesh."
+            )
         used += axes
     if len(set(used)) != len(used):
         raise ValueError(f"Parameter '{name}' with shape {shape}: {source} {spec} uses a mesh axis twice.")
@@ -105,8 +109,17 @@ def default_spec(shape: tuple[int, ...], mesh: Mesh, fsdp_axis: str, min_shard_s
     return P()
 
 
-def resolve_specs(tree, mesh: Mesh, *, rules: Rules = (), hints=None, logical_axis_rules=None,
-                  fsdp_axis: str = "fsdp", min_shard_size: int = 2 ** 12, require_rule_matches: bool = True):
+def resolve_specs(
+    tree,
+    mesh: Mesh,
+    *,
+    rules: Rules = (),
+    hints=None,
+    logical_axis_rules=None,
+    fsdp_axis: str = "fsdp",
+    min_shard_size: int = 2**12,
+    require_rule_matches: bool = True,
+):
     """A PartitionSpec for every leaf of `tree` (see the module docstring)."""
     compiled = [(re.compile(pattern), as_spec(spec), pattern) for pattern, spec in rules]
     logical = dict(logical_axis_rules or {})
@@ -132,8 +145,7 @@ def resolve_specs(tree, mesh: Mesh, *, rules: Rules = (), hints=None, logical_ax
     unused = [pattern for _, _, pattern in compiled if pattern not in matched]
     if unused and require_rule_matches:
         names = [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-        raise ValueError(
-            f"Sharding rule {unused[0]!r} matches no parameter. Parameter paths are: {names}.")
+        raise ValueError(f"Sharding rule {unused[0]!r} matches no parameter. Parameter paths are: {names}.")
     return specs
 
 
@@ -145,8 +157,11 @@ def follow_params(tree, params, param_specs):
     replicated.
     """
     by_path = {}
-    for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0],
-                                  jax.tree.leaves(param_specs, is_leaf=lambda s: isinstance(s, P))):
+    for (path, leaf), spec in zip(
+        jax.tree_util.tree_flatten_with_path(params)[0],
+        jax.tree.leaves(param_specs, is_leaf=lambda s: isinstance(s, P)),
+        strict=True,
+    ):
         by_path[path_name(path)] = (tuple(np.shape(leaf)), spec)
 
     def follow(path, leaf):

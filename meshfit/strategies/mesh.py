@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -32,7 +32,8 @@ def _axis_sizes(axes: Mapping[str, int], n_devices: int) -> dict[str, int]:
     if int(np.prod(list(sizes.values()))) != n_devices:
         raise ValueError(
             f"Mesh axes {dict(axes)} need {int(np.prod(list(sizes.values())))} devices; there are {n_devices}. "
-            "Use -1 for one axis to infer its size.")
+            "Use -1 for one axis to infer its size."
+        )
     return sizes
 
 
@@ -65,15 +66,23 @@ class MeshStrategy(Strategy):
         ...                                (r"mlp/down/kernel", ("tensor", None))])
     """
 
-    def __init__(self, axes: Mapping[str, int] = DEFAULT_AXES, rules: layout.Rules = (),
-                 logical_axis_rules=None, batch_axes=("data", "fsdp"), fsdp_axis: str = "fsdp",
-                 min_shard_size: int = 2 ** 12, devices=None):
+    def __init__(
+        self,
+        axes: Mapping[str, int] = DEFAULT_AXES,
+        rules: layout.Rules = (),
+        logical_axis_rules=None,
+        batch_axes=("data", "fsdp"),
+        fsdp_axis: str = "fsdp",
+        min_shard_size: int = 2**12,
+        devices=None,
+    ):
         if devices is None:
             cluster.initialize()
             devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         sizes = _axis_sizes(axes, len(devices))
-        self.mesh = Mesh(np.array(devices).reshape(tuple(sizes.values())), tuple(sizes),
-                         axis_types=(AxisType.Auto,) * len(sizes))
+        self.mesh = Mesh(
+            np.array(devices).reshape(tuple(sizes.values())), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes)
+        )
         self.rules = [(pattern, layout.as_spec(spec)) for pattern, spec in rules]
         if isinstance(logical_axis_rules, Mapping):
             logical_axis_rules = list(logical_axis_rules.items())
@@ -98,15 +107,22 @@ class MeshStrategy(Strategy):
 
     def param_specs(self, params, hints=None):
         """One PartitionSpec per parameter (rules, then metadata, then the default)."""
-        return layout.resolve_specs(params, self.mesh, rules=self.rules, hints=hints,
-                                    logical_axis_rules=dict(self.logical_axis_rules), fsdp_axis=self.fsdp_axis,
-                                    min_shard_size=self.min_shard_size)
+        return layout.resolve_specs(
+            params,
+            self.mesh,
+            rules=self.rules,
+            hints=hints,
+            logical_axis_rules=dict(self.logical_axis_rules),
+            fsdp_axis=self.fsdp_axis,
+            min_shard_size=self.min_shard_size,
+        )
 
     def state_specs(self, state, param_hints=None):
         """Specs for a whole TrainState: parameters by rule, the rest following them."""
         params = self.param_specs(state.params, param_hints)
-        model_state = layout.resolve_specs(state.model_state, self.mesh, fsdp_axis=self.fsdp_axis,
-                                           min_shard_size=self.min_shard_size)
+        model_state = layout.resolve_specs(
+            state.model_state, self.mesh, fsdp_axis=self.fsdp_axis, min_shard_size=self.min_shard_size
+        )
         replicated = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
         opt_state = None if state.opt_state is None else layout.follow_params(state.opt_state, state.params, params)
         rng = None if state.rng is None else P()
@@ -114,8 +130,7 @@ class MeshStrategy(Strategy):
 
     def place_state(self, state, param_hints=None):
         specs = self.state_specs(state, param_hints)
-        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
-                                 is_leaf=lambda s: isinstance(s, P))
+        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
         return placement.put(state, shardings)
 
     def replicate(self, tree):
@@ -126,11 +141,14 @@ class MeshStrategy(Strategy):
     @property
     def batch_block(self) -> tuple[int, int]:
         rows, shard = self.batch_multiple, self.batch_multiple // self.num_replicas_in_sync
-        starts = sorted({index[0].start or 0 for index in
-                         self._batch.addressable_devices_indices_map((rows,)).values()})
+        starts = sorted(
+            {index[0].start or 0 for index in self._batch.addressable_devices_indices_map((rows,)).values()}
+        )
         if starts != list(range(starts[0], starts[0] + shard * len(starts), shard)):
-            raise ValueError("This process's devices do not hold one contiguous block of the batch. "
-                             "Put the batch axes first in `axes`.")
+            raise ValueError(
+                "This process's devices do not hold one contiguous block of the batch. "
+                "Put the batch axes first in `axes`."
+            )
         local = shard * len(starts)
         return starts[0] // local, rows // local
 
@@ -144,8 +162,9 @@ class MeshStrategy(Strategy):
             with Strategy.scope(self):  # `constrain` inside the model finds this strategy
                 return fn(*args)
 
-        return layout.jit_keeping_layout(in_scope, donate_argnums[0] if donate_argnums else None,
-                                         donate_argnums=donate_argnums)
+        return layout.jit_keeping_layout(
+            in_scope, donate_argnums[0] if donate_argnums else None, donate_argnums=donate_argnums
+        )
 
     def to_host(self, tree):
         return placement.fetch(tree)
@@ -167,5 +186,3 @@ def constrain(x, *spec):
     if not isinstance(strategy, MeshStrategy):
         return x
     return jax.lax.with_sharding_constraint(x, NamedSharding(strategy.mesh, P(*spec)))
-
-

@@ -31,10 +31,22 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         initialization_timeout: seconds to wait for all processes to join.
     """
 
-    def __init__(self, coordinator_address=None, num_processes=None, process_id=None, local_device_ids=None,
-                 heartbeat_timeout_seconds: int | None = None, initialization_timeout: int = 300):
-        cluster.initialize(coordinator_address, num_processes, process_id, local_device_ids,
-                           heartbeat_timeout_seconds=heartbeat_timeout_seconds,
-                           initialization_timeout=initialization_timeout)
+    def __init__(
+        self,
+        coordinator_address=None,
+        num_processes=None,
+        process_id=None,
+        local_device_ids=None,
+        heartbeat_timeout_seconds: int | None = None,
+        initialization_timeout: int = 300,
+    ):
+        cluster.initialize(
+            coordinator_address,
+            num_processes,
+            process_id,
+            local_device_ids,
+            heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+            initialization_timeout=initialization_timeout,
+        )
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         self._init_mesh(devices)

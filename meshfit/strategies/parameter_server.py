@@ -72,22 +72,33 @@ class ParameterServerStrategy(Strategy):
 
     stages_batches = False  # each batch goes whole to one worker, from the host
 
-    def __init__(self, mode: str = "async", workers=None, server_device=None, max_staleness: int | None = None,
-                 worker_delays: dict[int, float] | None = None, worker_timeout: float = 60.0,
-                 min_shard_size: int = 2 ** 12):
+    def __init__(
+        self,
+        mode: str = "async",
+        workers=None,
+        server_device=None,
+        max_staleness: int | None = None,
+        worker_delays: dict[int, float] | None = None,
+        worker_timeout: float = 60.0,
+        min_shard_size: int = 2**12,
+    ):
         role = ps_remote.role()
         if role == "worker":
             ps_remote.run_worker()  # a worker process serves the coordinator, then exits here
         if mode not in MODES:
             raise ValueError(f"`mode` must be one of {MODES}. Received: mode={mode!r}.")
         if role is not None and (workers is not None or worker_delays):
-            raise ValueError("`workers` and `worker_delays` apply to one-host training; "
-                             "under `meshfit launch --ps` the worker processes are the workers.")
+            raise ValueError(
+                "`workers` and `worker_delays` apply to one-host training; "
+                "under `meshfit launch --ps` the worker processes are the workers."
+            )
         servers = ps_remote.server_count() if role is not None else 1
         if servers > 1 and server_device is not None:
-            raise ValueError(f"Under `meshfit launch --ps {servers}` each server process holds its part of the "
-                             "state on its first device; leave `server_device` unset. "
-                             f"Received: server_device={server_device!r}.")
+            raise ValueError(
+                f"Under `meshfit launch --ps {servers}` each server process holds its part of the "
+                "state on its first device; leave `server_device` unset. "
+                f"Received: server_device={server_device!r}."
+            )
         if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
             raise ValueError(f"`max_staleness` must be a non-negative int or None. Received: {max_staleness!r}.")
         if not isinstance(worker_timeout, (int, float)) or worker_timeout <= 0:
@@ -177,7 +188,7 @@ class _SyncTraining(_Training):
         step = self.round_step(state)
         parts = split_rows(batch, len(workers))
         outputs = []
-        for i, (device, part) in enumerate(zip(workers, parts)):
+        for i, (device, part) in enumerate(zip(workers, parts, strict=True)):
             params, model_state, rng, salt = self.job_inputs(state, step, i, device)
             outputs.append(self.gradients(params, model_state, jax.device_put(part, device), rng, salt))
         delays = self.strategy.worker_delays
@@ -205,8 +216,10 @@ class _AsyncTraining(_Training):
         self.pending = 0
         self.dropped = 0
         self.error: BaseException | None = None
-        self.threads = [threading.Thread(target=self._worker, args=(i, d), daemon=True, name=f"ps-worker-{i}")
-                        for i, d in enumerate(strategy.workers)]
+        self.threads = [
+            threading.Thread(target=self._worker, args=(i, d), daemon=True, name=f"ps-worker-{i}")
+            for i, d in enumerate(strategy.workers)
+        ]
         for thread in self.threads:
             thread.start()
 

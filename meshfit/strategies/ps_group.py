@@ -55,8 +55,9 @@ class Partition:
         self.count = count
 
     @classmethod
-    def of(cls, tree, count: int) -> "Partition":
+    def of(cls, tree, count: int) -> Partition:
         """The split of each leaf of `tree` as laid out over the servers' mesh (none for one server process)."""
+
         def dim(leaf):
             spec = getattr(getattr(leaf, "sharding", None), "spec", ())
             return next((d for d, axis in enumerate(spec) if axis == SERVER_AXIS), None)
@@ -74,7 +75,7 @@ class Partition:
         each server needs of a gradient: a copy of every unsplit leaf).
         """
         out = []
-        for leaf, dim in zip(leaves, self.dims):
+        for leaf, dim in zip(leaves, self.dims, strict=True):
             if not self.holds(dim, server, whole_everywhere):
                 continue
             if dim is not None:
@@ -86,20 +87,21 @@ class Partition:
     def part_avals(self, avals, server: int, whole_everywhere: bool = False) -> list[tuple[tuple, object]]:
         """`(shape, dtype)` of each of `parts(...)` for leaves of these avals."""
         out = []
-        for aval, dim in zip(avals, self.dims):
+        for aval, dim in zip(avals, self.dims, strict=True):
             if not self.holds(dim, server, whole_everywhere):
                 continue
             shape = tuple(aval.shape)
             if dim is not None:
-                shape = shape[:dim] + (shape[dim] // self.count,) + shape[dim + 1:]
+                shape = shape[:dim] + (shape[dim] // self.count,) + shape[dim + 1 :]
             out.append((shape, aval.dtype))
         return out
 
     def assemble(self, parts_by_server: list[list]) -> list:
         """Whole leaves from every server's `parts` (what a worker computes on)."""
         parts = [iter(pieces) for pieces in parts_by_server]
-        return [next(parts[0]) if dim is None else jnp.concatenate([next(p) for p in parts], axis=dim)
-                for dim in self.dims]
+        return [
+            next(parts[0]) if dim is None else jnp.concatenate([next(p) for p in parts], axis=dim) for dim in self.dims
+        ]
 
 
 def server_devices() -> list:
@@ -140,12 +142,15 @@ class StateView:
         leaves = jax.tree.leaves((state.params, encode(local_tree(state.model_state))))
         if self.count == 1:  # one process, perhaps several devices: whole leaves from the first
             return jax.tree.leaves(self.layout.gather(leaves))
-        return [local(leaf) for leaf, dim in zip(leaves, self.pulled.dims) if self.pulled.holds(dim, server)]
+        return [
+            local(leaf) for leaf, dim in zip(leaves, self.pulled.dims, strict=True) if self.pulled.holds(dim, server)
+        ]
 
     def result_parts(self, server: int, grads, model_state, increments) -> list:
         """Server `server`'s part of a worker's result: its gradient parts; module state and increments whole."""
-        return self.grads.parts(jax.tree.leaves(grads), server, whole_everywhere=True) + \
-            jax.tree.leaves((model_state, increments))
+        return self.grads.parts(jax.tree.leaves(grads), server, whole_everywhere=True) + jax.tree.leaves(
+            (model_state, increments)
+        )
 
     def result_specs(self, server: int, device) -> list[jax.ShapeDtypeStruct]:
         avals = self.grads.part_avals(self.grad_avals, server, whole_everywhere=True)
@@ -154,11 +159,15 @@ class StateView:
     def build(self, parts: list):
         """Global arrays over the servers from this process's parts: (grads, encoded module state, increments)."""
         n = len(self.grad_avals)
-        grads = [jax.make_array_from_single_device_arrays(a.shape, sharding, [part])
-                 for a, sharding, part in zip(self.grad_avals, self.grad_shardings, parts[:n])]
+        grads = [
+            jax.make_array_from_single_device_arrays(a.shape, sharding, [part])
+            for a, sharding, part in zip(self.grad_avals, self.grad_shardings, parts[:n], strict=True)
+        ]
         replicated = self.layout.replicated
-        rest = [jax.make_array_from_single_device_arrays(a.shape, replicated, [part])
-                for a, part in zip(self.rest_avals, parts[n:])]
+        rest = [
+            jax.make_array_from_single_device_arrays(a.shape, replicated, [part])
+            for a, part in zip(self.rest_avals, parts[n:], strict=True)
+        ]
         model_state, increments = jax.tree.unflatten(self.trees[1], rest)
         return jax.tree.unflatten(self.trees[0], grads), model_state, increments
 
@@ -207,8 +216,9 @@ class ServerGroup:
         view = self.describe(state)
         for server, (conn, _) in enumerate(self.followers, start=1):
             take_id = next(self.ids)
-            self.transfer.await_pull(take_id, view.result_parts(server, grads, model_state, increments),
-                                     timeout=deadline(HOLD_TIMEOUT))
+            self.transfer.await_pull(
+                take_id, view.result_parts(server, grads, model_state, increments), timeout=deadline(HOLD_TIMEOUT)
+            )
             conn.send(("apply", take_id, staleness))
         return view.build(view.result_parts(0, grads, model_state, increments))
 
@@ -250,8 +260,7 @@ class FollowerTraining(ServerUpdates):
                     self.link.transfer.await_pull(pull_id, variables, timeout=deadline(HOLD_TIMEOUT))
             elif op[0] == "apply":
                 _, take_id, staleness = op
-                parts = self.link.coordinator.pull(take_id, self.view.result_specs(server, device),
-                                                   timeout=deadline())
+                parts = self.link.coordinator.pull(take_id, self.view.result_specs(server, device), timeout=deadline())
                 self.state, self.logs = self.apply_encoded(self.state, *self.view.build(list(parts)))
                 if staleness is not None:
                     self.staleness.append(staleness)

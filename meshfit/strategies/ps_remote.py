@@ -28,8 +28,8 @@ import sys
 import termios
 import threading
 import time
-from typing import NamedTuple
 from multiprocessing.connection import Client, Listener, wait
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -81,8 +81,10 @@ def server_timeout() -> float:
 
 
 def _silent_server(timeout: float) -> str:
-    return (f"the parameter server (rank 0, which coordinates the job, at {os.environ.get(ENV_ADDRESS)}) sent "
-            f"nothing for {timeout:g} s ({ENV_SERVER_TIMEOUT}); it is stopped or hung")
+    return (
+        f"the parameter server (rank 0, which coordinates the job, at {os.environ.get(ENV_ADDRESS)}) sent "
+        f"nothing for {timeout:g} s ({ENV_SERVER_TIMEOUT}); it is stopped or hung"
+    )
 
 
 def _watch_for_silence(channel: Channel, timeout: float, describe) -> None:
@@ -92,6 +94,7 @@ def _watch_for_silence(channel: Channel, timeout: float, describe) -> None:
     reads nothing, so new bytes waiting in the socket are the sign of life (a
     job blocked on a transfer from a stopped server would otherwise wait forever).
     """
+
     def run():
         unread, changed = channel.unread_bytes(), time.monotonic()
         while True:
@@ -100,8 +103,11 @@ def _watch_for_silence(channel: Channel, timeout: float, describe) -> None:
             if pending != unread:
                 unread, changed = pending, now
             if now - max(changed, channel.last_heard) > timeout:
-                print(f"{describe()}: {_silent_server(timeout)}. Exiting with status {EXIT_SERVER_SILENT}.",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"{describe()}: {_silent_server(timeout)}. Exiting with status {EXIT_SERVER_SILENT}.",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os._exit(EXIT_SERVER_SILENT)
 
     threading.Thread(target=run, daemon=True, name="ps-silence-watch").start()
@@ -188,8 +194,11 @@ def run_worker() -> None:
             message = conn.recv(timeout, silent=lambda: TimeoutError(_silent_server(timeout)))
         except (EOFError, OSError) as error:
             if isinstance(error, TimeoutError):
-                print(f"parameter-server worker pid {os.getpid()}: {error}. Exiting with status "
-                      f"{EXIT_SERVER_SILENT}.", file=sys.stderr, flush=True)
+                print(
+                    f"parameter-server worker pid {os.getpid()}: {error}. Exiting with status {EXIT_SERVER_SILENT}.",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 sys.exit(EXIT_SERVER_SILENT)
             break
         kind = message[0]
@@ -220,10 +229,11 @@ class _WorkerProgram:
         self.device = device
 
     def run(self, pull_id: int, batch_leaves: list):
-        avals = self.exported.in_avals[:len(self.partition.dims)]
-        parts = [connection.pull(pull_id, specs(self.partition.part_avals(avals, k), self.device),
-                                 timeout=deadline())
-                 for k, connection in enumerate(self.servers)]
+        avals = self.exported.in_avals[: len(self.partition.dims)]
+        parts = [
+            connection.pull(pull_id, specs(self.partition.part_avals(avals, k), self.device), timeout=deadline())
+            for k, connection in enumerate(self.servers)
+        ]
         state_leaves = self.partition.assemble([list(p) for p in parts])
         args = jax.tree.unflatten(self.exported.in_tree, state_leaves + batch_leaves)
         out = self.exported.call(*args[0], **args[1])
@@ -297,14 +307,16 @@ class Coordinator:
         self._accepting.start()
         # Pings tell workers and other servers this process still runs: a stopped or hung
         # rank 0 goes silent, and they end the job after `server_timeout` instead of waiting forever.
-        self._heartbeat = threading.Thread(target=self._ping, args=(server_timeout() / 4,), daemon=True,
-                                           name="ps-heartbeat")
+        self._heartbeat = threading.Thread(
+            target=self._ping, args=(server_timeout() / 4,), daemon=True, name="ps-heartbeat"
+        )
         self._heartbeat.start()
         if not self._ready.wait(accept_timeout):
             raise TimeoutError(
                 f"Only {len(self.workers)} of {expected_workers} parameter-server workers and "
                 f"{len(self.followers)} of {expected_servers - 1} other servers connected within "
-                f"{accept_timeout:.0f} s to {os.environ.get(ENV_ADDRESS)}.")
+                f"{accept_timeout:.0f} s to {os.environ.get(ENV_ADDRESS)}."
+            )
 
     def _ping(self, every: float) -> None:
         while not self._closed.wait(every):
@@ -357,8 +369,11 @@ class Coordinator:
         worker.alive = False
         worker.job = None
         self.log["dropped"] += 1
-        print(f"ParameterServerStrategy: worker pid {worker.pid} lost ({why}); its batch is redone elsewhere.",
-              file=sys.stderr, flush=True)
+        print(
+            f"ParameterServerStrategy: worker pid {worker.pid} lost ({why}); its batch is redone elsewhere.",
+            file=sys.stderr,
+            flush=True,
+        )
         try:
             worker.conn.close()
         except OSError:
@@ -395,8 +410,10 @@ class FollowerLink:
         except TimeoutError as error:
             raise RuntimeError(f"Parameter server rank {self.rank}: {error}; the job cannot go on.") from None
         except (EOFError, OSError) as error:
-            raise RuntimeError(f"Parameter server rank {self.rank} lost its connection to rank 0, which "
-                               "coordinates the job; the job cannot go on.") from error
+            raise RuntimeError(
+                f"Parameter server rank {self.rank} lost its connection to rank 0, which "
+                "coordinates the job; the job cannot go on."
+            ) from error
 
 
 class RemoteWorkers:
@@ -422,11 +439,17 @@ class RemoteWorkers:
 
         def gradients(params, encoded_model_state, batch, rng, salt):
             grads, model_state, increments = salted_gradients(
-                params, decode(encoded_model_state, template), batch, rng, salt)
+                params, decode(encoded_model_state, template), batch, rng, salt
+            )
             return grads, encode(model_state), increments
 
-        args = (state.params, jax.eval_shape(encode, state.model_state), batch, job_rng(steps, state, 0),
-                job_salt(0, 0))
+        args = (
+            state.params,
+            jax.eval_shape(encode, state.model_state),
+            batch,
+            job_rng(steps, state, 0),
+            job_salt(0, 0),
+        )
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), args)
         self.exported = jax.export.export(jax.jit(gradients))(*shapes)
         view = self.group.describe(state)
@@ -468,8 +491,7 @@ class RemoteWorkers:
             if worker.conn not in ready:
                 if now - job.started > self.strategy.worker_timeout:
                     self.pending.appendleft(job.task)
-                    self.coordinator.drop(worker, f"no answer within worker_timeout="
-                                                  f"{self.strategy.worker_timeout:g} s")
+                    self.coordinator.drop(worker, f"no answer within worker_timeout={self.strategy.worker_timeout:g} s")
                 continue
             try:
                 message = worker.conn.recv()
@@ -478,13 +500,13 @@ class RemoteWorkers:
                     self.pending.appendleft(job.task)
                     continue
                 avals = [(a.shape, a.dtype) for a in self.exported.out_avals]
-                flat = worker.transfer.pull(job.push_id, specs(avals, self.strategy.server_device),
-                                            timeout=deadline())
+                flat = worker.transfer.pull(job.push_id, specs(avals, self.strategy.server_device), timeout=deadline())
                 jax.block_until_ready(flat)
             except (EOFError, OSError, RuntimeError) as error:
                 self.pending.appendleft(job.task)
-                self.coordinator.drop(worker, f"{type(error).__name__}: {error}" if str(error)
-                                      else "its connection closed")
+                self.coordinator.drop(
+                    worker, f"{type(error).__name__}: {error}" if str(error) else "its connection closed"
+                )
                 continue
             worker.job = None
             results.append((job, jax.tree.unflatten(self.exported.out_tree, flat)))

@@ -50,8 +50,7 @@ class ServerLayout:
     def place_state(self, state):
         if not self.partitioned:
             return self.replicate(state)
-        specs = layout.resolve_specs(state.params, self.mesh, fsdp_axis=SERVER_AXIS,
-                                     min_shard_size=self.min_shard_size)
+        specs = layout.resolve_specs(state.params, self.mesh, fsdp_axis=SERVER_AXIS, min_shard_size=self.min_shard_size)
         placed = self.replicate(state._replace(params=None, opt_state=None))
         placed = placed._replace(params=placement.put(state.params, self._shardings(specs)))
         if state.opt_state is not None:
@@ -60,8 +59,11 @@ class ServerLayout:
         return placed
 
     def _shardings(self, specs):
-        return jax.tree.map(lambda s: jax.sharding.NamedSharding(self.mesh, s), specs,
-                            is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
+        return jax.tree.map(
+            lambda s: jax.sharding.NamedSharding(self.mesh, s),
+            specs,
+            is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec),
+        )
 
     def take(self, state, grads, model_state, increments):
         """Puts a worker's results on this process's server devices: each gradient beside its parameter,
@@ -88,13 +90,13 @@ def local(leaf):
 def split_rows(batch: Batch, parts: int) -> list[Batch]:
     """`parts` equal row blocks of a batch (padded to a multiple of `parts` by the loop)."""
     rows = batch.mask.shape[0] // parts
-    return [jax.tree.map(lambda a, i=i: a[i * rows:(i + 1) * rows], batch) for i in range(parts)]
+    return [jax.tree.map(lambda a, i=i: a[i * rows : (i + 1) * rows], batch) for i in range(parts)]
 
 
 def weighted_mean(grads_per_worker, weights):
     """The gradients of a sync round's parts, weighted by their real rows: one global-batch gradient."""
     total = jnp.maximum(jnp.sum(weights), 1.0)
-    return jax.tree.map(lambda *gs: sum(w * g for w, g in zip(weights, gs)) / total, *grads_per_worker)
+    return jax.tree.map(lambda *gs: sum(w * g for w, g in zip(weights, gs, strict=True)) / total, *grads_per_worker)
 
 
 def sum_trees(trees):

@@ -51,13 +51,14 @@ def snapshot(directory) -> dict[str, str]:
 def load(out):
     weights = np.load(os.path.join(out, "weights.npz"))
     return [weights[f"arr_{i}"] for i in range(len(weights.files))], json.loads(
-        open(os.path.join(out, "history.json")).read())
+        open(os.path.join(out, "history.json")).read()
+    )
 
 
 def assert_same_run(a, b):
     (wa, ha), (wb, hb) = load(a), load(b)
     assert len(wa) == len(wb)
-    for x, y in zip(wa, wb):
+    for x, y in zip(wa, wb, strict=True):
         np.testing.assert_array_equal(x, y)  # bitwise
     assert ha == hb
 
@@ -88,8 +89,7 @@ def test_sigkill_mid_epoch_then_restart_is_bitwise_identical(tmp_path, uninterru
 
 def test_sigkill_with_steps_per_execution_and_epoch_backups(tmp_path, uninterrupted):
     backup = tmp_path / "backup"
-    status, _ = run_worker(tmp_path / "out", backup, "--spe", "2", "--save-freq", "epoch", "--slow", "0.02",
-                           stop_at=24)
+    status, _ = run_worker(tmp_path / "out", backup, "--spe", "2", "--save-freq", "epoch", "--slow", "0.02", stop_at=24)
     assert status == -signal.SIGKILL
     status, output = run_worker(tmp_path / "out", backup, "--spe", "2", "--save-freq", "epoch")
     assert status == 0, output
@@ -124,8 +124,12 @@ def test_corrupt_newest_backup_is_skipped_for_the_previous_one(tmp_path):
     steps = sorted(int(p) for p in os.listdir(backup) if p.isdigit())
     assert steps == [4, 8, 12]
     newest = backup / "12" / "state"
-    data_files = [os.path.join(root, f) for root, _, files in os.walk(newest) for f in files
-                  if os.path.getsize(os.path.join(root, f)) > 0 and "d" in root.split(os.sep)[-1:]]
+    data_files = [
+        os.path.join(root, f)
+        for root, _, files in os.walk(newest)
+        for f in files
+        if os.path.getsize(os.path.join(root, f)) > 0 and "d" in root.split(os.sep)[-1:]
+    ]
     assert data_files, "expected OCDBT data files in the checkpoint"
     for path in data_files:  # truncate the array data: the write "cut off"
         with open(path, "r+b") as f:
@@ -171,8 +175,9 @@ def resume_two_processes_exactly(tmp_path, reference, saved_from: int) -> None:
     to the weights and History of an uninterrupted one."""
     steps = sorted(int(p) for p in os.listdir(tmp_path / "ab") if p.isdigit())
     assert steps and steps[-1] >= saved_from
-    resumed = run(LAUNCH + [WORKER, str(tmp_path / "a"), str(tmp_path / "ab"), "--strategy", "multi_worker"],
-                  timeout=300)
+    resumed = run(
+        LAUNCH + [WORKER, str(tmp_path / "a"), str(tmp_path / "ab"), "--strategy", "multi_worker"], timeout=300
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"(step {steps[-1]})" in resumed.stdout
     assert_same_run(tmp_path / "a", reference)
@@ -180,8 +185,23 @@ def resume_two_processes_exactly(tmp_path, reference, saved_from: int) -> None:
 
 def test_restart_under_launch_with_a_killed_worker(tmp_path, uninterrupted_two_processes):
     """2 processes, rank 1 SIGKILLs itself mid-epoch; --max-restarts resumes; equals an uninterrupted job."""
-    killed = run(LAUNCH + ["--max-restarts", "2", WORKER, str(tmp_path / "a"), str(tmp_path / "ab"),
-                                      "--strategy", "multi_worker", "--die-at-step", "14", "--slow", "0.02"], timeout=300)
+    killed = run(
+        LAUNCH
+        + [
+            "--max-restarts",
+            "2",
+            WORKER,
+            str(tmp_path / "a"),
+            str(tmp_path / "ab"),
+            "--strategy",
+            "multi_worker",
+            "--die-at-step",
+            "14",
+            "--slow",
+            "0.02",
+        ],
+        timeout=300,
+    )
     assert killed.returncode == 0, killed.stdout[-3000:] + killed.stderr[-3000:]
     assert "rank 1 exited with status -9" in killed.stderr and "restarting the job (1/2)" in killed.stderr
     assert "[rank 0] BackupAndRestore: resumed" in killed.stdout
@@ -190,8 +210,10 @@ def test_restart_under_launch_with_a_killed_worker(tmp_path, uninterrupted_two_p
 
 def test_sigterm_to_every_process_agrees_on_a_step_saves_and_resumes(tmp_path, uninterrupted_two_processes):
     """A preempted multi-process job: all ranks stop at one step (JAX's sync point), save, exit 143."""
-    with Job(LAUNCH + [WORKER, str(tmp_path / "a"), str(tmp_path / "ab"), "--strategy", "multi_worker",
-                       "--slow", "0.03"], timeout=300) as job:
+    with Job(
+        LAUNCH + [WORKER, str(tmp_path / "a"), str(tmp_path / "ab"), "--strategy", "multi_worker", "--slow", "0.03"],
+        timeout=300,
+    ) as job:
         job.wait_for(r".*step 11$")
         workers = job.children()
         assert len(workers) == 2
@@ -205,22 +227,26 @@ def test_grain_iterator_position_is_restored(tmp_path):
     """A continuing grain stream (steps_per_epoch) resumes at the saved iterator state."""
     grain = pytest.importorskip("grain")
     x, y = classification_data(n=80)
-    dataset = grain.MapDataset.source([{"x": x[i], "y": y[i]} for i in range(80)]).shuffle(seed=1).repeat().batch(
-        8).map(lambda b: (b["x"], b["y"]))
+    dataset = (
+        grain.MapDataset.source([{"x": x[i], "y": y[i]} for i in range(80)])
+        .shuffle(seed=1)
+        .repeat()
+        .batch(8)
+        .map(lambda b: (b["x"], b["y"]))
+    )
 
     def fit(epochs, backup=None):
         model = mf.Model(MLP(), seed=1)
         model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
         callbacks = [mf.callbacks.BackupAndRestore(backup, delete_checkpoint=False)] if backup else []
-        history = model.fit(dataset.to_iter_dataset(), steps_per_epoch=3, epochs=epochs, callbacks=callbacks,
-                            verbose=0)
+        history = model.fit(dataset.to_iter_dataset(), steps_per_epoch=3, epochs=epochs, callbacks=callbacks, verbose=0)
         return model, history
 
     full, full_history = fit(4)
     fit(2, tmp_path / "b")  # stops after epoch 2, its backup kept
     resumed, resumed_history = fit(4, tmp_path / "b")  # resumes at epoch 3 from the saved stream position
     assert resumed_history.history == full_history.history
-    for a, b in zip(full.get_weights(), resumed.get_weights()):
+    for a, b in zip(full.get_weights(), resumed.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -229,8 +255,13 @@ def test_grain_stream_resumes_mid_epoch_exactly(tmp_path, stop_at, newest):
     """The restored iterator state stands at the saved batch and must not be skipped past again."""
     grain = pytest.importorskip("grain")
     x, y = classification_data(n=80)
-    dataset = grain.MapDataset.source([{"x": x[i], "y": y[i]} for i in range(80)]).shuffle(seed=2).repeat().batch(
-        8).map(lambda b: (b["x"], b["y"]))
+    dataset = (
+        grain.MapDataset.source([{"x": x[i], "y": y[i]} for i in range(80)])
+        .shuffle(seed=2)
+        .repeat()
+        .batch(8)
+        .map(lambda b: (b["x"], b["y"]))
+    )
 
     class StopAtStep(mf.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
@@ -243,8 +274,7 @@ def test_grain_stream_resumes_mid_epoch_exactly(tmp_path, stop_at, newest):
         callbacks = [StopAtStep()] if stop else []
         if backup:
             callbacks.append(mf.callbacks.BackupAndRestore(backup, save_freq=2, delete_checkpoint=False))
-        history = model.fit(dataset.to_iter_dataset(), steps_per_epoch=3, epochs=epochs, callbacks=callbacks,
-                            verbose=0)
+        history = model.fit(dataset.to_iter_dataset(), steps_per_epoch=3, epochs=epochs, callbacks=callbacks, verbose=0)
         return model, history
 
     full, full_history = fit(4)
@@ -254,7 +284,7 @@ def test_grain_stream_resumes_mid_epoch_exactly(tmp_path, stop_at, newest):
     resumed, resumed_history = fit(4, tmp_path / "b")
     assert int(resumed._state.step) == 12
     assert resumed_history.history == full_history.history
-    for a, b in zip(full.get_weights(), resumed.get_weights()):
+    for a, b in zip(full.get_weights(), resumed.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -269,17 +299,24 @@ def test_a_fit_that_raises_leaves_a_usable_backup_for_the_next_fit(tmp_path):
     model = mf.Model(MLP(), seed=3)
     model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
     with pytest.raises(RuntimeError, match="simulated crash"):
-        model.fit(x, y, batch_size=16, epochs=3, verbose=0,
-                  callbacks=[Crash(), mf.callbacks.BackupAndRestore(tmp_path / "b", save_freq=2)])
+        model.fit(
+            x,
+            y,
+            batch_size=16,
+            epochs=3,
+            verbose=0,
+            callbacks=[Crash(), mf.callbacks.BackupAndRestore(tmp_path / "b", save_freq=2)],
+        )
     steps = sorted(int(p) for p in os.listdir(tmp_path / "b") if p.isdigit())
     assert steps[-1] == 6  # the write in flight at the crash was finished, not left half-done
     fresh, uninterrupted = train_in_process(tmp_path / "other", 3)
     resumed = mf.Model(MLP(), seed=3)
     resumed.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
-    history = resumed.fit(x, y, batch_size=16, epochs=3, verbose=0,
-                          callbacks=[mf.callbacks.BackupAndRestore(tmp_path / "b", save_freq=2)])
+    history = resumed.fit(
+        x, y, batch_size=16, epochs=3, verbose=0, callbacks=[mf.callbacks.BackupAndRestore(tmp_path / "b", save_freq=2)]
+    )
     assert history.history == uninterrupted.history
-    for a, b in zip(fresh.get_weights(), resumed.get_weights()):
+    for a, b in zip(fresh.get_weights(), resumed.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -310,7 +347,7 @@ def test_a_resumed_fit_reads_the_shuffled_passes_of_the_fit_it_resumes(tmp_path)
     resumed = model_()  # a restarted job need not redo the first fit: the backup holds what it did
     history = fit(resumed, [mf.callbacks.BackupAndRestore(tmp_path / "b", save_freq=2)])
     assert history.history == full_history.history
-    for a, b in zip(full.get_weights(), resumed.get_weights()):
+    for a, b in zip(full.get_weights(), resumed.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -328,8 +365,10 @@ def test_resuming_with_a_different_model_is_refused_and_the_backups_are_untouche
     before = snapshot(backup)
     status, output = run_worker(tmp_path / "other", backup, "--hidden", "48")
     assert status != 0
-    assert "does not match the model loading it" in output and "params/hidden/kernel: saved (4, 32) float32, " \
-        "expected (4, 48) float32" in output, output[-3000:]
+    assert (
+        "does not match the model loading it" in output
+        and "params/hidden/kernel: saved (4, 32) float32, expected (4, 48) float32" in output
+    ), output[-3000:]
     assert snapshot(backup) == before  # nothing renamed, nothing deleted
     status, output = run_worker(tmp_path / "out", backup)  # the right model still resumes from them
     assert status == 0 and "BackupAndRestore: resumed" in output, output[-3000:]
@@ -362,8 +401,7 @@ def test_repeated_sigterms_during_the_preemption_save_still_exit_143(tmp_path, u
     assert_same_run(tmp_path / "out", uninterrupted["freq3"])
 
 
-def test_a_second_job_on_the_same_backup_directory_is_refused_and_the_first_is_undisturbed(tmp_path,
-                                                                                             uninterrupted):
+def test_a_second_job_on_the_same_backup_directory_is_refused_and_the_first_is_undisturbed(tmp_path, uninterrupted):
     backup = tmp_path / "backup"
     with Job([sys.executable, WORKER, str(tmp_path / "out"), str(backup), "--slow", "0.25"], timeout=180) as first:
         pid = int(first.wait_for(r"pid (\d+) fitting")[0].group(1))
@@ -389,8 +427,9 @@ class SpikeLearningRate(mf.callbacks.Callback):
 
 
 @pytest.mark.parametrize("terminate_on_nan, delete_checkpoint", [(True, True), (True, False), (False, True)])
-def test_a_nan_stop_keeps_the_last_finite_backup_and_saves_no_nan(tmp_path, capsys, terminate_on_nan,
-                                                                  delete_checkpoint):
+def test_a_nan_stop_keeps_the_last_finite_backup_and_saves_no_nan(
+    tmp_path, capsys, terminate_on_nan, delete_checkpoint
+):
     from meshfit import integrity
     from meshfit.checkpoint import CheckpointDir
 
@@ -399,9 +438,15 @@ def test_a_nan_stop_keeps_the_last_finite_backup_and_saves_no_nan(tmp_path, caps
     model.compile(optimizer="sgd", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
     backup = tmp_path / "backup"
     callbacks = [SpikeLearningRate(at=5)] + ([mf.callbacks.TerminateOnNaN()] if terminate_on_nan else [])
-    model.fit(x, y, batch_size=16, epochs=4, verbose=0,
-              callbacks=callbacks + [mf.callbacks.BackupAndRestore(backup, save_freq=2, max_to_keep=20,
-                                                                   delete_checkpoint=delete_checkpoint)])
+    model.fit(
+        x,
+        y,
+        batch_size=16,
+        epochs=4,
+        verbose=0,
+        callbacks=callbacks
+        + [mf.callbacks.BackupAndRestore(backup, save_freq=2, max_to_keep=20, delete_checkpoint=delete_checkpoint)],
+    )
     out = capsys.readouterr().out
     if terminate_on_nan:
         assert "Invalid loss, terminating training" in out
@@ -415,8 +460,13 @@ def test_a_nan_stop_keeps_the_last_finite_backup_and_saves_no_nan(tmp_path, caps
     ckpt = CheckpointDir(backup, "backup", read_only=True)
     try:
         for step in steps:  # every backup on disk is finite
-            restored, _ = ckpt.restore(step, lambda meta: {"train": model._state, "arrays": {
-                k: np.zeros(shape, dtype) for k, (shape, dtype) in meta["array_specs"].items()}})
+            restored, _ = ckpt.restore(
+                step,
+                lambda meta: {
+                    "train": model._state,
+                    "arrays": {k: np.zeros(shape, dtype) for k, (shape, dtype) in meta["array_specs"].items()},
+                },
+            )
             assert integrity.report(restored["train"]).non_finite() == [], step
     finally:
         ckpt.close()
@@ -480,8 +530,9 @@ def test_a_backup_directory_that_becomes_read_only_ends_the_process_at_the_next_
             status = job.finish(timeout=60)  # fails the test, killing the job, if it hangs
         assert time.monotonic() - made_read_only < 60
         output = job.stdout + job.stderr
-        assert status == 1 and "Writing a checkpoint into" in output and "Read-only file system" in output, \
-            output[-3000:]
+        assert status == 1 and "Writing a checkpoint into" in output and "Read-only file system" in output, output[
+            -3000:
+        ]
         assert 3 in backup_steps(backup)  # what was written before is all there
 
 
@@ -494,8 +545,7 @@ def test_a_full_disk_ends_the_process_with_a_clear_error(tmp_path):
             except OSError:
                 pass
         status, output = run_worker(tmp_path / "out", tmp_path / "backup" / "b", timeout=90)
-        assert status == 1 and "No space left on device" in output and "CheckpointWriteError" in output, \
-            output[-3000:]
+        assert status == 1 and "No space left on device" in output and "CheckpointWriteError" in output, output[-3000:]
 
 
 def alive(pid: int) -> bool:
@@ -509,8 +559,21 @@ def alive(pid: int) -> bool:
 
 def test_sigterm_to_the_launcher_reaches_every_rank_saves_and_exits_143(tmp_path, uninterrupted_two_processes):
     """What SLURM and Kubernetes do on preemption: SIGTERM to the launcher, not to the ranks."""
-    with Job(LAUNCH + ["--grace-period", "60", WORKER, str(tmp_path / "a"), str(tmp_path / "ab"),
-                       "--strategy", "multi_worker", "--slow", "0.03"], timeout=300) as job:
+    with Job(
+        LAUNCH
+        + [
+            "--grace-period",
+            "60",
+            WORKER,
+            str(tmp_path / "a"),
+            str(tmp_path / "ab"),
+            "--strategy",
+            "multi_worker",
+            "--slow",
+            "0.03",
+        ],
+        timeout=300,
+    ) as job:
         job.wait_for(r".*step 11$")
         ranks = job.children()
         assert len(ranks) == 2
@@ -522,8 +585,10 @@ def test_sigterm_to_the_launcher_reaches_every_rank_saves_and_exits_143(tmp_path
 
 
 def test_a_launcher_killed_outright_takes_its_ranks_along(tmp_path):
-    with Job(LAUNCH + [WORKER, str(tmp_path / "a"), str(tmp_path / "ab"), "--strategy", "multi_worker",
-                       "--slow", "0.05"], timeout=300) as job:
+    with Job(
+        LAUNCH + [WORKER, str(tmp_path / "a"), str(tmp_path / "ab"), "--strategy", "multi_worker", "--slow", "0.05"],
+        timeout=300,
+    ) as job:
         job.wait_for(r".*step 5$")
         ranks = job.children()
         os.kill(job.proc.pid, signal.SIGKILL)  # no handler runs: the kernel kills the ranks

@@ -24,9 +24,7 @@ def test_format(tmp_path):
     _fit(CSVLogger(path), EPOCH_LOGS)
     with open(path, newline="") as f:
         assert f.read() == (
-            "epoch,accuracy,loss,val_accuracy,val_loss\r\n"
-            "0,0.75,0.5,0.5,0.625\r\n"
-            "1,0.875,0.25,0.625,0.5\r\n"
+            "epoch,accuracy,loss,val_accuracy,val_loss\r\n0,0.75,0.5,0.5,0.625\r\n1,0.875,0.25,0.625,0.5\r\n"
         )
 
 

@@ -140,7 +140,10 @@ def test_missing_monitor_warns_like_keras(make_model):
     cb = EarlyStopping(monitor="val_loss")
     cb.set_model(make_model())
     cb.on_train_begin()
-    with pytest.warns(UserWarning, match=r"Early stopping conditioned on metric `val_loss` which is not available. Available metrics are: loss,acc"):
+    with pytest.warns(
+        UserWarning,
+        match=r"Early stopping conditioned on metric `val_loss` which is not available. Available metrics are: loss,acc",  # noqa: E501 (Keras's message, verbatim)
+    ):
         cb.on_epoch_end(0, {"loss": 1.0, "acc": 0.5})
 
 
@@ -185,9 +188,7 @@ def test_verbose_messages(make_model, capsys):
 @pytest.mark.parametrize("load_before_train_begin", [True, False])
 def test_state_dict_resume(make_model, load_before_train_begin):
     seq = [1.0, 0.5, 0.6, 0.7, 0.8, 0.9]
-    full = _run(
-        EarlyStopping(monitor="loss", patience=3, restore_best_weights=True), make_model(), seq, "loss"
-    )
+    full = _run(EarlyStopping(monitor="loss", patience=3, restore_best_weights=True), make_model(), seq, "loss")
 
     # First run: 3 epochs, then the state is saved and the run "crashes".
     model = make_model()

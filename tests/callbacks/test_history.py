@@ -43,15 +43,16 @@ def test_history_does_not_set_model_history(make_model):
 
 
 def _fit(callbacks):
-    import meshfit as mf
     from helpers import MLP, classification_data
+
+    import meshfit as mf
 
     x, y = classification_data(n=70)
     model = mf.Model(MLP())
-    model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-    history = model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=callbacks,
-                        validation_data=(x[:20], y[:20]))
+    model.compile(
+        optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"]
+    )
+    history = model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=callbacks, validation_data=(x[:20], y[:20]))
     return history
 
 

@@ -13,13 +13,17 @@ import meshfit as mf
 def fit_with(callback, epochs=4, **kwargs):
     x, y = classification_data(n=64)
     model = mf.Model(MLP())
-    model.compile(optimizer=mf.optimizers.get("adam", learning_rate=0.02),
-                  loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer=mf.optimizers.get("adam", learning_rate=0.02),
+        loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     snapshots = {}
-    record = mf.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: snapshots.setdefault(e + 1, (
-        model.get_weights(), logs)))
-    history = model.fit(x, y, batch_size=16, epochs=epochs, validation_split=0.25,
-                        callbacks=[record, callback], verbose=0, **kwargs)
+    record = mf.callbacks.LambdaCallback(
+        on_epoch_end=lambda e, logs: snapshots.setdefault(e + 1, (model.get_weights(), logs))
+    )
+    history = model.fit(
+        x, y, batch_size=16, epochs=epochs, validation_split=0.25, callbacks=[record, callback], verbose=0, **kwargs
+    )
     return model, history, snapshots
 
 
@@ -34,7 +38,7 @@ def test_every_epoch_with_max_to_keep(tmp_path):
     assert meta["epoch"] == 3 and "val_loss" in meta["logs"]
     restored = mf.Model(MLP(seed=1))
     restored.load_weights(tmp_path / "ck")
-    for a, b in zip(restored.get_weights(), snapshots[4][0]):
+    for a, b in zip(restored.get_weights(), snapshots[4][0], strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -47,7 +51,7 @@ def test_save_best_only_keeps_only_improvements(tmp_path):
     best_epoch = improved[-1]
     restored = mf.Model(MLP(seed=1))
     restored.load_weights(tmp_path / "best")
-    for a, b in zip(restored.get_weights(), snapshots[best_epoch][0]):
+    for a, b in zip(restored.get_weights(), snapshots[best_epoch][0], strict=True):
         np.testing.assert_array_equal(a, b)
 
 

@@ -56,7 +56,7 @@ def test_verbose_1(tmp_path):
     assert re.fullmatch(r"1/5 \S+\s+\d+s \d+(ms|us|s)/step - loss: 1\.0000", lines[2])
     assert re.fullmatch(r"3/5 \S+\s+\d+s \d+(ms|us|s)/step - loss: 0\.3333", lines[4])
     # Final state of each epoch: all epoch logs, validation included; then a newline.
-    final = r"5/5 \S+ \d+s \d+(ms|us|s)/step - loss: 0\.2500 - accuracy: 0\.5000 - val_loss: 0\.3000 - val_accuracy: 0\.0000e\+00\n"
+    final = r"5/5 \S+ \d+s \d+(ms|us|s)/step - loss: 0\.2500 - accuracy: 0\.5000 - val_loss: 0\.3000 - val_accuracy: 0\.0000e\+00\n"  # noqa: E501 (Keras's message, verbatim)
     assert len(re.findall(final, out)) == 2
     assert out.endswith("\n")
     assert "7.0000" not in out  # validation inside fit is not shown
@@ -70,7 +70,7 @@ def test_verbose_2():
     assert lines[::2][:3] == ["Epoch 1/3", "Epoch 2/3", "Epoch 3/3"]
     for line in lines[1::2][:3]:
         assert re.fullmatch(
-            r"4/4 - \d+s - \d+(ms|us|s)/step - loss: 0\.2500 - accuracy: 0\.5000 - val_loss: 0\.3000 - val_accuracy: 0\.0000e\+00",
+            r"4/4 - \d+s - \d+(ms|us|s)/step - loss: 0\.2500 - accuracy: 0\.5000 - val_loss: 0\.3000 - val_accuracy: 0\.0000e\+00",  # noqa: E501 (Keras's message, verbatim)
             line,
         ), line
     assert lines[-1] == "" and len(lines) == 7
@@ -87,7 +87,10 @@ def test_verbose_0_prints_nothing(capsys):
 def test_single_epoch_has_no_header_and_defaults_to_stdout(capsys):
     _fit(ProgbarLogger(), epochs=1, steps=3, verbose=2)
     out = capsys.readouterr().out
-    assert re.fullmatch(r"3/3 - \d+s - \d+(ms|us|s)/step - loss: 0\.2500 - accuracy: 0\.5000 - val_loss: 0\.3000 - val_accuracy: 0\.0000e\+00\n", out)
+    assert re.fullmatch(
+        r"3/3 - \d+s - \d+(ms|us|s)/step - loss: 0\.2500 - accuracy: 0\.5000 - val_loss: 0\.3000 - val_accuracy: 0\.0000e\+00\n",  # noqa: E501 (Keras's message, verbatim)
+        out,
+    )
 
 
 def test_batch_logs_read_only_when_the_bar_redraws():
@@ -118,7 +121,7 @@ def test_unknown_steps_learned_after_first_epoch():
     lines = _lines(stream.getvalue())
     assert re.fullmatch(r"1/Unknown \d+s \d+(ms|us|s)/step - loss: 1\.0000", lines[2].strip())
     epoch2 = lines.index("Epoch 2/2")
-    assert all("Unknown" in line for line in lines[1:epoch2 - 1])
+    assert all("Unknown" in line for line in lines[1 : epoch2 - 1])
     assert re.fullmatch(r"3/3 \S+ \d+s .*val_accuracy: 0\.0000e\+00", lines[epoch2 - 1])
     # Second epoch knows the target found in the first one.
     assert re.fullmatch(r"1/3 \S+\s+\d+s \d+(ms|us|s)/step - loss: 1\.0000", lines[epoch2 + 2])

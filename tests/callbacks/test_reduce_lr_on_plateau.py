@@ -104,7 +104,10 @@ def test_missing_monitor_warns_and_still_logs_lr(make_model):
     cb.set_model(make_model(learning_rate=0.5))
     cb.on_train_begin()
     logs = {"loss": 1.0}
-    with pytest.warns(UserWarning, match=r"Learning rate reduction is conditioned on metric `val_loss` which is not available. Available metrics are: loss,learning_rate."):
+    with pytest.warns(
+        UserWarning,
+        match=r"Learning rate reduction is conditioned on metric `val_loss` which is not available. Available metrics are: loss,learning_rate.",  # noqa: E501 (Keras's message, verbatim)
+    ):
         cb.on_epoch_end(0, logs)
     assert logs["learning_rate"] == 0.5
 

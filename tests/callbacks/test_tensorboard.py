@@ -66,13 +66,20 @@ def _fit(cb, model, epochs, steps, with_lr=True):
         cbs.on_epoch_begin(epoch)
         for batch in range(steps):
             cbs.on_train_batch_begin(batch)
-            cbs.on_train_batch_end(batch, {"loss": CountingScalar(epoch * steps + batch), "accuracy": CountingScalar(0.5)})
+            cbs.on_train_batch_end(
+                batch, {"loss": CountingScalar(epoch * steps + batch), "accuracy": CountingScalar(0.5)}
+            )
         cbs.on_test_begin()
         for batch in range(2):
             cbs.on_test_batch_begin(batch)
             cbs.on_test_batch_end(batch, {"loss": CountingScalar(9.0)})
         cbs.on_test_end({"loss": 0.25 * epoch, "accuracy": 0.5})
-        logs = {"loss": 1.0 / (epoch + 1), "accuracy": 0.5 + epoch / 10, "val_loss": 2.0 / (epoch + 1), "val_accuracy": 0.25}
+        logs = {
+            "loss": 1.0 / (epoch + 1),
+            "accuracy": 0.5 + epoch / 10,
+            "val_loss": 2.0 / (epoch + 1),
+            "val_accuracy": 0.25,
+        }
         if with_lr:
             logs["learning_rate"] = 0.01 * (epoch + 1)
         cbs.on_epoch_end(epoch, logs)
@@ -92,7 +99,8 @@ def test_epoch_scalars_layout(tmp_path, make_model):
     assert train["epoch_loss"] == [(0, 1.0), (1, 0.5), (2, pytest.approx(1 / 3))]
     assert train["epoch_learning_rate"] == [(e, pytest.approx(0.01 * (e + 1))) for e in range(3)]
     assert set(val) == {"epoch_loss", "epoch_accuracy"} | {
-        "evaluation_loss_vs_iterations", "evaluation_accuracy_vs_iterations"
+        "evaluation_loss_vs_iterations",
+        "evaluation_accuracy_vs_iterations",
     }
     assert val["epoch_loss"] == [(0, 2.0), (1, 1.0), (2, pytest.approx(2 / 3))]
     assert val["epoch_accuracy"] == [(e, 0.25) for e in range(3)]

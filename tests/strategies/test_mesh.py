@@ -26,16 +26,23 @@ class Block(nnx.Module):
         return self.head(nnx.relu(self.down(h)))
 
 
-MEGATRON = [(r"up/kernel", (None, "tensor")), (r"up/bias", ("tensor", None)),  # a trailing None is normalised
-            (r"down/kernel", ("tensor", "fsdp"))]
+MEGATRON = [
+    (r"up/kernel", (None, "tensor")),
+    (r"up/bias", ("tensor", None)),  # a trailing None is normalised
+    (r"down/kernel", ("tensor", "fsdp")),
+]
 
 
 def train(strategy, steps=20, batch_size=16, spe=1):
     x, y = classification_data(n=steps * batch_size, din=64, classes=8)
     with strategy.scope():
         model = mf.Model(Block())
-        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"], steps_per_execution=spe)
+        model.compile(
+            optimizer="adam",
+            loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+            steps_per_execution=spe,
+        )
     history = model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0, shuffle=True)
     return model, history
 
@@ -45,11 +52,14 @@ def reference():
     return train(mf.strategies.OneDeviceStrategy())
 
 
-@pytest.mark.parametrize("axes, rules", [
-    ({"data": 1, "fsdp": 8, "tensor": 1}, ()),
-    ({"data": 1, "fsdp": 4, "tensor": 2}, MEGATRON),
-    ({"data": 2, "fsdp": 2, "tensor": 2}, MEGATRON),
-])
+@pytest.mark.parametrize(
+    "axes, rules",
+    [
+        ({"data": 1, "fsdp": 8, "tensor": 1}, ()),
+        ({"data": 1, "fsdp": 4, "tensor": 2}, MEGATRON),
+        ({"data": 2, "fsdp": 2, "tensor": 2}, MEGATRON),
+    ],
+)
 def test_mesh_equals_one_device_after_20_steps(reference, axes, rules):
     one, h_one = reference
     strategy = mf.strategies.MeshStrategy(axes=axes, rules=rules)
@@ -60,15 +70,20 @@ def test_mesh_equals_one_device_after_20_steps(reference, axes, rules):
     assert model._runner._train_staged._cache_size() == 1  # batches staged in blocks, one compile
     # The layout held through training: parameters and Adam moments keep their specs.
     specs = strategy.param_specs(model.params)
-    for leaf, spec in zip(jax.tree.leaves(model.params), jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
+    for leaf, spec in zip(
+        jax.tree.leaves(model.params), jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P)), strict=True
+    ):
         assert leaf.sharding.spec == spec
     mu = optax.tree_utils.tree_get(model._state.opt_state, "mu")
     assert mu["up"]["kernel"].sharding.spec == specs["up"]["kernel"]
 
 
 def test_rules_then_metadata_then_default():
-    strategy = mf.strategies.MeshStrategy(axes={"data": 1, "fsdp": 4, "tensor": 2}, rules=MEGATRON[:1],
-                                          logical_axis_rules={"hidden": "tensor", "embed": "fsdp"})
+    strategy = mf.strategies.MeshStrategy(
+        axes={"data": 1, "fsdp": 4, "tensor": 2},
+        rules=MEGATRON[:1],
+        logical_axis_rules={"hidden": "tensor", "embed": "fsdp"},
+    )
 
     class Tagged(nnx.Module):
         def __init__(self):
@@ -90,7 +105,7 @@ def test_rules_then_metadata_then_default():
     assert specs["plain"]["kernel"] == P(None, "fsdp")
     assert specs["small"]["kernel"] == P()
     text = model.summary(print_fn=None)
-    line = next(l for l in text.splitlines() if l.startswith("plain/kernel"))
+    line = next(ln for ln in text.splitlines() if ln.startswith("plain/kernel"))
     assert "P(None, 'fsdp')" in line and "16.00 KB" in line  # 64*256*4 bytes over 4 fsdp shards
     assert "Total bytes per device" in text
 
@@ -110,11 +125,17 @@ def test_fsdp8_memory_per_device():
     assert max(per_device.values()) <= 1.1 * total / 8, (max(per_device.values()), total / 8)
 
 
-@pytest.mark.parametrize("rules, pattern", [
-    ([(r"up/kernel", ("fsdp", None))], r"'up/kernel' with shape \(64, 128\).*dimension 0 \(size 64\) over fsdp = 3"),
-    ([(r"up/kernel", ("model", None))], r"'up/kernel'.*mesh axis 'model'.*axes \('data', 'fsdp', 'tensor'\)"),
-    ([(r"nonexistent", ("fsdp",))], r"rule 'nonexistent' matches no parameter"),
-])
+@pytest.mark.parametrize(
+    "rules, pattern",
+    [
+        (
+            [(r"up/kernel", ("fsdp", None))],
+            r"'up/kernel' with shape \(64, 128\).*dimension 0 \(size 64\) over fsdp = 3",
+        ),
+        ([(r"up/kernel", ("model", None))], r"'up/kernel'.*mesh axis 'model'.*axes \('data', 'fsdp', 'tensor'\)"),
+        ([(r"nonexistent", ("fsdp",))], r"rule 'nonexistent' matches no parameter"),
+    ],
+)
 def test_bad_rules_are_clear_errors(rules, pattern):
     devices = jax.devices()[:6]
     strategy = mf.strategies.MeshStrategy(axes={"data": 1, "fsdp": 3, "tensor": 2}, rules=rules, devices=devices)

@@ -11,17 +11,24 @@ import meshfit as mf
 def train(strategy, x, y, batch_size, epochs, spe=1, **fit_kwargs):
     with strategy.scope():
         model = mf.Model(MLP(din=4, hidden=32, dout=3, dropout=0.0))
-        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"], steps_per_execution=spe)
+        model.compile(
+            optimizer="adam",
+            loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+            steps_per_execution=spe,
+        )
         history = model.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0, **fit_kwargs)
     return model, history
 
 
-@pytest.mark.parametrize("n, batch_size", [
-    (320, 16),   # 20 steps, every batch divides by 8
-    (300, 15),   # 20 steps; 15 rows padded to 16 on 8 replicas
-    (290, 16),   # 19 steps; last batch 2 rows on 8 replicas
-])
+@pytest.mark.parametrize(
+    "n, batch_size",
+    [
+        (320, 16),  # 20 steps, every batch divides by 8
+        (300, 15),  # 20 steps; 15 rows padded to 16 on 8 replicas
+        (290, 16),  # 19 steps; last batch 2 rows on 8 replicas
+    ],
+)
 def test_mirrored_equals_one_device(n, batch_size):
     assert len(jax.devices()) == 8
     x, y = classification_data(n=n)
@@ -35,8 +42,12 @@ def test_mirrored_equals_one_device(n, batch_size):
     e_mir = mirrored.evaluate(x, y, batch_size=batch_size, verbose=0, return_dict=True)
     assert e_one["loss"] == pytest.approx(e_mir["loss"], rel=1e-5)
     assert e_one["accuracy"] == pytest.approx(e_mir["accuracy"], abs=1e-7)
-    np.testing.assert_allclose(one.predict(x[:37], batch_size=batch_size, verbose=0),
-                               mirrored.predict(x[:37], batch_size=batch_size, verbose=0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        one.predict(x[:37], batch_size=batch_size, verbose=0),
+        mirrored.predict(x[:37], batch_size=batch_size, verbose=0),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 def test_mirrored_state_is_replicated_and_batches_are_split():

@@ -7,8 +7,8 @@ import sys
 import jax
 import numpy as np
 import pytest
-from processes import run
 from helpers import MLP, classification_data
+from processes import run
 
 import meshfit as mf
 
@@ -16,8 +16,19 @@ WORKER = os.path.join(os.path.dirname(__file__), "..", "workers", "train_data_pa
 
 
 def launch(out, *worker_args, nprocs=2, devices=2, timeout=240):
-    cmd = [sys.executable, "-m", "meshfit.cli", "launch", "--nprocs", str(nprocs), "--devices-per-proc",
-           str(devices), WORKER, str(out), *worker_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshfit.cli",
+        "launch",
+        "--nprocs",
+        str(nprocs),
+        "--devices-per-proc",
+        str(devices),
+        WORKER,
+        str(out),
+        *worker_args,
+    ]
     result = run(cmd, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
@@ -27,8 +38,12 @@ def in_process(strategy, spe=1, epochs=2, n=150, batch_size=15):
     x, y = classification_data(n=n)
     with strategy.scope():
         model = mf.Model(MLP(din=4, hidden=32, dout=3))
-        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"], steps_per_execution=spe)
+        model.compile(
+            optimizer="adam",
+            loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+            steps_per_execution=spe,
+        )
         history = model.fit(x, y, batch_size=batch_size, epochs=epochs, validation_split=0.2, verbose=0)
     evaluation = model.evaluate(x, y, batch_size=batch_size, verbose=0, return_dict=True)
     return model, history.history, evaluation, model.predict(x[:23], batch_size=batch_size, verbose=0)
@@ -38,8 +53,8 @@ def in_process(strategy, spe=1, epochs=2, n=150, batch_size=15):
 def test_two_processes_equal_one_process_with_four_devices(tmp_path, spe):
     result = launch(tmp_path, "--steps-per-execution", str(spe))
     lines = result.stdout.splitlines()
-    assert any(l.startswith("[rank 0] Epoch 1/2") for l in lines)
-    assert not any(l.startswith("[rank 1] Epoch") for l in lines)  # only process 0 prints progress
+    assert any(ln.startswith("[rank 0] Epoch 1/2") for ln in lines)
+    assert not any(ln.startswith("[rank 1] Epoch") for ln in lines)  # only process 0 prints progress
     assert "[rank 1] pid" in result.stdout and "replicas 4" in result.stdout
 
     model, history, evaluation, predictions = in_process(mf.strategies.MirroredStrategy(jax.devices()[:4]), spe)
@@ -56,5 +71,5 @@ def test_two_processes_equal_one_process_with_four_devices(tmp_path, spe):
             assert got["evaluate"][key] == pytest.approx(evaluation[key], rel=1e-5)
 
     one_model, one_history, _, _ = in_process(mf.strategies.OneDeviceStrategy(), spe)
-    for a, b in zip(one_model.get_weights(), model.get_weights()):
+    for a, b in zip(one_model.get_weights(), model.get_weights(), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -16,8 +16,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples
 def train(strategy, x, y, batch_size, epochs=1, **fit_kwargs):
     with strategy.scope():
         model = mf.Model(MLP(din=4, hidden=32, dout=3))
-        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
+        model.compile(
+            optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"]
+        )
     history = model.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0, **fit_kwargs)
     return model, history
 
@@ -49,8 +50,9 @@ def test_parameters_live_on_the_server_and_evaluation_uses_them():
 
 def test_max_staleness_bounds_applied_gradients():
     x, y = classification_data(n=96)
-    strategy = mf.strategies.ParameterServerStrategy(workers=jax.devices()[:4], max_staleness=1,
-                                                     worker_delays={0: 0.01})
+    strategy = mf.strategies.ParameterServerStrategy(
+        workers=jax.devices()[:4], max_staleness=1, worker_delays={0: 0.01}
+    )
     _, history = train(strategy, x, y, 8, epochs=2)
     assert max(history.history["max_staleness"]) <= 1
     unbounded = mf.strategies.ParameterServerStrategy(workers=jax.devices()[:4], worker_delays={0: 0.01})
@@ -70,8 +72,9 @@ def test_async_reaches_sync_accuracy_on_digits():
         bound = 2 if mode == "async" else None
         with mf.strategies.ParameterServerStrategy(mode=mode, workers=jax.devices()[:4], max_staleness=bound).scope():
             model = mf.Model(DigitsMLP(64, 128, 10, rngs=nnx.Rngs(0)))
-            model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
-                          metrics=["accuracy"])
+            model.compile(
+                optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"]
+            )
         model.fit(x_train, y_train, batch_size=64, epochs=30, verbose=0)
         return model.evaluate(x_test, y_test, verbose=0, return_dict=True)["accuracy"]
 
@@ -114,8 +117,10 @@ def test_linen_module_with_dropout_trains_in_both_modes():
     for mode in ("sync", "async"):
         with mf.strategies.ParameterServerStrategy(mode=mode, workers=jax.devices()[:2]).scope():
             model = mf.Model(Net(), sample_input=x[:1])
-            model.compile(optimizer=mf.optimizers.get("adam", learning_rate=0.01),
-                          loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model.compile(
+                optimizer=mf.optimizers.get("adam", learning_rate=0.01),
+                loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+            )
         history = model.fit(x, y, batch_size=16, epochs=6, verbose=0)
         assert history.history["loss"][-1] < 0.7 * history.history["loss"][0], (mode, history.history["loss"])
 
@@ -150,8 +155,9 @@ def test_state_partitioned_over_server_devices(mode):
     """Variables split over 2 server devices (tf.distribute's variable partitioner); sync still equals Mirrored."""
     x, y = classification_data(n=320)
     servers = jax.devices()[6:8]
-    strategy = mf.strategies.ParameterServerStrategy(mode=mode, workers=jax.devices()[:4], server_device=servers,
-                                                     min_shard_size=64)
+    strategy = mf.strategies.ParameterServerStrategy(
+        mode=mode, workers=jax.devices()[:4], server_device=servers, min_shard_size=64
+    )
     ps, _ = train(strategy, x, y, 16)
     assert int(ps._state.step) == 20
     kernel = ps._state.params["hidden"]["kernel"]  # (4, 32): split over its 32 columns

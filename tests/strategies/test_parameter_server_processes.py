@@ -7,7 +7,6 @@ import sys
 import time
 
 import pytest
-
 from processes import LAUNCH, Job, run
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "parameter_server.py")
@@ -35,14 +34,18 @@ def test_a_killed_worker_is_dropped_and_training_finishes_with_accuracy():
 
 def test_a_stopped_worker_is_dropped_after_worker_timeout_and_training_finishes(tmp_path):
     """A worker that hangs holding a batch (SIGSTOP: alive, connected, silent) must not stall the job."""
-    with Job(LAUNCH + ["--ps", "1", "--workers", "2", WORKER, str(tmp_path / "backup"), "--epochs", "6",
-                       "--worker-timeout", "10"], timeout=300) as job:
+    with Job(
+        LAUNCH
+        + ["--ps", "1", "--workers", "2", WORKER, str(tmp_path / "backup"), "--epochs", "6", "--worker-timeout", "10"],
+        timeout=300,
+    ) as job:
         workers = worker_pids(job, 2)
         job.wait_for(r"\[rank 0\] Epoch 2/6")
         os.kill(workers[1], signal.SIGSTOP)  # the launcher SIGKILLs it when the job ends
         assert job.finish() == 0, job.stdout[-3000:] + job.stderr[-3000:]
-    assert re.search(r"worker pid \d+ lost \(no answer within worker_timeout=10 s\); its batch is redone elsewhere",
-                     job.stdout), job.stdout[-3000:]
+    assert re.search(
+        r"worker pid \d+ lost \(no answer within worker_timeout=10 s\); its batch is redone elsewhere", job.stdout
+    ), job.stdout[-3000:]
     summary = re.search(r"\[rank 0\] epochs 6 last 5 test accuracy: ([\d.]+)", job.stdout)
     assert summary and float(summary.group(1)) >= 0.9, job.stdout[-2000:]
 
@@ -50,8 +53,24 @@ def test_a_stopped_worker_is_dropped_after_worker_timeout_and_training_finishes(
 @pytest.mark.parametrize("servers,die_rank", [(1, 0), (2, 1)])
 def test_a_dead_parameter_server_fails_the_job_and_restarts_resume_from_the_backup(tmp_path, servers, die_rank):
     """With 2 server processes (a partitioned state), the one that dies is rank 1, which only replays rank 0."""
-    job = run(LAUNCH + ["--ps", str(servers), "--workers", "2", "--max-restarts", "1", WORKER,
-                        str(tmp_path / "backup"), "--die-at-step", "75", "--die-rank", str(die_rank)], timeout=400)
+    job = run(
+        LAUNCH
+        + [
+            "--ps",
+            str(servers),
+            "--workers",
+            "2",
+            "--max-restarts",
+            "1",
+            WORKER,
+            str(tmp_path / "backup"),
+            "--die-at-step",
+            "75",
+            "--die-rank",
+            str(die_rank),
+        ],
+        timeout=400,
+    )
     out, err = job.stdout, job.stderr
     assert job.returncode == 0, out[-3000:] + err[-3000:]
     assert f"[launch] the parameter server (rank {die_rank}) exited with status -9 (killed by SIGKILL)" in err
@@ -87,10 +106,33 @@ def test_sync_mode_across_processes_equals_mirrored_even_when_a_worker_dies(tmp_
     from train_ps import halved
 
     weights = tmp_path / "ps.npz"
-    with Job(LAUNCH + ["--ps", str(ps), "--workers", "3", "--devices-per-proc", str(devices), WORKER, "none",
-                       "--mode", "sync", "--epochs", "3", "--weights", str(weights), "--dropout", "0",
-                       "--servers", str(devices), "--halve-lr", "--save", str(tmp_path / "saved")],
-             timeout=300) as job:
+    with Job(
+        LAUNCH
+        + [
+            "--ps",
+            str(ps),
+            "--workers",
+            "3",
+            "--devices-per-proc",
+            str(devices),
+            WORKER,
+            "none",
+            "--mode",
+            "sync",
+            "--epochs",
+            "3",
+            "--weights",
+            str(weights),
+            "--dropout",
+            "0",
+            "--servers",
+            str(devices),
+            "--halve-lr",
+            "--save",
+            str(tmp_path / "saved"),
+        ],
+        timeout=300,
+    ) as job:
         workers = worker_pids(job, 3)
         job.wait_for(r"\[rank 0\] Epoch 2/3")
         os.kill(workers[ps + 2], signal.SIGKILL)
@@ -99,18 +141,21 @@ def test_sync_mode_across_processes_equals_mirrored_even_when_a_worker_dies(tmp_
     partitioned = max(ps, devices)
     if partitioned > 1:
         for rank in range(ps):
-            assert (f"[rank {rank}] hidden1/kernel P(None, 'ps') on 2 server devices of {ps} process(es)"
-                    in job.stdout), job.stdout[-2000:]
+            assert (
+                f"[rank {rank}] hidden1/kernel P(None, 'ps') on 2 server devices of {ps} process(es)" in job.stdout
+            ), job.stdout[-2000:]
 
     x_train, _, y_train, _ = load_data()
     with mf.strategies.MirroredStrategy(jax.devices()[:3]).scope():
         module = MLP(64, 128, 10, rngs=nnx.Rngs(0))
         module.dropout.rate = 0.0
         model = mf.Model(module)
-        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
-    model.fit(x_train, y_train, batch_size=64, epochs=3, verbose=0,
-              callbacks=[mf.callbacks.LearningRateScheduler(halved)])
+        model.compile(
+            optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"]
+        )
+    model.fit(
+        x_train, y_train, batch_size=64, epochs=3, verbose=0, callbacks=[mf.callbacks.LearningRateScheduler(halved)]
+    )
     saved = np.load(weights)
     for i, expected in enumerate(model.get_weights()):
         np.testing.assert_allclose(saved[f"arr_{i}"], expected, rtol=1e-4, atol=1e-6)
@@ -125,8 +170,24 @@ def test_sync_mode_across_processes_equals_mirrored_even_when_a_worker_dies(tmp_
 
 def test_a_stopped_parameter_server_ends_the_job_naming_it(tmp_path):
     """SIGSTOP on the server: its pings stop, the workers give up after --server-timeout, the launcher ends the job."""
-    with Job(LAUNCH + ["--ps", "1", "--workers", "2", "--server-timeout", "8", "--heartbeat-timeout", "120", WORKER,
-                       str(tmp_path / "backup"), "--epochs", "50"], timeout=300) as job:
+    with Job(
+        LAUNCH
+        + [
+            "--ps",
+            "1",
+            "--workers",
+            "2",
+            "--server-timeout",
+            "8",
+            "--heartbeat-timeout",
+            "120",
+            WORKER,
+            str(tmp_path / "backup"),
+            "--epochs",
+            "50",
+        ],
+        timeout=300,
+    ) as job:
         workers = worker_pids(job, 2)
         job.wait_for(r"\[rank 0\] Epoch 2/50")
         (server,) = set(job.children()) - set(workers.values())
@@ -135,6 +196,9 @@ def test_a_stopped_parameter_server_ends_the_job_naming_it(tmp_path):
         status = job.finish(timeout=90)  # fails the test (and kills the job) if it hangs
     assert time.monotonic() - stopped_at < 8 + 30
     assert status == 3, job.stderr[-2000:]
-    assert re.search(r"\[rank [12]\] parameter-server worker pid \d+: the parameter server \(rank 0, which "
-                     r"coordinates the job, at 127\.0\.0\.1:\d+\) sent nothing for 8 s", job.stdout), job.stdout[-3000:]
+    assert re.search(
+        r"\[rank [12]\] parameter-server worker pid \d+: the parameter server \(rank 0, which "
+        r"coordinates the job, at 127\.0\.0\.1:\d+\) sent nothing for 8 s",
+        job.stdout,
+    ), job.stdout[-3000:]
     assert re.search(r"\[launch\] worker rank [12] found the parameter server silent", job.stderr), job.stderr[-2000:]

@@ -10,8 +10,11 @@ from meshfit.strategies.ps_server import ServerLayout
 
 def leaves():
     rng = np.random.default_rng(0)
-    return [rng.normal(size=(4, 6)).astype(np.float32), rng.normal(size=(3,)).astype(np.float32),
-            rng.normal(size=(2, 8)).astype(np.float32)]
+    return [
+        rng.normal(size=(4, 6)).astype(np.float32),
+        rng.normal(size=(3,)).astype(np.float32),
+        rng.normal(size=(2, 8)).astype(np.float32),
+    ]
 
 
 @pytest.mark.parametrize("count", [2, 4])
@@ -24,7 +27,7 @@ def test_a_worker_assembles_each_leaf_from_every_servers_part(count):
     for server, parts in enumerate(offered):  # the shapes a worker expects are the shapes served
         avals = partition.part_avals([jax.ShapeDtypeStruct(a.shape, a.dtype) for a in whole], server)
         assert avals == [(p.shape, p.dtype) for p in parts]
-    for got, expected in zip(partition.assemble(offered), whole):
+    for got, expected in zip(partition.assemble(offered), whole, strict=True):
         np.testing.assert_array_equal(got, expected)
 
 

@@ -29,12 +29,14 @@ def test_salted_jobs_draw_their_own_dropout_masks_and_keep_the_stream_keys():
     run = lambda salt: gradients(state.params, state.model_state, batch, None, job_salt(*salt))  # noqa: E731
     (g00, s00, _), (g00_again, _, _), (g01, _, _), (g10, _, _) = run((0, 0)), run((0, 0)), run((0, 1)), run((1, 0))
     leaves = lambda tree: jax.tree.leaves(tree)  # noqa: E731
-    assert all(np.array_equal(a, b) for a, b in zip(leaves(g00), leaves(g00_again)))  # a redone job: same masks
+    assert all(
+        np.array_equal(a, b) for a, b in zip(leaves(g00), leaves(g00_again), strict=True)
+    )  # a redone job: same masks
     assert not np.array_equal(leaves(g00)[0], leaves(g01)[0])  # another part of the round: other masks
     assert not np.array_equal(leaves(g00)[0], leaves(g10)[0])  # another step: other masks
     before, after = keys_of(state.model_state), keys_of(s00)
     assert before and len(before) == len(after)
-    for a, b in zip(before, after):  # the stream keys come back unsalted
+    for a, b in zip(before, after, strict=True):  # the stream keys come back unsalted
         np.testing.assert_array_equal(jax.random.key_data(a), jax.random.key_data(b))
 
 
@@ -45,6 +47,6 @@ def test_split_rows_and_weighted_mean_give_the_global_batch_gradient():
     np.testing.assert_array_equal(np.concatenate([p.x for p in parts]), batch.x)
     # Per-part mean gradients weighted by real rows = the mean over all real rows.
     per_row = np.array([1.0, 2.0, 3.0, 4.0, 5.0, 100.0])
-    means = [{"g": np.float32(per_row[2 * i:2 * i + 2][p.mask > 0].mean())} for i, p in enumerate(parts)]
+    means = [{"g": np.float32(per_row[2 * i : 2 * i + 2][p.mask > 0].mean())} for i, p in enumerate(parts)]
     weights = np.array([p.mask.sum() for p in parts], np.float32)
     np.testing.assert_allclose(weighted_mean(means, weights)["g"], per_row[:5].mean(), rtol=1e-6)

@@ -5,8 +5,11 @@ import sys
 import time
 
 rank = int(os.environ["MESHFIT_PROCESS_ID"])
-print(f"rank {rank} of {os.environ['MESHFIT_NUM_PROCESSES']} at {os.environ['MESHFIT_COORDINATOR_ADDRESS']} "
-      f"xla={os.environ.get('XLA_FLAGS', '')}", flush=True)
+print(
+    f"rank {rank} of {os.environ['MESHFIT_NUM_PROCESSES']} at {os.environ['MESHFIT_COORDINATOR_ADDRESS']} "
+    f"xla={os.environ.get('XLA_FLAGS', '')}",
+    flush=True,
+)
 if rank == 1:
     time.sleep(3)  # let the others print first
     sys.exit(int(sys.argv[1]))

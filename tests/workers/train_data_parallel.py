@@ -39,6 +39,7 @@ def main():
         strategy = mesh_strategy()
     else:
         import jax
+
         strategy = mf.strategies.MirroredStrategy(jax.devices()[:4])
     import numpy as np
     from helpers import MLP, classification_data
@@ -46,17 +47,28 @@ def main():
     x, y = classification_data(n=args.n)
     with strategy.scope():
         model = mf.Model(MLP(din=4, hidden=32, dout=3))
-        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"], steps_per_execution=args.steps_per_execution)
-    print(f"pid {os.getpid()} rank {strategy.process_index} of {strategy.process_count} "
-          f"replicas {strategy.num_replicas_in_sync}", flush=True)
+        model.compile(
+            optimizer="adam",
+            loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+            steps_per_execution=args.steps_per_execution,
+        )
+    print(
+        f"pid {os.getpid()} rank {strategy.process_index} of {strategy.process_count} "
+        f"replicas {strategy.num_replicas_in_sync}",
+        flush=True,
+    )
     epochs = 10_000 if args.hang else args.epochs
     callbacks = []
     if args.hang:
-        callbacks.append(mf.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: (print(f"epoch {e}", flush=True),
-                                                                                   time.sleep(0.05))))
-    history = model.fit(x, y, batch_size=args.batch_size, epochs=epochs, validation_split=0.2, verbose=2,
-                        callbacks=callbacks)
+        callbacks.append(
+            mf.callbacks.LambdaCallback(
+                on_epoch_end=lambda e, logs: (print(f"epoch {e}", flush=True), time.sleep(0.05))
+            )
+        )
+    history = model.fit(
+        x, y, batch_size=args.batch_size, epochs=epochs, validation_split=0.2, verbose=2, callbacks=callbacks
+    )
     evaluation = model.evaluate(x, y, batch_size=args.batch_size, verbose=0, return_dict=True)
     predictions = model.predict(x[:23], batch_size=args.batch_size, verbose=0)
     os.makedirs(args.out, exist_ok=True)

@@ -39,9 +39,10 @@ def main():
     args = parser.parse_args()
     import jax
 
-    server_device = jax.local_devices()[:args.servers] if args.servers > 1 else None
-    strategy = mf.strategies.ParameterServerStrategy(mode=args.mode, worker_timeout=args.worker_timeout,
-                                                     server_device=server_device)  # workers serve from here and exit
+    server_device = jax.local_devices()[: args.servers] if args.servers > 1 else None
+    strategy = mf.strategies.ParameterServerStrategy(
+        mode=args.mode, worker_timeout=args.worker_timeout, server_device=server_device
+    )  # workers serve from here and exit
     from digits import MLP, load_data
     from flax import nnx
 
@@ -50,8 +51,9 @@ def main():
         module = MLP(64, 128, 10, rngs=nnx.Rngs(0))
         module.dropout.rate = args.dropout
         model = mf.Model(module)
-        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
+        model.compile(
+            optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"]
+        )
     first_attempt = os.environ.get("MESHFIT_RESTART_COUNT") == "0"
 
     def maybe_die(batch, logs):
@@ -65,8 +67,11 @@ def main():
         callbacks.append(mf.callbacks.BackupAndRestore(args.backup, save_freq=10))
     history = model.fit(x_train, y_train, batch_size=64, epochs=args.epochs, callbacks=callbacks, verbose=2)
     kernel = model._state.params["hidden1"]["kernel"]
-    print(f"hidden1/kernel {getattr(kernel.sharding, 'spec', 'whole')} on {len(kernel.sharding.device_set)} server devices "
-          f"of {len({d.process_index for d in kernel.sharding.device_set})} process(es)", flush=True)
+    print(
+        f"hidden1/kernel {getattr(kernel.sharding, 'spec', 'whole')} on {len(kernel.sharding.device_set)} server devices "  # noqa: E501
+        f"of {len({d.process_index for d in kernel.sharding.device_set})} process(es)",
+        flush=True,
+    )
     if args.weights:
         import numpy as np
 

@@ -24,14 +24,24 @@ def main():
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--strategy", default="one_device", choices=["one_device", "multi_worker"])
     parser.add_argument("--slow", type=float, default=0.0, help="seconds to sleep after each batch")
-    parser.add_argument("--die-at-step", type=int, default=None,
-                        help="in the first attempt of a launched job, rank 1 SIGKILLs itself at this step")
+    parser.add_argument(
+        "--die-at-step",
+        type=int,
+        default=None,
+        help="in the first attempt of a launched job, rank 1 SIGKILLs itself at this step",
+    )
     parser.add_argument("--hidden", type=int, default=32, help="width of the hidden layer (another model)")
-    parser.add_argument("--sigterm-in-setup", action="store_true",
-                        help="send this process SIGTERM while fit sets up, before any step or restore")
+    parser.add_argument(
+        "--sigterm-in-setup",
+        action="store_true",
+        help="send this process SIGTERM while fit sets up, before any step or restore",
+    )
     args = parser.parse_args()
-    strategy = (mf.strategies.MultiWorkerMirroredStrategy() if args.strategy == "multi_worker"
-                else mf.strategies.OneDeviceStrategy())
+    strategy = (
+        mf.strategies.MultiWorkerMirroredStrategy()
+        if args.strategy == "multi_worker"
+        else mf.strategies.OneDeviceStrategy()
+    )
     import time
 
     import numpy as np
@@ -40,8 +50,12 @@ def main():
     x, y = classification_data(n=200)
     with strategy.scope():
         model = mf.Model(MLP(din=4, hidden=args.hidden, dout=3, dropout=0.2), seed=7)
-        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"], steps_per_execution=args.spe)
+        model.compile(
+            optimizer="adam",
+            loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+            steps_per_execution=args.spe,
+        )
 
     first_attempt = os.environ.get("MESHFIT_RESTART_COUNT", "0") == "0"
 
@@ -68,14 +82,12 @@ def main():
     if args.sigterm_in_setup:
         callbacks.insert(0, SigtermInSetup())
     print(f"pid {os.getpid()} fitting", flush=True)
-    history = model.fit(x, y, batch_size=16, epochs=args.epochs, validation_split=0.2, callbacks=callbacks,
-                        verbose=0)
+    history = model.fit(x, y, batch_size=16, epochs=args.epochs, validation_split=0.2, callbacks=callbacks, verbose=0)
     if strategy.process_index == 0:
         os.makedirs(args.out, exist_ok=True)
         np.savez(os.path.join(args.out, "weights.npz"), *model.get_weights())
         with open(os.path.join(args.out, "history.json"), "w") as f:
-            json.dump({"history": history.history, "epoch": history.epoch,
-                       "lr": model.optimizer.learning_rate}, f)
+            json.dump({"history": history.history, "epoch": history.epoch, "lr": model.optimizer.learning_rate}, f)
     print("finished", flush=True)
 
 
