@@ -1,9 +1,8 @@
 """meshfit: Keras-style training for Flax models on JAX, from one device to many hosts."""
 
 from meshfit import callbacks, cluster, data, losses, metrics, optimizers, strategies
-from meshfit.model import Model
+from meshfit.model import Model, load_model
 from meshfit.preemption import PREEMPTED_EXIT_CODE, Preempted
-from meshfit.saving import load_model
 
 __version__ = "0.1.0"
 

@@ -35,7 +35,7 @@ from etils import epath
 from meshfit import integrity
 from meshfit.compat import release_orbax_waiters
 from meshfit.dirlock import LOCK_NAME, DirectoryLock
-from meshfit.trees import path_name
+from meshfit.trees import is_key, path_name
 
 MARKER = "meshfit_checkpoints.json"
 STATE, META = "state", "meta"
@@ -63,11 +63,6 @@ class NonFiniteState(ValueError):
     def __init__(self, paths: list[str]):
         super().__init__(f"{len(paths)} array(s) hold NaN or Inf: {', '.join(paths[:SHOWN_MISMATCHES])}")
         self.paths = paths
-
-
-def is_key(leaf) -> bool:
-    """Whether `leaf` is a typed PRNG key array."""
-    return hasattr(leaf, "dtype") and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
 
 
 def encode(tree):

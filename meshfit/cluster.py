@@ -14,6 +14,8 @@ import warnings
 
 import jax
 
+from meshfit import compat
+
 logger = logging.getLogger("meshfit")
 
 ENV_COORDINATOR = "MESHFIT_COORDINATOR_ADDRESS"
@@ -26,9 +28,7 @@ _SIZE_HINTS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS", "WORLD_SIZE")
 
 def detected_cluster() -> str | None:
     """Name of the cluster environment JAX would auto-detect, or None."""
-    from jax._src import clusters  # JAX's cluster registry (SLURM, Open MPI, TPU, K8s)
-
-    for env in clusters.ClusterEnv._cluster_types:
+    for env in compat.cluster_environments():
         if not getattr(env, "opt_in_only_method", False) and env.is_env_present():
             return env.__name__
     return None

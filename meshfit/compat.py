@@ -8,6 +8,29 @@ from __future__ import annotations
 import threading
 
 
+def cluster_environments() -> list:
+    """JAX's registry of cluster environments (SLURM, Open MPI, Cloud TPU, Kubernetes, ...).
+
+    Why: `jax.distributed.initialize` detects them, but JAX exposes no public
+    way to ask which one it would pick; meshfit names it in its messages.
+    """
+    from jax._src import clusters
+
+    return list(clusters.ClusterEnv._cluster_types)
+
+
+def preemption_sync_manager():
+    """JAX's preemption sync manager of this process's `jax.distributed` job, or None.
+
+    Why: `multihost_utils.reached_preemption_sync_point` fails when no manager
+    was started; meshfit asks first, so a job without one falls back to its
+    own SIGTERM handler.
+    """
+    from jax._src import distributed
+
+    return distributed.global_state.preemption_sync_manager
+
+
 def release_orbax_waiters() -> int:
     """Ends Orbax's background threads left waiting for a save that failed; returns how many.
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
@@ -116,6 +117,48 @@ def make_batch(x, y, sample_weight, padded_rows: int) -> Batch:
     )
 
 
+class DataSource(ABC):
+    """Where a fit's batches come from: the contract the loop and the runner rely on.
+
+    Batches are fixed-shape host `Batch`es: every batch has the rows of the
+    first (rounded up to the strategy's `batch_multiple`), and a partial batch
+    is padded with rows whose `mask` is 0, so the step compiles once and the
+    padding counts for nothing. An epoch is `steps_per_epoch` batches (None:
+    until the input runs out). `get_state` / `set_state` save and restore the
+    position in the input for BackupAndRestore.
+    """
+
+    #: Whether any batch can be produced at any time from its position alone (in-memory
+    #: arrays): then batches may be read ahead and staged on the devices in blocks.
+    random_access: bool = False
+    #: Batches per epoch, or None for an input read until it runs out.
+    steps_per_epoch: int | None = None
+
+    @abstractmethod
+    def peek(self) -> Batch:
+        """The first batch, without consuming it (the model is built from its shapes)."""
+
+    @abstractmethod
+    def executions(
+        self, epoch: int, size: int, start_step: int = 0, pad_last: bool = True
+    ) -> Iterator[tuple[int, Batch | list[Batch]]]:
+        """Yields `(count, batches)` for epoch `epoch` from batch `start_step` on: `size` batches stacked
+        on a new leading axis (one batch, unstacked, for `size == 1`). A short last group is padded with
+        fully masked batches, or with `pad_last=False` comes as a list of its `count` single batches."""
+
+    def prepare(self, epoch: int) -> None:
+        """Work for epoch `epoch` that can be done ahead, while the devices finish the last one."""
+        del epoch
+
+    @abstractmethod
+    def get_state(self) -> dict:
+        """The position in the input, as JSON-like values and numpy arrays."""
+
+    @abstractmethod
+    def set_state(self, state: dict) -> None:
+        """Returns to a position `get_state` gave."""
+
+
 class ShuffleOrders:
     """The row orders of shuffled passes, computed once and shared by a model's fits.
 
@@ -142,7 +185,7 @@ class ShuffleOrders:
         return order
 
 
-class ArrayData:
+class ArrayData(DataSource):
     """In-memory arrays, batched as a stream of shuffled passes.
 
     Global batch number `b` is batch `b % steps_per_pass` of pass
@@ -364,7 +407,7 @@ def unpack_element(element) -> tuple[Any, Any, Any]:
     return element, None, None
 
 
-class IterableData:
+class IterableData(DataSource):
     """Batches from an iterable: a generator, a grain dataset or loader, any re-iterable object.
 
     (A Python list is read as multi-input arrays, as in Keras, not as batches.)
@@ -453,10 +496,6 @@ class IterableData:
         if y is not None and _num_rows(y, "y") != rows:
             raise ValueError(f"A batch has {rows} inputs but {_num_rows(y, 'y')} targets; they must match.")
         return make_batch(x, y, sw, self.padded_batch_size)
-
-    def prepare(self, epoch: int) -> None:
-        """Nothing: reading ahead of an iterator would move its position."""
-        del epoch
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
         """Yields one epoch's batches; sets `exhausted` if a one-shot input had none left."""

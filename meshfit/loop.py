@@ -4,7 +4,7 @@ The loop walks epochs and batches, calls callbacks, and hands each batch to
 the model's `Runner`, which dispatches compiled steps asynchronously. Values
 come back to the host only at logging points (the end of an epoch, or when a
 callback reads a per-batch value), and at most `2 * max_in_flight` executions
-are queued at once (`InFlight`), so slow collectives never pile up behind a
+are queued at once (`meshfit.in_flight.InFlight`), so slow collectives never pile up behind a
 fast Python loop.
 """
 
@@ -17,36 +17,6 @@ import numpy as np
 
 from meshfit.callbacks.base import CallbackList
 from meshfit.preemption import Preempted, PreemptionWatch
-
-
-class InFlight:
-    """Bounds the number of dispatched, unfinished executions (a wait, not a transfer).
-
-    Every `limit`-th execution's token is kept as a mark; on reaching a mark
-    the host waits for the previous one, so between `limit` and `2 * limit`
-    executions stay queued and the host keeps ahead of the devices. Between
-    marks an execution costs one count.
-    """
-
-    def __init__(self, limit: int = 4):
-        self.limit = limit
-        self._since_mark = 0
-        self._mark = None
-
-    def add(self, token) -> None:
-        self._since_mark += 1
-        if self._since_mark < self.limit:
-            return
-        previous, self._mark, self._since_mark = self._mark, token, 0
-        if previous is None:
-            return
-        if isinstance(previous, jax.Array):
-            previous.block_until_ready()  # the array's own method: no pytree walk
-        else:
-            jax.block_until_ready(previous)
-
-    def clear(self) -> None:
-        self._since_mark, self._mark = 0, None
 
 
 def host_logs(logs, to_host: Callable) -> dict[str, float]:

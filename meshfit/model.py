@@ -8,6 +8,7 @@ turns inputs into batches and hands them to the loop in `meshfit.loop`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any
 
 import jax
@@ -31,6 +32,29 @@ from meshfit.summary import format_summary
 from meshfit.trees import path_name
 
 _DEFAULT_BATCH_SIZE = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileSettings:
+    """What `Model.compile` was given, resolved where it can be before the first batch.
+
+    Attributes:
+        tx: the optax transformation.
+        optimizer_id: the optimizer as passed (a name is saved with the model).
+        loss: the resolved loss (None: `predict` only).
+        loss_id: the loss as passed.
+        metrics: metric identifiers, resolved on the first batch (their shapes decide "accuracy").
+        weighted: identifiers of the metrics that use `sample_weight`.
+        steps_per_execution: batches run inside one compiled call.
+    """
+
+    tx: Any
+    optimizer_id: Any
+    loss: Any
+    loss_id: Any
+    metrics: tuple
+    weighted: tuple
+    steps_per_execution: int
 
 
 class Model:
@@ -68,7 +92,7 @@ class Model:
             ),
             self._adapter.partition_specs(),
         )
-        self._compiled: dict[str, Any] | None = None
+        self._compiled: CompileSettings | None = None
         self._runner: Runner | None = None
         self._input_spec = None
         self.optimizer: optimizers_lib.Optimizer | None = None
@@ -179,13 +203,13 @@ class Model:
         state = self._state
         state = state._replace(opt_state=tx.init(state.params), metrics=(), step=jnp.zeros((), jnp.int32))
         self._state = self.strategy.place_state(state, self._adapter.partition_specs())
-        self._compiled = dict(
+        self._compiled = CompileSettings(
             tx=tx,
             optimizer_id=optimizer,
             loss=loss_obj,
             loss_id=loss,
-            metrics=metric_ids,
-            weighted=weighted_ids,
+            metrics=tuple(metric_ids),
+            weighted=tuple(weighted_ids),
             steps_per_execution=steps_per_execution,
         )
         self._runner = None
@@ -209,7 +233,7 @@ class Model:
             raise ValueError(
                 f"You must call `compile()` before `{what}()`. Call model.compile(optimizer=..., loss=...)."
             )
-        if self._compiled["loss"] is None and what in ("fit", "evaluate"):
+        if self._compiled.loss is None and what in ("fit", "evaluate"):
             raise ValueError(f"`{what}()` needs a loss. Call model.compile(..., loss=...).")
 
     # -- building on the first batch -------------------------------------------------------
@@ -248,10 +272,10 @@ class Model:
         c = self._compiled
 
         def resolve(ids):
-            return [metrics_lib.get(i, y_true=y_true, y_pred=y_pred, loss=c["loss_id"]) for i in ids]
+            return [metrics_lib.get(i, y_true=y_true, y_pred=y_pred, loss=c.loss_id) for i in ids]
 
-        steps = Steps(self._adapter, c["loss"], c["tx"], resolve(c["metrics"]), resolve(c["weighted"]))
-        self._runner = Runner(self, steps, c["steps_per_execution"])
+        steps = Steps(self._adapter, c.loss, c.tx, resolve(c.metrics), resolve(c.weighted))
+        self._runner = Runner(self, steps, c.steps_per_execution)
         self._state = self._state._replace(metrics=self._runner.fresh_eval_metrics())
 
     @property
@@ -318,7 +342,7 @@ class Model:
         history = callbacks_lib.History() if add_history else None
         # Callbacks that save training state run last, after History and the
         # others have updated theirs for the same step or epoch.
-        savers = [cb for cb in user if getattr(cb, "handles_preemption", False)]
+        savers = [cb for cb in user if cb.handles_preemption]
         ordered = [cb for cb in user if cb not in savers] + defaults + ([history] if history else []) + savers
         all_callbacks = callbacks_lib.CallbackList(ordered, model=self, epochs=epochs, steps=steps, verbose=verbose)
         return all_callbacks, history
@@ -434,7 +458,7 @@ class Model:
             self._build(first)
             if val_data is not None:
                 self._check_input(self._first_batch(val_data))
-            steps = getattr(data, "steps_per_epoch", None)
+            steps = data.steps_per_epoch
             callback_list, history = self._callback_list(
                 callbacks, verbose=verbose, epochs=epochs, steps=steps, add_history=True
             )
@@ -463,12 +487,10 @@ class Model:
             finally:
                 errors = []
                 for cb in self._fit_callbacks:  # finish background writes even when fit raised
-                    close = getattr(cb, "close", None)
-                    if close is not None:
-                        try:
-                            close()
-                        except Exception as error:  # noqa: BLE001 - every callback is closed, the first error raised
-                            errors.append(error)
+                    try:
+                        cb.close()
+                    except Exception as error:  # noqa: BLE001 - every callback is closed, the first error raised
+                        errors.append(error)
                 self._fit_data, self._fit_callbacks = None, []
                 if finished and errors:
                     raise errors[0]
@@ -516,7 +538,7 @@ class Model:
             callbacks,
             verbose=verbose,
             epochs=1,
-            steps=steps or getattr(data, "steps_per_epoch", None),
+            steps=steps or data.steps_per_epoch,
             add_history=False,
         )
         logs = evaluate_loop(self, data, callbacks=callback_list, steps=steps)
@@ -555,7 +577,7 @@ class Model:
             callbacks,
             verbose=verbose,
             epochs=1,
-            steps=steps or getattr(data, "steps_per_epoch", None),
+            steps=steps or data.steps_per_epoch,
             add_history=False,
         )
         return predict_loop(self, data, callbacks=callback_list, steps=steps)
@@ -586,13 +608,38 @@ class Model:
         return f"Model({type(self._adapter.module).__name__}, strategy={self.strategy!r})"
 
 
+def load_model(path, module, *, sample_input=None, seed: int = 0, compile: bool = True, **compile_kwargs) -> Model:
+    """Loads a model saved with `model.save` into `module` (same architecture).
+
+    A checkpoint of another architecture or optimizer is refused with a
+    `ValueError` naming the arrays that differ; nothing on disk changes.
+
+    Args:
+        path: the directory `model.save` wrote.
+        module: a Flax module of the saved architecture (its values are replaced).
+        sample_input: for Linen modules, as in `Model`.
+        seed: as in `Model`.
+        compile: compile the model as it was saved (optimizer, loss and
+            metrics given by name), `compile_kwargs` overriding them; the
+            optimizer state and step are restored too. With False, or when the
+            optimizer was not a name and none is passed, only weights load.
+        **compile_kwargs: arguments for `Model.compile`.
+
+    Returns:
+        A `meshfit.Model` under the current strategy.
+    """
+    model = Model(module, sample_input=sample_input, seed=seed)
+    saving.load_saved_model(model, path, compile=compile, **compile_kwargs)
+    return model
+
+
 # -- helpers ------------------------------------------------------------------------------------
 
 
 def _handles_preemption(callback) -> bool:
-    return getattr(callback, "handles_preemption", False) or (
-        isinstance(callback, callbacks_lib.Callback)
-        and type(callback).on_preemption is not callbacks_lib.Callback.on_preemption
+    """Whether a (not yet validated) callback saves on preemption, so SIGTERM must be caught for it."""
+    return isinstance(callback, callbacks_lib.Callback) and (
+        callback.handles_preemption or type(callback).on_preemption is not callbacks_lib.Callback.on_preemption
     )
 
 

@@ -15,6 +15,8 @@ import threading
 
 import jax
 
+from meshfit import compat
+
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
 
 
@@ -27,12 +29,6 @@ class Preempted(SystemExit):
 
     def __str__(self) -> str:
         return self.message
-
-
-def _sync_manager():
-    from jax._src import distributed
-
-    return distributed.global_state.preemption_sync_manager
 
 
 class PreemptionWatch:
@@ -72,7 +68,7 @@ class PreemptionWatch:
         JAX's sync point is one step number agreed by all processes; an
         execution of K steps asks about each of them, so it cannot be skipped.
         """
-        if jax.process_count() > 1 and _sync_manager() is not None:
+        if jax.process_count() > 1 and compat.preemption_sync_manager() is not None:
             from jax.experimental import multihost_utils
 
             first = step if self._last_step is None else self._last_step + 1

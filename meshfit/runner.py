@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from meshfit.loop import InFlight
+from meshfit.in_flight import InFlight
 from meshfit.steps import LOSS_KEY, Steps
 
 #: Bytes of batches placed on the devices at once for single-step training from arrays.
@@ -114,7 +114,7 @@ class Runner:
         Only for data whose batches depend on nothing but their position
         (in-memory arrays): reading ahead of an iterator would move its state.
         """
-        if not getattr(data, "random_access", False):
+        if not data.random_access:
             return
         executions = self.train_executions(data, epoch, per_step=per_step)
         first = next(executions, None)
@@ -122,7 +122,7 @@ class Runner:
         self._prefetched = (data, epoch, 0, per_step, ahead)
 
     def _block_steps(self, data) -> int:
-        if self._train_staged is None or not getattr(data, "random_access", False):
+        if self._train_staged is None or not data.random_access:
             return 1
         return max(1, min(MAX_STAGED_STEPS, STAGE_BYTES // data.batch_nbytes))
 
@@ -167,10 +167,10 @@ class Runner:
         counts as consumed, so what a saver writes resumes exactly. Returns the
         logs after that, or None for a strategy with nothing in flight.
         """
-        drain = getattr(self._train, "drain", None)
-        if drain is None:
+        drained = self._train.drain()
+        if drained is None:
             return None
-        self.model._state, logs = drain()
+        self.model._state, logs = drained
         return logs
 
     def evaluate(self, metrics, host_batch):

@@ -48,9 +48,9 @@ def compile_record(model) -> dict | None:
     if compiled is None:
         return None
     names = lambda values: [v for v in values if isinstance(v, str)]  # noqa: E731
-    optimizer = compiled["optimizer_id"] if isinstance(compiled["optimizer_id"], str) else None
-    loss = compiled["loss_id"] if isinstance(compiled["loss_id"], str) else None
-    return {"optimizer": optimizer, "loss": loss, "metrics": names(compiled["metrics"])}
+    optimizer = compiled.optimizer_id if isinstance(compiled.optimizer_id, str) else None
+    loss = compiled.loss_id if isinstance(compiled.loss_id, str) else None
+    return {"optimizer": optimizer, "loss": loss, "metrics": names(compiled.metrics)}
 
 
 def _open(path, kind: str) -> CheckpointDir:
@@ -121,27 +121,14 @@ def load_weights(model, path) -> None:
     set_from_tree(model, tree)
 
 
-def load_model(path, module, *, sample_input=None, seed: int = 0, compile: bool = True, **compile_kwargs):
-    """Loads a model saved with `model.save` into `module` (same architecture).
+def load_saved_model(model, path, *, compile: bool = True, **compile_kwargs) -> None:
+    """Loads a model saved with `model.save` into `model` (built from a module of the same architecture).
 
-    Args:
-        path: the directory `model.save` wrote.
-        module: a Flax module of the saved architecture (its values are replaced).
-        sample_input: for Linen modules, as in `Model`.
-        seed: as in `Model`.
-        compile: compile the model as it was saved (optimizer, loss and
-            metrics given by name), `compile_kwargs` overriding them; the
-            optimizer state and step are restored too. With False, or when the
-            optimizer was not a name and none is passed, only weights load.
-        **compile_kwargs: arguments for `Model.compile`.
-
-    Returns:
-        A `meshfit.Model` under the current strategy.
+    With `compile`, the model is compiled as it was saved (optimizer, loss and
+    metrics given by name, `compile_kwargs` overriding them) and its optimizer
+    state and step are restored too; see `meshfit.load_model`.
     """
-    from meshfit.model import Model
-
     ckpt = _open_for_reading(path, ("model",))
-    model = Model(module, sample_input=sample_input, seed=seed)
     try:
         steps = ckpt.steps()
         if not steps:
@@ -163,4 +150,3 @@ def load_model(path, module, *, sample_input=None, seed: int = 0, compile: bool 
     if found is None:
         raise FileNotFoundError(f"{ckpt.directory!r} holds no readable saved model (see the warnings above).")
     set_from_tree(model, found[1])
-    return model

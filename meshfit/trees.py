@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import jax
+
 
 def path_name(path) -> str:
     """'layers/0/kernel' for a pytree key path: the same for dict keys, attributes and sequence indices."""
@@ -14,3 +16,8 @@ def path_name(path) -> str:
         else:
             parts.append(str(key))
     return "/".join(parts)
+
+
+def is_key(leaf) -> bool:
+    """Whether `leaf` is a typed PRNG key array."""
+    return hasattr(leaf, "dtype") and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)

@@ -6,7 +6,7 @@ import pytest
 from helpers import MLP, assert_trees_close, classification_data
 
 import meshfit as mf
-from meshfit.loop import InFlight
+from meshfit.in_flight import InFlight
 
 
 class Recorder(mf.callbacks.Callback):
@@ -60,7 +60,7 @@ def test_steps_per_execution_matches_single_steps_with_ragged_last_group():
     np.testing.assert_allclose(
         one.predict(x, batch_size=9, verbose=0), four.predict(x, batch_size=9, verbose=0), rtol=1e-5, atol=1e-6
     )
-    assert four._runner._train._cache_size() == 1
+    assert four._runner._train.step._cache_size() == 1
 
 
 def test_callback_order_and_batch_indices_follow_keras():

@@ -38,7 +38,7 @@ def test_staged_blocks_train_exactly_as_host_batches(monkeypatch, max_steps, per
     )
     assert seen == ([0, 1, 2, 3, 4] * 3 if per_step else [])
     assert host._runner._train_staged._cache_size() == 0  # staging off: every step took a host batch
-    assert staged._runner._train._cache_size() == 0  # staging on: no step took a host batch
+    assert staged._runner._train.step._cache_size() == 0  # staging on: no step took a host batch
     assert staged._runner._train_staged._cache_size() == 1  # one compile, the partial batch included
     for a, b in zip(host.get_weights(), staged.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -69,7 +69,7 @@ def test_iterators_are_not_staged_or_read_ahead():
             yield x[i : i + 16], y[i : i + 16]
 
     model.fit(batches(), epochs=1, verbose=0)
-    assert model._runner._train._cache_size() == 1
+    assert model._runner._train.step._cache_size() == 1
     assert model._runner._train_staged._cache_size() == 0
     assert seen == [0, 16, 32, 48]
 

@@ -1,4 +1,4 @@
-"""The strategy interface and the `scope()` stack.
+"""The strategy interface and the `scope()` stack (`current.py` answers which strategy is current).
 
 A strategy decides four things and nothing else:
   * placement of state — where parameters, optimizer state and accumulators live
@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import Any, Protocol
 
 import jax
 
@@ -25,14 +27,46 @@ from meshfit.strategies import placement
 _local = threading.local()
 
 
-def _stack() -> list[Strategy]:
+def scope_stack() -> list[Strategy]:
+    """This thread's stack of entered `scope()`s, innermost last."""
     if not hasattr(_local, "stack"):
         _local.stack = []
     return _local.stack
 
 
-class Strategy:
-    """Base class; subclasses live one per file in `meshfit/strategies/`."""
+class TrainFunction(Protocol):
+    """What `Strategy.train_function` returns: the loop's call for one execution of training steps."""
+
+    def __call__(self, state: Any, batch: Any) -> tuple[Any, dict]:
+        """Runs the execution on `state` (donated) and returns the new state and the logs (device scalars)."""
+
+    def drain(self) -> tuple[Any, dict] | None:
+        """Applies every batch handed out but not applied yet and returns `(state, logs)`; None when
+        nothing is ever left in flight (synchronous training)."""
+
+
+class CompiledTrainFunction:
+    """A synchronous `TrainFunction`: a compiled step, applied before the next call returns its state."""
+
+    __slots__ = ("step",)
+
+    def __init__(self, step: Callable):
+        self.step = step
+
+    def __call__(self, state, batch):
+        return self.step(state, batch)
+
+    def drain(self) -> None:
+        return None
+
+
+class Strategy(ABC):
+    """What a strategy must implement: `replicate`, `distribute_batch` and `compile`; the rest has defaults.
+
+    Subclasses live one per file in `meshfit/strategies/`. A strategy that
+    shards overrides `place_state`; one that splits a step between workers
+    and a server overrides `train_function`.
+    """
 
     #: Number of model replicas a global batch is split over.
     num_replicas_in_sync: int = 1
@@ -44,11 +78,11 @@ class Strategy:
     @contextlib.contextmanager
     def scope(self):
         """Makes this the current strategy: models created inside belong to it."""
-        _stack().append(self)
+        scope_stack().append(self)
         try:
             yield self
         finally:
-            _stack().pop()
+            scope_stack().pop()
 
     # -- what a strategy decides -------------------------------------------------
 
@@ -65,9 +99,9 @@ class Strategy:
         """
         return self.replicate(state)
 
+    @abstractmethod
     def replicate(self, tree):
         """Puts a full copy of a pytree on every device of this strategy."""
-        raise NotImplementedError
 
     @property
     def batch_block(self) -> tuple[int, int]:
@@ -79,13 +113,13 @@ class Strategy:
         """This process's share of `batch_multiple` (rows of each global batch it feeds)."""
         return self.batch_multiple // self.batch_block[1]
 
+    @abstractmethod
     def distribute_batch(self, host_batch, stacked: bool = False):
         """Turns this process's rows of a batch (numpy pytree) into global device arrays.
 
         `stacked` batches carry a leading steps axis (`steps_per_execution > 1`);
         their batch dimension is the second.
         """
-        raise NotImplementedError
 
     def place_block(self, host_block):
         """Places batches stacked on a leading axis as device arrays, for several steps to read.
@@ -94,20 +128,20 @@ class Strategy:
         """
         return self.distribute_batch(host_block, True)
 
+    @abstractmethod
     def compile(self, fn: Callable, *, donate_argnums: tuple[int, ...] = ()) -> Callable:
         """Compiles a pure step function for this strategy's devices."""
-        raise NotImplementedError
 
-    def train_function(self, steps, stacked: bool):
-        """The callable `(state, batch) -> (state, logs)` the loop calls for each execution.
+    def train_function(self, steps, stacked: bool) -> TrainFunction:
+        """The `TrainFunction` the loop calls for each execution.
 
         By default the compiled `steps.train_step` (or its K-step scan). A
         strategy that splits a step between workers and a server builds its
-        own from `steps.gradients` and `steps.apply_gradients`; if the result
-        runs asynchronously it has `drain() -> (state, logs)`.
+        own from `steps.gradients` and `steps.apply_gradients`; if it runs
+        asynchronously, its `drain` applies what is in flight.
         """
         fn = steps.multi_train_step if stacked else steps.train_step
-        return self.compile(fn, donate_argnums=(0,))
+        return CompiledTrainFunction(self.compile(fn, donate_argnums=(0,)))
 
     def to_host(self, tree):
         """Fetches a pytree of device arrays as numpy (a host sync)."""
@@ -130,23 +164,3 @@ class Strategy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
-
-
-_default: list[Strategy] = []
-
-
-def get_strategy() -> Strategy:
-    """The strategy of the innermost `scope()`, or the default `OneDeviceStrategy`."""
-    stack = _stack()
-    if stack:
-        return stack[-1]
-    if not _default:
-        from meshfit.strategies.one_device import OneDeviceStrategy
-
-        _default.append(OneDeviceStrategy())
-    return _default[0]
-
-
-def has_strategy() -> bool:
-    """True inside some strategy's `scope()`."""
-    return bool(_stack())

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 from meshfit import cluster
 from meshfit.strategies import layout, placement
 from meshfit.strategies.base import Strategy
+from meshfit.strategies.current import get_strategy
 
 DEFAULT_AXES = {"data": -1, "fsdp": 1, "tensor": 1}
 
@@ -180,8 +181,6 @@ def constrain(x, *spec):
     A no-op unless a MeshStrategy is tracing the step, so model code runs
     unchanged on any strategy.
     """
-    from meshfit.strategies.base import get_strategy
-
     strategy = get_strategy()
     if not isinstance(strategy, MeshStrategy):
         return x

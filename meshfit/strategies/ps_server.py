@@ -6,9 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshfit.checkpoint import decode, is_key
+from meshfit.checkpoint import decode
 from meshfit.data import Batch
 from meshfit.strategies import layout, placement
+from meshfit.trees import is_key
 
 SERVER_AXIS = "ps"
 
@@ -168,6 +169,10 @@ class ServerUpdates:
         self.apply_encoded = layout.jit_keeping_layout(self._apply_encoded_and_log, 0)
         self.combine = jax.jit(weighted_mean)
         self._round = 0  # state.step of the next sync round, counted on the host
+
+    def drain(self):
+        """Nothing is in flight unless a subclass (asynchronous training) says otherwise."""
+        return None
 
     def round_step(self, state) -> int:
         """`state.step`, read from the device only for a state set from outside (no sync per round)."""
