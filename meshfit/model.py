@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from meshfit import callbacks as callbacks_lib
 from meshfit import data as data_lib
@@ -75,7 +78,7 @@ class Model:
         ...                     validation_split=0.1)
     """
 
-    def __init__(self, module, *, sample_input=None, seed: int = 0):
+    def __init__(self, module: Any, *, sample_input: Any = None, seed: int = 0) -> None:
         self.strategy = get_strategy()
         self.seed = int(seed)
         self._adapter = adapt(module, sample_input, self.seed)
@@ -144,7 +147,7 @@ class Model:
         statistics) in the same order. `weight_names()` names them."""
         return [a for tree in self._weight_trees() for a in jax.tree.leaves(self.strategy.to_host(tree))]
 
-    def set_weights(self, weights) -> None:
+    def set_weights(self, weights: Sequence[np.ndarray]) -> None:
         """Sets all weights from a list in `get_weights()` order; shapes must match."""
         params, non_trainable = self._weight_trees()
         leaves = jax.tree.leaves(params) + jax.tree.leaves(non_trainable)
@@ -176,7 +179,12 @@ class Model:
     # -- compile -------------------------------------------------------------------------
 
     def compile(
-        self, optimizer="rmsprop", loss=None, metrics=None, weighted_metrics=None, steps_per_execution: int = 1
+        self,
+        optimizer: str | optax.GradientTransformation = "rmsprop",
+        loss: str | losses_lib.Loss | Callable | None = None,
+        metrics: Sequence[str | metrics_lib.Metric | Callable] | None = None,
+        weighted_metrics: Sequence[str | metrics_lib.Metric | Callable] | None = None,
+        steps_per_execution: int = 1,
     ) -> None:
         """Configures the model for training (Keras's `compile`).
 
@@ -364,23 +372,23 @@ class Model:
 
     def fit(
         self,
-        x=None,
-        y=None,
-        batch_size=None,
+        x: Any = None,
+        y: Any = None,
+        batch_size: int | None = None,
         epochs: int = 1,
-        verbose="auto",
-        callbacks=None,
+        verbose: int | str = "auto",
+        callbacks: Sequence[callbacks_lib.Callback] | None = None,
         validation_split: float = 0.0,
-        validation_data=None,
+        validation_data: Any = None,
         shuffle: bool = True,
-        class_weight=None,
-        sample_weight=None,
+        class_weight: dict[int, float] | None = None,
+        sample_weight: Any = None,
         initial_epoch: int = 0,
-        steps_per_epoch=None,
-        validation_steps=None,
-        validation_batch_size=None,
-        validation_freq=1,
-    ):
+        steps_per_epoch: int | None = None,
+        validation_steps: int | None = None,
+        validation_batch_size: int | None = None,
+        validation_freq: int | Sequence[int] = 1,
+    ) -> callbacks_lib.History:
         """Trains the model for a number of epochs (Keras's `fit`); returns a `History`.
 
         The last partial batch of an epoch is trained on exactly (padded and
@@ -498,15 +506,15 @@ class Model:
 
     def evaluate(
         self,
-        x=None,
-        y=None,
-        batch_size=None,
-        verbose="auto",
-        sample_weight=None,
-        steps=None,
-        callbacks=None,
+        x: Any = None,
+        y: Any = None,
+        batch_size: int | None = None,
+        verbose: int | str = "auto",
+        sample_weight: Any = None,
+        steps: int | None = None,
+        callbacks: Sequence[callbacks_lib.Callback] | None = None,
         return_dict: bool = False,
-    ):
+    ) -> float | list[float] | dict[str, float]:
         """Loss and metrics over the data (Keras's `evaluate`).
 
         Results over N samples equal the full-batch values, whatever the batch
@@ -547,7 +555,14 @@ class Model:
         values = [logs[name] for name in self.metrics_names]
         return values[0] if len(values) == 1 else values
 
-    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+    def predict(
+        self,
+        x: Any,
+        batch_size: int | None = None,
+        verbose: int | str = "auto",
+        steps: int | None = None,
+        callbacks: Sequence[callbacks_lib.Callback] | None = None,
+    ) -> Any:
         """Model outputs for `x` as numpy (Keras's `predict`), exact on partial batches.
 
         Works without `compile` (as in Keras).
@@ -582,22 +597,22 @@ class Model:
         )
         return predict_loop(self, data, callbacks=callback_list, steps=steps)
 
-    def summary(self, print_fn=print) -> str:
+    def summary(self, print_fn: Callable[[str], Any] | None = print) -> str:
         """Prints a table of every weight: path, shape, dtype, count and bytes, with totals."""
         text = format_summary(self)
         if print_fn is not None:
             print_fn(text)
         return text
 
-    def save(self, path, overwrite: bool = False) -> None:
+    def save(self, path: str | os.PathLike, overwrite: bool = False) -> None:
         """Saves weights, optimizer state, step and compile settings (Orbax); see `meshfit.load_model`."""
         saving.save_model(self, path, overwrite=overwrite)
 
-    def save_weights(self, path, overwrite: bool = False) -> None:
+    def save_weights(self, path: str | os.PathLike, overwrite: bool = False) -> None:
         """Saves the weights (Orbax). Nothing already at `path` is overwritten unless `overwrite=True`."""
         saving.save_weights(self, path, overwrite=overwrite)
 
-    def load_weights(self, path) -> None:
+    def load_weights(self, path: str | os.PathLike) -> None:
         """Loads weights saved by `save_weights`, `save` or `ModelCheckpoint`, onto this model's layout."""
         saving.load_weights(self, path)
 
@@ -608,7 +623,15 @@ class Model:
         return f"Model({type(self._adapter.module).__name__}, strategy={self.strategy!r})"
 
 
-def load_model(path, module, *, sample_input=None, seed: int = 0, compile: bool = True, **compile_kwargs) -> Model:
+def load_model(
+    path: str | os.PathLike,
+    module: Any,
+    *,
+    sample_input: Any = None,
+    seed: int = 0,
+    compile: bool = True,
+    **compile_kwargs: Any,
+) -> Model:
     """Loads a model saved with `model.save` into `module` (same architecture).
 
     A checkpoint of another architecture or optimizer is refused with a
