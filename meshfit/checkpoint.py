@@ -124,6 +124,14 @@ def read_marker(directory: str) -> dict | None:
     return found
 
 
+def write_marker(directory: str, kind: str) -> None:
+    """Writes the marker whole or not at all: the other processes of a job may be reading it now."""
+    partial = os.path.join(directory, f".{MARKER}.{os.getpid()}.tmp")
+    with open(partial, "w") as f:
+        json.dump({"kind": kind, "format": 1}, f)
+    os.replace(partial, os.path.join(directory, MARKER))
+
+
 def check_directory(directory: str, kind: str) -> None:
     """Refuses a directory that holds anything meshfit did not write there, or another kind's checkpoints."""
     if not os.path.exists(directory):
@@ -223,10 +231,8 @@ class CheckpointDir:
             )
         try:
             if not read_only and jax.process_index() == 0:
-                marker = os.path.join(self.directory, MARKER)
-                if not os.path.exists(marker):
-                    with open(marker, "w") as f:
-                        json.dump({"kind": kind, "format": 1}, f)
+                if not os.path.exists(os.path.join(self.directory, MARKER)):
+                    write_marker(self.directory, kind)
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=(STATE, META))
         except BaseException:
             self._lock.release()
@@ -457,8 +463,7 @@ class CheckpointDir:
             else:
                 kept.append(name)
         if kept:
-            with open(os.path.join(self.directory, MARKER), "w") as f:  # still meshfit's: keep it reusable
-                json.dump({"kind": self.kind, "format": 1}, f)
+            write_marker(self.directory, self.kind)  # still meshfit's: keep it reusable
         else:
             os.rmdir(self.directory)
         return sorted(kept)

@@ -109,7 +109,7 @@ class Job:
     def _fail(self, why: str) -> None:
         self.kill()
         raise AssertionError(
-            f"{' '.join(self.argv)}: {why}.\n--- stdout (end) ---\n{self.stdout[-3000:]}"
+            f"{' '.join(self.argv)}: {why}.\n--- stdout (end) ---\n{self.stdout[-8000:]}"
             f"\n--- stderr (end) ---\n{self.stderr[-3000:]}"
         )
 
