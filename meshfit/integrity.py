@@ -82,12 +82,18 @@ def _finite(x):
 
 @jax.jit
 def _device_report(leaves):
-    return [_fingerprint(x) for x in leaves], [_finite(x) for x in leaves]
+    """All fingerprints as one (n, 2) array and all flags as one (n,) array: two transfers, not 2n."""
+    return jnp.stack([_fingerprint(x) for x in leaves]), jnp.stack([_finite(x) for x in leaves])
 
 
 def _scalar(value) -> np.ndarray:
-    """A replicated result as numpy (in a multi-process job each process holds a copy)."""
-    return np.asarray(value.addressable_data(0))
+    """A small result as numpy: from this process's copy when replicated (the usual case), else gathered."""
+    local = value.addressable_data(0)
+    if local.shape == value.shape:
+        return np.asarray(local)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(value, tiled=True))
 
 
 def _host_fingerprint(x: np.ndarray) -> str:
@@ -108,10 +114,10 @@ def report(tree) -> Report:
     host = [(path_name(p), np.asarray(x)) for p, x in leaves if not isinstance(x, jax.Array)]
     fingerprints, finite = {}, {}
     if device:
-        prints, flags = _device_report([x for _, x in device])
+        prints, flags = (_scalar(a) for a in _device_report([x for _, x in device]))
         for (name, _), fp, ok in zip(device, prints, flags, strict=True):
-            fingerprints[name] = "".join(f"{int(v):08x}" for v in _scalar(fp))
-            finite[name] = bool(_scalar(ok))
+            fingerprints[name] = "".join(f"{int(v):08x}" for v in fp)
+            finite[name] = bool(ok)
     for name, x in host:
         fingerprints[name] = _host_fingerprint(x)
         finite[name] = not np.issubdtype(x.dtype, np.inexact) or bool(np.isfinite(x).all())
