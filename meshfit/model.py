@@ -355,6 +355,10 @@ class Model:
         all_callbacks = callbacks_lib.CallbackList(ordered, model=self, epochs=epochs, steps=steps, verbose=verbose)
         return all_callbacks, history
 
+    def _one_pass_callbacks(self, callbacks, verbose: int, steps):
+        """The callback list of one pass over data (`evaluate`, `predict`): no History."""
+        return self._callback_list(callbacks, verbose=verbose, epochs=1, steps=steps, add_history=False)[0]
+
     def _settle(self) -> None:
         """Brings the state up to the data position (see Runner.settle); savers call it first."""
         if self._runner is not None:
@@ -542,13 +546,7 @@ class Model:
         if first.y is None:
             raise ValueError("`evaluate()` needs targets: pass `y`, or a dataset yielding (x, y) pairs.")
         self._build(first)
-        callback_list, _ = self._callback_list(
-            callbacks,
-            verbose=verbose,
-            epochs=1,
-            steps=steps or data.steps_per_epoch,
-            add_history=False,
-        )
+        callback_list = self._one_pass_callbacks(callbacks, verbose, steps or data.steps_per_epoch)
         logs = evaluate_loop(self, data, callbacks=callback_list, steps=steps)
         if return_dict:
             return logs
@@ -588,13 +586,7 @@ class Model:
             self._build(first)
         else:
             self._check_input(first)
-        callback_list, _ = self._callback_list(
-            callbacks,
-            verbose=verbose,
-            epochs=1,
-            steps=steps or data.steps_per_epoch,
-            add_history=False,
-        )
+        callback_list = self._one_pass_callbacks(callbacks, verbose, steps or data.steps_per_epoch)
         return predict_loop(self, data, callbacks=callback_list, steps=steps)
 
     def summary(self, print_fn: Callable[[str], Any] | None = print) -> str:

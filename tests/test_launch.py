@@ -30,7 +30,8 @@ def test_failure_of_one_process_stops_the_others_and_sets_the_status():
         ), result.stdout
 
 
-def test_killed_worker_ends_the_job_with_a_clear_error_in_bounded_time(tmp_path):
+def kill_rank_one_while_training(out_dir):
+    """Runs a 2-process job, SIGKILLs rank 1 once training is under way; returns (job, pids, seconds to the end)."""
     with Job(
         launch_cmd(
             "--nprocs",
@@ -38,7 +39,7 @@ def test_killed_worker_ends_the_job_with_a_clear_error_in_bounded_time(tmp_path)
             "--devices-per-proc",
             "2",
             os.path.join(WORKERS, "train_data_parallel.py"),
-            str(tmp_path),
+            str(out_dir),
             "--hang",
         ),
         timeout=180,
@@ -48,8 +49,13 @@ def test_killed_worker_ends_the_job_with_a_clear_error_in_bounded_time(tmp_path)
         os.kill(pids[1], signal.SIGKILL)
         killed_at = time.monotonic()
         job.finish(timeout=60)
+    return job, pids, time.monotonic() - killed_at
+
+
+def test_killed_worker_ends_the_job_with_a_clear_error_in_bounded_time(tmp_path):
+    job, pids, took = kill_rank_one_while_training(tmp_path)
     proc, err = job.proc, job.stderr
-    assert time.monotonic() - killed_at < 30
+    assert took < 30
     assert proc.returncode == 128 + signal.SIGKILL
     assert "[launch] rank 1 exited with status -9 (killed by SIGKILL); stopping the other 1 process(es)." in err
     try:
@@ -103,22 +109,7 @@ def test_launch_rejects_a_parameter_server_job_without_servers_or_workers():
 def test_the_rank_that_died_first_is_blamed_not_the_one_that_aborted_after_it(tmp_path):
     """rank 1 is SIGKILLed; rank 0 then fails on losing its peer. The launcher names rank 1, three times of three."""
     for attempt in range(3):
-        with Job(
-            launch_cmd(
-                "--nprocs",
-                "2",
-                "--devices-per-proc",
-                "2",
-                os.path.join(WORKERS, "train_data_parallel.py"),
-                str(tmp_path / str(attempt)),
-                "--hang",
-            ),
-            timeout=180,
-        ) as job:
-            pids = {int(m.group(1)): int(m.group(2)) for m in job.wait_for(r"\[rank (\d)\] pid (\d+) rank", count=2)}
-            job.wait_for(r"\[rank 0\] epoch ", count=2)
-            os.kill(pids[1], signal.SIGKILL)
-            job.finish(timeout=60)
+        job, _, _ = kill_rank_one_while_training(tmp_path / str(attempt))
         assert "[launch] rank 1 exited with status -9 (killed by SIGKILL); stopping the other 1" in job.stderr, (
             job.stderr[-2000:]
         )
