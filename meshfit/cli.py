@@ -93,7 +93,10 @@ def main(argv=None) -> int:
             grace_period=args.grace_period,
             server_timeout=args.server_timeout,
         )
-        return launch(config)
+        try:
+            return launch(config)
+        except ValueError as error:  # a misconfiguration found before any process started
+            _parser().error(str(error))
     return 2
 
 

@@ -44,7 +44,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _visible_gpus() -> int:
+def _visible_gpus(env: dict[str, str]) -> int:
+    """GPUs the processes will run on: those `nvidia-smi` lists, or 0 when `JAX_PLATFORMS` (as the processes
+    will see it) names no GPU platform, e.g. `cpu`, where `--devices-per-proc` means simulated host devices."""
+    platforms = {p.strip() for p in env.get("JAX_PLATFORMS", "").lower().split(",") if p.strip()}
+    if platforms and not platforms & {"cuda", "gpu", "rocm"}:
+        return 0
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
@@ -298,7 +303,7 @@ def _role(config: LaunchConfig, rank: int) -> str:
 def run_once(config: LaunchConfig, attempt: int, log=sys.stderr) -> int:
     """Runs the job once; returns 0, the status of the first process that failed, or -signal if the
     launcher was signalled."""
-    ports, gpus = (free_port(), free_port()), _visible_gpus() if config.devices_per_proc else 0
+    ports, gpus = (free_port(), free_port()), _gpus_to_assign(config)
     authkey = ps_remote.new_authkey() if config.servers else ""
     procs, pumps = [], []
     with _Signals() as signals:
@@ -348,10 +353,26 @@ def _signal_name(status: int) -> str:
     return ""
 
 
+def _gpus_to_assign(config: LaunchConfig) -> int:
+    """The GPUs split over the processes by `--devices-per-proc` (0: simulated CPU devices instead)."""
+    if not config.devices_per_proc:
+        return 0
+    gpus = _visible_gpus({**os.environ, **config.env})
+    needed = config.nprocs * config.devices_per_proc
+    if gpus and gpus < needed:
+        raise ValueError(
+            f"--nprocs {config.nprocs} x --devices-per-proc {config.devices_per_proc} needs {needed} GPUs; "
+            f"nvidia-smi lists {gpus}. Start fewer processes or devices per process, or set JAX_PLATFORMS=cpu "
+            "to simulate the devices on the host."
+        )
+    return gpus
+
+
 def launch(config: LaunchConfig, log=sys.stderr) -> int:
     """Runs the job, restarting it up to `max_restarts` times after a failure (not after a signal)."""
     if config.nprocs < 1:
         raise ValueError(f"--nprocs must be at least 1. Received: {config.nprocs}.")
+    _gpus_to_assign(config)  # a misconfiguration fails before any process starts
     attempt = 0
     while True:
         status = run_once(config, attempt, log)

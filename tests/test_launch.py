@@ -130,6 +130,41 @@ def test_a_stopped_rank_ends_the_job_within_the_heartbeat_timeout():
     assert re.search(r"\[launch\] rank \d \(pid \d+\) is stopped \(SIGSTOP\?\) and has not run for 3 s", job.stderr)
 
 
+def _gpu_machine_env(tmp_path, gpus: int, jax_platforms: str | None) -> dict:
+    """The environment of a machine whose `nvidia-smi` lists `gpus` GPUs (a script first on PATH)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    listing = "".join(f"GPU {i}: NVIDIA H200 (UUID: GPU-{i})\\n" for i in range(gpus))
+    (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\nprintf '{listing}'\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    if jax_platforms is not None:
+        env["JAX_PLATFORMS"] = jax_platforms
+    return env
+
+
+def test_devices_per_proc_splits_the_gpus_unless_jax_is_told_to_run_on_the_cpu(tmp_path):
+    argv = launch_cmd("--nprocs", "2", "--devices-per-proc", "2", os.path.join(WORKERS, "exit_with.py"), "3")
+    on_gpus = run(argv, timeout=60, env=_gpu_machine_env(tmp_path, 4, None))
+    assert on_gpus.returncode == 3
+    assert re.search(r"^\[rank 0\] rank 0 of 2 .* gpus=0,1$", on_gpus.stdout, re.M), on_gpus.stdout
+    assert re.search(r"^\[rank 1\] rank 1 of 2 .* gpus=2,3$", on_gpus.stdout, re.M), on_gpus.stdout
+
+    on_cpu = run(argv, timeout=60, env=_gpu_machine_env(tmp_path, 4, "cpu"))
+    assert on_cpu.returncode == 3
+    for rank in range(2):  # JAX_PLATFORMS=cpu: simulated host devices, the GPUs left alone
+        assert re.search(rf"^\[rank {rank}\] .*device_count=2 gpus=-$", on_cpu.stdout, re.M), on_cpu.stdout
+
+
+def test_more_gpus_asked_for_than_the_machine_has_is_refused_before_anything_starts(tmp_path):
+    argv = launch_cmd("--nprocs", "3", "--devices-per-proc", "2", os.path.join(WORKERS, "exit_with.py"), "0")
+    result = run(argv, timeout=60, env=_gpu_machine_env(tmp_path, 1, "cuda"))
+    assert result.returncode == 2
+    assert "--nprocs 3 x --devices-per-proc 2 needs 6 GPUs; nvidia-smi lists 1" in result.stderr
+    assert "JAX_PLATFORMS=cpu" in result.stderr and "[rank" not in result.stdout
+
+
 def test_launch_help_shows_the_defaults():
     result = run(launch_cmd("--help"), timeout=60)
     assert "(default: 60.0)" in result.stdout and "--grace-period" in result.stdout

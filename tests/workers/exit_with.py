@@ -7,7 +7,7 @@ import time
 rank = int(os.environ["MESHFIT_PROCESS_ID"])
 print(
     f"rank {rank} of {os.environ['MESHFIT_NUM_PROCESSES']} at {os.environ['MESHFIT_COORDINATOR_ADDRESS']} "
-    f"xla={os.environ.get('XLA_FLAGS', '')}",
+    f"xla={os.environ.get('XLA_FLAGS', '')} gpus={os.environ.get('CUDA_VISIBLE_DEVICES', '-')}",
     flush=True,
 )
 if rank == 1:
