@@ -76,7 +76,7 @@ def main():
     x = rng.standard_normal((32 * args.steps, 2048), dtype=np.float32)
     y = rng.integers(0, 10, len(x)).astype(np.int32)
     model = make_model()
-    state_bytes = sum(a.nbytes for a in jax.tree.leaves((model._state.params, model._state.opt_state)))
+    state_bytes = sum(a.nbytes for a in jax.tree.leaves((model.session.state.params, model.session.state.opt_state)))
     print(
         f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {os.cpu_count()} cpus; "
         f"state {state_bytes / 1e6:.0f} MB; {args.steps} steps, a checkpoint every {args.every}"
@@ -119,7 +119,7 @@ def main():
         model.save(os.path.join(root, "saved"))
         t0 = time.perf_counter()
         loaded = mf.load_model(os.path.join(root, "saved"), Wide())
-        jax.block_until_ready(loaded._state)
+        jax.block_until_ready(loaded.session.state)
         t_model = time.perf_counter() - t0
         print(
             f"  restore: load_weights {t_weights:.2f} s ({state_bytes / 3 / 1e6:.0f} MB of weights), "

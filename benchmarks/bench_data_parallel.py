@@ -124,9 +124,9 @@ def main():
         print(f"  {k:8s} {v:8.1f} steps/s  {1e3 / v:7.2f} ms/step")
     print(f"  ratio meshfit/raw = {sps['meshfit'] / sps['raw']:.3f}  (target >= 0.95)")
 
-    runner = model._runner
-    _, staged = next(runner.train_executions(model._make_data(x, y, None, args.batch), 0))  # the step fit ran
-    hlo = runner._train_staged.lower(model._state, staged.block, staged.index).compile().as_text()
+    session = model.session
+    _, staged = next(session.train_executions(model._make_data(x, y, None, args.batch), 0))  # the step fit ran
+    hlo = session._train_staged.lower(session.state, staged.stage, staged.indices[0]).compile().as_text()
     reduced, n_reduce, n_gather = collective_bytes(hlo)
     param_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(model.params))
     print(

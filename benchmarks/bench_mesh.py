@@ -141,7 +141,7 @@ def main():
                 go()
                 times[k].append(time.perf_counter() - t0)
         sps = {k: args.steps * args.epochs / statistics.median(v) for k, v in times.items()}
-        state = (model._state.params, model._state.opt_state)
+        state = (model.session.state.params, model.session.state.opt_state)
         total = sum(a.nbytes for a in jax.tree.leaves(state))
         per_device = bytes_per_device(state)
         table.append((name, total, per_device))

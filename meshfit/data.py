@@ -129,7 +129,7 @@ class DataSource(ABC):
     """
 
     #: Whether any batch can be produced at any time from its position alone (in-memory
-    #: arrays): then batches may be read ahead and staged on the devices in blocks.
+    #: arrays): then batches may be read ahead and staged on the devices several at once.
     random_access: bool = False
     #: Batches per epoch, or None for an input read until it runs out.
     steps_per_epoch: int | None = None

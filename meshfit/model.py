@@ -1,7 +1,7 @@
 """`meshfit.Model`: Keras's compile / fit / evaluate / predict for Flax modules.
 
-The model holds one `TrainState` pytree on the devices its strategy chose.
-This file validates arguments (every check runs before any state changes),
+The model's `Session` holds its one `TrainState` pytree on the devices its
+strategy chose, and the bookkeeping of fits. This file validates arguments (every check runs before any state changes),
 turns inputs into batches and hands them to the loop in `meshfit.loop`.
 """
 
@@ -27,7 +27,7 @@ from meshfit import saving
 from meshfit.loop import evaluate_loop, fit_loop, predict_loop
 from meshfit.modules import adapt
 from meshfit.preemption import PreemptionWatch
-from meshfit.runner import Runner
+from meshfit.session import Session
 from meshfit.state import TrainState
 from meshfit.steps import Steps
 from meshfit.strategies import get_strategy, has_strategy, placement
@@ -83,7 +83,7 @@ class Model:
         self.seed = int(seed)
         self._adapter = adapt(module, sample_input, self.seed)
         params, model_state = self._adapter.init()
-        self._state: TrainState = self.strategy.place_state(
+        state = self.strategy.place_state(
             TrainState(
                 params=params,
                 model_state=model_state,
@@ -95,43 +95,31 @@ class Model:
             ),
             self._adapter.partition_specs(),
         )
+        #: The training state and the bookkeeping of fits (the one owner of both; see `meshfit.session`).
+        self.session = Session(self.strategy, state)
         self._compiled: CompileSettings | None = None
-        self._runner: Runner | None = None
         self._input_spec = None
         self.optimizer: optimizers_lib.Optimizer | None = None
         self.stop_training = False
         self.history: callbacks_lib.History | None = None
-        # Set during fit, for callbacks that save and restore training (BackupAndRestore).
-        self._host_step = 0  # optimizer steps taken, counted on the host
-        self._counted_state = None  # the state `_host_step` was last known to count (fit's last state)
-        self._resume_point: tuple[int, int] | None = None
-        # Shuffled passes over array data are numbered across calls of fit, so each
-        # epoch draws a new order; fit epoch e reads pass `_data_origin + e`.
-        self._epochs_begun = 0
-        self._data_origin = 0
         self._shuffle_orders = data_lib.ShuffleOrders()  # computed ahead by one fit for the next
-        self._resumed = False  # this fit continues a run restored from a backup
-        self._fit_data = None
-        self._fit_callbacks: list = []
 
     # -- state access ----------------------------------------------------------------
-
-    def _require_state(self) -> TrainState:
-        return self._state
 
     @property
     def params(self):
         """The trainable parameters as a nested dict of `jax.Array` (live, on device)."""
-        return self._state.params
+        return self.session.state.params
 
     @property
     def module(self):
         """The user's module, holding the current weights."""
-        return self._adapter.sync_module(self._state.params, self._state.model_state)
+        state = self.session.state
+        return self._adapter.sync_module(state.params, state.model_state)
 
     def _weight_trees(self):
-        self._settle()
-        return self._state.params, self._adapter.non_trainable_weights(self._state.model_state)
+        state = self.session.state
+        return state.params, self._adapter.non_trainable_weights(state.model_state)
 
     def weight_names(self) -> list[str]:
         """Names of `get_weights()` entries: trainable paths, then non-trainable ones."""
@@ -169,12 +157,13 @@ class Model:
         n_params = len(jax.tree.leaves(params))
         new_params = jax.tree.unflatten(jax.tree.structure(params), placed[:n_params])
         new_non_trainable = jax.tree.unflatten(jax.tree.structure(non_trainable), placed[n_params:])
-        model_state = self._state.model_state
+        state = self.session.state
+        model_state = state.model_state
         if non_trainable is not model_state:  # NNX keeps RNG streams beside the weights
             model_state = {**model_state, "weights": new_non_trainable}
         else:
             model_state = new_non_trainable
-        self._state = self._state._replace(params=new_params, model_state=model_state)
+        self.session.state = state._replace(params=new_params, model_state=model_state)
 
     # -- compile -------------------------------------------------------------------------
 
@@ -208,9 +197,9 @@ class Model:
                 metrics_lib.get(identifier, loss=loss)
         if not isinstance(steps_per_execution, int) or steps_per_execution < 1:
             raise ValueError(f"`steps_per_execution` must be a positive int. Received: {steps_per_execution!r}.")
-        state = self._state
+        state = self.session.state
         state = state._replace(opt_state=tx.init(state.params), metrics=(), step=jnp.zeros((), jnp.int32))
-        self._state = self.strategy.place_state(state, self._adapter.partition_specs())
+        self.session.reset(self.strategy.place_state(state, self._adapter.partition_specs()))
         self._compiled = CompileSettings(
             tx=tx,
             optimizer_id=optimizer,
@@ -220,13 +209,16 @@ class Model:
             weighted=tuple(weighted_ids),
             steps_per_execution=steps_per_execution,
         )
-        self._runner = None
-        self._host_step = 0
-        self.optimizer = optimizers_lib.Optimizer(tx, self)
+        self.optimizer = optimizers_lib.Optimizer(tx, self.session)
 
     @property
     def compiled(self) -> bool:
         return self._compiled is not None
+
+    @property
+    def compile_settings(self) -> CompileSettings | None:
+        """What `compile` was given (None before `compile`)."""
+        return self._compiled
 
     def _check_strategy(self, what: str) -> None:
         current = get_strategy()
@@ -258,7 +250,7 @@ class Model:
             )
 
     def _output_spec(self, batch: data_lib.Batch):
-        state = self._state
+        state = self.session.state
         try:
             return jax.eval_shape(
                 lambda p, s, x: self._adapter.apply(p, s, x, training=False, rng=None)[0],
@@ -273,7 +265,7 @@ class Model:
     def _build(self, batch: data_lib.Batch) -> None:
         """Resolves metrics from the first batch's shapes and compiles the steps once."""
         self._check_input(batch)
-        if self._runner is not None:
+        if self.session.built:
             return
         y_pred = self._output_spec(batch)
         y_true = None if batch.y is None else jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch.y)
@@ -283,18 +275,18 @@ class Model:
             return [metrics_lib.get(i, y_true=y_true, y_pred=y_pred, loss=c.loss_id) for i in ids]
 
         steps = Steps(self._adapter, c.loss, c.tx, resolve(c.metrics), resolve(c.weighted))
-        self._runner = Runner(self, steps, c.steps_per_execution)
-        self._state = self._state._replace(metrics=self._runner.fresh_eval_metrics())
+        self.session.build(steps, c.steps_per_execution)
 
     @property
     def metrics_names(self) -> list[str]:
         """Keys of the logs: "loss" then each metric's name (after the first fit/evaluate)."""
-        return self._runner.steps.metric_names if self._runner else []
+        return self.session.steps.metric_names if self.session.built else []
 
     @property
     def metrics(self) -> list:
         """The compiled metric objects (after the first fit/evaluate)."""
-        return self._runner.steps.metrics + self._runner.steps.weighted_metrics if self._runner else []
+        steps = self.session.steps
+        return steps.metrics + steps.weighted_metrics if steps is not None else []
 
     # -- data --------------------------------------------------------------------------------
 
@@ -358,19 +350,6 @@ class Model:
     def _one_pass_callbacks(self, callbacks, verbose: int, steps):
         """The callback list of one pass over data (`evaluate`, `predict`): no History."""
         return self._callback_list(callbacks, verbose=verbose, epochs=1, steps=steps, add_history=False)[0]
-
-    def _settle(self) -> None:
-        """Brings the state up to the data position (see Runner.settle); savers call it first."""
-        if self._runner is not None:
-            self._runner.settle()
-
-    def _fit_data_state(self) -> dict:
-        """The position of the training input, for BackupAndRestore."""
-        return self._fit_data.get_state() if self._fit_data is not None else {}
-
-    def _restore_fit_data_state(self, state: dict) -> None:
-        if self._fit_data is not None:
-            self._fit_data.set_state(state)
 
     # -- Keras API -----------------------------------------------------------------------------
 
@@ -476,11 +455,8 @@ class Model:
             )
             self.history = history
             self.stop_training = False
-            self._fit_data, self._fit_callbacks, self._resumed = data, list(callback_list), False
-            if self._state is not self._counted_state:  # set from outside since the last fit: read its step
-                self._host_step = int(self.strategy.to_host(self._state.step))
-            self._counted_state = None
-            self._data_origin = self._epochs_begun - initial_epoch  # BackupAndRestore may set the saved one
+            session = self.session
+            session.begin_fit(data, list(callback_list), initial_epoch)
             finished = False
             try:
                 fit_loop(
@@ -494,16 +470,15 @@ class Model:
                     validation_steps=validation_steps,
                     watch=watch,
                 )
-                self._counted_state = self._state  # `_host_step` counts its steps: the next fit need not sync
                 finished = True
             finally:
                 errors = []
-                for cb in self._fit_callbacks:  # finish background writes even when fit raised
+                for cb in session.callbacks:  # finish background writes even when fit raised
                     try:
                         cb.close()
                     except Exception as error:  # noqa: BLE001 - every callback is closed, the first error raised
                         errors.append(error)
-                self._fit_data, self._fit_callbacks = None, []
+                session.end_fit(finished)
                 if finished and errors:
                     raise errors[0]
         return history
@@ -580,7 +555,7 @@ class Model:
         verbose = _verbose(verbose)
         data = self._make_data(x, None, None, batch_size, steps=None, what="predict")
         first = self._first_batch(data)
-        if self._runner is None:
+        if not self.session.built:
             if self._compiled is None:  # predict works without compile, as in Keras
                 self.compile(optimizer="sgd")
             self._build(first)
@@ -591,7 +566,15 @@ class Model:
 
     def summary(self, print_fn: Callable[[str], Any] | None = print) -> str:
         """Prints a table of every weight: path, shape, dtype, count and bytes, with totals."""
-        text = format_summary(self)
+        state = self.session.state
+        text = format_summary(
+            type(self._adapter.module).__name__,
+            self.strategy,
+            self.weight_names(),
+            state.params,
+            self._adapter.non_trainable_weights(state.model_state),
+            state.opt_state,
+        )
         if print_fn is not None:
             print_fn(text)
         return text
@@ -609,7 +592,7 @@ class Model:
         saving.load_weights(self, path)
 
     def count_params(self) -> int:
-        return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(self._state.params))
+        return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(self.session.state.params))
 
     def __repr__(self) -> str:
         return f"Model({type(self._adapter.module).__name__}, strategy={self.strategy!r})"

@@ -74,12 +74,12 @@ class Optimizer:
     so the compiled step is reused.
     """
 
-    def __init__(self, transform: optax.GradientTransformation, model):
+    def __init__(self, transform: optax.GradientTransformation, session):
         self.transform = transform
-        self._model = model
+        self._session = session  # the model's `meshfit.session.Session`: holds the optimizer state
 
     def _lr_leaf(self):
-        opt_state = self._model._require_state().opt_state
+        opt_state = self._session.state.opt_state
         found = otu.tree_get(opt_state, "learning_rate", default=None)
         if found is None:
             raise AttributeError(
@@ -92,19 +92,19 @@ class Optimizer:
     @property
     def learning_rate(self) -> float:
         """The current learning rate (reads one value from the device)."""
-        return float(self._model.strategy.to_host(self._lr_leaf()))
+        return float(self._session.strategy.to_host(self._lr_leaf()))
 
     @learning_rate.setter
     def learning_rate(self, value) -> None:
         old = self._lr_leaf()
         new = placement.put(np.asarray(value, dtype=old.dtype), old.sharding)
-        state = self._model._require_state()
-        self._model._state = state._replace(opt_state=otu.tree_set(state.opt_state, learning_rate=new))
+        state = self._session.state
+        self._session.state = state._replace(opt_state=otu.tree_set(state.opt_state, learning_rate=new))
 
     @property
     def iterations(self) -> int:
         """Number of optimizer steps taken (reads one value from the device)."""
-        return int(self._model.strategy.to_host(self._model._require_state().step))
+        return int(self._session.strategy.to_host(self._session.state.step))
 
     def __repr__(self):
         return f"Optimizer({self.transform!r})"

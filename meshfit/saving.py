@@ -20,31 +20,32 @@ _LABELS = {"model": "a saved model", "weights": "saved weights"}
 
 def weights_tree(model) -> dict:
     """The part of a model's state that `get_weights` covers, as saved on disk."""
-    model._settle()
-    return {"params": model._state.params, "model_state": model._state.model_state}
+    state = model.session.state
+    return {"params": state.params, "model_state": state.model_state}
 
 
 def training_tree(model) -> dict:
     """Weights plus optimizer state and step: enough to continue training."""
-    tree = {"weights": weights_tree(model), "step": model._state.step}
-    if model._state.opt_state is not None:
-        tree["opt_state"] = model._state.opt_state
+    state = model.session.state
+    tree = {"weights": weights_tree(model), "step": state.step}
+    if state.opt_state is not None:
+        tree["opt_state"] = state.opt_state
     return tree
 
 
 def set_from_tree(model, tree: dict) -> None:
     """Puts restored values (already laid out for this model) into its state."""
-    state = model._state._replace(params=tree["weights"]["params"], model_state=tree["weights"]["model_state"])
+    state = model.session.state._replace(params=tree["weights"]["params"], model_state=tree["weights"]["model_state"])
     if "step" in tree:
         state = state._replace(step=tree["step"])
     if "opt_state" in tree:
         state = state._replace(opt_state=tree["opt_state"])
-    model._state = state
+    model.session.state = state
 
 
 def compile_record(model) -> dict | None:
     """How the model was compiled, where that can be written down (names)."""
-    compiled = model._compiled
+    compiled = model.compile_settings
     if compiled is None:
         return None
     names = lambda values: [v for v in values if isinstance(v, str)]  # noqa: E731
@@ -89,7 +90,8 @@ def _write(path, kind: str, tree, meta: dict, overwrite: bool) -> None:
 
 def save_model(model, path, overwrite: bool = False) -> None:
     """Writes weights, optimizer state, step and compile settings to `path`."""
-    meta = {"format": FORMAT, "compile": compile_record(model), "has_optimizer": model._state.opt_state is not None}
+    has_optimizer = model.session.state.opt_state is not None
+    meta = {"format": FORMAT, "compile": compile_record(model), "has_optimizer": has_optimizer}
     _write(path, "model", training_tree(model), meta, overwrite)
 
 
@@ -142,7 +144,7 @@ def load_saved_model(model, path, *, compile: bool = True, **compile_kwargs) -> 
         kwargs.update(compile_kwargs)
         if compile and kwargs.get("optimizer") is not None:
             model.compile(**kwargs)
-        with_optimizer = model._state.opt_state is not None and meta.get("has_optimizer")
+        with_optimizer = model.session.state.opt_state is not None and meta.get("has_optimizer")
         template = training_tree(model) if with_optimizer else {"weights": weights_tree(model)}
         found = ckpt.restore_latest(template, partial=True)
     finally:

@@ -16,8 +16,9 @@ class TrainState(NamedTuple):
         opt_state: the optax optimizer state.
         metrics: accumulators of the loss and each compiled metric (sums and counts).
         step: number of optimizer steps taken (int32 scalar).
-        rng: raw PRNG key data (uint32), split each step; None for NNX modules,
-            which carry their RNG streams in `model_state` for modules that take an RNG argument (Linen dropout).
+        rng: raw PRNG key data (uint32), split each step, for modules that take
+            an RNG argument (Linen dropout); None for NNX modules, which carry
+            their RNG streams in `model_state`.
     """
 
     params: Any
@@ -25,4 +26,4 @@ class TrainState(NamedTuple):
     opt_state: Any
     metrics: Any
     step: jax.Array
-    rng: jax.Array
+    rng: jax.Array | None

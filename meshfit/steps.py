@@ -128,13 +128,13 @@ class Steps:
         new_state = self.apply_gradients(state, grads, model_state, increments, rng)
         return new_state, self.logs(new_state.metrics)
 
-    def staged_train_step(self, state: TrainState, block: Batch, index) -> tuple[TrainState, dict]:
-        """`train_step` on batch `index` of a block of batches stacked on a leading axis.
+    def staged_train_step(self, state: TrainState, stage: Batch, index) -> tuple[TrainState, dict]:
+        """`train_step` on batch `index` of a stage: batches stacked on a leading axis.
 
-        The block was placed on the devices once; each step only picks its
+        The stage was placed on the devices once; each step only picks its
         batch, so no host slicing or transfer happens per step.
         """
-        batch = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False), block)
+        batch = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False), stage)
         return self.train_step(state, batch)
 
     def eval_step(self, variables, metrics, batch: Batch):

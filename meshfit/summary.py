@@ -26,10 +26,12 @@ def _sharded(tree) -> bool:
     return any(isinstance(getattr(leaf, "sharding", None), NamedSharding) for leaf in jax.tree.leaves(tree))
 
 
-def format_summary(model) -> str:
-    """The text `model.summary()` prints (shapes and shardings only; no device transfer)."""
-    params, non_trainable = model._weight_trees()
-    names = model.weight_names()
+def format_summary(name: str, strategy, names: list[str], params, non_trainable, opt_state) -> str:
+    """The text `model.summary()` prints (shapes and shardings only; no device transfer).
+
+    `names` are the weight names of `params` then `non_trainable` leaves; `opt_state` adds
+    optimizer bytes per device under a mesh.
+    """
     leaves = jax.tree.leaves(params) + jax.tree.leaves(non_trainable)
     n_params = len(jax.tree.leaves(params))
     sharded = _sharded((params, non_trainable))
@@ -57,7 +59,7 @@ def format_summary(model) -> str:
     t_count, t_bytes = total(leaves[:n_params])
     f_count, f_bytes = total(leaves[n_params:])
     out = [
-        f'Model: "{type(model._adapter.module).__name__}"  strategy: {model.strategy!r}',
+        f'Model: "{name}"  strategy: {strategy!r}',
         line,
         fmt(header),
         line,
@@ -68,7 +70,7 @@ def format_summary(model) -> str:
         f"Non-trainable params: {f_count:,} ({human_bytes(f_bytes)})",
     ]
     if sharded:
-        opt_leaves = jax.tree.leaves(model._state.opt_state)
+        opt_leaves = jax.tree.leaves(opt_state)
         out.append(
             f"Total bytes per device: {human_bytes(sum(bytes_per_device(a) for a in leaves))} of weights"
             + (

@@ -20,10 +20,8 @@ def model():
 
 
 def snapshot(model):
-    return [
-        np.asarray(a).copy()
-        for a in jax.tree.leaves(jax.device_get((model._state.params, model._state.opt_state, model._state.step)))
-    ]
+    state = model.session.state
+    return [np.asarray(a).copy() for a in jax.tree.leaves(jax.device_get((state.params, state.opt_state, state.step)))]
 
 
 def assert_unchanged(model, before):
@@ -80,10 +78,10 @@ def test_unknown_names_list_valid_ones(model, kwargs, pattern):
     full = dict(optimizer="sgd", loss="mse")
     full.update(kwargs)
     before = snapshot(model)
-    compiled = model._compiled
+    compiled = model.compile_settings
     with pytest.raises((ValueError, TypeError), match=pattern):
         model.compile(**full)
-    assert model._compiled is compiled
+    assert model.compile_settings is compiled
     assert_unchanged(model, before)
 
 

@@ -53,14 +53,14 @@ def test_steps_per_execution_matches_single_steps_with_ragged_last_group():
     h4 = four.fit(x, y, batch_size=9, epochs=3, verbose=0)
     assert_trees_close(one.params, four.params, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(h1.history["loss"], h4.history["loss"], rtol=1e-5)
-    assert int(four._state.step) == 30  # padding steps of the last group did not count
+    assert int(four.session.state.step) == 30  # padding steps of the last group did not count
     r1 = one.evaluate(x, y, batch_size=9, verbose=0, return_dict=True)
     r4 = four.evaluate(x, y, batch_size=9, verbose=0, return_dict=True)
     assert r1["loss"] == pytest.approx(r4["loss"], rel=1e-5)
     np.testing.assert_allclose(
         one.predict(x, batch_size=9, verbose=0), four.predict(x, batch_size=9, verbose=0), rtol=1e-5, atol=1e-6
     )
-    assert four._runner._train.step._cache_size() == 1
+    assert four.session._train.step._cache_size() == 1
 
 
 def test_callback_order_and_batch_indices_follow_keras():
@@ -108,7 +108,7 @@ def test_stop_training_from_a_batch_callback_stops_at_once():
     model = make_model()
     history = model.fit(x, y, batch_size=8, epochs=5, callbacks=[StopAt()], verbose=0)
     assert history.epoch == [0]
-    assert int(model._state.step) == 3
+    assert int(model.session.state.step) == 3
 
 
 def test_validation_freq_int_and_list():
@@ -130,7 +130,7 @@ def test_initial_epoch_and_steps_per_epoch_stream():
     assert history.epoch == [2, 3]
     model = make_model()
     model.fit(x, y, batch_size=8, epochs=3, steps_per_epoch=2, verbose=0)
-    assert int(model._state.step) == 6
+    assert int(model.session.state.step) == 6
 
 
 def test_learning_rate_scheduler_changes_lr_without_recompiling():
@@ -140,7 +140,7 @@ def test_learning_rate_scheduler_changes_lr_without_recompiling():
     history = model.fit(x, y, batch_size=8, epochs=3, callbacks=[schedule], verbose=0)
     np.testing.assert_allclose(history.history["learning_rate"], [0.1, 0.05, 0.1 / 3], rtol=1e-6)
     assert model.optimizer.learning_rate == pytest.approx(0.1 / 3)
-    assert model._runner._train_staged._cache_size() == 1
+    assert model.session._train_staged._cache_size() == 1
 
 
 def test_learning_rate_change_has_effect_on_updates():
@@ -186,7 +186,7 @@ def test_terminate_on_nan_stops_training():
         x, y, batch_size=4, epochs=3, callbacks=[mf.callbacks.TerminateOnNaN()], shuffle=False, verbose=0
     )
     assert history.epoch == [] or len(history.epoch) <= 1
-    assert int(model._state.step) == 2  # the NaN appeared in the second batch
+    assert int(model.session.state.step) == 2  # the NaN appeared in the second batch
 
 
 def test_progress_bar_is_default_with_verbose_and_silent_with_zero(capsys):

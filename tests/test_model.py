@@ -105,9 +105,9 @@ def test_steps_compile_once_across_epochs_partial_batches_and_fits():
     model.fit(x, y, batch_size=16, epochs=2, validation_split=0.2, verbose=0)
     model.fit(x, y, batch_size=16, epochs=2, validation_data=(x[:9], y[:9]), verbose=0)
     model.evaluate(x[:5], y[:5], batch_size=16, verbose=0)
-    runner = model._runner
-    assert runner._train_staged._cache_size() == 1
-    assert runner._evaluate._cache_size() == 1
+    session = model.session
+    assert session._train_staged._cache_size() == 1
+    assert session._evaluate._cache_size() == 1
 
 
 def test_predict_is_exact_on_partial_batches():

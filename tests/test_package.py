@@ -1,4 +1,5 @@
-"""The package's shape: no import cycles, and `import meshfit` stays free of the parameter-server code."""
+"""The package's shape: no import cycles, `import meshfit` stays free of the parameter-server code, and only
+`model.py` touches a `Model`'s private attributes."""
 
 import ast
 import os
@@ -94,3 +95,21 @@ def test_import_meshfit_loads_no_parameter_server_module():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"
+
+
+def private_model_accesses(path: str) -> list[str]:
+    """`model._x` and `self.model._x` (read or written) in a file, as `line: expression`."""
+    found = []
+    for node in ast.walk(ast.parse(open(path).read())):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+            continue
+        owner = node.value
+        name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+        if name in ("model", "_model"):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_only_model_py_touches_private_attributes_of_a_model():
+    found = {name: private_model_accesses(path) for name, path in modules().items() if name != "meshfit.model"}
+    assert {name: hits for name, hits in found.items() if hits} == {}

@@ -44,7 +44,7 @@ def test_saved_under_mirrored8_restores_onto_other_layouts(tmp_path, target):
     with strategy.scope():
         loaded = mf.load_model(tmp_path / "model", MLP(din=4, hidden=64, dout=3, seed=99))
     assert same_weights(model, loaded)
-    assert int(loaded._state.step) == int(model._state.step) == 8
+    assert int(loaded.session.state.step) == int(model.session.state.step) == 8
     if target == "fsdp4":
         assert loaded.params["hidden"]["kernel"].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
     # The optimizer state came back too: one more epoch from both gives the same weights.

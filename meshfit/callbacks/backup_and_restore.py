@@ -10,6 +10,7 @@ import numpy as np
 from meshfit import integrity
 from meshfit.callbacks.base import Callback
 from meshfit.checkpoint import CheckpointDir, NonFiniteState
+from meshfit.session import Position
 
 
 def split_arrays(value, arrays: dict, prefix: str = "a"):
@@ -90,24 +91,25 @@ class BackupAndRestore(Callback):
         self.max_to_keep = max_to_keep
         self.async_save = async_save
         self._dir: CheckpointDir | None = None
-        self._epoch = 0
         self._saved_step = 0
         self._refused_step: int | None = None  # a step whose state was not finite, so not saved
 
     # -- what goes into a backup ---------------------------------------------------
 
     def _siblings(self):
-        return [cb for cb in self.model._fit_callbacks if cb is not self]
+        return [cb for cb in self.model.session.callbacks if cb is not self]
 
-    def _save(self, epoch: int, step_in_epoch: int, logs=None, *, wait: bool = False) -> None:
+    def _save(self, logs=None, *, wait: bool = False) -> None:
+        """Backs up the session's state at its position; `logs` are an ending epoch's (History records them later)."""
         model = self.model
-        model._settle()
+        session = model.session
+        position = session.position()  # settles the state to match it
         history = model.history
         history_dict = {k: list(v) for k, v in history.history.items()}
         history_epochs = list(history.epoch)
-        if logs is not None and epoch - 1 not in history_epochs and step_in_epoch == 0:
+        if logs is not None and position.epoch - 1 not in history_epochs and position.step_in_epoch == 0:
             # Saving at an epoch end before History recorded it (History runs later).
-            history_epochs.append(epoch - 1)
+            history_epochs.append(position.epoch - 1)
             for k, v in logs.items():
                 history_dict.setdefault(k, []).append(v)
         arrays: dict = {}
@@ -115,11 +117,11 @@ class BackupAndRestore(Callback):
             f"{i}:{type(cb).__name__}": split_arrays(cb.state_dict(), arrays) for i, cb in enumerate(self._siblings())
         }
         arrays = {k: np.asarray(v) for k, v in arrays.items()}
-        data = split_arrays(model._fit_data_state(), arrays)
+        data = split_arrays(position.data, arrays)
         meta = {
-            "epoch": epoch,
-            "step_in_epoch": step_in_epoch,
-            "data_origin": model._data_origin,
+            "epoch": position.epoch,
+            "step_in_epoch": position.step_in_epoch,
+            "data_origin": position.data_origin,
             "history": history_dict,
             "history_epochs": history_epochs,
             "callbacks": callbacks,
@@ -127,12 +129,12 @@ class BackupAndRestore(Callback):
             "format": 1,
             "array_specs": {k: [list(v.shape), str(v.dtype)] for k, v in arrays.items()},
         }
-        step = int(model._host_step)
+        step = position.step
         self._saved_step = step
         try:
             self._dir.save(
                 step,
-                {"train": model._state, "arrays": arrays},
+                {"train": session.state, "arrays": arrays},
                 meta,
                 wait=wait or not self.async_save,
                 finite_only=True,
@@ -155,25 +157,27 @@ class BackupAndRestore(Callback):
 
         def template(meta):  # array shapes are in the meta, so the restore has a full target
             arrays = {k: np.zeros(shape, dtype) for k, (shape, dtype) in meta["array_specs"].items()}
-            return {"train": model._state, "arrays": arrays}
+            return {"train": model.session.state, "arrays": arrays}
 
         found = self._dir.restore_latest(template)
         if found is None:
             return
         step, state, meta = found
         arrays = {k: np.asarray(v) for k, v in state["arrays"].items()}
-        model._state = state["train"]
-        model._host_step = step
         model.history.history.update(meta["history"])
         model.history.epoch[:] = meta["history_epochs"]
         for i, cb in enumerate(self._siblings()):
             saved = meta["callbacks"].get(f"{i}:{type(cb).__name__}")
             if saved:
                 cb.load_state_dict(join_arrays(saved, arrays))
-        model._restore_fit_data_state(join_arrays(meta["data"], arrays))
-        model._resume_point = (meta["epoch"], meta["step_in_epoch"])
-        model._data_origin = meta.get("data_origin", 0)  # backups from before it was saved: passes began at 0
-        model._resumed = True
+        position = Position(
+            epoch=meta["epoch"],
+            step_in_epoch=meta["step_in_epoch"],
+            step=step,
+            data_origin=meta.get("data_origin", 0),  # backups from before it was saved: passes began at 0
+            data=join_arrays(meta["data"], arrays),
+        )
+        model.session.restore(state["train"], position)
         if model.strategy.is_chief:
             print(
                 f"BackupAndRestore: resumed from {self._dir.directory} at epoch {meta['epoch'] + 1}, "
@@ -186,23 +190,19 @@ class BackupAndRestore(Callback):
     def on_train_begin(self, logs=None):
         self._refused_step = None
         self._dir = CheckpointDir(self.backup_dir, "backup", max_to_keep=self.max_to_keep, async_save=self.async_save)
-        self._saved_step = self.model._host_step
         self._restore()
-        self._saved_step = self.model._host_step
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
+        self._saved_step = self.model.session.step
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.save_freq != "epoch" and self.model._host_step // self.save_freq > self._saved_step // self.save_freq:
-            self._save(self._epoch, batch + 1)
+        if self.save_freq != "epoch" and self.model.session.step // self.save_freq > self._saved_step // self.save_freq:
+            self._save()
 
     def on_epoch_end(self, epoch, logs=None):
         if self.save_freq == "epoch":
-            self._save(epoch + 1, 0, logs)
+            self._save(logs)
 
     def on_preemption(self, epoch, step_in_epoch):
-        self._save(epoch, step_in_epoch, wait=True)
+        self._save(wait=True)
 
     def on_train_end(self, logs=None):
         directory = self._dir
@@ -232,7 +232,7 @@ class BackupAndRestore(Callback):
         loss = (logs or {}).get("loss")
         if self._refused_step is not None or (loss is not None and not math.isfinite(float(loss))):
             return True
-        return bool(integrity.report(self.model._state).non_finite())
+        return bool(integrity.report(self.model.session.state).non_finite())
 
     def close(self) -> None:
         """Waits for the backup being written and releases the directory (also after a failed fit)."""

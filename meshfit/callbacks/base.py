@@ -212,7 +212,7 @@ class CallbackList(Callback):
     def append(self, callback: Callback) -> None:
         self.callbacks.append(callback)
 
-    def _bound_hooks(self, hook: str) -> list:
+    def bound_hooks(self, hook: str) -> list:
         """The bound `hook` of each callback that does something in it.
 
         Hooks a callback inherits unchanged from `Callback` are skipped, so a
@@ -233,7 +233,7 @@ class CallbackList(Callback):
 
     def wants(self, hook: str) -> bool:
         """True if some callback implements `hook` (or its Keras 2 alias)."""
-        return bool(self._bound_hooks(hook))
+        return bool(self.bound_hooks(hook))
 
     def set_model(self, model) -> None:
         super().set_model(model)
@@ -252,7 +252,7 @@ class CallbackList(Callback):
         return len(self.callbacks)
 
     def _call(self, hook: str, *args) -> None:
-        for bound in self._bound_hooks(hook):
+        for bound in self.bound_hooks(hook):
             bound(*args)
 
 

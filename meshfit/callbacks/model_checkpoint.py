@@ -69,13 +69,13 @@ class ModelCheckpoint(MonitorCallback):
             )
         if self.monitor_op is None:
             self._set_monitor_op()
-        self._last_step = self.model._host_step
+        self._last_step = self.model.session.step
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        step = self.model._host_step
+        step = self.model.session.step
         if self.save_freq != "epoch" and step // self.save_freq > self._last_step // self.save_freq:
             self._last_step = step
             self._maybe_save(step, logs)
@@ -110,12 +110,12 @@ class ModelCheckpoint(MonitorCallback):
         )
         meta = {
             "epoch": self._epoch,
-            "step": int(self.model._host_step),
+            "step": int(self.model.session.step),
             "weights_only": self.save_weights_only,
             "logs": {k: float(v) for k, v in logs.items()},
         }
         # A run resumed by BackupAndRestore may save a step it saved before (same values).
-        self._dir.save(number, tree, meta, if_exists="skip" if self.model._resumed else "error")
+        self._dir.save(number, tree, meta, if_exists="skip" if self.model.session.resumed else "error")
 
     def state_dict(self):
         return {"best": None if self.best is None else float(self.best)}

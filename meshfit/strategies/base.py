@@ -72,7 +72,7 @@ class Strategy(ABC):
     num_replicas_in_sync: int = 1
 
     #: Whether single-step training may place a block of batches on the devices
-    #: at once (`place_block`) and pick one batch per step inside the compiled step.
+    #: at once (`place_stage`) and pick one batch per step inside the compiled step.
     stages_batches: bool = True
 
     @contextlib.contextmanager
@@ -121,12 +121,12 @@ class Strategy(ABC):
         their batch dimension is the second.
         """
 
-    def place_block(self, host_block):
-        """Places batches stacked on a leading axis as device arrays, for several steps to read.
+    def place_stage(self, host_batches):
+        """Places batches stacked on a leading axis (a stage) as device arrays, for several steps to read.
 
-        Laid out as `distribute_batch(host_block, stacked=True)` lays them out.
+        Laid out as `distribute_batch(host_batches, stacked=True)` lays them out.
         """
-        return self.distribute_batch(host_block, True)
+        return self.distribute_batch(host_batches, True)
 
     @abstractmethod
     def compile(self, fn: Callable, *, donate_argnums: tuple[int, ...] = ()) -> Callable:

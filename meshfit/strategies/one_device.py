@@ -31,8 +31,8 @@ class OneDeviceStrategy(Strategy):
         # jit's C++ fast path; an explicit device_put here costs more per step.
         return host_batch
 
-    def place_block(self, host_block):
-        return self._to_device(host_block)  # read by several steps: placed once
+    def place_stage(self, host_batches):
+        return self._to_device(host_batches)  # read by several steps: placed once
 
     def compile(self, fn, *, donate_argnums=()):
         return jax.jit(fn, donate_argnums=donate_argnums)

@@ -140,7 +140,7 @@ def test_corrupt_newest_backup_is_skipped_for_the_previous_one(tmp_path):
     messages = [str(w.message) for w in caught]
     assert any(str(backup / "12") in m and "could not be read" in m for m in messages), messages
     # Resumed from step 8 (epoch 1, batch 2), so the fit ran the last 4 steps of epoch 2 again.
-    assert int(model._state.step) == 12
+    assert int(model.session.state.step) == 12
     assert (backup / "12.unreadable").is_dir()  # moved aside at once, never deleted
     assert history.epoch == [0, 1]
 
@@ -265,7 +265,7 @@ def test_grain_stream_resumes_mid_epoch_exactly(tmp_path, stop_at, newest):
 
     class StopAtStep(mf.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            if self.model._host_step == stop_at:
+            if self.model.session.step == stop_at:
                 self.model.stop_training = True
 
     def fit(epochs, backup=None, stop=False):
@@ -282,7 +282,7 @@ def test_grain_stream_resumes_mid_epoch_exactly(tmp_path, stop_at, newest):
     steps = sorted(int(p) for p in os.listdir(tmp_path / "b") if p.isdigit())
     assert steps[-1] == newest
     resumed, resumed_history = fit(4, tmp_path / "b")
-    assert int(resumed._state.step) == 12
+    assert int(resumed.session.state.step) == 12
     assert resumed_history.history == full_history.history
     for a, b in zip(full.get_weights(), resumed.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -293,7 +293,7 @@ def test_a_fit_that_raises_leaves_a_usable_backup_for_the_next_fit(tmp_path):
 
     class Crash(mf.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            if self.model._host_step == 7:
+            if self.model.session.step == 7:
                 raise RuntimeError("simulated crash")
 
     model = mf.Model(MLP(), seed=3)
@@ -326,7 +326,7 @@ def test_a_resumed_fit_reads_the_shuffled_passes_of_the_fit_it_resumes(tmp_path)
 
     class Crash(mf.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            if self.model._host_step == 13:  # in the second epoch of the second fit
+            if self.model.session.step == 13:  # in the second epoch of the second fit
                 raise RuntimeError("simulated crash")
 
     def model_():
@@ -422,7 +422,7 @@ class SpikeLearningRate(mf.callbacks.Callback):
         self.at = at
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.model._host_step == self.at:
+        if self.model.session.step == self.at:
             self.model.optimizer.learning_rate = 1e38
 
 
@@ -452,7 +452,7 @@ def test_a_nan_stop_keeps_the_last_finite_backup_and_saves_no_nan(
         assert "Invalid loss, terminating training" in out
     else:  # training went on in NaN: every later backup was refused
         assert "not saving the state at step" in out and "NaN or Inf" in out
-        assert model._host_step == 24
+        assert model.session.step == 24
     if delete_checkpoint:
         assert "training ended on a non-finite loss or state" in out and "are kept" in out
     steps = backup_steps(backup)
@@ -463,7 +463,7 @@ def test_a_nan_stop_keeps_the_last_finite_backup_and_saves_no_nan(
             restored, _ = ckpt.restore(
                 step,
                 lambda meta: {
-                    "train": model._state,
+                    "train": model.session.state,
                     "arrays": {k: np.zeros(shape, dtype) for k, (shape, dtype) in meta["array_specs"].items()},
                 },
             )

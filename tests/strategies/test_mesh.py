@@ -64,17 +64,17 @@ def test_mesh_equals_one_device_after_20_steps(reference, axes, rules):
     one, h_one = reference
     strategy = mf.strategies.MeshStrategy(axes=axes, rules=rules)
     model, history = train(strategy)
-    assert int(model._state.step) == 20
+    assert int(model.session.state.step) == 20
     assert_trees_close(one.params, model.params, rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(h_one.history["loss"], history.history["loss"], rtol=1e-5)
-    assert model._runner._train_staged._cache_size() == 1  # batches staged in blocks, one compile
+    assert model.session._train_staged._cache_size() == 1  # batches staged in blocks, one compile
     # The layout held through training: parameters and Adam moments keep their specs.
     specs = strategy.param_specs(model.params)
     for leaf, spec in zip(
         jax.tree.leaves(model.params), jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P)), strict=True
     ):
         assert leaf.sharding.spec == spec
-    mu = optax.tree_utils.tree_get(model._state.opt_state, "mu")
+    mu = optax.tree_utils.tree_get(model.session.state.opt_state, "mu")
     assert mu["up"]["kernel"].sharding.spec == specs["up"]["kernel"]
 
 
@@ -115,7 +115,7 @@ def test_fsdp8_memory_per_device():
     with strategy.scope():
         model = mf.Model(Block(din=256, hidden=512, dout=64))
         model.compile(optimizer="adam", loss="mse")
-    state = (model._state.params, model._state.opt_state)
+    state = (model.session.state.params, model.session.state.opt_state)
     total = sum(a.nbytes for a in jax.tree.leaves(state))
     per_device = {}
     for leaf in jax.tree.leaves(state):

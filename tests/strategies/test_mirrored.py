@@ -53,7 +53,7 @@ def test_mirrored_equals_one_device(n, batch_size):
 def test_mirrored_state_is_replicated_and_batches_are_split():
     x, y = classification_data(n=64)
     model, _ = train(mf.strategies.MirroredStrategy(), x, y, 16, 1)
-    for leaf in jax.tree.leaves(model._state):
+    for leaf in jax.tree.leaves(model.session.state):
         assert leaf.sharding.is_fully_replicated
         assert len(leaf.sharding.device_set) == 8
     batch = model.strategy.distribute_batch(next(model._make_data(x, y, None, 16).epoch(0)))

@@ -29,7 +29,7 @@ def test_sync_mode_equals_mirrored(n, batch_size):
     devices = jax.devices()[:4]
     mirrored, h_mir = train(mf.strategies.MirroredStrategy(devices), x, y, batch_size)
     ps, h_ps = train(mf.strategies.ParameterServerStrategy(mode="sync", workers=devices), x, y, batch_size)
-    assert int(ps._state.step) == int(mirrored._state.step) == 20
+    assert int(ps.session.state.step) == int(mirrored.session.state.step) == 20
     assert_trees_close(mirrored.params, ps.params, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(h_mir.history["loss"], h_ps.history["loss"], rtol=1e-5)
     np.testing.assert_allclose(h_mir.history["accuracy"], h_ps.history["accuracy"], rtol=1e-6)
@@ -39,9 +39,9 @@ def test_parameters_live_on_the_server_and_evaluation_uses_them():
     x, y = classification_data(n=64)
     strategy = mf.strategies.ParameterServerStrategy(workers=jax.devices()[:3])
     model, history = train(strategy, x, y, 8, epochs=2)
-    for leaf in jax.tree.leaves(model._state):
+    for leaf in jax.tree.leaves(model.session.state):
         assert leaf.devices() == {strategy.server_device}
-    assert int(model._state.step) == 16  # every batch applied once, whichever worker took it
+    assert int(model.session.state.step) == 16  # every batch applied once, whichever worker took it
     logits = np.asarray(model.module(x))
     expected = float((logits.argmax(-1) == y).mean())
     assert model.evaluate(x, y, verbose=0, return_dict=True)["accuracy"] == pytest.approx(expected)
@@ -159,13 +159,13 @@ def test_state_partitioned_over_server_devices(mode):
         mode=mode, workers=jax.devices()[:4], server_device=servers, min_shard_size=64
     )
     ps, _ = train(strategy, x, y, 16)
-    assert int(ps._state.step) == 20
-    kernel = ps._state.params["hidden"]["kernel"]  # (4, 32): split over its 32 columns
+    assert int(ps.session.state.step) == 20
+    kernel = ps.session.state.params["hidden"]["kernel"]  # (4, 32): split over its 32 columns
     assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "ps")
     assert {s.data.shape for s in kernel.addressable_shards} == {(4, 16)}
-    bias = ps._state.params["out"]["bias"]  # 3 elements: whole on both
+    bias = ps.session.state.params["out"]["bias"]  # 3 elements: whole on both
     assert bias.sharding.is_fully_replicated
-    big = [leaf for leaf in jax.tree.leaves((ps._state.params, ps._state.opt_state)) if leaf.size >= 64]
+    big = [leaf for leaf in jax.tree.leaves((ps.session.state.params, ps.session.state.opt_state)) if leaf.size >= 64]
     usage = per_device_bytes(big)
     assert set(usage) == set(servers) and len(set(usage.values())) == 1  # an even split
     assert sum(usage.values()) == sum(leaf.nbytes for leaf in big)  # each part on one server only

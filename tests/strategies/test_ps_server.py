@@ -12,7 +12,7 @@ from meshfit.strategies.ps_server import job_salt, salted, split_rows, weighted_
 def dropout_model():
     model = mf.Model(MLP(din=4, hidden=32, dout=3, dropout=0.5))
     model.compile(optimizer="sgd", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
-    model.fit(*classification_data(n=16), batch_size=16, epochs=1, verbose=0)  # builds the runner
+    model.fit(*classification_data(n=16), batch_size=16, epochs=1, verbose=0)  # builds the steps
     return model
 
 
@@ -22,10 +22,10 @@ def keys_of(tree):
 
 def test_salted_jobs_draw_their_own_dropout_masks_and_keep_the_stream_keys():
     model = dropout_model()
-    state = model._state
+    state = model.session.state
     x, y = classification_data(n=8)
     batch = Batch(x, y, None, np.ones(8, np.float32))
-    gradients = jax.jit(salted(model._runner.steps.gradients))
+    gradients = jax.jit(salted(model.session.steps.gradients))
     run = lambda salt: gradients(state.params, state.model_state, batch, None, job_salt(*salt))  # noqa: E731
     (g00, s00, _), (g00_again, _, _), (g01, _, _), (g10, _, _) = run((0, 0)), run((0, 0)), run((0, 1)), run((1, 0))
     leaves = lambda tree: jax.tree.leaves(tree)  # noqa: E731

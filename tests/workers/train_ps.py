@@ -57,7 +57,7 @@ def main():
     first_attempt = os.environ.get("MESHFIT_RESTART_COUNT") == "0"
 
     def maybe_die(batch, logs):
-        if first_attempt and model._host_step == args.die_at_step and jax.process_index() == args.die_rank:
+        if first_attempt and model.session.step == args.die_at_step and jax.process_index() == args.die_rank:
             os.kill(os.getpid(), signal.SIGKILL)
 
     callbacks = [mf.callbacks.LambdaCallback(on_train_batch_end=maybe_die)]
@@ -66,7 +66,7 @@ def main():
     if args.backup != "none":
         callbacks.append(mf.callbacks.BackupAndRestore(args.backup, save_freq=10))
     history = model.fit(x_train, y_train, batch_size=64, epochs=args.epochs, callbacks=callbacks, verbose=2)
-    kernel = model._state.params["hidden1"]["kernel"]
+    kernel = model.session.state.params["hidden1"]["kernel"]
     print(
         f"hidden1/kernel {getattr(kernel.sharding, 'spec', 'whole')} on {len(kernel.sharding.device_set)} server devices "  # noqa: E501
         f"of {len({d.process_index for d in kernel.sharding.device_set})} process(es)",

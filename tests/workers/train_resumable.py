@@ -60,8 +60,8 @@ def main():
     first_attempt = os.environ.get("MESHFIT_RESTART_COUNT", "0") == "0"
 
     def on_batch_end(batch, logs):
-        print(f"step {model._host_step}", flush=True)
-        if args.die_at_step == model._host_step and first_attempt and strategy.process_index == 1:
+        print(f"step {model.session.step}", flush=True)
+        if args.die_at_step == model.session.step and first_attempt and strategy.process_index == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         if args.slow:
             time.sleep(args.slow)

@@ -1,0 +1,330 @@
+"""Session: a model's training state on its devices, and the bookkeeping that resumes a fit.
+
+The session is the one owner of the `TrainState`. Compiled steps return a new
+state (the old buffers are donated, no copy is kept) and the session stores
+it; everything else reads the state through `state`, which is settled (it
+accounts for every batch handed out, also under asynchronous strategies),
+and replaces it through `state = ...`, `reset` or `restore`. The session also
+counts optimizer steps on the host, knows where a running fit stands
+(`position()`), and decides how training batches reach the devices
+(`train_executions`): one by one, or several staged on the devices at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from meshfit.in_flight import InFlight
+from meshfit.state import TrainState
+from meshfit.steps import LOSS_KEY, Steps
+
+#: Bytes of batches placed on the devices at once for single-step training from arrays.
+STAGE_BYTES = 8 * 2**20
+#: At most this many batches are placed at once (the host gathers them in one go).
+MAX_STAGED_STEPS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Position:
+    """Where a fit stands: what a backup records to continue it exactly.
+
+    Attributes:
+        epoch: the epoch to continue (numbered as `fit` numbers them).
+        step_in_epoch: batches of that epoch already trained on.
+        step: optimizer steps taken, over all fits.
+        data_origin: the pass over array data that epoch 0 reads (passes are
+            numbered across fits, so each epoch is shuffled anew).
+        data: the training input's own position (an iterator's state).
+    """
+
+    epoch: int
+    step_in_epoch: int
+    step: int
+    data_origin: int = 0
+    data: dict = dataclasses.field(default_factory=dict)
+
+
+class Staged(NamedTuple):
+    """Batches already on the devices (a stage: several stacked); each step picks one by its device index."""
+
+    stage: Any
+    indices: list
+
+
+class Session:
+    """A model's `TrainState`, its compiled steps and the position of the running fit.
+
+    Args:
+        strategy: the model's strategy (placement, compilation, transfers).
+        state: the initial state, already laid out by `strategy.place_state`.
+        max_in_flight: see `meshfit.in_flight.InFlight`.
+    """
+
+    def __init__(self, strategy, state: TrainState, max_in_flight: int = 4):
+        self.strategy = strategy
+        self._state = state
+        self._step = 0  # optimizer steps taken, counted on the host
+        self._step_known = True  # whether `_step` counts `_state` (else read once from the device)
+        self.in_flight = InFlight(max_in_flight)
+        # The running fit: its callbacks (BackupAndRestore saves their state), its input, its position.
+        self.callbacks: list = []
+        self.resumed = False  # the running fit continues one restored from a backup
+        self._data = None
+        self._epoch = self._step_in_epoch = 0
+        self._resume_point: tuple[int, int] | None = None
+        # Shuffled passes over array data are numbered across fits: epoch e reads pass `_data_origin + e`.
+        self._epochs_begun = 0
+        self._data_origin = 0
+        self.steps: Steps | None = None  # set by `build`
+
+    # -- the state -------------------------------------------------------------------
+
+    @property
+    def state(self) -> TrainState:
+        """The state after every batch handed out so far (see `settle`)."""
+        self.settle()
+        return self._state
+
+    @state.setter
+    def state(self, state: TrainState) -> None:
+        """Replaces the state from outside a step (weights set, a learning rate changed, a restore)."""
+        self.settle()
+        self._state = state
+        self._step_known = False  # a restored state may hold another step: the next fit reads it
+
+    def reset(self, state: TrainState) -> None:
+        """A fresh start (`compile`): the state at step 0, compiled steps dropped."""
+        self._state, self._step, self._step_known = state, 0, True
+        self.steps = None
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken, counted on the host (no transfer)."""
+        return self._step
+
+    def settle(self):
+        """Applies every batch handed out but not yet applied (asynchronous strategies).
+
+        Afterwards the state accounts for exactly the batches the data position
+        counts as consumed, so what a saver writes resumes exactly. Returns the
+        logs after that, or None for a strategy with nothing in flight.
+        """
+        if self.steps is None:
+            return None
+        drained = self._train.drain()
+        if drained is None:
+            return None
+        self._state, logs = drained
+        return logs
+
+    # -- a fit's position ------------------------------------------------------------------
+
+    def begin_fit(self, data, callbacks: list, initial_epoch: int) -> None:
+        """Starts a fit over `data` at `initial_epoch`; callbacks may `restore` a position next."""
+        self._data, self.callbacks, self.resumed = data, list(callbacks), False
+        if not self._step_known:  # set from outside since the last fit: read its step once
+            self._step = int(self.strategy.to_host(self._state.step))
+        self._step_known = False  # until this fit ends normally, the count may run ahead of the state
+        self._data_origin = self._epochs_begun - initial_epoch
+        self._resume_point = None
+
+    def end_fit(self, finished: bool) -> None:
+        """Ends the fit; after one that `finished`, the host count matches the state, so the next need not read it."""
+        self._step_known = finished
+        self._data, self.callbacks = None, []
+
+    def start_point(self, initial_epoch: int) -> tuple[int, int]:
+        """`(epoch, step_in_epoch)` the fit starts at: a restored position, or `initial_epoch`'s start."""
+        start, self._resume_point = self._resume_point or (initial_epoch, 0), None
+        return start
+
+    def begin_epoch(self, epoch: int, step_in_epoch: int) -> int:
+        """Marks the start of `epoch` (at `step_in_epoch`); returns the data pass it reads."""
+        self._epoch, self._step_in_epoch = epoch, step_in_epoch
+        data_epoch = self._data_origin + epoch
+        self._epochs_begun = data_epoch + 1
+        return data_epoch
+
+    def count(self, steps: int) -> None:
+        """Counts `steps` trained batches of the current epoch."""
+        self._step += steps
+        self._step_in_epoch += steps
+
+    def epoch_done(self) -> None:
+        """The current epoch is complete: the position is the next epoch's start."""
+        self._epoch, self._step_in_epoch = self._epoch + 1, 0
+
+    def position(self) -> Position:
+        """Where the running fit stands, with the state settled to match it."""
+        self.settle()
+        data = self._data.get_state() if self._data is not None else {}
+        return Position(self._epoch, self._step_in_epoch, self._step, self._data_origin, data)
+
+    def restore(self, state: TrainState, position: Position) -> None:
+        """Continues the running fit from a backup: its state, step count, input position and epoch."""
+        self.state = state
+        self._step, self._step_known = position.step, True
+        if self._data is not None:
+            self._data.set_state(position.data)
+        self._resume_point = (position.epoch, position.step_in_epoch)
+        self._data_origin = position.data_origin
+        self.resumed = True
+
+    # -- compiled steps -------------------------------------------------------------------
+
+    @property
+    def built(self) -> bool:
+        return self.steps is not None
+
+    def build(self, steps: Steps, steps_per_execution: int = 1) -> None:
+        """Compiles the steps (once per batch shape, on first use) and sets fresh metric accumulators."""
+        self.steps = steps
+        self.steps_per_execution = steps_per_execution
+        multi = self.stacked = steps_per_execution > 1
+        compile_ = self.strategy.compile
+        self._train = self.strategy.train_function(steps, multi)
+        # A short last group of an epoch runs step by step (compiled on first use).
+        self._train_one = self.strategy.train_function(steps, False) if multi else self._train
+        self._evaluate = compile_(steps.multi_eval_step if multi else steps.eval_step, donate_argnums=(1,))
+        self._predict = compile_(steps.multi_predict_step if multi else steps.predict_step)
+        self._train_staged = None
+        if not multi and self.strategy.stages_batches:
+            self._train_staged = compile_(steps.staged_train_step, donate_argnums=(0,))
+        self._indices: list = []  # device scalars 0, 1, ... picking a batch of a stage
+        self._prefetched = None  # (data, epoch, start step, per_step, executions) read ahead by `prefetch`
+        self._fresh_metrics = None  # compiled on first use, to lay out fresh accumulators like the first
+        # The next epoch's accumulators, made while the devices finish an epoch: the
+        # host work before an epoch's first step is what the devices wait for.
+        self._spare_metrics = None
+        self._state = self._state._replace(metrics=self.fresh_eval_metrics())
+
+    def reset_train_metrics(self) -> None:
+        """Fresh accumulators for an epoch: those `finish_epoch` prepared, or new ones."""
+        metrics, self._spare_metrics = self._spare_metrics, None
+        if metrics is None:
+            metrics = self.fresh_eval_metrics()
+        self._state = self._state._replace(metrics=metrics)
+
+    def fresh_eval_metrics(self):
+        """Fresh loss and metric accumulators on the strategy's devices.
+
+        After the first, they come from a compiled call laid out like the
+        first: an epoch start then costs one dispatch, not a host transfer.
+        """
+        if self._fresh_metrics is None:
+            placed = self.strategy.replicate(self.steps.init_metrics())
+            shardings = jax.tree.map(lambda a: a.sharding, placed)
+            self._fresh_metrics = jax.jit(self.steps.init_metrics, out_shardings=shardings)
+            return placed
+        return self._fresh_metrics()
+
+    def epoch_logs(self):
+        """The logs of the accumulated metrics (device values)."""
+        return self.steps.logs(self._state.metrics)
+
+    # -- training -------------------------------------------------------------------------
+
+    def train_executions(self, data, epoch: int, start_step: int = 0, per_step: bool = True):
+        """Yields `(count, execution)` for the training steps of one epoch, from `start_step` on.
+
+        With one step per execution and data that can gather any batch (in-memory
+        arrays), batches travel to the devices in stages of up to `STAGE_BYTES`:
+        one host gather and one transfer per stage, and each step picks its
+        batch on the device (`Staged`, one step each). With `per_step=False`
+        (nothing runs between steps: no batch callbacks, no preemption watch) a
+        stage's steps come as one execution, which saves the loop's work per
+        step. Otherwise an execution is a host batch.
+        """
+        ahead, self._prefetched = self._prefetched, None
+        if ahead is not None and ahead[:4] == (data, epoch, start_step, per_step):
+            yield from ahead[4]
+            return
+        stage_steps = self._stage_steps(data)
+        if stage_steps == 1:
+            yield from data.executions(epoch, self.steps_per_execution, start_step, pad_last=False)
+            return
+        while len(self._indices) < stage_steps:
+            self._indices.append(self.strategy.replicate(np.int32(len(self._indices))))
+        for count, stage in data.executions(epoch, stage_steps, start_step, pad_last=True):
+            placed = self.strategy.place_stage(stage)
+            if not per_step:
+                yield count, Staged(placed, self._indices[:count])
+                continue
+            for index in self._indices[:count]:
+                yield 1, Staged(placed, [index])
+
+    def prefetch(self, data, epoch: int, per_step: bool = True) -> None:
+        """Prepares the first execution of `epoch` now, while the devices finish the last one.
+
+        Only for data whose batches depend on nothing but their position
+        (in-memory arrays): reading ahead of an iterator would move its state.
+        """
+        if not data.random_access:
+            return
+        executions = self.train_executions(data, epoch, per_step=per_step)
+        first = next(executions, None)
+        ahead = executions if first is None else itertools.chain([first], executions)
+        self._prefetched = (data, epoch, 0, per_step, ahead)
+
+    def _stage_steps(self, data) -> int:
+        if self._train_staged is None or not data.random_access:
+            return 1
+        return max(1, min(MAX_STAGED_STEPS, STAGE_BYTES // data.batch_nbytes))
+
+    def train(self, execution):
+        """One execution: staged batches, a (stacked) host batch, or a list of single batches
+        (a short last group). Returns its logs (device values)."""
+        if isinstance(execution, Staged):
+            return self._train_staged_steps(execution)
+        if isinstance(execution, list):
+            for single in execution:
+                batch = self.strategy.distribute_batch(single, False)
+                self._state, logs = self._train_one(self._state, batch)
+        else:
+            batch = self.strategy.distribute_batch(execution, self.stacked)
+            self._state, logs = self._train(self._state, batch)
+        self.in_flight.add(logs[LOSS_KEY])
+        return logs
+
+    def _train_staged_steps(self, staged: Staged):
+        """Each staged step in turn, with the in-flight bound kept at every step."""
+        train, stage, add = self._train_staged, staged.stage, self.in_flight.add
+        for index in staged.indices:
+            self._state, logs = train(self._state, stage, index)
+            add(logs[LOSS_KEY])
+        return logs
+
+    def finish_epoch(self, logs):
+        """Returns the epoch's final logs (device values), after `settle`.
+
+        Queued steps stay counted by `in_flight`: an epoch whose logs nobody
+        reads yet ends without a sync, and the bound holds across epochs.
+        """
+        settled = self.settle()
+        if self._spare_metrics is None:
+            self._spare_metrics = self.fresh_eval_metrics()
+        return logs if settled is None else settled
+
+    # -- evaluation and prediction ------------------------------------------------------------
+
+    def _variables(self):
+        return self._state.params, self._state.model_state
+
+    def evaluate(self, metrics, host_batch):
+        """One evaluation execution on the current weights; returns the new accumulators and logs."""
+        batch = self.strategy.distribute_batch(host_batch, self.stacked)
+        metrics, logs = self._evaluate(self._variables(), metrics, batch)
+        self.in_flight.add(logs[LOSS_KEY])
+        return metrics, logs
+
+    def predict(self, host_batch):
+        """Outputs of one execution, and the mask of its real rows (of every process)."""
+        batch = self.strategy.distribute_batch(host_batch, self.stacked)
+        y_pred = self._predict(self._variables(), batch)
+        self.in_flight.add(y_pred)
+        return y_pred, batch.mask
