@@ -23,7 +23,7 @@ from meshfit import data as data_lib
 from meshfit import losses as losses_lib
 from meshfit import metrics as metrics_lib
 from meshfit import optimizers as optimizers_lib
-from meshfit import saving
+from meshfit import precision, saving
 from meshfit.loop import evaluate_loop, fit_loop, predict_loop
 from meshfit.modules import adapt
 from meshfit.preemption import PreemptionWatch
@@ -49,6 +49,8 @@ class CompileSettings:
         metrics: metric identifiers, resolved on the first batch (their shapes decide "accuracy").
         weighted: identifiers of the metrics that use `sample_weight`.
         steps_per_execution: batches run inside one compiled call.
+        dtype_policy: the `meshfit.precision.DTypePolicy` the steps compute under.
+        gradient_accumulation_steps: batches whose mean gradient makes one update (1: every batch).
     """
 
     tx: Any
@@ -58,6 +60,8 @@ class CompileSettings:
     metrics: tuple
     weighted: tuple
     steps_per_execution: int
+    dtype_policy: precision.DTypePolicy = precision.get("float32")
+    gradient_accumulation_steps: int = 1
 
 
 class Model:
@@ -174,6 +178,8 @@ class Model:
         metrics: Sequence[str | metrics_lib.Metric | Callable] | None = None,
         weighted_metrics: Sequence[str | metrics_lib.Metric | Callable] | None = None,
         steps_per_execution: int = 1,
+        dtype_policy: str | precision.DTypePolicy | None = None,
+        gradient_accumulation_steps: int | None = None,
     ) -> None:
         """Configures the model for training (Keras's `compile`).
 
@@ -186,9 +192,37 @@ class Model:
             weighted_metrics: metrics that also use `sample_weight`.
             steps_per_execution: number of batches run inside one compiled call
                 (a `lax.scan`); batch callbacks are called once per call.
+            dtype_policy: Keras's policy names: "float32" (default),
+                "mixed_bfloat16", "mixed_float16" (with dynamic loss scaling)
+                or "bfloat16" (weights kept in bfloat16 too); see
+                `meshfit.precision`.
+            gradient_accumulation_steps: apply the optimizer every K batches
+                with the mean of their gradients (K batches of B rows train as
+                one of K x B). The accumulators live in the optimizer state,
+                so a backup taken mid-accumulation resumes exactly. An
+                `optax.MultiSteps` optimizer does the same.
         """
         self._check_strategy("compile")
+        policy = precision.get(dtype_policy)
+        if policy.loss_scaling and not self.strategy.supports_loss_scaling:
+            raise ValueError(
+                f"dtype_policy={policy.name!r} scales the loss inside the training step, which {self.strategy!r} "
+                "splits between workers and a server. Use dtype_policy='mixed_bfloat16', which needs no loss scale."
+            )
+        accumulate = 1 if gradient_accumulation_steps is None else gradient_accumulation_steps
+        if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
+            raise ValueError(
+                "`gradient_accumulation_steps` must be a positive int (batches per update). "
+                f"Received: {gradient_accumulation_steps!r}."
+            )
+        if accumulate > 1 and isinstance(optimizer, optax.MultiSteps):
+            raise ValueError(
+                "The optimizer is an optax.MultiSteps, which accumulates gradients itself; "
+                f"leave `gradient_accumulation_steps` unset. Received: {gradient_accumulation_steps!r}."
+            )
         tx = optimizers_lib.get(optimizer)
+        if accumulate > 1:
+            tx = optax.MultiSteps(tx, every_k_schedule=accumulate).gradient_transformation()
         loss_obj = losses_lib.get(loss) if loss is not None else None
         metric_ids = _as_list(metrics, "metrics")
         weighted_ids = _as_list(weighted_metrics, "weighted_metrics")
@@ -198,7 +232,14 @@ class Model:
         if not isinstance(steps_per_execution, int) or steps_per_execution < 1:
             raise ValueError(f"`steps_per_execution` must be a positive int. Received: {steps_per_execution!r}.")
         state = self.session.state
-        state = state._replace(opt_state=tx.init(state.params), metrics=(), step=jnp.zeros((), jnp.int32))
+        params = policy.cast_to_variable(state.params) if policy.variable_dtype != np.float32 else state.params
+        state = state._replace(
+            params=params,
+            opt_state=tx.init(params),
+            metrics=(),
+            step=jnp.zeros((), jnp.int32),
+            loss_scale=precision.LossScale.initial() if policy.loss_scaling else None,
+        )
         self.session.reset(self.strategy.place_state(state, self._adapter.partition_specs()))
         self._compiled = CompileSettings(
             tx=tx,
@@ -208,6 +249,8 @@ class Model:
             metrics=tuple(metric_ids),
             weighted=tuple(weighted_ids),
             steps_per_execution=steps_per_execution,
+            dtype_policy=policy,
+            gradient_accumulation_steps=accumulate,
         )
         self.optimizer = optimizers_lib.Optimizer(tx, self.session)
 
@@ -274,7 +317,7 @@ class Model:
         def resolve(ids):
             return [metrics_lib.get(i, y_true=y_true, y_pred=y_pred, loss=c.loss_id) for i in ids]
 
-        steps = Steps(self._adapter, c.loss, c.tx, resolve(c.metrics), resolve(c.weighted))
+        steps = Steps(self._adapter, c.loss, c.tx, resolve(c.metrics), resolve(c.weighted), c.dtype_policy)
         self.session.build(steps, c.steps_per_execution)
 
     @property

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from optax import tree_utils as otu
@@ -39,16 +41,35 @@ def names() -> list[str]:
     return sorted(_FACTORIES)
 
 
-def get(identifier, **overrides) -> optax.GradientTransformation:
+def get(
+    identifier,
+    *,
+    clipnorm: float | None = None,
+    clipvalue: float | None = None,
+    global_clipnorm: float | None = None,
+    **overrides,
+) -> optax.GradientTransformation:
     """Returns an optax transform for a Keras optimizer name or passes one through.
 
     Args:
-        identifier: a name such as "adam" (case-insensitive), or an
-            `optax.GradientTransformation`, returned unchanged.
+        identifier: a name such as "adam" (case-insensitive), an
+            `optax.GradientTransformation` (returned unchanged unless clipping
+            is asked for), or an `optax.MultiSteps` (gradient accumulation).
+        clipnorm: clip each gradient array to this L2 norm (Keras's `clipnorm`).
+        clipvalue: clip each gradient element to `[-clipvalue, clipvalue]`.
+        global_clipnorm: clip all gradients together to this global L2 norm.
         **overrides: keyword arguments for the optax factory, e.g. `learning_rate=3e-4`.
     """
+    clipping = _clipping(clipnorm, clipvalue, global_clipnorm)
+    if isinstance(identifier, optax.MultiSteps):
+        identifier = identifier.gradient_transformation()
     if isinstance(identifier, optax.GradientTransformation):
-        return identifier
+        if overrides:
+            raise ValueError(
+                f"Keyword arguments {sorted(overrides)} apply to optimizer names; "
+                "an optax transformation comes configured already."
+            )
+        return optax.chain(*clipping, identifier) if clipping else identifier
     if isinstance(identifier, str):
         key = identifier.lower()
         if key not in _FACTORIES:
@@ -58,12 +79,43 @@ def get(identifier, **overrides) -> optax.GradientTransformation:
         factory, defaults = _FACTORIES[key]
         kwargs = {**defaults, **overrides}
         static = tuple(k for k in kwargs if k != "learning_rate" and not callable(kwargs[k]))
-        return optax.inject_hyperparams(factory, static_args=static)(**kwargs)
+        tx = optax.inject_hyperparams(factory, static_args=static)(**kwargs)
+        return optax.chain(*clipping, tx) if clipping else tx
     raise TypeError(
         "`optimizer` must be an optimizer name (one of "
-        f"{names()}) or an optax.GradientTransformation. Received: {identifier!r} "
+        f"{names()}), an optax.GradientTransformation or an optax.MultiSteps. Received: {identifier!r} "
         f"of type {type(identifier).__name__}."
     )
+
+
+def _clipping(clipnorm, clipvalue, global_clipnorm) -> list[optax.GradientTransformation]:
+    """Keras's gradient clipping as optax transforms, applied before the optimizer's own."""
+    for name, value in (("clipnorm", clipnorm), ("clipvalue", clipvalue), ("global_clipnorm", global_clipnorm)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise ValueError(f"`{name}` must be a positive number. Received: {name}={value!r}.")
+    if clipnorm is not None and global_clipnorm is not None:
+        raise ValueError(
+            "Only one of `clipnorm` (each gradient array) and `global_clipnorm` (all together) can be set. "
+            f"Received: clipnorm={clipnorm}, global_clipnorm={global_clipnorm}."
+        )
+    out = []
+    if clipvalue is not None:
+        out.append(optax.clip(float(clipvalue)))
+    if clipnorm is not None:
+        out.append(_clip_each_by_norm(float(clipnorm)))
+    if global_clipnorm is not None:
+        out.append(optax.clip_by_global_norm(float(global_clipnorm)))
+    return out
+
+
+def _clip_each_by_norm(max_norm: float) -> optax.GradientTransformation:
+    """Scales each gradient array whose L2 norm exceeds `max_norm` down to it (Keras's `clipnorm`)."""
+
+    def clip(g):
+        norm = jnp.sqrt(jnp.sum(jnp.square(g.astype(jnp.float32))))
+        return g * (max_norm / jnp.maximum(norm, max_norm)).astype(g.dtype)
+
+    return optax.stateless(lambda updates, params: jax.tree.map(clip, updates))
 
 
 class Optimizer:

@@ -51,7 +51,13 @@ def compile_record(model) -> dict | None:
     names = lambda values: [v for v in values if isinstance(v, str)]  # noqa: E731
     optimizer = compiled.optimizer_id if isinstance(compiled.optimizer_id, str) else None
     loss = compiled.loss_id if isinstance(compiled.loss_id, str) else None
-    return {"optimizer": optimizer, "loss": loss, "metrics": names(compiled.metrics)}
+    return {
+        "optimizer": optimizer,
+        "loss": loss,
+        "metrics": names(compiled.metrics),
+        "dtype_policy": compiled.dtype_policy.name,
+        "gradient_accumulation_steps": compiled.gradient_accumulation_steps,
+    }
 
 
 def _open(path, kind: str) -> CheckpointDir:

@@ -19,6 +19,8 @@ class TrainState(NamedTuple):
         rng: raw PRNG key data (uint32), split each step, for modules that take
             an RNG argument (Linen dropout); None for NNX modules, which carry
             their RNG streams in `model_state`.
+        loss_scale: the dynamic loss scale of the `mixed_float16` policy
+            (`meshfit.precision.LossScale`); None otherwise.
     """
 
     params: Any
@@ -27,3 +29,4 @@ class TrainState(NamedTuple):
     metrics: Any
     step: jax.Array
     rng: jax.Array | None
+    loss_scale: Any = None

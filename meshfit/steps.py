@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from meshfit import losses as losses_lib
+from meshfit import precision
 from meshfit.data import Batch
 from meshfit.modules import ModuleAdapter
 from meshfit.state import TrainState
@@ -30,6 +31,7 @@ class Steps:
         tx: the optax optimizer.
         metrics: metrics updated with the padding mask as sample weight.
         weighted_metrics: metrics updated with `mask * sample_weight`.
+        policy: the `meshfit.precision.DTypePolicy` the forward and backward passes run under.
     """
 
     def __init__(
@@ -39,8 +41,10 @@ class Steps:
         tx: optax.GradientTransformation,
         metrics: Sequence = (),
         weighted_metrics: Sequence = (),
+        policy: precision.DTypePolicy | None = None,
     ):
         self.adapter = adapter
+        self.policy = policy or precision.get("float32")
         self.loss = loss
         self.tx = tx
         self.metrics = list(metrics)
@@ -79,8 +83,19 @@ class Steps:
     # -- steps ---------------------------------------------------------------------
 
     def _forward(self, params, model_state, batch: Batch, rng, training: bool):
-        """Per-sample loss values, predictions and the updated module state."""
-        y_pred, new_model_state = self.adapter.apply(params, model_state, batch.x, training=training, rng=rng)
+        """Per-sample loss values, predictions (float32 at least) and the updated module state.
+
+        Under a policy other than float32 the parameters and floating inputs
+        are cast to the compute dtype, the outputs back to float32, and the
+        module state keeps the dtypes it had.
+        """
+        x = batch.x
+        if self.policy.name != "float32":
+            params, x = self.policy.cast_to_compute((params, x))
+        y_pred, new_model_state = self.adapter.apply(params, model_state, x, training=training, rng=rng)
+        if self.policy.name != "float32":
+            y_pred = precision.to_float32(y_pred)
+            new_model_state = jax.tree.map(_keep_floating_dtype, new_model_state, model_state)
         return self.loss.call(batch.y, y_pred), y_pred, new_model_state
 
     def compute_loss(self, params, model_state, batch: Batch, rng, training: bool):
@@ -90,41 +105,67 @@ class Steps:
         )
         return loss, (y_pred, new_model_state)
 
-    def _loss_parts(self, params, model_state, batch: Batch, rng):
-        """The training loss as `(total, (divisor, y_pred, module state))`: loss = total / divisor."""
+    def _loss_parts(self, params, model_state, batch: Batch, rng, loss_scale):
+        """The training objective `total * loss_scale`, with `(total, divisor, y_pred, module state)`:
+        loss = total / divisor."""
         values, y_pred, new_model_state = self._forward(params, model_state, batch, rng, True)
         total, divisor = losses_lib.reduce_parts(
             values, sample_weight=batch.sample_weight, mask=batch.mask, reduction=self.loss.reduction
         )
-        return total, (divisor, y_pred, new_model_state)
+        objective = total if loss_scale is None else total * loss_scale
+        return objective, (total, divisor, y_pred, new_model_state)
 
-    def gradients(self, params, model_state, batch: Batch, rng):
+    def gradients(self, params, model_state, batch: Batch, rng, loss_scale=None):
         """A worker's part of a step: gradients, the updated module state, metric increments.
 
         The gradient of the loss's total is divided by the loss's divisor (the
         real rows) afterwards, so the divisor, summed over replicas, does not
-        need a collective of its own before the backward pass.
+        need a collective of its own before the backward pass. With a
+        `loss_scale` (float16), the objective is scaled before the backward
+        pass and the gradients unscaled in the same division.
         """
-        grad_fn = jax.value_and_grad(self._loss_parts, has_aux=True)
-        (total, (divisor, y_pred, model_state)), grads = grad_fn(params, model_state, batch, rng)
+        grad_fn = jax.grad(self._loss_parts, has_aux=True)
+        grads, (total, divisor, y_pred, model_state) = grad_fn(params, model_state, batch, rng, loss_scale)
         scale = losses_lib.divide_no_nan(jnp.ones((), divisor.dtype), divisor)  # 0 for an all-padding batch
+        if loss_scale is not None:
+            scale = scale / loss_scale
         grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
         loss = losses_lib.divide_no_nan(total, divisor)
         increments = self._update_metrics(self.init_metrics(), loss, batch, y_pred)
         return grads, model_state, increments
 
     def apply_gradients(self, state: TrainState, grads, model_state, increments, rng) -> TrainState:
-        """The server's part of a step: the optimizer update and the metric sums."""
+        """The server's part of a step: the optimizer update and the metric sums.
+
+        Under loss scaling a step whose gradients are not all finite leaves the
+        parameters and optimizer state as they were and halves the scale.
+        """
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        loss_scale = state.loss_scale
+        if loss_scale is not None:
+            finite = precision.all_finite(grads)
+            params, opt_state = jax.tree.map(
+                lambda new, old: jnp.where(finite, new, old), (params, opt_state), (state.params, state.opt_state)
+            )
+            loss_scale = loss_scale.next(finite)
         metrics = jax.tree.map(jnp.add, state.metrics, increments)
-        return TrainState(params, model_state, opt_state, metrics, state.step + 1, rng)
+        return state._replace(
+            params=params,
+            model_state=model_state,
+            opt_state=opt_state,
+            metrics=metrics,
+            step=state.step + 1,
+            rng=rng,
+            loss_scale=loss_scale,
+        )
 
     def train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         rng, step_rng = state.rng, None
         if self.adapter.uses_rng:
             rng, step_rng = (jax.random.key_data(k) for k in jax.random.split(jax.random.wrap_key_data(rng)))
-        grads, model_state, increments = self.gradients(state.params, state.model_state, batch, step_rng)
+        loss_scale = None if state.loss_scale is None else state.loss_scale.scale
+        grads, model_state, increments = self.gradients(state.params, state.model_state, batch, step_rng, loss_scale)
         new_state = self.apply_gradients(state, grads, model_state, increments, rng)
         return new_state, self.logs(new_state.metrics)
 
@@ -178,3 +219,10 @@ def _per_sample(sample_weight):
     """Reduces a sample-weight array to one weight per row (Keras allows (batch, 1))."""
     sample_weight = jnp.asarray(sample_weight, jnp.float32)
     return sample_weight.reshape(sample_weight.shape[0], -1)[:, 0] if sample_weight.ndim > 1 else sample_weight
+
+
+def _keep_floating_dtype(new, old):
+    """A module-state leaf in the dtype it had before a cast forward pass (statistics stay float32)."""
+    if jnp.issubdtype(old.dtype, jnp.floating) and new.dtype != old.dtype:
+        return new.astype(old.dtype)
+    return new

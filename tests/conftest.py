@@ -5,3 +5,6 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Full float32 matmuls where a backend would round them (TF32 on NVIDIA GPUs): the tests compare
+# numbers against references to float32 tolerance. Inherited by the processes the tests start.
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")

@@ -35,6 +35,8 @@ def test_saved_under_mirrored8_restores_onto_other_layouts(tmp_path, target):
         "optimizer": "adam",
         "loss": "sparse_categorical_crossentropy",
         "metrics": ["accuracy"],
+        "dtype_policy": "float32",
+        "gradient_accumulation_steps": 1,
     }
     strategy = {
         "one_device": mf.strategies.OneDeviceStrategy(),

@@ -75,6 +75,9 @@ class Strategy(ABC):
     #: at once (`place_stage`) and pick one batch per step inside the compiled step.
     stages_batches: bool = True
 
+    #: Whether the loss and its gradients are computed in one step (a `mixed_float16` loss scale needs it).
+    supports_loss_scaling: bool = True
+
     @contextlib.contextmanager
     def scope(self):
         """Makes this the current strategy: models created inside belong to it."""

@@ -127,7 +127,8 @@ class MeshStrategy(Strategy):
         replicated = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
         opt_state = None if state.opt_state is None else layout.follow_params(state.opt_state, state.params, params)
         rng = None if state.rng is None else P()
-        return type(state)(params, model_state, opt_state, replicated(state.metrics), P(), rng)
+        loss_scale = replicated(state.loss_scale)
+        return type(state)(params, model_state, opt_state, replicated(state.metrics), P(), rng, loss_scale)
 
     def place_state(self, state, param_hints=None):
         specs = self.state_specs(state, param_hints)
