@@ -29,6 +29,7 @@ from meshfit.modules import adapt
 from meshfit.preemption import PreemptionWatch
 from meshfit.session import Session
 from meshfit.state import TrainState
+from meshfit.step_report import StepReport
 from meshfit.steps import Steps
 from meshfit.strategies import get_strategy, has_strategy, placement
 from meshfit.summary import format_summary
@@ -107,6 +108,7 @@ class Model:
         self.stop_training = False
         self.history: callbacks_lib.History | None = None
         self._shuffle_orders = data_lib.ShuffleOrders()  # computed ahead by one fit for the next
+        self._example_batch: data_lib.Batch | None = None
 
     # -- state access ----------------------------------------------------------------
 
@@ -310,6 +312,7 @@ class Model:
         self._check_input(batch)
         if self.session.built:
             return
+        self._example_batch = batch  # the shape `step_report` compiles for
         y_pred = self._output_spec(batch)
         y_true = None if batch.y is None else jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch.y)
         c = self._compiled
@@ -383,10 +386,13 @@ class Model:
         if verbose and not any(isinstance(cb, callbacks_lib.ProgbarLogger) for cb in user):
             defaults.append(callbacks_lib.ProgbarLogger())
         history = callbacks_lib.History() if add_history else None
-        # Callbacks that save training state run last, after History and the
-        # others have updated theirs for the same step or epoch.
-        savers = [cb for cb in user if cb.handles_preemption]
-        ordered = [cb for cb in user if cb not in savers] + defaults + ([history] if history else []) + savers
+        # Callbacks that add to the epoch logs run first, so the others see what they add;
+        # callbacks that save training state run last, after History and the others have
+        # updated theirs for the same step or epoch.
+        adders = [cb for cb in user if cb.adds_epoch_logs]
+        savers = [cb for cb in user if cb.handles_preemption and cb not in adders]
+        others = [cb for cb in user if cb not in adders and cb not in savers]
+        ordered = adders + others + defaults + ([history] if history else []) + savers
         all_callbacks = callbacks_lib.CallbackList(ordered, model=self, epochs=epochs, steps=steps, verbose=verbose)
         return all_callbacks, history
 
@@ -606,6 +612,20 @@ class Model:
             self._check_input(first)
         callback_list = self._one_pass_callbacks(callbacks, verbose, steps or data.steps_per_epoch)
         return predict_loop(self, data, callbacks=callback_list, steps=steps)
+
+    def step_report(self) -> StepReport:
+        """What one training step costs per device, from XLA's analyses of the compiled step.
+
+        FLOPs, bytes accessed and memory (arguments, outputs, temporaries) of
+        the train step for the batch shape the model was built with, under
+        its strategy. Compiles the step once more; runs nothing. Call it after
+        the first `fit` or `evaluate`.
+        """
+        self._require_compiled("step_report")
+        batch = self._example_batch
+        if not self.session.built or batch is None or batch.y is None or self.compile_settings.loss is None:
+            raise ValueError("step_report() needs a model built for training: call fit() or evaluate() on data first.")
+        return self.session.step_report(batch)
 
     def summary(self, print_fn: Callable[[str], Any] | None = print) -> str:
         """Prints a table of every weight: path, shape, dtype, count and bytes, with totals."""

@@ -19,8 +19,10 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from meshfit import step_report
 from meshfit.in_flight import InFlight
 from meshfit.state import TrainState
+from meshfit.step_report import StepReport
 from meshfit.steps import LOSS_KEY, Steps
 
 #: Bytes of batches placed on the devices at once for single-step training from arrays.
@@ -309,6 +311,15 @@ class Session:
         if self._spare_metrics is None:
             self._spare_metrics = self.fresh_eval_metrics()
         return logs if settled is None else settled
+
+    def step_report(self, host_batch) -> StepReport:
+        """Compiles the train step for one batch shaped like `host_batch` (nothing runs) and reports its cost."""
+        batch = self.strategy.distribute_batch(host_batch, False)
+        compiled = self.strategy.compile(self.steps.train_step).lower(self._state, batch).compile()
+        rows = jax.tree.leaves(batch.mask)[0].shape[0]
+        leaf = jax.tree.leaves(self._state.params)[0]
+        devices = sorted(leaf.sharding.device_set, key=lambda d: d.id)
+        return step_report.analyse(compiled, rows, devices)
 
     # -- evaluation and prediction ------------------------------------------------------------
 

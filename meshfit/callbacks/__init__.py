@@ -12,6 +12,7 @@ from meshfit.callbacks.progbar_logger import ProgbarLogger
 from meshfit.callbacks.reduce_lr_on_plateau import ReduceLROnPlateau
 from meshfit.callbacks.tensorboard import TensorBoard
 from meshfit.callbacks.terminate_on_nan import TerminateOnNaN
+from meshfit.callbacks.throughput import Throughput
 
 __all__ = [
     "BackupAndRestore",
@@ -28,4 +29,5 @@ __all__ = [
     "ReduceLROnPlateau",
     "TensorBoard",
     "TerminateOnNaN",
+    "Throughput",
 ]

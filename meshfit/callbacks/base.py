@@ -31,6 +31,9 @@ class Callback:
     #: True for callbacks that save training state (BackupAndRestore): they run after
     #: the others, and their presence arms the SIGTERM handler for `on_preemption`.
     handles_preemption = False
+    #: True for callbacks that add entries to the epoch logs (Throughput): they run before
+    #: the others, which then see and record those entries.
+    adds_epoch_logs = False
 
     def close(self) -> None:
         """Finishes background work (an asynchronous save); called when `fit` ends, also by an error."""

@@ -5,7 +5,9 @@ Same layout and tags as Keras's `keras.callbacks.TensorBoard`: event files in
 (the `val_` prefix stripped in the validation writer), `batch_<name>` every
 `update_freq` training batches, `epoch_learning_rate`,
 `evaluation_<name>_vs_iterations` after each evaluation, and
-`<weight>/histogram` every `histogram_freq` epochs.
+`<weight>/histogram` every `histogram_freq` epochs. With `profile_batch`, a
+`jax.profiler` trace of those training batches goes to `<log_dir>/train/plugins/profile/<run>/`
+(`*.xplane.pb` for TensorBoard's profile plugin, `*.trace.json.gz` for Perfetto).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import itertools
 import os
 import time
 
+import jax
 import numpy as np
 
 from meshfit.callbacks.base import Callback
@@ -57,6 +60,12 @@ class TensorBoard(Callback):
             the batch logs are written every N training batches (`"batch"` is
             1), at the global step `1, 2, ...` counted across epochs (a call that
             runs several steps, with `steps_per_execution`, counts them all).
+        profile_batch: training batches to trace with `jax.profiler`, counted
+            from 1 across epochs: an int N (batch N alone), a pair
+            `(start, stop)` or a string `"start,stop"`; 0 (default) traces
+            nothing. With `steps_per_execution`, tracing starts at the first
+            call that begins at or after `start` and stops after the call
+            that reaches `stop`. Process 0 traces.
     """
 
     def __init__(
@@ -66,8 +75,10 @@ class TensorBoard(Callback):
         *,
         write_steps_per_second=False,
         update_freq="epoch",
+        profile_batch=0,
     ):
         super().__init__()
+        self._profile_range = _profile_range(profile_batch)
         self._summary_writer_cls = _import_summary_writer()
         self.log_dir = os.fspath(log_dir)
         self.histogram_freq = histogram_freq
@@ -88,6 +99,8 @@ class TensorBoard(Callback):
         self._epoch_start_time = 0.0
         self._epoch_steps = 0
         self._batch_start_time = 0.0
+        self._tracing = False
+        self._traced = False
 
     def set_model(self, model):
         super().set_model(model)
@@ -118,9 +131,14 @@ class TensorBoard(Callback):
     def on_train_begin(self, logs=None):
         self._global_train_batch = 0
         self._epoch_base = 0
+        self._traced = False
 
     def on_train_end(self, logs=None):
+        self._stop_trace()
         self._close_writers()
+
+    def close(self) -> None:
+        self._stop_trace()  # a fit that raised while tracing
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_base = self._global_train_batch
@@ -130,6 +148,10 @@ class TensorBoard(Callback):
     def on_train_batch_begin(self, batch, logs=None):
         if self.write_steps_per_second:
             self._batch_start_time = time.time()
+        if self._profile_range and not self._traced and not self._tracing and is_chief():
+            if self._epoch_base + batch + 1 >= self._profile_range[0]:
+                jax.profiler.start_trace(self._train_dir)
+                self._tracing = True
 
     def on_train_batch_end(self, batch, logs=None):
         # The global step comes from the batch index, so a call that ran several
@@ -137,6 +159,9 @@ class TensorBoard(Callback):
         previous = self._global_train_batch
         self._global_train_batch = step = self._epoch_base + batch + 1
         self._epoch_steps = batch + 1
+        if self._tracing and step >= self._profile_range[1]:
+            jax.block_until_ready(logs)  # the traced steps have run on the devices
+            self._stop_trace()
         if self.update_freq == "epoch" or step // self.update_freq == previous // self.update_freq:
             return  # No multiple of update_freq reached: leave the device values alone.
         if not is_chief():
@@ -170,6 +195,12 @@ class TensorBoard(Callback):
             writer.flush()
 
     # Helpers.
+    def _stop_trace(self):
+        if self._tracing:
+            self._tracing = False
+            self._traced = True
+            jax.profiler.stop_trace()
+
     def _iterations(self):
         optimizer = getattr(self.model, "optimizer", None)
         iterations = getattr(optimizer, "iterations", None) if optimizer is not None else None
@@ -230,6 +261,33 @@ class TensorBoard(Callback):
             tag = f"{str(name).replace(':', '_')}/histogram"
             writer.add_histogram(tag, np.asarray(weight), epoch)
         writer.flush()
+
+
+def _profile_range(profile_batch) -> tuple[int, int] | None:
+    """Keras's `profile_batch` as `(start, stop)` (1-based, inclusive), or None for no profiling."""
+    error = (
+        "`profile_batch` must be a non-negative int, a pair (start, stop) of positive ints with start <= stop, "
+        f"or a string 'start,stop'. Received: profile_batch={profile_batch!r}."
+    )
+    value = profile_batch
+    if isinstance(value, str):
+        try:
+            value = tuple(int(part) for part in value.split(","))
+        except ValueError:
+            raise ValueError(error) from None
+        value = value[0] if len(value) == 1 else value
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(error)
+        return (value, value) if value else None
+    if (
+        isinstance(value, (tuple, list))
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        and 0 < value[0] <= value[1]
+    ):
+        return int(value[0]), int(value[1])
+    raise ValueError(error)
 
 
 def _scalar(value):

@@ -1,4 +1,5 @@
 import glob
+import gzip
 import os
 import struct
 import sys
@@ -7,8 +8,10 @@ import numpy as np
 import pytest
 
 pytest.importorskip("tensorboardX")
+from helpers import MLP, classification_data  # noqa: E402
 from tensorboardX.proto import event_pb2  # noqa: E402
 
+import meshfit as mf  # noqa: E402
 from meshfit.callbacks import CallbackList, TensorBoard  # noqa: E402
 
 
@@ -194,3 +197,22 @@ def test_batch_steps_with_several_steps_per_call(tmp_path, make_model):
     train, _ = read_events(tmp_path / "train")
     # A point at the end of each call that passed a multiple of 4, at its true step.
     assert train["batch_loss"] == [(6, 6.0), (9, 9.0), (12, 12.0), (18, 18.0)]
+
+
+def test_profile_batch_writes_a_trace_of_those_batches(tmp_path):
+    x, y = classification_data(n=64)
+    model = mf.Model(MLP())
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    board = mf.callbacks.TensorBoard(tmp_path / "logs", profile_batch=(2, 3))
+    model.fit(x, y, batch_size=16, epochs=2, callbacks=[board], verbose=0)
+    traces = list((tmp_path / "logs" / "train" / "plugins" / "profile").glob("*/*"))
+    names = sorted(p.name.split(".", 1)[1] for p in traces)
+    assert names == ["trace.json.gz", "xplane.pb"], traces  # one run: TensorBoard's plugin and Perfetto
+    trace = gzip.decompress(next(p for p in traces if p.name.endswith(".json.gz")).read_bytes())
+    assert b"traceEvents" in trace
+
+
+@pytest.mark.parametrize("bad", [-1, (3, 2), (0, 2), "a,b", (1, 2, 3), 1.5])
+def test_bad_profile_batch_is_refused(bad, tmp_path):
+    with pytest.raises(ValueError, match="`profile_batch` must be a non-negative int"):
+        mf.callbacks.TensorBoard(tmp_path, profile_batch=bad)
