@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 
 from meshfit import cluster
-from meshfit.strategies import ps_remote
+from meshfit.strategies.parameter_server import transport
 
 GRACE_SECONDS = 5.0  # after a rank failed: the others get this long to end before SIGKILL
 PREEMPTION_GRACE_SECONDS = 60.0  # after a signal to the launcher: time for the ranks' preemption backups
@@ -93,17 +93,17 @@ def process_env(
         server = rank < config.servers
         env.update(
             {
-                ps_remote.ENV_ROLE: "coordinator" if rank == 0 else "server" if server else "worker",
-                ps_remote.ENV_ADDRESS: f"127.0.0.1:{ports[1]}",
-                ps_remote.ENV_AUTHKEY: authkey,
-                ps_remote.ENV_WORKERS: str(config.nprocs - config.servers),
-                ps_remote.ENV_SERVERS: str(config.servers),
-                ps_remote.ENV_SERVER_TIMEOUT: str(config.server_timeout),
+                transport.ENV_ROLE: "coordinator" if rank == 0 else "server" if server else "worker",
+                transport.ENV_ADDRESS: f"127.0.0.1:{ports[1]}",
+                transport.ENV_AUTHKEY: authkey,
+                transport.ENV_WORKERS: str(config.nprocs - config.servers),
+                transport.ENV_SERVERS: str(config.servers),
+                transport.ENV_SERVER_TIMEOUT: str(config.server_timeout),
                 "MESHFIT_PROCESS_ID": str(rank),
             }
         )
         if server:
-            env[ps_remote.ENV_SERVER_RANK] = str(rank)
+            env[transport.ENV_SERVER_RANK] = str(rank)
             if config.servers > 1:
                 env.update(_distributed_env(ports[0], config.servers, rank, config.heartbeat_timeout))
     _set_devices(env, config, rank, gpus)
@@ -262,7 +262,7 @@ def _watch(config: LaunchConfig, procs: list[subprocess.Popen], exits: _Exits, s
             for rank, code in failed:
                 if rank >= config.servers and rank not in lost:
                     lost.add(rank)
-                    if code == ps_remote.EXIT_SERVER_SILENT:
+                    if code == transport.EXIT_SERVER_SILENT:
                         log.write(
                             f"[launch] worker rank {rank} found the parameter server silent (see its "
                             "output); stopping the job.\n"
@@ -304,7 +304,7 @@ def run_once(config: LaunchConfig, attempt: int, log=sys.stderr) -> int:
     """Runs the job once; returns 0, the status of the first process that failed, or -signal if the
     launcher was signalled."""
     ports, gpus = (free_port(), free_port()), _gpus_to_assign(config)
-    authkey = ps_remote.new_authkey() if config.servers else ""
+    authkey = transport.new_authkey() if config.servers else ""
     procs, pumps = [], []
     with _Signals() as signals:
         try:

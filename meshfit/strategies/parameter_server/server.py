@@ -1,4 +1,4 @@
-"""The parameter server's side, shared by thread workers and worker processes."""
+"""The parameter server's side, shared by every engine: where the state lives, how gradients are applied."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class ServerLayout:
     of servers (the default rule of `layout`), optimizer state follows its
     parameter, and everything else is replicated. Updates are then applied
     part by part on the device holding each part. The devices may belong to
-    several server processes (`ps_group`), one device each.
+    several server processes (`partition`), one device each.
     """
 
     def __init__(self, devices, min_shard_size: int):
@@ -68,7 +68,7 @@ class ServerLayout:
 
     def take(self, state, grads, model_state, increments):
         """Puts a worker's results on this process's server devices: each gradient beside its parameter,
-        the rest replicated (one server process; `ps_group` places them over several)."""
+        the rest replicated (one server process; `coordinator.ServerGroup` places them over several)."""
         if not self.partitioned:
             return jax.device_put((grads, model_state, increments), self.devices[0])
         grads = jax.device_put(grads, jax.tree.map(lambda p: p.sharding, state.params))

@@ -10,7 +10,7 @@ from helpers import MLP, assert_trees_close, classification_data
 
 import meshfit as mf
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples"))
 
 
 def train(strategy, x, y, batch_size, epochs=1, **fit_kwargs):
