@@ -5,7 +5,9 @@ each with `--devices-per-proc` simulated CPU devices (or a slice of the GPUs),
 prefixes every output line with the process's rank, and when any process
 fails stops the others and exits with the status of the first to fail. With
 `--max-restarts`, a failed job is started again from scratch (use
-BackupAndRestore to resume).
+BackupAndRestore to resume). In a parameter-server job (`--ps S --workers N`)
+ranks 0 to S - 1 run the script and the other ranks run the worker process
+(`python -m meshfit.strategies.parameter_server.worker`).
 
 No rank outlives the launcher: SIGTERM, SIGINT or SIGHUP to the launcher (a
 scheduler preempting the job) is passed on to every rank as SIGTERM, the
@@ -108,6 +110,14 @@ def process_env(
                 env.update(_distributed_env(ports[0], config.servers, rank, config.heartbeat_timeout))
     _set_devices(env, config, rank, gpus)
     return env
+
+
+def process_command(config: LaunchConfig, rank: int) -> list[str]:
+    """The command line of process `rank`: the script, or on the worker ranks of a parameter-server job the
+    worker process (which gets its program from the server and runs none of the script)."""
+    if config.servers and rank >= config.servers:
+        return [sys.executable, "-u", "-m", transport.WORKER_MODULE]
+    return [sys.executable, "-u", *config.command]
 
 
 def _distributed_env(port: int, processes: int, rank: int, heartbeat_timeout: int) -> dict[str, str]:
@@ -310,7 +320,7 @@ def run_once(config: LaunchConfig, attempt: int, log=sys.stderr) -> int:
         try:
             for rank in range(config.nprocs):
                 proc = subprocess.Popen(
-                    [sys.executable, "-u", *config.command],
+                    process_command(config, rank),
                     env=process_env(config, rank, ports, attempt, gpus, authkey),
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,

@@ -3,22 +3,21 @@
 On one host each worker is a local device running in its own thread; the
 parameters and optimizer state live on the server device (host memory by
 default). Under `meshfit launch --ps N --workers M`, the workers are separate
-processes (`worker`): a worker process never gets past the strategy's
-constructor, and a worker that dies is dropped while training goes on. The N
-server processes run `fit`; rank 0 also coordinates (`coordinator`), and with
-N > 1 the state is partitioned over the servers (`partition`, `follower`).
+processes that run `worker`, not the training script; a worker that dies is
+dropped while training goes on. The N server processes run the script and
+`fit`; rank 0 also coordinates (`coordinator`), and with N > 1 the state is
+partitioned over the servers (`partition`, `follower`).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 
 import jax
 
 from meshfit import cluster
 from meshfit.strategies.base import Strategy
-from meshfit.strategies.parameter_server import engines, partition, transport, worker
+from meshfit.strategies.parameter_server import engines, partition, transport
 from meshfit.strategies.parameter_server.coordinator import Coordinator
 from meshfit.strategies.parameter_server.follower import AsyncFollowerTraining, FollowerLink, FollowerTraining
 from meshfit.strategies.parameter_server.server import ServerLayout
@@ -47,6 +46,11 @@ class ParameterServerStrategy(Strategy):
     Evaluation and prediction run on the server device with the current
     parameters. Module state updated in the forward pass (BatchNorm
     statistics) is taken from the worker whose gradient was applied last.
+
+    Under `meshfit launch --ps S --workers N` only the S server ranks run the
+    script; the worker ranks run `python -m meshfit.strategies.parameter_server.worker`
+    and receive the gradient computation from rank 0. Creating the strategy
+    in a process whose `MESHFIT_PS_ROLE` is `worker` raises a RuntimeError.
 
     Args:
         mode: "async" or "sync".
@@ -84,7 +88,12 @@ class ParameterServerStrategy(Strategy):
     ):
         role = transport.role()
         if role == "worker":
-            sys.exit(worker.main())  # a worker process serves the coordinator, then exits here
+            raise RuntimeError(
+                f"This process has {transport.ENV_ROLE}=worker: it was meant to be a parameter-server worker, "
+                f"which runs `python -m {transport.WORKER_MODULE}` and none of the training script. Start "
+                "the script with `meshfit launch --ps S --workers N script.py` (the worker ranks then run the "
+                f"worker process), or unset {transport.ENV_ROLE} to train with this host's devices as workers."
+            )
         if mode not in MODES:
             raise ValueError(f"`mode` must be one of {MODES}. Received: mode={mode!r}.")
         if role is not None and (workers is not None or worker_delays):

@@ -40,6 +40,8 @@ ENV_SERVERS = "MESHFIT_PS_SERVERS"  # number of server processes (rank 0 include
 ENV_SERVER_RANK = "MESHFIT_PS_SERVER_RANK"  # this server's rank among the servers
 ENV_SERVER_TIMEOUT = "MESHFIT_PS_SERVER_TIMEOUT"  # seconds without a word from rank 0 before its peers give up
 DEFAULT_SERVER_TIMEOUT = 60.0
+#: What worker ranks run (`python -m`): the worker needs nothing of the training script.
+WORKER_MODULE = "meshfit.strategies.parameter_server.worker"
 #: Exit status of a worker that found the parameter server silent (`meshfit launch` then ends the job).
 EXIT_SERVER_SILENT = 3
 

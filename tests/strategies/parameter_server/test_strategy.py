@@ -104,6 +104,13 @@ def test_bad_arguments():
         model.fit(x, y, verbose=0)
 
 
+def test_a_process_started_as_a_worker_refuses_to_run_the_training_script(monkeypatch):
+    """Worker ranks run the worker module; a script reaching the constructor there was started the wrong way."""
+    monkeypatch.setenv("MESHFIT_PS_ROLE", "worker")
+    with pytest.raises(RuntimeError, match=r"meshfit launch --ps S --workers N script\.py"):
+        mf.strategies.ParameterServerStrategy()
+
+
 def test_linen_module_with_dropout_trains_in_both_modes():
     from flax import linen as nn
 
