@@ -24,26 +24,16 @@ import jax
 import numpy as np
 
 from meshfit.checkpoint import decode, encode
-from meshfit.data import Batch
 from meshfit.strategies.parameter_server import transport
-from meshfit.strategies.parameter_server.partition import StateView
-from meshfit.strategies.parameter_server.server import ServerUpdates, job_rng, job_salt, salted
+from meshfit.strategies.parameter_server.partition import TransferPlan
+from meshfit.strategies.parameter_server.server import Task, salted
 from meshfit.strategies.parameter_server.transport import HOLD_TIMEOUT, Channel, deadline, specs
-
-
-class _Task(NamedTuple):
-    """A batch to compute gradients on, with its dropout key and salt; `index` orders a sync round's parts."""
-
-    batch: Batch
-    rng: np.ndarray | None
-    salt: np.ndarray
-    index: int = 0
 
 
 class _Job(NamedTuple):
     """A task handed to a worker: the parameter version it computes on, where its gradient waits."""
 
-    task: _Task
+    task: Task
     version: int
     push_id: int
     started: float
@@ -75,7 +65,6 @@ class Coordinator:
         self.lock = threading.Lock()
         self.ids = itertools.count(1)  # ids of what rank 0's transfer server offers, and of jobs
         self.program = None
-        self.log = collections.Counter()
         self._ready = threading.Event()
         self._closed = threading.Event()
         self._expected = expected_workers, expected_servers - 1
@@ -144,7 +133,6 @@ class Coordinator:
         """Removes a lost worker: it gets no more work, and its connection is closed."""
         worker.alive = False
         worker.job = None
-        self.log["dropped"] += 1
         print(
             f"ParameterServerStrategy: worker pid {worker.pid} lost ({why}); its batch is redone elsewhere.",
             file=sys.stderr,
@@ -177,7 +165,7 @@ class ServerGroup:
         self.transfer = transfer  # rank 0's transfer server
         self.followers = followers  # [(conn, transfer address)] of ranks 1.., in rank order
         self.ids = ids  # the ids rank 0's transfer server offers under, shared with the coordinator
-        self.view: StateView | None = None
+        self._plan: TransferPlan | None = None
 
     @property
     def count(self) -> int:
@@ -188,17 +176,18 @@ class ServerGroup:
         """Each server's transfer address, in rank order: where workers pull the parameters."""
         return [self.transfer.address()] + [address for _, address in self.followers]
 
-    def describe(self, state) -> StateView:
-        if self.view is None:
-            self.view = StateView(self.layout, state, self.count)
-        return self.view
+    def plan(self, state) -> TransferPlan:
+        """What each server offers workers and takes of their results, for states shaped like `state`."""
+        if self._plan is None:
+            self._plan = TransferPlan(self.layout, state, self.count)
+        return self._plan
 
     def offer(self, state, pull_ids: list[int]) -> None:
         """Offers each server's part of `state` to workers, once per id."""
         if not pull_ids:
             return
         self._send(("offer", pull_ids))
-        variables = self.describe(state).offered(state, 0)
+        variables = self.plan(state).offered(state, 0)
         for pull_id in pull_ids:
             self.transfer.await_pull(pull_id, variables, timeout=deadline(HOLD_TIMEOUT))
 
@@ -206,14 +195,14 @@ class ServerGroup:
         """A worker's whole result (on rank 0) as server arrays; the other servers take their parts."""
         if self.count == 1:
             return self.layout.take(state, grads, model_state, increments)
-        view = self.describe(state)
+        plan = self.plan(state)
         for server, (conn, _) in enumerate(self.followers, start=1):
             take_id = next(self.ids)
             self.transfer.await_pull(
-                take_id, view.result_parts(server, grads, model_state, increments), timeout=deadline(HOLD_TIMEOUT)
+                take_id, plan.result_parts(server, grads, model_state, increments), timeout=deadline(HOLD_TIMEOUT)
             )
             conn.send(("apply", take_id, staleness))
-        return view.build(view.result_parts(0, grads, model_state, increments))
+        return plan.build(plan.result_parts(0, grads, model_state, increments))
 
     def finish(self) -> None:
         """Ends one call of the train function on every server."""
@@ -225,25 +214,37 @@ class ServerGroup:
 
 
 class RemoteWorkers:
-    """Hands batches to worker processes and collects their gradients.
+    """Worker processes reached through the coordinator: the engines' `Workers` under `meshfit launch --ps`.
 
-    A batch a lost worker held (its process died, its connection broke, or it
+    Queued jobs go to idle workers with the published parameters (each server
+    offers its part); results are pulled back to rank 0's first server device.
+    A job a lost worker held (its process died, its connection broke, or it
     held the batch past `worker_timeout`) goes back to the front of the queue
     and is redone by another worker.
     """
 
-    def __init__(self, strategy, coordinator: Coordinator):
+    encoded = True  # module state travels with its RNG keys as raw key data
+
+    def __init__(self, strategy, steps, coordinator: Coordinator):
         self.strategy = strategy
+        self.steps = steps
         self.coordinator = coordinator
         self.group = coordinator.group(strategy.servers)
-        self.pending: collections.deque[_Task] = collections.deque()  # not yet handed out
+        self.pending: collections.deque[Task] = collections.deque()  # not yet handed out
         self.exported = None
+        self.state, self.version = None, 0
 
-    def export(self, steps, state, batch) -> None:
-        """Serializes the worker's gradient computation; typed RNG keys travel as raw key data."""
+    @property
+    def count(self) -> int:
+        return len(self.coordinator.live())
+
+    def prepare(self, state, task: Task) -> None:
+        """Exports the worker's gradient computation for jobs like `task` and sends it to every worker.
+
+        Typed RNG keys travel as raw key data (`checkpoint.encode`).
+        """
         template = state.model_state
-
-        salted_gradients = salted(steps.gradients)
+        salted_gradients = salted(self.steps.gradients)
 
         def gradients(params, encoded_model_state, batch, rng, salt):
             grads, model_state, increments = salted_gradients(
@@ -251,44 +252,20 @@ class RemoteWorkers:
             )
             return grads, encode(model_state), increments
 
-        args = (
-            state.params,
-            jax.eval_shape(encode, state.model_state),
-            batch,
-            job_rng(steps, state, 0),
-            job_salt(0, 0),
-        )
+        args = (state.params, jax.eval_shape(encode, state.model_state), task.batch, task.rng, task.salt)
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), args)
         self.exported = jax.export.export(jax.jit(gradients))(*shapes)
-        view = self.group.describe(state)
-        self.coordinator.set_program(self.exported, self.group.addresses, view.pulled.dims)
+        plan = self.group.plan(state)
+        self.coordinator.set_program(self.exported, self.group.addresses, plan.pulled.dims)
 
-    def submit(self, task: _Task) -> None:
+    def publish(self, state, version: int) -> None:
+        self.state, self.version = state, version
+
+    def submit(self, task: Task) -> None:
         self.pending.append(task)
 
-    def dispatch(self, state, version: int) -> None:
-        """Hands queued tasks to idle workers, with `state`'s parameters (parameter version `version`)."""
-        assigned = []
-        for worker in self.coordinator.live():
-            if not self.pending:
-                break
-            if worker.job is None:
-                assigned.append((worker, self.pending.popleft(), next(self.coordinator.ids)))
-        self.group.offer(state, [pull_id for _, _, pull_id in assigned])
-        for worker, task, pull_id in assigned:
-            push_id = next(self.coordinator.ids)
-            try:
-                worker.conn.send(
-                    ("work", pull_id, pull_id, push_id, transport.to_wire((task.batch, task.rng, task.salt)))
-                )
-            except OSError as error:
-                self.pending.appendleft(task)
-                self.coordinator.drop(worker, str(error))
-                continue
-            worker.job = _Job(task, version, push_id, time.monotonic())
-
-    def collect(self, timeout: float | None) -> list[tuple[_Job, tuple]]:
-        """Gradients that arrived within `timeout`: (job, (grads, encoded model state, increments)) pairs."""
+    def collect(self, timeout: float) -> list[tuple[Task, int, tuple]]:
+        self._dispatch()
         busy = [w for w in self.coordinator.live() if w.job is not None]
         if not busy:
             if not self.coordinator.live():
@@ -319,10 +296,35 @@ class RemoteWorkers:
                 )
                 continue
             worker.job = None
-            results.append((job, jax.tree.unflatten(self.exported.out_tree, flat)))
+            results.append((job.task, job.version, jax.tree.unflatten(self.exported.out_tree, flat)))
         return results
 
-    def apply(self, training: ServerUpdates, result, staleness: int | None = None) -> None:
-        """Applies a worker's result to `training.state` on every server."""
-        taken = self.group.take(training.state, *result, staleness)
-        training.state, training.logs = training.apply_encoded(training.state, *taken)
+    def take(self, state, result, staleness: int | None) -> tuple:
+        return self.group.take(state, *result, staleness)
+
+    def end_call(self) -> None:
+        self.group.finish()
+
+    def close(self) -> None:
+        """Nothing to stop: the worker processes serve the job, not one train function."""
+
+    def _dispatch(self) -> None:
+        """Hands queued jobs to idle workers, with the published parameters."""
+        assigned = []
+        for worker in self.coordinator.live():
+            if not self.pending:
+                break
+            if worker.job is None:
+                assigned.append((worker, self.pending.popleft(), next(self.coordinator.ids)))
+        self.group.offer(self.state, [pull_id for _, _, pull_id in assigned])
+        for worker, task, pull_id in assigned:
+            push_id = next(self.coordinator.ids)
+            try:
+                worker.conn.send(
+                    ("work", pull_id, pull_id, push_id, transport.to_wire((task.batch, task.rng, task.salt)))
+                )
+            except OSError as error:
+                self.pending.appendleft(task)
+                self.coordinator.drop(worker, str(error))
+                continue
+            worker.job = _Job(task, version=self.version, push_id=push_id, started=time.monotonic())

@@ -1,224 +1,179 @@
-"""The training engines: the train functions of parameter-server training."""
+"""The training engines: one asynchronous, one synchronous, each handing its gradient jobs to `Workers`.
+
+An engine decides what is computed on which parameters and applies the
+results; its `Workers` run the jobs: threads on this host's devices
+(`threads.LocalWorkers`) or worker processes reached through the coordinator
+(`coordinator.RemoteWorkers`). Engines are the `TrainFunction`s of server
+rank 0 (or of the only server); the other server processes replay rank 0's
+decisions instead (`follower`).
+"""
 
 from __future__ import annotations
 
-import queue
-import threading
-import time
+import itertools
+from typing import Protocol
 
 import jax
 import numpy as np
 
-from meshfit.strategies.parameter_server.coordinator import Coordinator, RemoteWorkers, _Task
-from meshfit.strategies.parameter_server.server import ServerUpdates, job_rng, job_salt, salted, split_rows, sum_trees
+from meshfit.strategies.parameter_server.server import (
+    ServerTrainFunction,
+    Task,
+    job_rng,
+    job_salt,
+    local,
+    split_rows,
+    sum_trees,
+    weighted_mean,
+)
 
 
-class _Training(ServerUpdates):
-    """Shared pieces: compiled worker and server functions, and placement."""
+class Workers(Protocol):
+    """Where an engine's gradient jobs run. Called from the training thread only."""
 
-    def __init__(self, strategy, steps):
+    #: Whether results carry module state with RNG keys as raw key data (`checkpoint.encode`).
+    encoded: bool
+
+    @property
+    def count(self) -> int:
+        """How many workers can take jobs now."""
+
+    def prepare(self, state, task: Task) -> None:
+        """Gets ready for jobs like `task` on states like `state` (once, before the first job)."""
+
+    def publish(self, state, version: int) -> None:
+        """The state, parameter version `version`, that jobs handed out from now on compute on."""
+
+    def submit(self, task: Task) -> None:
+        """Queues a job."""
+
+    def collect(self, timeout: float) -> list[tuple[Task, int, tuple]]:
+        """Hands queued jobs to idle workers and returns the results that arrived within `timeout` seconds
+        (0: those already there), as `(task, version computed on, (grads, model_state, increments))` on the
+        server. A job whose worker was lost is queued again."""
+
+    def take(self, state, result: tuple, staleness: int | None) -> tuple:
+        """A result (or a sync round's combined result) as server arrays, given to every server process."""
+
+    def end_call(self) -> None:
+        """Ends one call of the train function (the other server processes return from theirs)."""
+
+    def close(self) -> None:
+        """Stops what serves this engine alone."""
+
+
+class _Engine(ServerTrainFunction):
+    def __init__(self, strategy, steps, workers: Workers):
         super().__init__(strategy, steps)
-        self.gradients = jax.jit(salted(steps.gradients))
+        self.workers = workers
+        self._prepared = False
 
-    def job_inputs(self, state, version: int, worker: int, device):
-        """What a worker computes on: parameters, module state, dropout key and salt, on its device."""
-        rng = job_rng(self.steps, state, version, worker)
-        return jax.device_put((state.params, state.model_state, rng, job_salt(version, worker)), device)
+    def _submit(self, task: Task) -> None:
+        if not self._prepared:
+            self.workers.prepare(self.state, task)
+            self._prepared = True
+        self.workers.submit(task)
 
-    def to_server(self, grads, model_state, increments):
-        return self.strategy.servers.take(self.state, grads, model_state, increments)
+    def _apply_result(self, result, staleness: int | None) -> None:
+        self.apply(*self.workers.take(self.state, result, staleness), encoded=self.workers.encoded)
 
-
-class _SyncTraining(_Training):
-    """Each batch split over all workers; one averaged update per batch."""
-
-    def __call__(self, state, batch):
-        workers = self.strategy.workers
-        step = self.round_step(state)
-        parts = split_rows(batch, len(workers))
-        outputs = []
-        for i, (device, part) in enumerate(zip(workers, parts, strict=True)):
-            params, model_state, rng, salt = self.job_inputs(state, step, i, device)
-            outputs.append(self.gradients(params, model_state, jax.device_put(part, device), rng, salt))
-        delays = self.strategy.worker_delays
-        if delays:  # the round waits for its slowest (simulated) worker
-            jax.block_until_ready(outputs)
-            time.sleep(max(delays.get(i, 0.0) for i in range(len(workers))))
-        self.apply_round(state, outputs, [float(part.mask.sum()) for part in parts])
-        return self.state, self.logs
+    def __del__(self):
+        self.workers.close()
 
 
-class _AsyncTraining(_Training):
-    """Worker threads pull parameters and push gradients; the caller's thread applies them.
+class AsyncEngine(_Engine):
+    """Each batch goes whole to the next free worker; each gradient is applied as it arrives.
 
-    Each call queues one batch and applies whatever gradients have arrived;
-    at most two batches per worker wait in the queue. `drain()` applies
-    everything outstanding (the loop calls it at the end of an epoch).
+    A call queues one batch and applies whatever gradients have arrived; it
+    waits while more than two batches per worker are outstanding. A gradient
+    computed on parameters more than `max_staleness` versions old is dropped
+    and its batch queued again, to be computed on fresh parameters. `drain()`
+    applies everything outstanding (the loop calls it at the end of an epoch).
     """
 
-    def __init__(self, strategy, steps):
-        super().__init__(strategy, steps)
-        self.work: queue.Queue = queue.Queue()
-        self.results: queue.Queue = queue.Queue()
-        self.lock = threading.Lock()
-        self.version = 0
-        self.pending = 0
-        self.dropped = 0
-        self.error: BaseException | None = None
-        self.threads = [
-            threading.Thread(target=self._worker, args=(i, d), daemon=True, name=f"ps-worker-{i}")
-            for i, d in enumerate(strategy.workers)
-        ]
-        for thread in self.threads:
-            thread.start()
-
-    # -- worker threads ----------------------------------------------------------
-
-    def _worker(self, index: int, device) -> None:
-        delay = self.strategy.worker_delays.get(index, 0.0)
-        while True:
-            batch = self.work.get()
-            if batch is None:
-                return
-            try:
-                with self.lock:
-                    state, version = self.state, self.version
-                params, model_state, rng, salt = self.job_inputs(state, version, index, device)
-                out = self.gradients(params, model_state, jax.device_put(batch, device), rng, salt)
-                jax.block_until_ready(out)
-                if delay:
-                    time.sleep(delay)
-                self.results.put((out, version, batch, None))
-            except BaseException as error:  # noqa: BLE001 - re-raised in the training thread
-                self.results.put((None, version, batch, error))
-
-    # -- server side (the training thread) -----------------------------------------
-
-    def _apply(self, result) -> None:
-        out, version, batch, error = result
-        if error is not None:
-            raise RuntimeError("A parameter-server worker failed while computing gradients.") from error
-        staleness = self.version - version
-        if self.strategy.max_staleness is not None and staleness > self.strategy.max_staleness:
-            self.dropped += 1
-            self.work.put(batch)  # too old: redo it on fresh parameters
-            return
-        grads, model_state, increments = self.to_server(*out)
-        new_state, logs = self.apply(self.state, grads, model_state, increments)
-        with self.lock:
-            self.state, self.logs, self.version = new_state, logs, self.version + 1
-        self.staleness.append(staleness)
-        self.pending -= 1
-
-    def _adopt(self, state) -> None:
-        """Takes a state set from outside (epoch start, set_weights, a restore)."""
-        with self.lock:
-            self.state = state
-        self.staleness, self.dropped = [], 0
+    def __init__(self, strategy, steps, workers: Workers):
+        super().__init__(strategy, steps, workers)
+        self.version = 0  # gradients applied so far
+        self.outstanding = 0  # batches queued or computing, not applied yet
+        self._jobs = itertools.count()
 
     def __call__(self, state, batch):
         if state is not self.state:
             self._adopt(state)
-        self.work.put(batch)
-        self.pending += 1
-        while True:  # apply what has arrived; wait when too much is queued
-            block = self.pending > 2 * len(self.threads)
-            try:
-                result = self.results.get(block=block)
-            except queue.Empty:
-                break
-            self._apply(result)
-        return self.state, self.current_logs()
-
-    def drain(self):
-        while self.pending:
-            self._apply(self.results.get())
-        return self.state, self.current_logs()
-
-    def __del__(self):
-        for _ in self.threads:
-            self.work.put(None)
-
-
-class RemoteAsyncTraining(ServerUpdates):
-    """Asynchronous training with worker processes: each batch goes whole to the next free worker."""
-
-    def __init__(self, strategy, steps, coordinator: Coordinator):
-        super().__init__(strategy, steps)
-        self.workers = RemoteWorkers(strategy, coordinator)
-        self.version = 0
-        self.outstanding = 0  # batches not yet applied
-
-    def _step(self, timeout: float) -> None:
-        self.workers.dispatch(self.state, self.version)
-        for job, result in self.workers.collect(timeout):
-            staleness = self.version - job.version
-            if self.strategy.max_staleness is not None and staleness > self.strategy.max_staleness:
-                self.workers.submit(self._task(job.task.batch))
-                continue
-            self.workers.apply(self, result, staleness)
-            self.version += 1
-            self.outstanding -= 1
-            self.staleness.append(staleness)
-
-    def _task(self, batch) -> _Task:
-        job = next(self.workers.coordinator.ids)
-        return _Task(batch, job_rng(self.steps, self.state, job, 0), job_salt(job, 0))
-
-    def __call__(self, state, batch):
-        if state is not self.state:
-            self.state = state
-            self.staleness = []
-        if self.workers.exported is None:
-            self.workers.export(self.steps, state, batch)
-        self.workers.submit(self._task(batch))
+        self._submit(self._task(batch))
         self.outstanding += 1
         self._step(timeout=0)
-        while self.outstanding > 2 * max(1, len(self.workers.coordinator.live())):
+        while self.outstanding > 2 * max(1, self.workers.count):
             self._step(timeout=1.0)
-        self.workers.group.finish()
+        self.workers.end_call()
         return self.state, self.current_logs()
 
     def drain(self):
         while self.outstanding:
             self._step(timeout=1.0)
-        self.workers.group.finish()
+        self.workers.end_call()
         return self.state, self.current_logs()
 
+    def _adopt(self, state) -> None:
+        """Takes a state set from outside (epoch start, set_weights, a restore)."""
+        self.state, self.staleness = state, []
+        self.workers.publish(state, self.version)
 
-class RemoteSyncTraining(ServerUpdates):
-    """Synchronous training with worker processes: each batch is split in one part per worker.
+    def _task(self, batch) -> Task:
+        """A job with its own dropout key and salt: a batch redone draws new masks, as on fresh parameters."""
+        job = next(self._jobs)
+        return Task(batch, job_rng(self.steps, self.state, job, 0), job_salt(job, 0))
 
-    The parts are fixed (their number is the job's worker count), so a lost
-    worker's part is redone by another and the update stays the same: the
-    average of the parts' gradients weighted by their real rows, as in
-    MirroredStrategy. Rank 0 combines the parts, then the servers apply the
-    combined gradient once.
+    def _step(self, timeout: float) -> None:
+        for task, version, result in self.workers.collect(timeout):
+            staleness = self.version - version
+            if self.strategy.max_staleness is not None and staleness > self.strategy.max_staleness:
+                self.workers.submit(self._task(task.batch))  # too old: redo it on fresh parameters
+                continue
+            self._apply_result(result, staleness)
+            self.version += 1
+            self.outstanding -= 1
+            self.staleness.append(staleness)
+            self.workers.publish(self.state, self.version)
+
+
+class SyncEngine(_Engine):
+    """Each batch is split in one part per worker; the parts' gradients make one update.
+
+    The number of parts is fixed (`num_replicas_in_sync`: the workers the job
+    started with), so a part a lost worker held is redone by another and the
+    update stays the same: the average of the parts' gradients weighted by
+    their real rows, as in MirroredStrategy, with the metric increments summed
+    and module state taken from the first part.
     """
 
-    def __init__(self, strategy, steps, coordinator: Coordinator, parts: int):
-        super().__init__(strategy, steps)
-        self.workers = RemoteWorkers(strategy, coordinator)
-        self.parts = parts
+    def __init__(self, strategy, steps, workers: Workers):
+        super().__init__(strategy, steps, workers)
+        self.parts = strategy.num_replicas_in_sync
+        self.combine = jax.jit(weighted_mean)
+        self._round = 0  # state.step of the next round, counted on the host
 
     def __call__(self, state, batch):
-        parts = split_rows(batch, self.parts)
-        if self.workers.exported is None:
-            self.workers.export(self.steps, state, parts[0])
-        step = self.round_step(state)
+        step = self._round_step(state)
         self.state = state
+        parts = split_rows(batch, self.parts)
+        self.workers.publish(state, step)
         for i, part in enumerate(parts):
-            self.workers.submit(_Task(part, job_rng(self.steps, state, step, i), job_salt(step, i), index=i))
-        outputs = {}
-        while len(outputs) < self.parts:
-            self.workers.dispatch(state, 0)
-            for job, result in self.workers.collect(timeout=1.0):
-                outputs[job.task.index] = result
-        ordered = [outputs[i] for i in range(self.parts)]
+            self._submit(Task(part, job_rng(self.steps, state, step, i), job_salt(step, i), index=i))
+        results = {}
+        while len(results) < self.parts:
+            for task, _, result in self.workers.collect(timeout=1.0):
+                results[task.index] = result
+        ordered = [results[i] for i in range(self.parts)]
         weights = np.asarray([float(np.sum(part.mask)) for part in parts], np.float32)
         grads = self.combine([grads for grads, _, _ in ordered], weights)
-        result = grads, ordered[0][1], sum_trees([increments for _, _, increments in ordered])
-        self.workers.apply(self, result)
+        self._apply_result((grads, ordered[0][1], sum_trees([increments for _, _, increments in ordered])), None)
         self._round += 1
-        self.workers.group.finish()
+        self.workers.end_call()
         return self.state, self.current_logs()
+
+    def _round_step(self, state) -> int:
+        """`state.step`, read from the device only for a state set from outside (no sync per round)."""
+        if state is not self.state:
+            self._round = int(jax.device_get(local(state.step)))
+        return self._round

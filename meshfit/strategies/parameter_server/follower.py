@@ -17,8 +17,8 @@ from __future__ import annotations
 import os
 
 from meshfit.strategies.parameter_server import transport
-from meshfit.strategies.parameter_server.partition import StateView
-from meshfit.strategies.parameter_server.server import ServerUpdates
+from meshfit.strategies.parameter_server.partition import TransferPlan
+from meshfit.strategies.parameter_server.server import ServerTrainFunction
 from meshfit.strategies.parameter_server.transport import HOLD_TIMEOUT, deadline
 
 
@@ -49,47 +49,48 @@ class FollowerLink:
             ) from error
 
 
-class FollowerTraining(ServerUpdates):
+class FollowerEngine(ServerTrainFunction):
     """The train function of server ranks 1..N-1: replays rank 0's decisions on this server's part.
 
-    Called exactly as often as rank 0's (every server runs the same script over
-    the same data); each call applies what rank 0 applied in its call.
+    Called exactly as often as rank 0's engine (every server runs the same
+    script over the same data); each call applies what rank 0 applied in its
+    call, and `drain()` what rank 0's `drain()` applied (asynchronous mode
+    only: synchronous engines have nothing in flight). It is not an engine with
+    `Workers`: it hands out no jobs and decides nothing (not even staleness,
+    which rank 0 sends); it repeats, in order, what rank 0's engine did.
     """
 
-    def __init__(self, strategy, steps, link):
+    def __init__(self, strategy, steps, link: FollowerLink, asynchronous: bool):
         super().__init__(strategy, steps)
         self.link = link
-        self.view: StateView | None = None
+        self.asynchronous = asynchronous
+        self.plan: TransferPlan | None = None
 
     def __call__(self, state, batch):
         return self._replay(state)
 
+    def drain(self):
+        return self._replay(self.state) if self.asynchronous else None
+
     def _replay(self, state):
         if state is not self.state:
             self.state, self.staleness = state, []
-        if self.view is None:
-            self.view = StateView(self.strategy.servers, state, self.link.count)
+        if self.plan is None:
+            self.plan = TransferPlan(self.strategy.servers, state, self.link.count)
         server, device = self.link.rank, self.strategy.server_device
         while True:
             op = self.link.recv()
             if op[0] == "offer":
-                variables = self.view.offered(self.state, server)
+                variables = self.plan.offered(self.state, server)
                 for pull_id in op[1]:
                     self.link.transfer.await_pull(pull_id, variables, timeout=deadline(HOLD_TIMEOUT))
             elif op[0] == "apply":
                 _, take_id, staleness = op
-                parts = self.link.coordinator.pull(take_id, self.view.result_specs(server, device), timeout=deadline())
-                self.state, self.logs = self.apply_encoded(self.state, *self.view.build(list(parts)))
+                parts = self.link.coordinator.pull(take_id, self.plan.result_specs(server, device), timeout=deadline())
+                self.apply(*self.plan.build(list(parts)), encoded=True)
                 if staleness is not None:
                     self.staleness.append(staleness)
             elif op[0] == "return":
                 return self.state, self.current_logs()
             else:
                 raise RuntimeError(f"Unexpected message from the coordinator (rank 0): {op[0]!r}.")
-
-
-class AsyncFollowerTraining(FollowerTraining):
-    """`FollowerTraining` for async mode, whose train function also has `drain()`."""
-
-    def drain(self):
-        return self._replay(self.state)

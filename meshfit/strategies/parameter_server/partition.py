@@ -11,8 +11,8 @@ server updates its part.
 Workers pull each server's part of the parameters from that server
 (`Partition`). Results come back whole to rank 0, which must have a worker's
 whole result before it applies it; rank 0 then hands each other server its
-part (`StateView`). How rank 0 drives the others is in `coordinator.ServerGroup`
-and `follower`.
+part (`TransferPlan`). How rank 0 drives the others is in
+`coordinator.ServerGroup` and `follower`.
 """
 
 from __future__ import annotations
@@ -99,8 +99,14 @@ def local_tree(tree):
     return jax.tree.map(local, tree)
 
 
-class StateView:
-    """What the servers exchange about a server state: which parts each one holds, and their layouts."""
+class TransferPlan:
+    """What moves between workers and server processes for states shaped like `state`.
+
+    The part of the parameters and module state each server offers workers
+    (`offered`), the part of a worker's result each server takes
+    (`result_parts`, `result_specs`), and how parts become global arrays over
+    the servers again (`build`).
+    """
 
     def __init__(self, layout, state, count: int):
         self.layout = layout

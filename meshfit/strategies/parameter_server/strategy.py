@@ -17,10 +17,12 @@ import jax
 
 from meshfit import cluster
 from meshfit.strategies.base import Strategy
-from meshfit.strategies.parameter_server import engines, partition, transport
-from meshfit.strategies.parameter_server.coordinator import Coordinator
-from meshfit.strategies.parameter_server.follower import AsyncFollowerTraining, FollowerLink, FollowerTraining
+from meshfit.strategies.parameter_server import partition, transport
+from meshfit.strategies.parameter_server.coordinator import Coordinator, RemoteWorkers
+from meshfit.strategies.parameter_server.engines import AsyncEngine, SyncEngine
+from meshfit.strategies.parameter_server.follower import FollowerEngine, FollowerLink
 from meshfit.strategies.parameter_server.server import ServerLayout
+from meshfit.strategies.parameter_server.threads import LocalWorkers
 
 MODES = ("async", "sync")
 
@@ -161,13 +163,12 @@ class ParameterServerStrategy(Strategy):
         if stacked:
             raise ValueError("ParameterServerStrategy runs one batch per step; compile with steps_per_execution=1.")
         if self._link is not None:
-            follower = AsyncFollowerTraining if self.mode == "async" else FollowerTraining
-            return follower(self, steps, self._link)
+            return FollowerEngine(self, steps, self._link, asynchronous=self.mode == "async")
         if self._coordinator is not None:
-            if self.mode == "sync":
-                return engines.RemoteSyncTraining(self, steps, self._coordinator, self.num_replicas_in_sync)
-            return engines.RemoteAsyncTraining(self, steps, self._coordinator)
-        return (engines._SyncTraining if self.mode == "sync" else engines._AsyncTraining)(self, steps)
+            workers = RemoteWorkers(self, steps, self._coordinator)
+        else:
+            workers = LocalWorkers(self, steps, threads=self.mode == "async")
+        return (AsyncEngine if self.mode == "async" else SyncEngine)(self, steps, workers)
 
     def __repr__(self):
         return f"ParameterServerStrategy(mode={self.mode!r}, workers={len(self.workers)})"
