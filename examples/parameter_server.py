@@ -4,16 +4,19 @@
     meshfit launch --ps 2 --workers 3 examples/parameter_server.py   # state split over 2 servers
 
 Rank 0 holds the parameters, applies gradients as they arrive and runs `fit`;
-the workers compute gradients. With `--ps 2`, ranks 0 and 1 each hold half of
-every large parameter and run `fit` together; rank 0 coordinates. A worker can die mid-epoch: its batch is redone
-by another and training goes on. On one host without `meshfit launch`, the
-same script trains with the local devices as workers (threads).
+the workers compute gradients (they run `meshfit.strategies.parameter_server.worker`,
+not this script). With `--ps 2`, ranks 0 and 1 each hold half of every large
+parameter and run `fit` together; rank 0 coordinates. A worker can die
+mid-epoch: its batch is redone by another and training goes on. On one host
+without `meshfit launch`, the same script trains with the local devices as
+workers (threads).
 """
 
 from __future__ import annotations
 
 import argparse
 
+from digits import MLP, load_data
 from flax import nnx
 
 import meshfit as mf
@@ -25,9 +28,7 @@ def main(argv=None) -> float:
     parser.add_argument("--batch-size", type=int, default=64)
     args = parser.parse_args(argv)
 
-    strategy = mf.strategies.ParameterServerStrategy(mode="async")  # worker processes stay in here
-    from digits import MLP, load_data
-
+    strategy = mf.strategies.ParameterServerStrategy(mode="async")
     x_train, x_test, y_train, y_test = load_data()
     with strategy.scope():
         model = mf.Model(MLP(64, 128, 10, rngs=nnx.Rngs(0)))

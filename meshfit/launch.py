@@ -5,7 +5,9 @@ each with `--devices-per-proc` simulated CPU devices (or a slice of the GPUs),
 prefixes every output line with the process's rank, and when any process
 fails stops the others and exits with the status of the first to fail. With
 `--max-restarts`, a failed job is started again from scratch (use
-BackupAndRestore to resume).
+BackupAndRestore to resume). In a parameter-server job (`--ps S --workers N`)
+ranks 0 to S - 1 run the script and the other ranks run the worker process
+(`python -m meshfit.strategies.parameter_server.worker`).
 
 No rank outlives the launcher: SIGTERM, SIGINT or SIGHUP to the launcher (a
 scheduler preempting the job) is passed on to every rank as SIGTERM, the
@@ -31,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 
 from meshfit import cluster
-from meshfit.strategies import ps_remote
+from meshfit.strategies.parameter_server import transport
 
 GRACE_SECONDS = 5.0  # after a rank failed: the others get this long to end before SIGKILL
 PREEMPTION_GRACE_SECONDS = 60.0  # after a signal to the launcher: time for the ranks' preemption backups
@@ -93,21 +95,29 @@ def process_env(
         server = rank < config.servers
         env.update(
             {
-                ps_remote.ENV_ROLE: "coordinator" if rank == 0 else "server" if server else "worker",
-                ps_remote.ENV_ADDRESS: f"127.0.0.1:{ports[1]}",
-                ps_remote.ENV_AUTHKEY: authkey,
-                ps_remote.ENV_WORKERS: str(config.nprocs - config.servers),
-                ps_remote.ENV_SERVERS: str(config.servers),
-                ps_remote.ENV_SERVER_TIMEOUT: str(config.server_timeout),
+                transport.ENV_ROLE: "coordinator" if rank == 0 else "server" if server else "worker",
+                transport.ENV_ADDRESS: f"127.0.0.1:{ports[1]}",
+                transport.ENV_AUTHKEY: authkey,
+                transport.ENV_WORKERS: str(config.nprocs - config.servers),
+                transport.ENV_SERVERS: str(config.servers),
+                transport.ENV_SERVER_TIMEOUT: str(config.server_timeout),
                 "MESHFIT_PROCESS_ID": str(rank),
             }
         )
         if server:
-            env[ps_remote.ENV_SERVER_RANK] = str(rank)
+            env[transport.ENV_SERVER_RANK] = str(rank)
             if config.servers > 1:
                 env.update(_distributed_env(ports[0], config.servers, rank, config.heartbeat_timeout))
     _set_devices(env, config, rank, gpus)
     return env
+
+
+def process_command(config: LaunchConfig, rank: int) -> list[str]:
+    """The command line of process `rank`: the script, or on the worker ranks of a parameter-server job the
+    worker process (which gets its program from the server and runs none of the script)."""
+    if config.servers and rank >= config.servers:
+        return [sys.executable, "-u", "-m", transport.WORKER_MODULE]
+    return [sys.executable, "-u", *config.command]
 
 
 def _distributed_env(port: int, processes: int, rank: int, heartbeat_timeout: int) -> dict[str, str]:
@@ -262,7 +272,7 @@ def _watch(config: LaunchConfig, procs: list[subprocess.Popen], exits: _Exits, s
             for rank, code in failed:
                 if rank >= config.servers and rank not in lost:
                     lost.add(rank)
-                    if code == ps_remote.EXIT_SERVER_SILENT:
+                    if code == transport.EXIT_SERVER_SILENT:
                         log.write(
                             f"[launch] worker rank {rank} found the parameter server silent (see its "
                             "output); stopping the job.\n"
@@ -304,13 +314,13 @@ def run_once(config: LaunchConfig, attempt: int, log=sys.stderr) -> int:
     """Runs the job once; returns 0, the status of the first process that failed, or -signal if the
     launcher was signalled."""
     ports, gpus = (free_port(), free_port()), _gpus_to_assign(config)
-    authkey = ps_remote.new_authkey() if config.servers else ""
+    authkey = transport.new_authkey() if config.servers else ""
     procs, pumps = [], []
     with _Signals() as signals:
         try:
             for rank in range(config.nprocs):
                 proc = subprocess.Popen(
-                    [sys.executable, "-u", *config.command],
+                    process_command(config, rank),
                     env=process_env(config, rank, ports, attempt, gpus, authkey),
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,

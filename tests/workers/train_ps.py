@@ -1,4 +1,4 @@
-"""Worker script for parameter-server fault tests (run under `meshfit launch --ps S --workers N`).
+"""Training script for parameter-server fault tests (run under `meshfit launch --ps S --workers N`).
 
     python train_ps.py BACKUP_DIR|none [--epochs E] [--mode async|sync] [--die-at-step S] [--die-rank R]
                        [--worker-timeout T] [--weights OUT.npz] [--dropout RATE] [--servers N] [--halve-lr]
@@ -42,7 +42,7 @@ def main():
     server_device = jax.local_devices()[: args.servers] if args.servers > 1 else None
     strategy = mf.strategies.ParameterServerStrategy(
         mode=args.mode, worker_timeout=args.worker_timeout, server_device=server_device
-    )  # workers serve from here and exit
+    )
     from digits import MLP, load_data
     from flax import nnx
 

@@ -4,8 +4,8 @@ import jax
 import numpy as np
 import pytest
 
-from meshfit.strategies.ps_group import Partition
-from meshfit.strategies.ps_server import ServerLayout
+from meshfit.strategies.parameter_server.partition import Partition
+from meshfit.strategies.parameter_server.server import ServerLayout
 
 
 def leaves():

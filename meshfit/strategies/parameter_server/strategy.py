@@ -3,25 +3,26 @@
 On one host each worker is a local device running in its own thread; the
 parameters and optimizer state live on the server device (host memory by
 default). Under `meshfit launch --ps N --workers M`, the workers are separate
-processes (see `ps_remote`): a worker process never gets past the strategy's
-constructor, and a worker that dies is dropped while training goes on. The N
-server processes run `fit`; rank 0 also coordinates, and with N > 1 the state
-is partitioned over the servers (see `ps_group`).
+processes that run `worker`, not the training script; a worker that dies is
+dropped while training goes on. The N server processes run the script and
+`fit`; rank 0 also coordinates (`coordinator`), and with N > 1 the state is
+partitioned over the servers (`partition`, `follower`).
 """
 
 from __future__ import annotations
 
 import os
-import queue
-import threading
-import time
 
 import jax
 
 from meshfit import cluster
-from meshfit.strategies import ps_group, ps_remote
 from meshfit.strategies.base import Strategy
-from meshfit.strategies.ps_server import ServerLayout, ServerUpdates, job_rng, job_salt, salted, split_rows
+from meshfit.strategies.parameter_server import partition, transport
+from meshfit.strategies.parameter_server.coordinator import Coordinator, RemoteWorkers
+from meshfit.strategies.parameter_server.engines import AsyncEngine, SyncEngine
+from meshfit.strategies.parameter_server.follower import FollowerEngine, FollowerLink
+from meshfit.strategies.parameter_server.server import ServerLayout
+from meshfit.strategies.parameter_server.threads import LocalWorkers
 
 MODES = ("async", "sync")
 
@@ -47,6 +48,11 @@ class ParameterServerStrategy(Strategy):
     Evaluation and prediction run on the server device with the current
     parameters. Module state updated in the forward pass (BatchNorm
     statistics) is taken from the worker whose gradient was applied last.
+
+    Under `meshfit launch --ps S --workers N` only the S server ranks run the
+    script; the worker ranks run `python -m meshfit.strategies.parameter_server.worker`
+    and receive the gradient computation from rank 0. Creating the strategy
+    in a process whose `MESHFIT_PS_ROLE` is `worker` raises a RuntimeError.
 
     Args:
         mode: "async" or "sync".
@@ -82,9 +88,14 @@ class ParameterServerStrategy(Strategy):
         worker_timeout: float = 60.0,
         min_shard_size: int = 2**12,
     ):
-        role = ps_remote.role()
+        role = transport.role()
         if role == "worker":
-            ps_remote.run_worker()  # a worker process serves the coordinator, then exits here
+            raise RuntimeError(
+                f"This process has {transport.ENV_ROLE}=worker: it was meant to be a parameter-server worker, "
+                f"which runs `python -m {transport.WORKER_MODULE}` and none of the training script. Start "
+                "the script with `meshfit launch --ps S --workers N script.py` (the worker ranks then run the "
+                f"worker process), or unset {transport.ENV_ROLE} to train with this host's devices as workers."
+            )
         if mode not in MODES:
             raise ValueError(f"`mode` must be one of {MODES}. Received: mode={mode!r}.")
         if role is not None and (workers is not None or worker_delays):
@@ -92,7 +103,7 @@ class ParameterServerStrategy(Strategy):
                 "`workers` and `worker_delays` apply to one-host training; "
                 "under `meshfit launch --ps` the worker processes are the workers."
             )
-        servers = ps_remote.server_count() if role is not None else 1
+        servers = transport.server_count() if role is not None else 1
         if servers > 1 and server_device is not None:
             raise ValueError(
                 f"Under `meshfit launch --ps {servers}` each server process holds its part of the "
@@ -105,7 +116,7 @@ class ParameterServerStrategy(Strategy):
             raise ValueError(f"`worker_timeout` must be a positive number of seconds. Received: {worker_timeout!r}.")
         if servers > 1:
             cluster.initialize()  # the server processes' own jax.distributed job
-            server_device = ps_group.server_devices()
+            server_device = partition.server_devices()
         self.mode = mode
         self.worker_timeout = float(worker_timeout)
         self.workers = list(workers) if workers is not None else jax.local_devices()
@@ -125,12 +136,12 @@ class ParameterServerStrategy(Strategy):
         self.num_replicas_in_sync = len(self.workers) if mode == "sync" else 1
         self._coordinator = self._link = None
         if role is not None:
-            worker_processes = int(os.environ[ps_remote.ENV_WORKERS])
+            worker_processes = int(os.environ[transport.ENV_WORKERS])
             self.num_replicas_in_sync = worker_processes if mode == "sync" else 1
             if role == "coordinator":
-                self._coordinator = ps_remote.Coordinator(worker_processes, servers)
+                self._coordinator = Coordinator(worker_processes, servers)
             else:
-                self._link = ps_remote.FollowerLink()
+                self._link = FollowerLink()
 
     @property
     def batch_block(self) -> tuple[int, int]:
@@ -152,140 +163,12 @@ class ParameterServerStrategy(Strategy):
         if stacked:
             raise ValueError("ParameterServerStrategy runs one batch per step; compile with steps_per_execution=1.")
         if self._link is not None:
-            follower = ps_group.AsyncFollowerTraining if self.mode == "async" else ps_group.FollowerTraining
-            return follower(self, steps, self._link)
+            return FollowerEngine(self, steps, self._link, asynchronous=self.mode == "async")
         if self._coordinator is not None:
-            if self.mode == "sync":
-                return ps_remote.RemoteSyncTraining(self, steps, self._coordinator, self.num_replicas_in_sync)
-            return ps_remote.RemoteAsyncTraining(self, steps, self._coordinator)
-        return (_SyncTraining if self.mode == "sync" else _AsyncTraining)(self, steps)
+            workers = RemoteWorkers(self, steps, self._coordinator)
+        else:
+            workers = LocalWorkers(self, steps, threads=self.mode == "async")
+        return (AsyncEngine if self.mode == "async" else SyncEngine)(self, steps, workers)
 
     def __repr__(self):
         return f"ParameterServerStrategy(mode={self.mode!r}, workers={len(self.workers)})"
-
-
-class _Training(ServerUpdates):
-    """Shared pieces: compiled worker and server functions, and placement."""
-
-    def __init__(self, strategy: ParameterServerStrategy, steps):
-        super().__init__(strategy, steps)
-        self.gradients = jax.jit(salted(steps.gradients))
-
-    def job_inputs(self, state, version: int, worker: int, device):
-        """What a worker computes on: parameters, module state, dropout key and salt, on its device."""
-        rng = job_rng(self.steps, state, version, worker)
-        return jax.device_put((state.params, state.model_state, rng, job_salt(version, worker)), device)
-
-    def to_server(self, grads, model_state, increments):
-        return self.strategy.servers.take(self.state, grads, model_state, increments)
-
-
-class _SyncTraining(_Training):
-    """Each batch split over all workers; one averaged update per batch."""
-
-    def __call__(self, state, batch):
-        workers = self.strategy.workers
-        step = self.round_step(state)
-        parts = split_rows(batch, len(workers))
-        outputs = []
-        for i, (device, part) in enumerate(zip(workers, parts, strict=True)):
-            params, model_state, rng, salt = self.job_inputs(state, step, i, device)
-            outputs.append(self.gradients(params, model_state, jax.device_put(part, device), rng, salt))
-        delays = self.strategy.worker_delays
-        if delays:  # the round waits for its slowest (simulated) worker
-            jax.block_until_ready(outputs)
-            time.sleep(max(delays.get(i, 0.0) for i in range(len(workers))))
-        self.apply_round(state, outputs, [float(part.mask.sum()) for part in parts])
-        return self.state, self.logs
-
-
-class _AsyncTraining(_Training):
-    """Worker threads pull parameters and push gradients; the caller's thread applies them.
-
-    Each call queues one batch and applies whatever gradients have arrived;
-    at most two batches per worker wait in the queue. `drain()` applies
-    everything outstanding (the loop calls it at the end of an epoch).
-    """
-
-    def __init__(self, strategy, steps):
-        super().__init__(strategy, steps)
-        self.work: queue.Queue = queue.Queue()
-        self.results: queue.Queue = queue.Queue()
-        self.lock = threading.Lock()
-        self.version = 0
-        self.pending = 0
-        self.dropped = 0
-        self.error: BaseException | None = None
-        self.threads = [
-            threading.Thread(target=self._worker, args=(i, d), daemon=True, name=f"ps-worker-{i}")
-            for i, d in enumerate(strategy.workers)
-        ]
-        for thread in self.threads:
-            thread.start()
-
-    # -- worker threads ----------------------------------------------------------
-
-    def _worker(self, index: int, device) -> None:
-        delay = self.strategy.worker_delays.get(index, 0.0)
-        while True:
-            batch = self.work.get()
-            if batch is None:
-                return
-            try:
-                with self.lock:
-                    state, version = self.state, self.version
-                params, model_state, rng, salt = self.job_inputs(state, version, index, device)
-                out = self.gradients(params, model_state, jax.device_put(batch, device), rng, salt)
-                jax.block_until_ready(out)
-                if delay:
-                    time.sleep(delay)
-                self.results.put((out, version, batch, None))
-            except BaseException as error:  # noqa: BLE001 - re-raised in the training thread
-                self.results.put((None, version, batch, error))
-
-    # -- server side (the training thread) -----------------------------------------
-
-    def _apply(self, result) -> None:
-        out, version, batch, error = result
-        if error is not None:
-            raise RuntimeError("A parameter-server worker failed while computing gradients.") from error
-        staleness = self.version - version
-        if self.strategy.max_staleness is not None and staleness > self.strategy.max_staleness:
-            self.dropped += 1
-            self.work.put(batch)  # too old: redo it on fresh parameters
-            return
-        grads, model_state, increments = self.to_server(*out)
-        new_state, logs = self.apply(self.state, grads, model_state, increments)
-        with self.lock:
-            self.state, self.logs, self.version = new_state, logs, self.version + 1
-        self.staleness.append(staleness)
-        self.pending -= 1
-
-    def _adopt(self, state) -> None:
-        """Takes a state set from outside (epoch start, set_weights, a restore)."""
-        with self.lock:
-            self.state = state
-        self.staleness, self.dropped = [], 0
-
-    def __call__(self, state, batch):
-        if state is not self.state:
-            self._adopt(state)
-        self.work.put(batch)
-        self.pending += 1
-        while True:  # apply what has arrived; wait when too much is queued
-            block = self.pending > 2 * len(self.threads)
-            try:
-                result = self.results.get(block=block)
-            except queue.Empty:
-                break
-            self._apply(result)
-        return self.state, self.current_logs()
-
-    def drain(self):
-        while self.pending:
-            self._apply(self.results.get())
-        return self.state, self.current_logs()
-
-    def __del__(self):
-        for _ in self.threads:
-            self.work.put(None)

@@ -6,7 +6,7 @@ from helpers import MLP, classification_data
 
 import meshfit as mf
 from meshfit.data import Batch
-from meshfit.strategies.ps_server import job_salt, salted, split_rows, weighted_mean
+from meshfit.strategies.parameter_server.server import job_salt, salted, split_rows, weighted_mean
 
 
 def dropout_model():

@@ -1,6 +1,8 @@
-"""The parameter server's side, shared by thread workers and worker processes."""
+"""The parameter server's side, shared by every engine: where the state lives, how gradients are applied."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +24,7 @@ class ServerLayout:
     of servers (the default rule of `layout`), optimizer state follows its
     parameter, and everything else is replicated. Updates are then applied
     part by part on the device holding each part. The devices may belong to
-    several server processes (`ps_group`), one device each.
+    several server processes (`partition`), one device each.
     """
 
     def __init__(self, devices, min_shard_size: int):
@@ -68,7 +70,7 @@ class ServerLayout:
 
     def take(self, state, grads, model_state, increments):
         """Puts a worker's results on this process's server devices: each gradient beside its parameter,
-        the rest replicated (one server process; `ps_group` places them over several)."""
+        the rest replicated (one server process; `coordinator.ServerGroup` places them over several)."""
         if not self.partitioned:
             return jax.device_put((grads, model_state, increments), self.devices[0])
         grads = jax.device_put(grads, jax.tree.map(lambda p: p.sharding, state.params))
@@ -152,11 +154,21 @@ def job_rng(steps, state, *salts: int):
     return jax.random.key_data(_fold(jax.random.wrap_key_data(local(state.rng)), salts))
 
 
-class ServerUpdates:
-    """Applies workers' gradients to the server state and reports logs with staleness.
+class Task(NamedTuple):
+    """One gradient job: a batch with its dropout key and salt; `index` orders a sync round's parts."""
 
-    Subclasses set `state`, `logs` and `staleness` (the staleness, in
-    parameter versions, of each gradient applied this epoch).
+    batch: Batch
+    rng: jax.Array | None
+    salt: np.ndarray
+    index: int = 0
+
+
+class ServerTrainFunction:
+    """What every train function a server runs shares: the server state, gradients applied to it, the logs.
+
+    `staleness` holds the staleness, in parameter versions, of each gradient
+    applied since the state was last set from outside (epoch start,
+    `set_weights`, a restore); the logs report its mean and maximum.
     """
 
     def __init__(self, strategy, steps):
@@ -165,39 +177,28 @@ class ServerUpdates:
         self.state = None
         self.logs = None
         self.staleness: list[int] = []
-        self.apply = layout.jit_keeping_layout(self._apply_and_log, 0)
-        self.apply_encoded = layout.jit_keeping_layout(self._apply_encoded_and_log, 0)
-        self.combine = jax.jit(weighted_mean)
-        self._round = 0  # state.step of the next sync round, counted on the host
+        self._apply = {
+            False: layout.jit_keeping_layout(self._apply_and_log, 0),
+            True: layout.jit_keeping_layout(self._apply_encoded_and_log, 0),
+        }
+
+    def apply(self, grads, model_state, increments, *, encoded: bool) -> None:
+        """Applies one gradient (server arrays) to `state`.
+
+        `encoded`: the module state comes from a worker process, its RNG keys
+        as raw key data (`checkpoint.encode`), and is decoded on the server.
+        """
+        self.state, self.logs = self._apply[encoded](self.state, grads, model_state, increments)
 
     def drain(self):
         """Nothing is in flight unless a subclass (asynchronous training) says otherwise."""
         return None
-
-    def round_step(self, state) -> int:
-        """`state.step`, read from the device only for a state set from outside (no sync per round)."""
-        if state is not self.state:
-            self._round = int(jax.device_get(local(state.step)))
-        return self._round
-
-    def apply_round(self, state, outputs, weights) -> None:
-        """One synchronous update from a round's parts: their `(grads, model_state, increments)`.
-
-        The gradients are averaged weighted by each part's real rows, the metric
-        increments summed, and module state taken from the first part.
-        """
-        taken = [self.strategy.servers.take(state, *out) for out in outputs]
-        grads = self.combine([t[0] for t in taken], np.asarray(weights, np.float32))
-        increments = sum_trees([t[2] for t in taken])
-        self.state, self.logs = self.apply(state, grads, taken[0][1], increments)
-        self._round += 1
 
     def _apply_and_log(self, state, grads, model_state, increments):
         new_state = self.steps.apply_gradients(state, grads, model_state, increments, state.rng)
         return new_state, self.steps.logs(new_state.metrics)
 
     def _apply_encoded_and_log(self, state, grads, encoded_model_state, increments):
-        """`_apply_and_log` for a result from a worker process, whose RNG keys travel as raw key data."""
         return self._apply_and_log(state, grads, decode(encoded_model_state, state.model_state), increments)
 
     def current_logs(self) -> dict:

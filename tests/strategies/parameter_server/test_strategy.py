@@ -10,7 +10,7 @@ from helpers import MLP, assert_trees_close, classification_data
 
 import meshfit as mf
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples"))
 
 
 def train(strategy, x, y, batch_size, epochs=1, **fit_kwargs):
@@ -102,6 +102,13 @@ def test_bad_arguments():
         model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", steps_per_execution=4)
     with pytest.raises(ValueError, match="steps_per_execution=1"):
         model.fit(x, y, verbose=0)
+
+
+def test_a_process_started_as_a_worker_refuses_to_run_the_training_script(monkeypatch):
+    """Worker ranks run the worker module; a script reaching the constructor there was started the wrong way."""
+    monkeypatch.setenv("MESHFIT_PS_ROLE", "worker")
+    with pytest.raises(RuntimeError, match=r"meshfit launch --ps S --workers N script\.py"):
+        mf.strategies.ParameterServerStrategy()
 
 
 def test_linen_module_with_dropout_trains_in_both_modes():

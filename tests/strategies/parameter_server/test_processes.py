@@ -9,8 +9,8 @@ import time
 import pytest
 from processes import LAUNCH, Job, run
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "parameter_server.py")
-WORKER = os.path.join(os.path.dirname(__file__), "..", "workers", "train_ps.py")
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "parameter_server.py")
+WORKER = os.path.join(os.path.dirname(__file__), "..", "..", "workers", "train_ps.py")
 CONNECTED = r"\[rank (\d)\] parameter-server worker pid (\d+) connected"
 
 
@@ -100,7 +100,7 @@ def test_sync_mode_across_processes_equals_mirrored_even_when_a_worker_dies(tmp_
 
     import meshfit as mf
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples"))
     sys.path.insert(0, os.path.dirname(WORKER))
     from digits import MLP, load_data
     from train_ps import halved
