@@ -77,6 +77,7 @@ class ParameterServerStrategy(Strategy):
     """
 
     stages_batches = False  # each batch goes whole to one worker, from the host
+    supports_loss_scaling = False  # workers compute gradients, the server applies them
 
     def __init__(
         self,

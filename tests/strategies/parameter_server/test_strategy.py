@@ -181,3 +181,31 @@ def test_state_partitioned_over_server_devices(mode):
         assert_trees_close(mirrored.params, ps.params, rtol=1e-5, atol=1e-6)
     accuracy = ps.evaluate(x, y, verbose=0, return_dict=True)["accuracy"]
     assert accuracy > 0.5
+
+
+def test_gradient_accumulation_happens_on_the_server():
+    """Sync mode, K=4 batches of 16: the server's optimizer applies the mean of 4 rounds, as one batch of 64."""
+    x, y = classification_data(n=256)
+
+    def fit(strategy, batch_size, **compile_args):
+        with strategy.scope():
+            model = mf.Model(MLP(din=4, hidden=32, dout=3))
+            model.compile(
+                optimizer=mf.optimizers.get("sgd", learning_rate=0.05, momentum=0.9), loss="mse", **compile_args
+            )
+        model.fit(x, np.eye(3, dtype=np.float32)[y], batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+        return model
+
+    big = fit(mf.strategies.OneDeviceStrategy(), 64)
+    ps = fit(
+        mf.strategies.ParameterServerStrategy(mode="sync", workers=jax.devices()[:4]), 16, gradient_accumulation_steps=4
+    )
+    assert_trees_close(big.params, ps.params, rtol=1e-4, atol=1e-5)
+
+
+def test_mixed_float16_is_refused_with_the_policy_that_works():
+    with mf.strategies.ParameterServerStrategy(workers=jax.devices()[:2]).scope():
+        model = mf.Model(MLP())
+        with pytest.raises(ValueError, match="Use dtype_policy='mixed_bfloat16'"):
+            model.compile(optimizer="adam", loss="mse", dtype_policy="mixed_float16")
+        model.compile(optimizer="adam", loss="mse", dtype_policy="mixed_bfloat16")
