@@ -12,10 +12,13 @@ other iterable of batches — Python generators, grain datasets and loaders
 
 from __future__ import annotations
 
+import collections
 import math
+import queue
+import threading
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -140,11 +143,15 @@ class DataSource(ABC):
 
     @abstractmethod
     def executions(
-        self, epoch: int, size: int, start_step: int = 0, pad_last: bool = True
-    ) -> Iterator[tuple[int, Batch | list[Batch]]]:
+        self, epoch: int, size: int, start_step: int = 0, pad_last: bool = True, place: Callable | None = None
+    ) -> Iterator[tuple[int, Any]]:
         """Yields `(count, batches)` for epoch `epoch` from batch `start_step` on: `size` batches stacked
         on a new leading axis (one batch, unstacked, for `size == 1`). A short last group is padded with
-        fully masked batches, or with `pad_last=False` comes as a list of its `count` single batches."""
+        fully masked batches, or with `pad_last=False` comes as a list of its `count` single batches.
+
+        With `place`, a source that reads ahead (`IterableData`) yields `place(batches)` instead,
+        called on its reading thread, so the devices get the batches while the step before runs;
+        other sources ignore it."""
 
     def prepare(self, epoch: int) -> None:
         """Work for epoch `epoch` that can be done ahead, while the devices finish the last one."""
@@ -303,9 +310,10 @@ class ArrayData(DataSource):
             yield self._take_all(*self._rows(order, within))
 
     def executions(
-        self, epoch: int, size: int, start_step: int = 0, pad_last: bool = True
+        self, epoch: int, size: int, start_step: int = 0, pad_last: bool = True, place: Callable | None = None
     ) -> Iterator[tuple[int, Batch | list[Batch]]]:
-        """Yields `(count, batches)`: `size` batches stacked on a new leading axis.
+        """Yields `(count, batches)`: `size` batches stacked on a new leading axis (`place` is not used:
+        arrays are gathered on demand, and the session stages them on the devices itself).
 
         Gathers all rows of a group in one indexing operation. A short last
         group is filled with fully masked batches, or with `pad_last=False`
@@ -417,44 +425,69 @@ class IterableData(DataSource):
     warning when it runs out, as in Keras. With `steps_per_epoch`, an epoch is
     that many batches of one continuing stream. Batches are padded to the size
     of the first batch (rounded up to `batch_multiple`).
+
+    With `prefetch > 0` and a `place` function (training), the input is read,
+    batched and placed on the devices by a background thread, up to `prefetch`
+    executions ahead of the step, so host input work overlaps device work.
+    The position (`get_state`) is that of the next batch the loop has not
+    taken: batches read ahead and not taken, when an epoch ends early, are
+    kept and come first next time.
     """
 
     random_access = False  # batches come in the iterator's order, once
 
-    def __init__(self, data: Iterable, *, steps_per_epoch: int | None = None, batch_multiple: int = 1):
+    def __init__(
+        self,
+        data: Iterable,
+        *,
+        steps_per_epoch: int | None = None,
+        batch_multiple: int = 1,
+        prefetch: int = 2,
+    ):
         if not hasattr(data, "__iter__"):
             raise TypeError(f"Expected arrays or an iterable of batches. Received: {type(data).__name__}.")
         self.data = data
         self.reiterable = not isinstance(data, Iterator)
         self.steps_per_epoch = steps_per_epoch
         self.batch_multiple = batch_multiple
+        self.prefetch = prefetch
         self.padded_batch_size: int | None = None
         self._iterator: Iterator | None = None
         self._fresh = False
-        self._consumed = 0
+        self._consumed = 0  # elements taken from `_iterator`
         self._pending_state: dict | None = None
+        # Elements read but not taken by the loop (read ahead, or peeked), each with the position after it.
+        self._pushback: collections.deque = collections.deque()
+        self._position: dict | None = None  # the position after the last element the loop took
         self.exhausted = False
 
-    def _next_element(self):
+    def _next_element(self) -> tuple[Any, dict | None]:
+        """The next element and the position after it."""
+        if self._pushback:
+            return self._pushback.popleft()
         if self._iterator is None:
             self._iterator, self._fresh, self._consumed = iter(self.data), True, 0
             self._apply_pending_state()
         element = next(self._iterator)
         self._fresh = False
         self._consumed += 1
-        return element
+        return element, self._snapshot()
 
     # -- position, for BackupAndRestore ----------------------------------------------
+
+    def _snapshot(self) -> dict | None:
+        """The stream's position now (only a continuing stream of a re-iterable input has one)."""
+        if not self.reiterable or self.steps_per_epoch is None:
+            return None
+        if hasattr(self._iterator, "get_state"):  # grain iterators
+            return {"iterator_state": self._iterator.get_state()}
+        return {"consumed": self._consumed}
 
     def get_state(self) -> dict:
         """Where the continuing stream is (only needed with `steps_per_epoch`)."""
         if not self.reiterable:
             return {"rewindable": False}
-        if self.steps_per_epoch is None or self._iterator is None:
-            return {}
-        if hasattr(self._iterator, "get_state"):  # grain iterators
-            return {"iterator_state": self._iterator.get_state()}
-        return {"consumed": self._consumed}
+        return dict(self._position) if self._position else {}
 
     def set_state(self, state: dict) -> None:
         if state.get("rewindable") is False or not self.reiterable:
@@ -466,6 +499,8 @@ class IterableData(DataSource):
             )
             return
         self._pending_state = state or None
+        self._position = state or None
+        self._pushback.clear()
         self._iterator = None
 
     def _apply_pending_state(self) -> None:
@@ -497,16 +532,18 @@ class IterableData(DataSource):
             raise ValueError(f"A batch has {rows} inputs but {_num_rows(y, 'y')} targets; they must match.")
         return make_batch(x, y, sw, self.padded_batch_size)
 
-    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
-        """Yields one epoch's batches; sets `exhausted` if a one-shot input had none left."""
+    def _epoch_items(self, epoch: int, start_step: int = 0) -> Iterator[tuple[Batch, tuple]]:
+        """One epoch's batches, each with its `(element, position after it)`; sets `exhausted` if a
+        one-shot input had none left."""
         del epoch
         if self.steps_per_epoch is None and self.reiterable and self._pending_state is None:
             self._iterator = None  # a new pass each epoch
+            self._pushback.clear()
         # A restored stream position already stands at `start_step`; otherwise skip to it.
         step = start_step if self._pending_state else 0
         while self.steps_per_epoch is None or step < self.steps_per_epoch:
             try:
-                element = self._next_element()
+                read = self._next_element()
             except StopIteration:
                 was_fresh, self._iterator = self._fresh, None
                 if self.reiterable and self.steps_per_epoch is not None and not was_fresh:
@@ -520,42 +557,107 @@ class IterableData(DataSource):
                     )
                 return
             if step >= start_step:
-                yield self._to_batch(element)
+                yield self._to_batch(read[0]), read
             step += 1
 
-    def executions(
-        self, epoch: int, size: int, start_step: int = 0, pad_last: bool = True
-    ) -> Iterator[tuple[int, Batch | list[Batch]]]:
-        """Yields `(count, batches)`, `size` batches stacked (see `ArrayData.executions`)."""
-        batches = self.epoch(epoch, start_step)
+    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
+        """Yields one epoch's batches (read here, not ahead)."""
+        for batch, (_, position) in self._epoch_items(epoch, start_step):
+            self._position = position
+            yield batch
+
+    def _groups(self, epoch: int, size: int, start_step: int, pad_last: bool):
+        """`(count, execution, reads)` of one epoch: `reads` are the `(element, position)` pairs it holds."""
+        items = self._epoch_items(epoch, start_step)
         if size == 1:
-            for batch in batches:
-                yield 1, batch
+            for batch, read in items:
+                yield 1, batch, [read]
             return
-        for chunk in _chunks(batches, size):
+        for chunk in _chunks(items, size):
+            batches, reads = [b for b, _ in chunk], [r for _, r in chunk]
             if len(chunk) < size and not pad_last:
-                yield len(chunk), chunk
+                yield len(chunk), batches, reads
             else:
-                yield len(chunk), stack_batches(chunk, size)
+                yield len(chunk), stack_batches(batches, size), reads
+
+    def executions(
+        self, epoch: int, size: int, start_step: int = 0, pad_last: bool = True, place: Callable | None = None
+    ) -> Iterator[tuple[int, Any]]:
+        """Yields `(count, batches)`, `size` batches stacked (see `ArrayData.executions`); read ahead on a
+        thread and passed through `place` when both `place` and `prefetch` are set."""
+        groups = self._groups(epoch, size, start_step, pad_last)
+        if place is None or self.prefetch < 1:
+            for count, execution, reads in groups:
+                self._position = reads[-1][1]
+                yield count, execution
+            return
+        yield from self._read_ahead(groups, place)
+
+    def _read_ahead(self, groups: Iterator, place: Callable) -> Iterator[tuple[int, Any]]:
+        """Runs `groups` and `place` on a thread, up to `prefetch` executions ahead of the loop.
+
+        When the loop stops taking (an early stop, an error), the thread stops at
+        the next execution, and the elements of executions not taken go back to
+        the front of the input, with their positions.
+        """
+        ready: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+        untaken: list = []  # reads of an execution the thread made but could not hand over
+
+        def offer(item) -> bool:
+            """Hands `item` to the loop; False once the loop has stopped taking."""
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=0.05)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def read() -> None:
+            try:
+                for count, execution, reads in groups:
+                    if not offer(("execution", count, place(execution), reads)):
+                        untaken.extend(reads)
+                        return
+                offer(("end",))
+            except BaseException as error:  # noqa: BLE001 - raised again in the loop's thread
+                offer(("error", error))
+
+        thread = threading.Thread(target=read, name="meshfit-prefetch", daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = ready.get()
+                if item[0] == "end":
+                    return
+                if item[0] == "error":
+                    raise item[1]
+                _, count, execution, reads = item
+                self._position = reads[-1][1]
+                yield count, execution
+        finally:
+            stop.set()
+            thread.join()
+            left = []
+            while not ready.empty():
+                item = ready.get_nowait()
+                if item[0] == "execution":
+                    left.extend(item[3])
+            self._pushback.extendleft(reversed(left + untaken))
 
     def peek(self) -> Batch:
         """The first batch, without losing it for a later epoch (to build the model)."""
         try:
             if self.reiterable:
                 return self._to_batch(next(iter(self.data)))
-            element = self._next_element()
+            read = self._next_element()
         except StopIteration:
             raise ValueError(
                 "The dataset is empty: it yielded no batches. Pass data with at least one batch."
             ) from None
-        rest = self._iterator
-        self._iterator = _chain_first(element, rest)
-        return self._to_batch(element)
-
-
-def _chain_first(first, rest: Iterator) -> Iterator:
-    yield first
-    yield from rest
+        self._pushback.appendleft(read)
+        return self._to_batch(read[0])
 
 
 def stack_batches(batches: list[Batch], size: int) -> Batch:

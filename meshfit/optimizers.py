@@ -62,6 +62,12 @@ def get(
     """
     clipping = _clipping(clipnorm, clipvalue, global_clipnorm)
     if isinstance(identifier, optax.MultiSteps):
+        if clipping:
+            raise ValueError(
+                "Clip inside an optax.MultiSteps (clip the mean gradient, as Keras does): pass the clipping "
+                "to the optimizer it wraps, e.g. optax.MultiSteps(meshfit.optimizers.get('adam', clipnorm=1.0), 4), "
+                "or use compile(gradient_accumulation_steps=4)."
+            )
         identifier = identifier.gradient_transformation()
     if isinstance(identifier, optax.GradientTransformation):
         if overrides:
@@ -93,10 +99,11 @@ def _clipping(clipnorm, clipvalue, global_clipnorm) -> list[optax.GradientTransf
     for name, value in (("clipnorm", clipnorm), ("clipvalue", clipvalue), ("global_clipnorm", global_clipnorm)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
             raise ValueError(f"`{name}` must be a positive number. Received: {name}={value!r}.")
-    if clipnorm is not None and global_clipnorm is not None:
+    given = {k: v for k, v in (("clipnorm", clipnorm), ("clipvalue", clipvalue), ("global_clipnorm", global_clipnorm))}
+    if sum(v is not None for v in given.values()) > 1:
         raise ValueError(
-            "Only one of `clipnorm` (each gradient array) and `global_clipnorm` (all together) can be set. "
-            f"Received: clipnorm={clipnorm}, global_clipnorm={global_clipnorm}."
+            "Only one of `clipnorm` (each gradient array), `clipvalue` (each element) and `global_clipnorm` "
+            f"(all together) can be set, as in Keras. Received: {given}."
         )
     out = []
     if clipvalue is not None:

@@ -30,6 +30,8 @@ def training_tree(model) -> dict:
     tree = {"weights": weights_tree(model), "step": state.step}
     if state.opt_state is not None:
         tree["opt_state"] = state.opt_state
+    if state.loss_scale is not None:  # mixed_float16: the dynamic loss scale continues where it was
+        tree["loss_scale"] = state.loss_scale
     return tree
 
 
@@ -40,6 +42,10 @@ def set_from_tree(model, tree: dict) -> None:
         state = state._replace(step=tree["step"])
     if "opt_state" in tree:
         state = state._replace(opt_state=tree["opt_state"])
+    if "loss_scale" in tree:
+        saved = tree["loss_scale"]
+        scale = type(state.loss_scale)(**saved) if isinstance(saved, dict) else type(state.loss_scale)(*saved)
+        state = state._replace(loss_scale=scale)
     model.session.state = state
 
 

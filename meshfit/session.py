@@ -29,6 +29,9 @@ from meshfit.steps import LOSS_KEY, Steps
 STAGE_BYTES = 8 * 2**20
 #: At most this many batches are placed at once (the host gathers them in one go).
 MAX_STAGED_STEPS = 64
+#: Executions an iterable input (generator, grain) is read and placed ahead of the step, on a thread
+#: (0: read each batch when the step needs it).
+PREFETCH_EXECUTIONS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +52,13 @@ class Position:
     step: int
     data_origin: int = 0
     data: dict = dataclasses.field(default_factory=dict)
+
+
+class Placed(NamedTuple):
+    """An execution already laid out on the devices (read ahead by the input's thread): one batch,
+    stacked batches, or a list of single batches (a short last group)."""
+
+    batches: Any
 
 
 class Staged(NamedTuple):
@@ -248,7 +258,8 @@ class Session:
             return
         stage_steps = self._stage_steps(data)
         if stage_steps == 1:
-            yield from data.executions(epoch, self.steps_per_execution, start_step, pad_last=False)
+            place = self._place if PREFETCH_EXECUTIONS > 0 else None
+            yield from data.executions(epoch, self.steps_per_execution, start_step, pad_last=False, place=place)
             return
         while len(self._indices) < stage_steps:
             self._indices.append(self.strategy.replicate(np.int32(len(self._indices))))
@@ -278,17 +289,26 @@ class Session:
             return 1
         return max(1, min(MAX_STAGED_STEPS, STAGE_BYTES // data.batch_nbytes))
 
+    def _place(self, execution) -> Placed:
+        """Lays out a host execution on the devices (on the input's reading thread)."""
+        if isinstance(execution, list):
+            return Placed([self.strategy.place_batch(single, False) for single in execution])
+        return Placed(self.strategy.place_batch(execution, self.stacked))
+
     def train(self, execution):
-        """One execution: staged batches, a (stacked) host batch, or a list of single batches
-        (a short last group). Returns its logs (device values)."""
+        """One execution: staged batches, a (stacked) batch read ahead and placed, a (stacked) host
+        batch, or a list of single batches (a short last group). Returns its logs (device values)."""
         if isinstance(execution, Staged):
             return self._train_staged_steps(execution)
+        placed = isinstance(execution, Placed)
+        if placed:
+            execution = execution.batches
         if isinstance(execution, list):
             for single in execution:
-                batch = self.strategy.distribute_batch(single, False)
+                batch = single if placed else self.strategy.distribute_batch(single, False)
                 self._state, logs = self._train_one(self._state, batch)
         else:
-            batch = self.strategy.distribute_batch(execution, self.stacked)
+            batch = execution if placed else self.strategy.distribute_batch(execution, self.stacked)
             self._state, logs = self._train(self._state, batch)
         self.in_flight.add(logs[LOSS_KEY])
         return logs
@@ -315,7 +335,8 @@ class Session:
     def step_report(self, host_batch) -> StepReport:
         """Compiles the train step for one batch shaped like `host_batch` (nothing runs) and reports its cost."""
         batch = self.strategy.distribute_batch(host_batch, False)
-        compiled = self.strategy.compile(self.steps.train_step).lower(self._state, batch).compile()
+        train_step = self.strategy.compile(self.steps.train_step, donate_argnums=(0,))  # as fit compiles it
+        compiled = train_step.lower(self._state, batch).compile()
         rows = jax.tree.leaves(batch.mask)[0].shape[0]
         leaf = jax.tree.leaves(self._state.params)[0]
         devices = sorted(leaf.sharding.device_set, key=lambda d: d.id)

@@ -89,14 +89,18 @@ class Steps:
         are cast to the compute dtype, the outputs back to float32, and the
         module state keeps the dtypes it had.
         """
-        x = batch.x
+        y_pred, new_model_state = self._apply(params, model_state, batch.x, rng, training)
+        return self.loss.call(batch.y, y_pred), y_pred, new_model_state
+
+    def _apply(self, params, model_state, x, rng, training: bool):
+        """The module's outputs under the dtype policy (float32 out) and its updated state."""
         if self.policy.name != "float32":
             params, x = self.policy.cast_to_compute((params, x))
         y_pred, new_model_state = self.adapter.apply(params, model_state, x, training=training, rng=rng)
         if self.policy.name != "float32":
             y_pred = precision.to_float32(y_pred)
             new_model_state = jax.tree.map(_keep_floating_dtype, new_model_state, model_state)
-        return self.loss.call(batch.y, y_pred), y_pred, new_model_state
+        return y_pred, new_model_state
 
     def compute_loss(self, params, model_state, batch: Batch, rng, training: bool):
         values, y_pred, new_model_state = self._forward(params, model_state, batch, rng, training)
@@ -186,7 +190,7 @@ class Steps:
 
     def predict_step(self, variables, batch: Batch):
         params, model_state = variables
-        y_pred, _ = self.adapter.apply(params, model_state, batch.x, training=False, rng=None)
+        y_pred, _ = self._apply(params, model_state, batch.x, None, False)
         return y_pred
 
     # -- K steps in one call -------------------------------------------------------

@@ -1,10 +1,15 @@
-"""Array data: shuffle orders shared across fits and computed ahead."""
+"""Array data: shuffle orders shared across fits and computed ahead; iterables read ahead on a thread."""
+
+import threading
+import time
 
 import numpy as np
+import pytest
 from helpers import MLP, classification_data
 
 import meshfit as mf
-from meshfit.data import ArrayData, ShuffleOrders
+import meshfit.session as session_lib
+from meshfit.data import ArrayData, IterableData, ShuffleOrders
 
 
 def test_orders_are_the_seeded_permutation_and_only_the_newest_are_kept():
@@ -37,3 +42,91 @@ def test_unshuffled_data_prepares_nothing():
     data = ArrayData(x, y, batch_size=16, shuffle=False)
     data.prepare(3)
     assert data._orders._orders == {}
+
+
+# -- iterables read ahead on a thread ------------------------------------------------------------
+
+
+def numbered_batches(count, rows=4, seen=None):
+    """A generator of batches whose x holds the batch number; `seen` records the reading thread."""
+    for i in range(count):
+        if seen is not None:
+            seen.append(threading.current_thread().name)
+        yield np.full((rows, 2), i, np.float32), np.zeros(rows, np.int32)
+
+
+def taken_numbers(data, epoch=0, limit=None, place=lambda execution: execution):
+    out = []
+    executions = data.executions(epoch, 1, place=place)
+    for _, batch in executions:
+        out.append(int(batch.x[0, 0]))
+        if limit is not None and len(out) == limit:
+            executions.close()  # the loop stops taking (an early stop)
+            break
+    return out
+
+
+def test_batches_are_read_on_a_thread_and_come_in_order():
+    seen = []
+    data = IterableData(numbered_batches(6, seen=seen), prefetch=2)
+    assert taken_numbers(data) == list(range(6))
+    assert set(seen) == {"meshfit-prefetch"}
+    seen.clear()
+    data = IterableData(numbered_batches(3, seen=seen), prefetch=0)
+    assert taken_numbers(data) == [0, 1, 2] and set(seen) == {threading.current_thread().name}
+
+
+def test_batches_read_ahead_and_not_taken_come_first_next_time():
+    data = IterableData(numbered_batches(10), prefetch=3)
+    assert taken_numbers(data, limit=2) == [0, 1]  # the thread had read up to 3 more
+    assert taken_numbers(data, epoch=1) == list(range(2, 10))  # none lost, none repeated
+
+
+def test_the_position_is_the_next_batch_not_taken_although_more_were_read():
+    reads = []
+
+    class Source:  # re-iterable: a continuing stream with steps_per_epoch
+        def __iter__(self):
+            for i in range(100):
+                reads.append(i)
+                yield np.full((4, 2), i, np.float32), np.zeros(4, np.int32)
+
+    data = IterableData(Source(), steps_per_epoch=10, prefetch=2)
+    executions = data.executions(0, 1, place=lambda e: e)
+    for _ in range(4):
+        next(executions)
+    time.sleep(0.2)  # let the thread run ahead
+    assert len(reads) > 4 and data.get_state() == {"consumed": 4}
+    executions.close()
+    restored = IterableData(Source(), steps_per_epoch=10, prefetch=2)
+    restored.set_state(data.get_state())
+    assert taken_numbers(restored)[:2] == [4, 5]
+
+
+def test_an_error_in_the_input_reaches_the_loop():
+    def broken():
+        yield np.zeros((4, 2), np.float32), np.zeros(4, np.int32)
+        raise RuntimeError("the input broke")
+
+    data = IterableData(broken(), prefetch=2)
+    with pytest.raises(RuntimeError, match="the input broke"):
+        taken_numbers(data)
+
+
+def test_a_fit_from_a_generator_trains_the_same_with_and_without_read_ahead(monkeypatch):
+    x, y = classification_data(n=96)
+
+    def batches():
+        for i in range(0, 96, 16):
+            yield x[i : i + 16], y[i : i + 16]
+
+    def weights(prefetch):
+        monkeypatch.setattr(session_lib, "PREFETCH_EXECUTIONS", prefetch)
+        model = mf.Model(MLP())
+        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(batches(), epochs=1, verbose=0)
+        model.fit((b for b in [(x[:10], y[:10])]), epochs=1, verbose=0)  # a short batch after full ones
+        return model.get_weights()
+
+    for a, b in zip(weights(0), weights(2), strict=True):
+        np.testing.assert_array_equal(a, b)

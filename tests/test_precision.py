@@ -53,6 +53,21 @@ def test_mixed_bfloat16_keeps_float32_weights_learns_and_computes_in_bfloat16():
     assert np.abs(mixed_pred - full_pred).max() > 1e-3  # the forward pass really ran in bfloat16
 
 
+def test_predict_and_evaluate_run_under_the_policy_too():
+    x, y, x_test, y_test = digits()
+    full = mf.Model(DigitsMLP(rngs=nnx.Rngs(0)))
+    full.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    full.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    mixed = mf.Model(DigitsMLP(rngs=nnx.Rngs(0)))
+    mixed.compile(
+        optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), dtype_policy="mixed_bfloat16"
+    )
+    mixed.set_weights(full.get_weights())  # the same weights: any difference is the compute dtype
+    a, b = full.predict(x_test, verbose=0), mixed.predict(x_test, verbose=0)
+    assert b.dtype == np.float32 and 1e-3 < np.abs(a - b).max() < 0.5
+    assert full.evaluate(x_test, y_test, verbose=0) != mixed.evaluate(x_test, y_test, verbose=0)
+
+
 def test_bfloat16_policy_keeps_the_weights_in_bfloat16():
     model, logs, _ = fit_digits("bfloat16")
     assert all(w.dtype == jnp.bfloat16 for w in model.get_weights())
@@ -95,6 +110,18 @@ def test_mixed_float16_skips_overflowing_steps_lowers_the_scale_and_learns():
     assert all(w.dtype == np.float32 for w in model.get_weights())
     losses = history.history["loss"]
     assert np.isfinite(losses).all() and losses[-1] < 0.8 * losses[0]
+
+
+def test_the_loss_scale_is_saved_and_loaded_with_the_model(tmp_path):
+    x, y = classification_data(n=256)
+    model = mf.Model(MLP(hidden=32))
+    model.compile(optimizer="adam", loss=Scaled(), dtype_policy="mixed_float16")
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    scale = float(model.session.state.loss_scale.scale)
+    assert scale < precision.INITIAL_LOSS_SCALE
+    model.save(tmp_path / "saved")
+    loaded = mf.load_model(tmp_path / "saved", MLP(hidden=32), loss=Scaled())
+    assert float(loaded.session.state.loss_scale.scale) == scale
 
 
 def test_loss_scale_follows_keras_rules():
@@ -238,8 +265,12 @@ def test_clipping_matches_keras(clip):
 def test_clipping_arguments_are_checked():
     with pytest.raises(ValueError, match="Only one of `clipnorm`"):
         mf.optimizers.get("adam", clipnorm=1.0, global_clipnorm=1.0)
+    with pytest.raises(ValueError, match="Only one of `clipnorm`"):
+        mf.optimizers.get("adam", clipnorm=1.0, clipvalue=0.5)
     with pytest.raises(ValueError, match="`clipvalue` must be a positive number"):
         mf.optimizers.get("adam", clipvalue=-1)
+    with pytest.raises(ValueError, match="Clip inside an optax.MultiSteps"):
+        mf.optimizers.get(optax.MultiSteps(optax.sgd(0.1), 2), clipnorm=1.0)
 
 
 def test_a_clipped_optimizer_still_exposes_its_learning_rate():

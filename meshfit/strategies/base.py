@@ -124,6 +124,14 @@ class Strategy(ABC):
         their batch dimension is the second.
         """
 
+    def place_batch(self, host_batch, stacked: bool = False):
+        """Lays out a batch on the devices ahead of its step (from an input's reading thread).
+
+        The same layout as `distribute_batch`; a strategy whose `distribute_batch`
+        leaves the transfer to the compiled step places the batch here.
+        """
+        return self.distribute_batch(host_batch, stacked)
+
     def place_stage(self, host_batches):
         """Places batches stacked on a leading axis (a stage) as device arrays, for several steps to read.
 

@@ -31,6 +31,9 @@ class OneDeviceStrategy(Strategy):
         # jit's C++ fast path; an explicit device_put here costs more per step.
         return host_batch
 
+    def place_batch(self, host_batch, stacked=False):
+        return self._to_device(host_batch)
+
     def place_stage(self, host_batches):
         return self._to_device(host_batches)  # read by several steps: placed once
 
