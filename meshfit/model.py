@@ -320,7 +320,9 @@ class Model:
         def resolve(ids):
             return [metrics_lib.get(i, y_true=y_true, y_pred=y_pred, loss=c.loss_id) for i in ids]
 
-        steps = Steps(self._adapter, c.loss, c.tx, resolve(c.metrics), resolve(c.weighted), c.dtype_policy)
+        policy = c.dtype_policy
+        adapter = self._adapter if policy.name == "float32" else self._adapter.with_compute_dtype(policy.compute_dtype)
+        steps = Steps(adapter, c.loss, c.tx, resolve(c.metrics), resolve(c.weighted), policy)
         self.session.build(steps, c.steps_per_execution)
 
     @property

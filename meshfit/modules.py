@@ -45,20 +45,45 @@ class ModuleAdapter:
         """Returns the user's module object holding the given values."""
         raise NotImplementedError
 
+    def with_compute_dtype(self, dtype) -> ModuleAdapter:
+        """This adapter with the forward pass computing in `dtype` where the module lets it choose.
+
+        By default the same adapter: the step casts the parameters and floating
+        inputs, and layers whose `dtype` is None follow them (Linen's).
+        """
+        del dtype
+        return self
+
 
 # Trainable parameters, RNG streams, then every other variable (BatchNorm statistics, ...).
 _NNX_GROUPS = (nnx.Param, nnx.RngState, ...)
 
 
 class NNXAdapter(ModuleAdapter):
-    """Wraps an `nnx.Module`; train/eval modes via `nnx.view` (Dropout, BatchNorm flags)."""
+    """Wraps an `nnx.Module`; train/eval modes via `nnx.view` (Dropout, BatchNorm flags).
 
-    def __init__(self, module: nnx.Module):
+    With a `compute_dtype`, every submodule that has a `dtype` attribute
+    (Linear, Conv, Embed, LayerNorm, attention, ...) computes in it: Flax
+    modules fix their computation dtype when built (`nnx.Embed` takes its
+    parameters' float32), so casting the parameters alone would not change it.
+    The user's module is left as it is: the change is made on views.
+    """
+
+    def __init__(self, module: nnx.Module, compute_dtype=None):
         self.module = module
+        self.compute_dtype = compute_dtype
         train_view = nnx.view(module, deterministic=False, use_running_average=False, raise_if_not_found=False)
         eval_view = nnx.view(module, deterministic=True, use_running_average=True, raise_if_not_found=False)
+        if compute_dtype is not None:
+            for view in (train_view, eval_view):
+                for _, submodule in nnx.iter_modules(view):
+                    if hasattr(submodule, "dtype"):
+                        submodule.dtype = compute_dtype
         self._train_graphdef = nnx.split(train_view, *_NNX_GROUPS)[0]
         self._eval_graphdef = nnx.split(eval_view, *_NNX_GROUPS)[0]
+
+    def with_compute_dtype(self, dtype) -> NNXAdapter:
+        return NNXAdapter(self.module, dtype)
 
     def init(self):
         _, params, rngs, weights = nnx.split(self.module, *_NNX_GROUPS)

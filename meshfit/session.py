@@ -336,11 +336,17 @@ class Session:
         """Compiles the train step for one batch shaped like `host_batch` (nothing runs) and reports its cost."""
         batch = self.strategy.distribute_batch(host_batch, False)
         train_step = self.strategy.compile(self.steps.train_step, donate_argnums=(0,))  # as fit compiles it
-        compiled = train_step.lower(self._state, batch).compile()
+        lowered = train_step.lower(self._state, batch)
+        compiled = lowered.compile()
+        state = self._state
+
+        def jaxpr():  # traced only where the backend has no cost analysis of a lowered program
+            return jax.make_jaxpr(self.steps.train_step)(state, batch)
+
         rows = jax.tree.leaves(batch.mask)[0].shape[0]
         leaf = jax.tree.leaves(self._state.params)[0]
         devices = sorted(leaf.sharding.device_set, key=lambda d: d.id)
-        return step_report.analyse(compiled, rows, devices)
+        return step_report.analyse(lowered, compiled, rows, devices, jaxpr)
 
     # -- evaluation and prediction ------------------------------------------------------------
 

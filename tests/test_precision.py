@@ -279,3 +279,28 @@ def test_a_clipped_optimizer_still_exposes_its_learning_rate():
     assert model.optimizer.learning_rate == pytest.approx(0.01)
     model.optimizer.learning_rate = 0.002
     assert model.optimizer.learning_rate == pytest.approx(0.002)
+
+
+def test_layers_that_fix_their_dtype_compute_in_the_policy_dtype_too():
+    """`nnx.Embed` takes its parameters' float32 as its dtype when built; the policy still reaches it."""
+
+    class Tokens(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(16, 8, rngs=rngs)
+            self.norm = nnx.LayerNorm(8, rngs=rngs)
+            self.out = nnx.Linear(8, 3, rngs=rngs)
+
+        def __call__(self, tokens):
+            return self.out(self.norm(self.embed(tokens))).mean(axis=1)
+
+    tokens = np.random.default_rng(0).integers(0, 16, (32, 5)).astype(np.int32)
+    labels = np.zeros(32, np.int32)
+    model = mf.Model(Tokens(nnx.Rngs(0)))
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", dtype_policy="mixed_bfloat16")
+    model.fit(tokens, labels, batch_size=16, epochs=1, verbose=0)
+    session = model.session
+    batch = session.strategy.distribute_batch(model._example_batch, False)
+    jaxpr = jax.make_jaxpr(session.steps.train_step)(session.state, batch)
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert dots and all(e.outvars[0].aval.dtype == jnp.bfloat16 for e in dots)
+    assert model.module.embed.dtype == jnp.float32  # the user's module is unchanged

@@ -1,0 +1,171 @@
+"""Transformer LM training: meshfit against a hand-written `jax.jit` loop, tokens/s and MFU, per dtype policy.
+
+The model is `examples/transformer_lm.py`'s decoder-only transformer on one
+device. For each policy (`--policies`, default float32 and mixed_bfloat16):
+  * raw:     a hand-written loop: `jax.jit` of loss, gradients and the optax
+             update, state donated, the same policy written out (float32
+             master weights cast to the compute dtype inside the step, logits
+             back to float32 for the loss), batches already on the device;
+  * meshfit: `model.fit` with `compile(dtype_policy=...)` on the same arrays;
+  * meshfit_acc4: `gradient_accumulation_steps=4` at a quarter of the batch
+             (the same rows per update), to show what accumulation costs.
+Runs alternate between contenders; the median of `--repeats` is kept. FLOPs per
+step come from XLA's cost analysis of each compiled step; MFU is against the
+device's dense bf16 peak (`meshfit.callbacks.throughput.PEAK_BF16_FLOPS`).
+
+    python benchmarks/bench_transformer.py                      # small, for a CPU
+    python benchmarks/bench_transformer.py --layers 8 --d-model 1024 --heads 16 --context 512 --batch 32 --steps 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import meshfit as mf
+from meshfit import precision
+from meshfit.callbacks.throughput import peak_flops
+from meshfit.step_report import jaxpr_flops
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from transformer_lm import TransformerLM  # noqa: E402
+
+
+def make_module(args):
+    return TransformerLM(
+        context=args.context, layers=args.layers, d_model=args.d_model, heads=args.heads, rngs=nnx.Rngs(0)
+    )
+
+
+def make_data(args):
+    rng = np.random.default_rng(0)
+    n = args.batch * args.steps
+    x = rng.integers(0, 256, (n, args.context), dtype=np.int32)
+    return x, np.roll(x, -1, axis=1)
+
+
+def optimizer():
+    return mf.optimizers.get("adam", learning_rate=3e-4)
+
+
+def raw_runner(args, policy_name, x, y):
+    """The hand-written loop; returns (run all steps and block, FLOPs per step, bytes of temporaries)."""
+    policy = precision.get(policy_name)
+    graphdef, params = nnx.split(make_module(args))
+    params = nnx.to_pure_dict(params)
+    tx = optimizer()
+
+    def loss_fn(params, xb, yb):
+        if policy.name != "float32":
+            params = policy.cast_to_compute(params)
+        logits = nnx.merge(graphdef, params)(xb).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
+
+    def step(state, xb, yb):
+        params, opt_state, loss_sum = state
+        loss, grads = jax.value_and_grad(loss_fn)(params, xb, yb)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss_sum + loss
+
+    device = jax.devices()[0]
+    state = jax.device_put((params, tx.init(params), jnp.zeros((), jnp.float32)), device)
+    batches = [
+        jax.device_put((x[i : i + args.batch], y[i : i + args.batch]), device) for i in range(0, len(x), args.batch)
+    ]
+    run = jax.jit(step, donate_argnums=0)
+    lowered = run.lower(state, *batches[0])
+    compiled = lowered.compile()
+    cost = lowered.cost_analysis()  # as `step_report` counts: the compiled GPU program hides its GEMMs' FLOPs
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    if not cost:  # no cost analysis of a lowered program on this backend (the CUDA plugin)
+        cost = {"flops": jaxpr_flops(jax.make_jaxpr(step)(state, *batches[0]))}
+
+    def go():
+        nonlocal state
+        for xb, yb in batches:
+            state = run(state, xb, yb)
+        jax.block_until_ready(state)
+
+    return go, float(cost["flops"]), int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def meshfit_runner(args, policy_name, x, y, accumulate=1):
+    model = mf.Model(make_module(args))
+    model.compile(
+        optimizer=optimizer(),
+        loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+        dtype_policy=policy_name,
+        gradient_accumulation_steps=accumulate,
+    )
+    batch = args.batch // accumulate
+    model.fit(x[: 2 * args.batch], y[: 2 * args.batch], batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    report = model.step_report()
+
+    def go():
+        model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+        jax.block_until_ready(model.params)
+
+    return go, report.flops * accumulate, report.temp_bytes
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16, help="rows per update (a multiple of 4)")
+    parser.add_argument("--steps", type=int, default=20, help="updates per timed run")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--policies", default="float32,mixed_bfloat16")
+    args = parser.parse_args()
+    device = jax.devices()[0]
+    peak = peak_flops(device.device_kind)
+    x, y = make_data(args)
+    params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(nnx.state(make_module(args), nnx.Param)))
+    tokens = args.batch * args.context
+    print(
+        f"jax {jax.__version__} on {device.device_kind} ({device.platform}); transformer {args.layers} layers, "
+        f"d_model {args.d_model}, {args.heads} heads, context {args.context}: {params / 1e6:.1f} M parameters; "
+        f"batch {args.batch} ({tokens} tokens), {args.steps} updates a run, median of {args.repeats}; "
+        f"peak {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s (dense bf16)"
+    )
+    for policy in args.policies.split(","):
+        contenders = {
+            "raw": raw_runner(args, policy, x, y),
+            "meshfit": meshfit_runner(args, policy, x, y),
+            "meshfit_acc4": meshfit_runner(args, policy, x, y, accumulate=4),
+        }
+        for go, _, _ in contenders.values():
+            go()  # warm-up: compilation and first transfers
+        times = {k: [] for k in contenders}
+        for _ in range(args.repeats):
+            for name, (go, _, _) in contenders.items():
+                t0 = time.perf_counter()
+                go()
+                times[name].append(time.perf_counter() - t0)
+        print(f"\n{policy}:")
+        rate = {}
+        for name, (_, flops, temp) in contenders.items():
+            seconds = statistics.median(times[name]) / args.steps
+            rate[name] = tokens / seconds
+            mfu = f"{flops / seconds / peak:6.1%}" if peak else "   n/a"
+            print(
+                f"  {name:13s} {seconds * 1e3:8.2f} ms/update  {rate[name]:11,.0f} tokens/s  "
+                f"{flops / 1e12:7.3f} TFLOP/update  MFU {mfu}  temporaries {temp / 2**20:8.1f} MiB"
+            )
+        print(f"  ratio meshfit/raw = {rate['meshfit'] / rate['raw']:.3f}  (target >= 0.97)")
+        print(f"  accumulation K=4 / K=1 time = {rate['meshfit'] / rate['meshfit_acc4']:.3f}  (target <= 1.05)")
+
+
+if __name__ == "__main__":
+    main()
