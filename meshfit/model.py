@@ -30,7 +30,7 @@ from meshfit.preemption import PreemptionWatch
 from meshfit.session import Session
 from meshfit.state import TrainState
 from meshfit.step_report import StepReport
-from meshfit.steps import Steps
+from meshfit.steps import StepFunctions
 from meshfit.strategies import get_strategy, has_strategy, placement
 from meshfit.summary import format_summary
 from meshfit.trees import path_name
@@ -115,12 +115,12 @@ class Model:
     @property
     def params(self):
         """The trainable parameters as a nested dict of `jax.Array` (live, on device)."""
-        return self.session.state.params
+        return self.session.latest.params
 
     @property
     def module(self):
         """The user's module, holding the current weights."""
-        state = self.session.state
+        state = self.session.latest
         return self._adapter.sync_module(state.params, state.model_state)
 
     def _weight_trees(self):
@@ -233,7 +233,7 @@ class Model:
                 metrics_lib.get(identifier, loss=loss)
         if not isinstance(steps_per_execution, int) or steps_per_execution < 1:
             raise ValueError(f"`steps_per_execution` must be a positive int. Received: {steps_per_execution!r}.")
-        state = self.session.state
+        state = self.session.latest
         params = policy.cast_to_variable(state.params) if policy.variable_dtype != np.float32 else state.params
         state = state._replace(
             params=params,
@@ -295,7 +295,7 @@ class Model:
             )
 
     def _output_spec(self, batch: data_lib.Batch):
-        state = self.session.state
+        state = self.session.latest
         try:
             return jax.eval_shape(
                 lambda p, s, x: self._adapter.apply(p, s, x, training=False, rng=None)[0],
@@ -322,7 +322,7 @@ class Model:
 
         policy = c.dtype_policy
         adapter = self._adapter if policy.name == "float32" else self._adapter.with_compute_dtype(policy.compute_dtype)
-        steps = Steps(adapter, c.loss, c.tx, resolve(c.metrics), resolve(c.weighted), policy)
+        steps = StepFunctions(adapter, c.loss, c.tx, resolve(c.metrics), resolve(c.weighted), policy)
         self.session.build(steps, c.steps_per_execution)
 
     @property
@@ -631,7 +631,7 @@ class Model:
 
     def summary(self, print_fn: Callable[[str], Any] | None = print) -> str:
         """Prints a table of every weight: path, shape, dtype, count and bytes, with totals."""
-        state = self.session.state
+        state = self.session.latest
         text = format_summary(
             type(self._adapter.module).__name__,
             self.strategy,
@@ -657,7 +657,7 @@ class Model:
         saving.load_weights(self, path)
 
     def count_params(self) -> int:
-        return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(self.session.state.params))
+        return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(self.session.latest.params))
 
     def __repr__(self) -> str:
         return f"Model({type(self._adapter.module).__name__}, strategy={self.strategy!r})"

@@ -138,7 +138,7 @@ class Optimizer:
         self._session = session  # the model's `meshfit.session.Session`: holds the optimizer state
 
     def _lr_leaf(self):
-        opt_state = self._session.state.opt_state
+        opt_state = self._session.latest.opt_state
         found = otu.tree_get(opt_state, "learning_rate", default=None)
         if found is None:
             raise AttributeError(
@@ -157,13 +157,13 @@ class Optimizer:
     def learning_rate(self, value) -> None:
         old = self._lr_leaf()
         new = placement.put(np.asarray(value, dtype=old.dtype), old.sharding)
-        state = self._session.state
+        state = self._session.latest
         self._session.state = state._replace(opt_state=otu.tree_set(state.opt_state, learning_rate=new))
 
     @property
     def iterations(self) -> int:
         """Number of optimizer steps taken (reads one value from the device)."""
-        return int(self._session.strategy.to_host(self._session.state.step))
+        return int(self._session.strategy.to_host(self._session.latest.step))
 
     def __repr__(self):
         return f"Optimizer({self.transform!r})"

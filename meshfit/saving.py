@@ -37,7 +37,7 @@ def training_tree(model) -> dict:
 
 def set_from_tree(model, tree: dict) -> None:
     """Puts restored values (already laid out for this model) into its state."""
-    state = model.session.state._replace(params=tree["weights"]["params"], model_state=tree["weights"]["model_state"])
+    state = model.session.latest._replace(params=tree["weights"]["params"], model_state=tree["weights"]["model_state"])
     if "step" in tree:
         state = state._replace(step=tree["step"])
     if "opt_state" in tree:
@@ -102,7 +102,7 @@ def _write(path, kind: str, tree, meta: dict, overwrite: bool) -> None:
 
 def save_model(model, path, overwrite: bool = False) -> None:
     """Writes weights, optimizer state, step and compile settings to `path`."""
-    has_optimizer = model.session.state.opt_state is not None
+    has_optimizer = model.session.latest.opt_state is not None
     meta = {"format": FORMAT, "compile": compile_record(model), "has_optimizer": has_optimizer}
     _write(path, "model", training_tree(model), meta, overwrite)
 
@@ -156,7 +156,7 @@ def load_saved_model(model, path, *, compile: bool = True, **compile_kwargs) -> 
         kwargs.update(compile_kwargs)
         if compile and kwargs.get("optimizer") is not None:
             model.compile(**kwargs)
-        with_optimizer = model.session.state.opt_state is not None and meta.get("has_optimizer")
+        with_optimizer = model.session.latest.opt_state is not None and meta.get("has_optimizer")
         template = training_tree(model) if with_optimizer else {"weights": weights_tree(model)}
         found = ckpt.restore_latest(template, partial=True)
     finally:

@@ -4,7 +4,8 @@ The session is the one owner of the `TrainState`. Compiled steps return a new
 state (the old buffers are donated, no copy is kept) and the session stores
 it; everything else reads the state through `state`, which is settled (it
 accounts for every batch handed out, also under asynchronous strategies),
-and replaces it through `state = ...`, `reset` or `restore`. The session also
+and replaces it through `state = ...`, `reset` or `restore`; `latest` is the
+state without waiting for batches in flight. The session also
 counts optimizer steps on the host, knows where a running fit stands
 (`position()`), and decides how training batches reach the devices
 (`train_executions`): one by one, or several staged on the devices at once.
@@ -23,7 +24,7 @@ from meshfit import step_report
 from meshfit.in_flight import InFlight
 from meshfit.state import TrainState
 from meshfit.step_report import StepReport
-from meshfit.steps import LOSS_KEY, Steps
+from meshfit.steps import LOSS_KEY, StepFunctions
 
 #: Bytes of batches placed on the devices at once for single-step training from arrays.
 STAGE_BYTES = 8 * 2**20
@@ -92,22 +93,32 @@ class Session:
         # Shuffled passes over array data are numbered across fits: epoch e reads pass `_data_origin + e`.
         self._epochs_begun = 0
         self._data_origin = 0
-        self.steps: Steps | None = None  # set by `build`
+        self.steps: StepFunctions | None = None  # set by `build`
 
     # -- the state -------------------------------------------------------------------
 
     @property
     def state(self) -> TrainState:
-        """The state after every batch handed out so far (see `settle`)."""
+        """The state after every batch handed out so far (see `settle`): what savers write and
+        `get_weights` returns."""
         self.settle()
         return self._state
 
     @state.setter
     def state(self, state: TrainState) -> None:
         """Replaces the state from outside a step (weights set, a learning rate changed, a restore)."""
-        self.settle()
         self._state = state
         self._step_known = False  # a restored state may hold another step: the next fit reads it
+
+    @property
+    def latest(self) -> TrainState:
+        """The state as the last step returned it, without waiting for batches still in flight.
+
+        The same as `state` under synchronous strategies. Under asynchronous
+        ones, reading it costs nothing and joins no other process, so reads
+        that need no exact position (shapes, the learning rate, a summary) use it.
+        """
+        return self._state
 
     def reset(self, state: TrainState) -> None:
         """A fresh start (`compile`): the state at step 0, compiled steps dropped."""
@@ -193,7 +204,7 @@ class Session:
     def built(self) -> bool:
         return self.steps is not None
 
-    def build(self, steps: Steps, steps_per_execution: int = 1) -> None:
+    def build(self, steps: StepFunctions, steps_per_execution: int = 1) -> None:
         """Compiles the steps (once per batch shape, on first use) and sets fresh metric accumulators."""
         self.steps = steps
         self.steps_per_execution = steps_per_execution

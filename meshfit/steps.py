@@ -22,8 +22,8 @@ from meshfit.state import TrainState
 LOSS_KEY = "loss"
 
 
-class Steps:
-    """The compiled model's step functions, built from its pieces.
+class StepFunctions:
+    """A compiled model's pure step functions (train, evaluate, predict; one or K per call), built from its pieces.
 
     Args:
         adapter: the module adapter (forward pass on pure pytrees).

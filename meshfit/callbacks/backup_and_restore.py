@@ -157,7 +157,7 @@ class BackupAndRestore(Callback):
 
         def template(meta):  # array shapes are in the meta, so the restore has a full target
             arrays = {k: np.zeros(shape, dtype) for k, (shape, dtype) in meta["array_specs"].items()}
-            return {"train": model.session.state, "arrays": arrays}
+            return {"train": model.session.latest, "arrays": arrays}
 
         found = self._dir.restore_latest(template)
         if found is None:
@@ -232,7 +232,7 @@ class BackupAndRestore(Callback):
         loss = (logs or {}).get("loss")
         if self._refused_step is not None or (loss is not None and not math.isfinite(float(loss))):
             return True
-        return bool(integrity.report(self.model.session.state).non_finite())
+        return bool(integrity.report(self.model.session.latest).non_finite())
 
     def close(self) -> None:
         """Waits for the backup being written and releases the directory (also after a failed fit)."""

@@ -109,6 +109,8 @@ class AsyncEngine(_Engine):
         return self.state, self.current_logs()
 
     def drain(self):
+        if self.state is None:  # nothing handed out yet
+            return None
         while self.outstanding:
             self._step(timeout=1.0)
         self.workers.end_call()

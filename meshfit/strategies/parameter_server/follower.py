@@ -70,7 +70,7 @@ class FollowerEngine(ServerTrainFunction):
         return self._replay(state)
 
     def drain(self):
-        return self._replay(self.state) if self.asynchronous else None
+        return self._replay(self.state) if self.asynchronous and self.state is not None else None
 
     def _replay(self, state):
         if state is not self.state:

@@ -126,7 +126,7 @@ def _fold(key, salts):
 
 
 def salted(gradients):
-    """`Steps.gradients` taking one more argument, the job's salt (`job_salt`, two entries).
+    """`StepFunctions.gradients` taking one more argument, the job's salt (`job_salt`, two entries).
 
     A module that keeps its random streams in its state (NNX `Rngs`) would
     otherwise draw the same dropout masks on every worker that pulled the same
