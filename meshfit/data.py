@@ -121,7 +121,7 @@ def make_batch(x, y, sample_weight, padded_rows: int) -> Batch:
 
 
 class DataSource(ABC):
-    """Where a fit's batches come from: the contract the loop and the runner rely on.
+    """Where a fit's batches come from: the contract the loop and the session rely on.
 
     Batches are fixed-shape host `Batch`es: every batch has the rows of the
     first (rounded up to the strategy's `batch_multiple`), and a partial batch
