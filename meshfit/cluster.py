@@ -22,6 +22,9 @@ ENV_COORDINATOR = "MESHFIT_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "MESHFIT_NUM_PROCESSES"
 ENV_PROCESS_ID = "MESHFIT_PROCESS_ID"
 ENV_HEARTBEAT = "MESHFIT_HEARTBEAT_TIMEOUT"
+ENV_INIT_TIMEOUT = "MESHFIT_INIT_TIMEOUT"
+#: Seconds `initialize` waits for every process to join, unless told otherwise.
+DEFAULT_INIT_TIMEOUT = 300
 # Variables launchers set that reveal a multi-process job JAX may not detect (e.g. Open MPI 5).
 _SIZE_HINTS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS", "WORLD_SIZE")
 
@@ -44,18 +47,63 @@ def _int_env(name: str) -> int | None:
         raise ValueError(f"Environment variable {name} must be an integer. Received: {name}={value!r}.") from None
 
 
+def check_settings(coordinator_address, num_processes, process_id, completed_by: str | None = None) -> None:
+    """Refuses settings that cannot form a job, naming the setting and the form it takes.
+
+    `completed_by`: a cluster environment JAX detected, which supplies what is not given.
+    """
+    if coordinator_address:
+        host, sep, port = str(coordinator_address).rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(
+                f"The coordinator address ({ENV_COORDINATOR} or coordinator_address) must be HOST:PORT, "
+                f"e.g. 10.0.0.1:12355, with a port from 1 to 65535. Received: {coordinator_address!r}"
+                + (" (no port)." if not sep or not port else ".")
+            )
+    if num_processes is not None and num_processes < 1:
+        raise ValueError(
+            f"The number of processes ({ENV_NUM_PROCESSES} or num_processes) must be at least 1. "
+            f"Received: {num_processes}."
+        )
+    if process_id is not None and process_id < 0:
+        raise ValueError(f"The process id ({ENV_PROCESS_ID} or process_id) must be 0 or more. Received: {process_id}.")
+    if num_processes is not None and process_id is not None and process_id >= num_processes:
+        raise ValueError(
+            f"The process id ({ENV_PROCESS_ID}={process_id}) must be below the number of processes "
+            f"({ENV_NUM_PROCESSES}={num_processes}): ids run from 0 to {num_processes - 1}."
+        )
+    given = {
+        ENV_COORDINATOR: coordinator_address or None,
+        ENV_NUM_PROCESSES: num_processes,
+        ENV_PROCESS_ID: process_id,
+    }
+    if completed_by is None and any(v is not None for v in given.values()) and num_processes != 1:
+        missing = [name for name, value in given.items() if value is None]
+        if missing and not (missing == [ENV_COORDINATOR] and os.environ.get("JAX_COORDINATOR_ADDRESS")):
+            set_ = {name: value for name, value in given.items() if value is not None}
+            raise ValueError(
+                f"A multi-process job needs the coordinator address, the number of processes and this process's "
+                f"id; {set_} came without {' and '.join(missing)}, and no cluster (SLURM, Open MPI, Cloud TPU, "
+                "Kubernetes) was detected to supply them. Set all three (meshfit launch does), or none."
+            )
+
+
 def initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
     local_device_ids=None,
     heartbeat_timeout_seconds: int | None = None,
-    initialization_timeout: int = 300,
+    initialization_timeout: int | None = None,
 ) -> bool:
     """Initializes `jax.distributed` once; returns True if this is a multi-process job.
 
     Must run before any JAX computation. CPU collectives go through gloo, so a
-    multi-process job also runs on hosts without accelerators.
+    multi-process job also runs on hosts without accelerators. Settings that
+    cannot form a job (an address without a port, a process id without a
+    count, an id out of range) are a `ValueError` before any network wait.
+    `initialization_timeout` (seconds to wait for every process; default
+    `MESHFIT_INIT_TIMEOUT`, else 300) bounds the wait.
     """
     if jax.distributed.is_initialized():
         return jax.process_count() > 1
@@ -63,8 +111,17 @@ def initialize(
     num_processes = num_processes if num_processes is not None else _int_env(ENV_NUM_PROCESSES)
     process_id = process_id if process_id is not None else _int_env(ENV_PROCESS_ID)
     heartbeat = heartbeat_timeout_seconds or _int_env(ENV_HEARTBEAT) or 100
+    if initialization_timeout is None:
+        initialization_timeout = _int_env(ENV_INIT_TIMEOUT) or DEFAULT_INIT_TIMEOUT
+    if initialization_timeout < 1:
+        raise ValueError(
+            f"The initialization timeout ({ENV_INIT_TIMEOUT} or initialization_timeout) must be a positive number "
+            f"of seconds. Received: {initialization_timeout!r}."
+        )
+    cluster = detected_cluster()
+    check_settings(coordinator_address, num_processes, process_id, completed_by=cluster)
     explicit = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
-    if not explicit and num_processes is None and detected_cluster() is None:
+    if not explicit and num_processes is None and cluster is None:
         hinted = {k: os.environ[k] for k in _SIZE_HINTS if os.environ.get(k, "1") not in ("", "0", "1")}
         if hinted:
             warnings.warn(

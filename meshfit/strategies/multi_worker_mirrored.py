@@ -28,7 +28,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             process per device).
         heartbeat_timeout_seconds: a process that stops sending heartbeats for
             this long is declared dead, and the others stop with an error.
-        initialization_timeout: seconds to wait for all processes to join.
+        initialization_timeout: seconds to wait for all processes to join
+            (default: `MESHFIT_INIT_TIMEOUT`, else 300).
     """
 
     def __init__(
@@ -38,7 +39,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         process_id=None,
         local_device_ids=None,
         heartbeat_timeout_seconds: int | None = None,
-        initialization_timeout: int = 300,
+        initialization_timeout: int | None = None,
     ):
         cluster.initialize(
             coordinator_address,
