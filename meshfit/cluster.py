@@ -145,3 +145,28 @@ def initialize(
     )
     logger.info("Joined a %d-process job as process %d.", jax.process_count(), jax.process_index())
     return jax.process_count() > 1
+
+
+_warned_alone: list[bool] = []
+
+
+def warn_if_launched_but_alone(strategy) -> None:
+    """Warns once when `meshfit launch --nprocs N` (N > 1) started this process but it is in no job.
+
+    Each process would then train its own copy of the model and write the same
+    files. Parameter-server jobs (`--ps`), whose workers never join a job, are exempt.
+    """
+    if _warned_alone or os.environ.get("MESHFIT_PS_ROLE") or (_int_env(ENV_NUM_PROCESSES) or 1) <= 1:
+        return
+    if jax.process_count() > 1:
+        return
+    _warned_alone.append(True)
+    if os.environ.get(ENV_PROCESS_ID, "0") != "0":
+        return  # one warning for the job, from its first process
+    warnings.warn(
+        f"meshfit launch started {os.environ[ENV_NUM_PROCESSES]} processes, but this one trains alone under "
+        f"{strategy!r}: every process trains its own copy and writes the same files. Use "
+        "MultiWorkerMirroredStrategy() (data parallel over the processes) or MeshStrategy(...) to train one "
+        "model together.",
+        stacklevel=3,
+    )

@@ -19,11 +19,11 @@ import numpy as np
 import optax
 
 from meshfit import callbacks as callbacks_lib
+from meshfit import cluster, precision, saving
 from meshfit import data as data_lib
 from meshfit import losses as losses_lib
 from meshfit import metrics as metrics_lib
 from meshfit import optimizers as optimizers_lib
-from meshfit import precision, saving
 from meshfit.loop import evaluate_loop, fit_loop, predict_loop
 from meshfit.modules import adapt
 from meshfit.preemption import PreemptionWatch
@@ -85,6 +85,7 @@ class Model:
 
     def __init__(self, module: Any, *, sample_input: Any = None, seed: int = 0) -> None:
         self.strategy = get_strategy()
+        cluster.warn_if_launched_but_alone(self.strategy)
         self.seed = int(seed)
         self._adapter = adapt(module, sample_input, self.seed)
         params, model_state = self._adapter.init()

@@ -52,6 +52,7 @@ def in_process(strategy, spe=1, epochs=2, n=150, batch_size=15):
 @pytest.mark.parametrize("spe", [1, 3])
 def test_two_processes_equal_one_process_with_four_devices(tmp_path, spe):
     result = launch(tmp_path, "--steps-per-execution", str(spe))
+    assert "trains alone" not in result.stdout  # the processes joined one job
     lines = result.stdout.splitlines()
     assert any(ln.startswith("[rank 0] Epoch 1/2") for ln in lines)
     assert not any(ln.startswith("[rank 1] Epoch") for ln in lines)  # only process 0 prints progress
@@ -73,3 +74,11 @@ def test_two_processes_equal_one_process_with_four_devices(tmp_path, spe):
     one_model, one_history, _, _ = in_process(mf.strategies.OneDeviceStrategy(), spe)
     for a, b in zip(one_model.get_weights(), model.get_weights(), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_processes_that_never_join_a_job_are_told_which_strategy_to_use(tmp_path):
+    """`meshfit launch --nprocs 2` of a MirroredStrategy script: two independent copies. Process 0 warns, once."""
+    result = launch(tmp_path, "--strategy", "mirrored", "--epochs", "1")
+    warnings = [ln for ln in result.stdout.splitlines() if "trains alone" in ln]
+    assert len(warnings) == 1 and warnings[0].startswith("[rank 0]"), result.stdout[-3000:]
+    assert "meshfit launch started 2 processes" in warnings[0] and "MultiWorkerMirroredStrategy()" in warnings[0]
