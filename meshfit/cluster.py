@@ -23,6 +23,8 @@ ENV_NUM_PROCESSES = "MESHFIT_NUM_PROCESSES"
 ENV_PROCESS_ID = "MESHFIT_PROCESS_ID"
 ENV_HEARTBEAT = "MESHFIT_HEARTBEAT_TIMEOUT"
 ENV_INIT_TIMEOUT = "MESHFIT_INIT_TIMEOUT"
+#: Set by `meshfit launch --ps` to each rank's parameter-server role (read by the parameter-server package).
+ENV_PS_ROLE = "MESHFIT_PS_ROLE"
 #: Seconds `initialize` waits for every process to join, unless told otherwise.
 DEFAULT_INIT_TIMEOUT = 300
 # Variables launchers set that reveal a multi-process job JAX may not detect (e.g. Open MPI 5).
@@ -156,7 +158,7 @@ def warn_if_launched_but_alone(strategy) -> None:
     Each process would then train its own copy of the model and write the same
     files. Parameter-server jobs (`--ps`), whose workers never join a job, are exempt.
     """
-    if _warned_alone or os.environ.get("MESHFIT_PS_ROLE") or (_int_env(ENV_NUM_PROCESSES) or 1) <= 1:
+    if _warned_alone or os.environ.get(ENV_PS_ROLE) or (_int_env(ENV_NUM_PROCESSES) or 1) <= 1:
         return
     if jax.process_count() > 1:
         return

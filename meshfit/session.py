@@ -94,6 +94,7 @@ class Session:
         self._epochs_begun = 0
         self._data_origin = 0
         self.steps: StepFunctions | None = None  # set by `build`
+        self._report: tuple | None = None
 
     # -- the state -------------------------------------------------------------------
 
@@ -224,6 +225,7 @@ class Session:
         # The next epoch's accumulators, made while the devices finish an epoch: the
         # host work before an epoch's first step is what the devices wait for.
         self._spare_metrics = None
+        self._report: tuple | None = None  # (batch shape, StepReport) of `step_report`
         self._state = self._state._replace(metrics=self.fresh_eval_metrics())
 
     def reset_train_metrics(self) -> None:
@@ -344,7 +346,18 @@ class Session:
         return logs if settled is None else settled
 
     def step_report(self, host_batch) -> StepReport:
-        """Compiles the train step for one batch shaped like `host_batch` (nothing runs) and reports its cost."""
+        """Compiles the train step for one batch shaped like `host_batch` (nothing runs) and reports its cost.
+
+        The report is kept until the steps are built again: a `Throughput` callback asks at every `fit`.
+        """
+        shape = jax.tree.map(lambda a: (np.shape(a), np.dtype(a.dtype)), host_batch)
+        if self._report is not None and self._report[0] == shape:
+            return self._report[1]
+        report = self._compile_report(host_batch)
+        self._report = (shape, report)
+        return report
+
+    def _compile_report(self, host_batch) -> StepReport:
         batch = self.strategy.distribute_batch(host_batch, False)
         train_step = self.strategy.compile(self.steps.train_step, donate_argnums=(0,))  # as fit compiles it
         lowered = train_step.lower(self._state, batch)

@@ -27,12 +27,13 @@ from multiprocessing.connection import Client
 import jax
 import numpy as np
 
+from meshfit import cluster
 from meshfit.data import Batch
 
 # The exported gradient program takes a Batch; both ends must know its name.
 jax.export.register_namedtuple_serialization(Batch, serialized_name="meshfit.data.Batch")
 
-ENV_ROLE = "MESHFIT_PS_ROLE"  # "coordinator" (server rank 0), "server" (server ranks 1..) or "worker"
+ENV_ROLE = cluster.ENV_PS_ROLE  # "coordinator" (server rank 0), "server" (server ranks 1..) or "worker"
 ENV_ADDRESS = "MESHFIT_PS_ADDRESS"  # host:port of the coordinator's control listener
 ENV_AUTHKEY = "MESHFIT_PS_AUTHKEY"  # hex secret shared by the job's processes
 ENV_WORKERS = "MESHFIT_PS_WORKERS"  # number of worker processes the coordinator waits for
