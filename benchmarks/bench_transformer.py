@@ -124,7 +124,7 @@ def meshfit_runner(args, policy_name, x, y, accumulate=1, split=None):
         model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
         jax.block_until_ready(model.params)
 
-    return go, report.flops * split, report.temp_bytes
+    return go, report.flops * split, report.memory["temporaries"]
 
 
 def main():

@@ -32,7 +32,7 @@ from meshfit.state import TrainState
 from meshfit.step_report import StepReport
 from meshfit.steps import StepFunctions
 from meshfit.strategies import get_strategy, has_strategy, placement
-from meshfit.summary import format_summary
+from meshfit.summary import format_step_report, format_summary
 from meshfit.trees import path_name
 
 _DEFAULT_BATCH_SIZE = 32
@@ -616,22 +616,38 @@ class Model:
         callback_list = self._one_pass_callbacks(callbacks, verbose, steps or data.steps_per_epoch)
         return predict_loop(self, data, callbacks=callback_list, steps=steps)
 
-    def step_report(self) -> StepReport:
+    def step_report(self, x: Any = None, y: Any = None) -> StepReport:
         """What one training step costs per device, from XLA's analyses of the compiled step.
 
-        FLOPs, bytes accessed and memory (arguments, outputs, temporaries) of
-        the train step for the batch shape the model was built with, under
-        its strategy. Compiles the step once more; runs nothing. Call it after
-        the first `fit` or `evaluate`.
+        FLOPs, bytes accessed, memory (arguments, outputs, temporaries, peak)
+        and the bytes of each kind of collective of the train step, under the
+        model's strategy. With `x` and `y` (one global batch: every row of
+        them), for a batch shaped like that one, before any training: a model
+        that does not fit shows it here, nothing runs. Without them, for the
+        batch shape the model was built with by its first `fit` or `evaluate`.
+        Compiles the step once per batch shape; runs nothing.
         """
         self._require_compiled("step_report")
+        if x is not None:
+            if y is None:
+                raise ValueError("step_report(x, y) needs targets `y` for the loss, shaped like a batch of them.")
+            data = self._make_data(x, y, None, len(jax.tree.leaves(x)[0]), what="step_report")
+            self._build(self._first_batch(data))
+            return self.session.step_report(self._first_batch(data))
         batch = self._example_batch
         if not self.session.built or batch is None or batch.y is None or self.compile_settings.loss is None:
-            raise ValueError("step_report() needs a model built for training: call fit() or evaluate() on data first.")
+            raise ValueError(
+                "step_report() needs a model built for training: call fit() or evaluate() on data first, "
+                "or pass a batch: step_report(x, y)."
+            )
         return self.session.step_report(batch)
 
     def summary(self, print_fn: Callable[[str], Any] | None = print) -> str:
-        """Prints a table of every weight: path, shape, dtype, count and bytes, with totals."""
+        """Prints a table of every weight: path, shape, dtype, count and bytes, with totals.
+
+        After the first `fit`, also what a train step costs per device (`step_report()`):
+        memory, FLOPs and the bytes of its collectives.
+        """
         state = self.session.latest
         text = format_summary(
             type(self._adapter.module).__name__,
@@ -641,6 +657,9 @@ class Model:
             self._adapter.non_trainable_weights(state.model_state),
             state.opt_state,
         )
+        batch = self._example_batch
+        if self.session.built and batch is not None and batch.y is not None and self.compile_settings.loss is not None:
+            text += "\n" + format_step_report(self.session.step_report(batch))
         if print_fn is not None:
             print_fn(text)
         return text

@@ -207,7 +207,7 @@ class Session:
 
     def build(self, steps: StepFunctions, steps_per_execution: int = 1) -> None:
         """Compiles the steps (once per batch shape, on first use) and sets fresh metric accumulators."""
-        self.steps = steps
+        self.steps = steps = self.strategy.step_functions(steps)
         self.steps_per_execution = steps_per_execution
         multi = self.stacked = steps_per_execution > 1
         compile_ = self.strategy.compile

@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import jax
 from jax.extend import core as jax_core
+
+#: HLO collective kinds `StepReport.collectives` counts (asynchronous `-start` forms count as their kind).
+COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,26 +36,41 @@ class StepReport:
             with work replicated on every device counted once.
         bytes_accessed: bytes of the step (XLA's estimate), per device in the same way.
         batch_size: rows of the global batch the step was compiled for.
-        devices: devices the step runs on (all processes).
+        num_devices: devices the step runs on (all processes).
         device_kind: the kind of those devices, as JAX names it (e.g. "NVIDIA H200").
-        argument_bytes: per device: the step's inputs (state and batch).
-        output_bytes: per device: the step's outputs (the new state, logs).
-        temp_bytes: per device: XLA's scratch memory (activations kept for the backward pass).
+        memory: bytes per device from XLA's memory analysis of the compiled step:
+            "arguments" (state and batch), "outputs" (new state, logs),
+            "temporaries" (scratch: activations kept for the backward pass) and
+            "peak" (their sum less the outputs that reuse donated arguments).
+        collectives: bytes each collective kind ("all-reduce", "all-gather",
+            "reduce-scatter", "all-to-all", "collective-permute") takes as operands
+            per step on one device, in the compiled program: the buffers it
+            reduces or gathers (the traffic on the wire follows from the algorithm:
+            a ring all-reduce sends 2(N-1)/N of its operand).
+        lowered_collectives: the same for the collectives written into the program
+            before the backend compiled it (`shard_map` collectives; XLA's own, which
+            GSPMD adds while compiling, are not there). A kind with more bytes in
+            `collectives` was widened by the backend (XLA:CPU reduces bfloat16 in float32).
     """
 
     flops: float
     bytes_accessed: float
     batch_size: int
-    devices: int
+    num_devices: int
     device_kind: str
-    argument_bytes: int
-    output_bytes: int
-    temp_bytes: int
+    memory: dict
+    collectives: dict
+    lowered_collectives: dict
 
     @property
     def flops_per_sample(self) -> float:
         """FLOPs of all devices for one row of the batch."""
-        return self.flops * self.devices / max(self.batch_size, 1)
+        return self.flops * self.num_devices / max(self.batch_size, 1)
+
+    @property
+    def widened_collectives(self) -> list[str]:
+        """Kinds whose compiled operands are larger than the program asked for (the backend promoted them)."""
+        return [k for k, n in self.lowered_collectives.items() if self.collectives.get(k, 0) > n]
 
 
 def _cost(stage) -> dict:
@@ -59,6 +78,22 @@ def _cost(stage) -> dict:
     if isinstance(cost, (list, tuple)):  # one dict per program in some JAX versions
         cost = cost[0] if cost else {}
     return cost or {}
+
+
+def memory(compiled: jax.stages.Compiled) -> dict:
+    """Per-device bytes of a compiled program: arguments, outputs, temporaries, aliased and peak."""
+    analysis = compiled.memory_analysis()
+    sizes = {
+        name: int(getattr(analysis, attr, 0) or 0)
+        for name, attr in (
+            ("arguments", "argument_size_in_bytes"),
+            ("outputs", "output_size_in_bytes"),
+            ("temporaries", "temp_size_in_bytes"),
+            ("aliased", "alias_size_in_bytes"),
+        )
+    }
+    sizes["peak"] = sizes["arguments"] + sizes["outputs"] + sizes["temporaries"] - sizes["aliased"]
+    return sizes
 
 
 def analyse(
@@ -70,18 +105,123 @@ def analyse(
     flops = cost.get("flops")
     if flops is None and jaxpr is not None:
         flops = jaxpr_flops(jaxpr())
-    memory = compiled.memory_analysis()
     count = max(len(devices), 1)
     return StepReport(
         flops=float(flops or 0.0) / count,
         bytes_accessed=float(cost.get("bytes accessed", 0.0)) / count,
         batch_size=int(batch_size),
-        devices=len(devices),
+        num_devices=len(devices),
         device_kind=devices[0].device_kind if devices else "",
-        argument_bytes=int(getattr(memory, "argument_size_in_bytes", 0)),
-        output_bytes=int(getattr(memory, "output_size_in_bytes", 0)),
-        temp_bytes=int(getattr(memory, "temp_size_in_bytes", 0)),
+        memory=memory(compiled),
+        collectives=compiled_collectives(compiled.as_text()),
+        lowered_collectives=lowered_collectives(lowered),
     )
+
+
+# -- collectives ---------------------------------------------------------------------------------
+
+_KINDS = "|".join(COLLECTIVE_KINDS)
+_HLO_COLLECTIVE = re.compile(
+    r"^\s*(?:ROOT\s+)?%?[\w.-]+\s*=\s*(?P<shape>.+?)\s+(?P<kind>" + _KINDS + r")(?P<start>-start)?\("
+)
+_HLO_ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9]\w*)?)\[([0-9,]*)\]")
+_HLO_GROUPS = re.compile(r"replica_groups=(\{\{[0-9,]*\}|\[[0-9]+,([0-9]+)\])")
+
+
+def compiled_collectives(hlo_text: str) -> dict:
+    """Operand bytes per collective kind in a compiled HLO module's text (one device, one run).
+
+    A result's size is the operand's for all-reduce, all-to-all and
+    collective-permute; an all-gather's result is its operand times the group,
+    a reduce-scatter's its operand divided by it. An asynchronous `-start`
+    returns its operands with its results; only the operands are counted.
+    """
+    totals: dict[str, int] = {}
+    for line in hlo_text.splitlines():
+        match = _HLO_COLLECTIVE.match(line)
+        if not match:
+            continue
+        kind, shape = match["kind"], match["shape"]
+        arrays = [_array_bytes(dtype, dims) for dtype, dims in _HLO_ARRAY.findall(shape)]
+        group = _group_size(line)
+        if match["start"]:
+            arrays = _start_operands(kind, arrays, group)
+        result = sum(arrays)
+        if kind == "all-gather" and not match["start"]:
+            result //= group
+        elif kind == "reduce-scatter":
+            result *= group
+        totals[kind] = totals.get(kind, 0) + result
+    return totals
+
+
+def _start_operands(kind: str, arrays: list[int], group: int) -> list[int]:
+    """The operands among an asynchronous start's outputs (operands first, then results, then context)."""
+    if kind == "all-reduce":
+        return arrays  # the results alone (the operands are not repeated)
+    if kind == "collective-permute":
+        return arrays[:1]
+    half = len(arrays) // 2
+    if kind == "all-gather":
+        return arrays[:half] if half else [arrays[0] // max(group, 1)]
+    return arrays[:half] or arrays
+
+
+def _group_size(line: str) -> int:
+    match = _HLO_GROUPS.search(line)
+    if not match:
+        return 1
+    if match.group(2):  # iota form: [groups,size]<=[...]
+        return int(match.group(2))
+    return len(match.group(1).strip("{}").split(","))
+
+
+def _array_bytes(dtype: str, dims: str) -> int:
+    count = math.prod(int(d) for d in dims.split(",") if d)
+    return count * _dtype_bytes(dtype)
+
+
+def _dtype_bytes(dtype: str) -> int:
+    if dtype == "pred":
+        return 1
+    digits = re.search(r"[0-9]+", dtype)
+    return max(int(digits.group()) // 8, 1) if digits else 4
+
+
+_MLIR_COLLECTIVES = {
+    "stablehlo.all_reduce": "all-reduce",
+    "stablehlo.all_gather": "all-gather",
+    "stablehlo.reduce_scatter": "reduce-scatter",
+    "stablehlo.all_to_all": "all-to-all",
+    "stablehlo.collective_permute": "collective-permute",
+}
+_MLIR_TENSOR = re.compile(r"tensor<((?:[0-9]+x)*)([a-z]+[0-9]*\w*)>")
+
+
+def lowered_collectives(lowered: jax.stages.Lowered) -> dict:
+    """Operand bytes per collective kind written into a lowered (StableHLO) program."""
+    from jaxlib.mlir import ir  # noqa: PLC0415  (part of jaxlib; only needed here)
+
+    totals: dict[str, int] = {}
+
+    def visit(op):
+        kind = _MLIR_COLLECTIVES.get(op.name)
+        if kind is not None:
+            for operand in op.operands:
+                totals[kind] = totals.get(kind, 0) + _tensor_bytes(str(operand.type))
+        return ir.WalkResult.ADVANCE
+
+    lowered.compiler_ir("stablehlo").operation.walk(visit)
+    return totals
+
+
+def _tensor_bytes(text: str) -> int:
+    match = _MLIR_TENSOR.search(text)
+    if not match:
+        return 0
+    dims, dtype = match.groups()
+    count = math.prod(int(d) for d in dims.split("x") if d)
+    return count * _dtype_bytes(dtype)
 
 
 def jaxpr_flops(jaxpr) -> float:

@@ -7,7 +7,9 @@ pytrees and a strategy compiles it. `steps_per_execution=K` wraps a step in a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +22,39 @@ from meshfit.modules import ModuleAdapter
 from meshfit.state import TrainState
 
 LOSS_KEY = "loss"
+
+
+class Replicas(Protocol):
+    """How the replicas computing one step share their results (`StepFunctions.gradients`).
+
+    One replica (`ONE_REPLICA`) shares nothing. Under an explicit data-parallel
+    step every replica computes on its own rows and these are the collectives
+    (`meshfit.strategies.data_parallel.DataReplicas`).
+    """
+
+    def sum(self, tree):
+        """The sum of `tree` over the replicas (loss totals, row counts, metric increments)."""
+
+    def sum_gradients(self, grads):
+        """The sum of the replicas' gradients (where a strategy may compress them)."""
+
+    def mean_state(self, model_state):
+        """The module state (BatchNorm statistics) every replica keeps: the replicas' mean."""
+
+    def rng(self, key):
+        """This replica's random key (key data) for its rows: its own draws, not a copy of the others'."""
+
+
+class _OneReplica:
+    """The whole batch on one replica: nothing to share."""
+
+    def sum(self, tree):
+        return tree
+
+    sum_gradients = mean_state = rng = sum
+
+
+ONE_REPLICA: Replicas = _OneReplica()
 
 
 class StepFunctions:
@@ -49,6 +84,18 @@ class StepFunctions:
         self.tx = tx
         self.metrics = list(metrics)
         self.weighted_metrics = list(weighted_metrics)
+        self.replica_gradients: Callable | None = None
+
+    def with_replica_gradients(self, fn: Callable) -> StepFunctions:
+        """A copy whose training steps compute `(grads, module state, increments)` with `fn`.
+
+        `fn` takes `gradients`' arguments; a strategy that reduces gradients
+        itself (the explicit data-parallel step) passes `gradients` run on
+        each replica and shared through its collectives.
+        """
+        steps = copy.copy(self)
+        steps.replica_gradients = fn
+        return steps
 
     @property
     def metric_names(self) -> list[str]:
@@ -119,23 +166,34 @@ class StepFunctions:
         objective = total if loss_scale is None else total * loss_scale
         return objective, (total, divisor, y_pred, new_model_state)
 
-    def gradients(self, params, model_state, batch: Batch, rng, loss_scale=None):
+    def gradients(self, params, model_state, batch: Batch, rng, loss_scale=None, replicas: Replicas = ONE_REPLICA):
         """A worker's part of a step: gradients, the updated module state, metric increments.
 
         The gradient of the loss's total is divided by the loss's divisor (the
         real rows) afterwards, so the divisor, summed over replicas, does not
         need a collective of its own before the backward pass. With a
         `loss_scale` (float16), the objective is scaled before the backward
-        pass and the gradients unscaled in the same division.
+        pass and the gradients unscaled in the same division. `replicas` says
+        how replicas computing one step on parts of its batch share totals,
+        gradients and module state: with them, every replica returns the
+        values one replica computes on the whole batch.
         """
+        if rng is not None:
+            rng = replicas.rng(rng)
         grad_fn = jax.grad(self._loss_parts, has_aux=True)
         grads, (total, divisor, y_pred, model_state) = grad_fn(params, model_state, batch, rng, loss_scale)
+        grads = replicas.sum_gradients(grads)
+        if self.loss.reduction == "sum":  # every replica's divisor is 1, and so is the whole batch's
+            total = replicas.sum(total)
+        else:
+            total, divisor = replicas.sum((total, divisor))
+        model_state = replicas.mean_state(model_state)
         scale = losses_lib.divide_no_nan(jnp.ones((), divisor.dtype), divisor)  # 0 for an all-padding batch
         if loss_scale is not None:
             scale = scale / loss_scale
         grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
         loss = losses_lib.divide_no_nan(total, divisor)
-        increments = self._update_metrics(self.init_metrics(), loss, batch, y_pred)
+        increments = replicas.sum(self._update_metrics(self.init_metrics(), loss, batch, y_pred))
         return grads, model_state, increments
 
     def apply_gradients(self, state: TrainState, grads, model_state, increments, rng) -> TrainState:
@@ -169,7 +227,8 @@ class StepFunctions:
         if self.adapter.uses_rng:
             rng, step_rng = (jax.random.key_data(k) for k in jax.random.split(jax.random.wrap_key_data(rng)))
         loss_scale = None if state.loss_scale is None else state.loss_scale.scale
-        grads, model_state, increments = self.gradients(state.params, state.model_state, batch, step_rng, loss_scale)
+        gradients = self.replica_gradients or self.gradients
+        grads, model_state, increments = gradients(state.params, state.model_state, batch, step_rng, loss_scale)
         new_state = self.apply_gradients(state, grads, model_state, increments, rng)
         return new_state, self.logs(new_state.metrics)
 

@@ -26,6 +26,23 @@ def _sharded(tree) -> bool:
     return any(isinstance(getattr(leaf, "sharding", None), NamedSharding) for leaf in jax.tree.leaves(tree))
 
 
+def format_step_report(report) -> str:
+    """Lines for `Model.summary()` after the first fit: a step's memory, FLOPs and collectives per device."""
+    mem = report.memory
+    lines = [
+        f"Train step (batch {report.batch_size}; per device, {report.num_devices} x {report.device_kind}): "
+        f"peak {human_bytes(mem['peak'])} = arguments {human_bytes(mem['arguments'])} + outputs "
+        f"{human_bytes(mem['outputs'])} + temporaries {human_bytes(mem['temporaries'])} - reused "
+        f"{human_bytes(mem['aliased'])}; {report.flops / 1e9:,.3f} GFLOP"
+    ]
+    if report.collectives:
+        parts = ", ".join(f"{kind} {human_bytes(n)}" for kind, n in report.collectives.items())
+        widened = report.widened_collectives
+        note = f" (the backend widened {', '.join(widened)}: lowered {report.lowered_collectives})" if widened else ""
+        lines.append(f"Collectives per step: {parts}{note}")
+    return "\n".join(lines)
+
+
 def format_summary(name: str, strategy, names: list[str], params, non_trainable, opt_state) -> str:
     """The text `model.summary()` prints (shapes and shardings only; no device transfer).
 
@@ -37,9 +54,9 @@ def format_summary(name: str, strategy, names: list[str], params, non_trainable,
     sharded = _sharded((params, non_trainable))
     header = ["Weight", "Shape", "Dtype", "Params", "Bytes"] + (["Sharding", "Bytes/device"] if sharded else [])
     rows = []
-    for name, leaf in zip(names, leaves, strict=True):
+    for weight, leaf in zip(names, leaves, strict=True):
         count = int(np.prod(leaf.shape))
-        row = [name, str(tuple(leaf.shape)), str(leaf.dtype), f"{count:,}", human_bytes(count * leaf.dtype.itemsize)]
+        row = [weight, str(tuple(leaf.shape)), str(leaf.dtype), f"{count:,}", human_bytes(count * leaf.dtype.itemsize)]
         if sharded:
             spec = leaf.sharding.spec if isinstance(leaf.sharding, NamedSharding) else "-"
             row += [str(spec), human_bytes(bytes_per_device(leaf))]

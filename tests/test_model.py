@@ -144,6 +144,8 @@ def test_get_set_weights_round_trip_and_order():
 def test_summary_lists_every_weight_with_totals():
     model = make_model()
     text = model.summary(print_fn=None)
+    assert text.startswith(f'Model: "{type(model.module).__name__}"')
+    assert "Train step" not in text  # no step is compiled before the model has seen data
     for name, shape, count in [("hidden/kernel", "(4, 16)", "64"), ("out/bias", "(3,)", "3")]:
         line = next(ln for ln in text.splitlines() if ln.startswith(name))
         assert shape in line and count in line and "float32" in line

@@ -86,11 +86,11 @@ class Throughput(Callback):
         """The throughput logs for `steps` training steps that took `seconds`."""
         report = self.report
         samples = steps * report.batch_size / seconds
-        flops = steps * report.flops * report.devices / seconds
+        flops = steps * report.flops * report.num_devices / seconds
         out = {"samples_per_second": samples, "flops_per_second": flops}
         if self.tokens_per_sample:
             out["tokens_per_second"] = samples * self.tokens_per_sample
         peak = self.peak_flops or peak_flops(report.device_kind)
         if peak:
-            out["mfu"] = flops / (report.devices * peak)
+            out["mfu"] = flops / (report.num_devices * peak)
         return out

@@ -94,6 +94,11 @@ class Strategy(ABC):
         """A global batch is padded to a multiple of this many rows."""
         return self.num_replicas_in_sync
 
+    def step_functions(self, steps):
+        """The step functions this strategy compiles: `steps` as they are, unless it computes
+        gradients its own way (the explicit data-parallel step swaps in its per-replica gradients)."""
+        return steps
+
     def place_state(self, state, param_hints=None):
         """Lays out a `TrainState` on this strategy's devices.
 

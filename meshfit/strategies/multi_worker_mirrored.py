@@ -30,6 +30,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             this long is declared dead, and the others stop with an error.
         initialization_timeout: seconds to wait for all processes to join
             (default: `MESHFIT_INIT_TIMEOUT`, else 300).
+        reduction, gradient_compression: as for `MirroredStrategy`; across
+            hosts the all-reduce crosses the network, where compression pays most.
     """
 
     def __init__(
@@ -40,7 +42,11 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         local_device_ids=None,
         heartbeat_timeout_seconds: int | None = None,
         initialization_timeout: int | None = None,
+        *,
+        reduction: str | None = None,
+        gradient_compression: str | None = None,
     ):
+        self._init_reduction(reduction, gradient_compression)
         cluster.initialize(
             coordinator_address,
             num_processes,

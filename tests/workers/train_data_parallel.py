@@ -1,7 +1,7 @@
 """Worker for launch tests: trains the test MLP under a strategy and saves what it got.
 
     python train_data_parallel.py OUT_DIR [--strategy multi_worker|mirrored] [--epochs N] [--batch-size B]
-                                  [--steps-per-execution K] [--hang]
+                                  [--steps-per-execution K] [--compression bf16|fp16] [--hang]
 Process 0 writes OUT_DIR/params.npz and OUT_DIR/history.json; every process writes
 OUT_DIR/history_<rank>.json.
 """
@@ -30,17 +30,18 @@ def main():
     parser.add_argument("--n", type=int, default=150)
     parser.add_argument("--batch-size", type=int, default=15)
     parser.add_argument("--steps-per-execution", type=int, default=1)
+    parser.add_argument("--compression", default=None, help="gradient_compression of the data-parallel strategies")
     parser.add_argument("--hang", action="store_true", help="train for a long time (for kill tests)")
     args = parser.parse_args()
 
     if args.strategy == "multi_worker":
-        strategy = mf.strategies.MultiWorkerMirroredStrategy()
+        strategy = mf.strategies.MultiWorkerMirroredStrategy(gradient_compression=args.compression)
     elif args.strategy == "mesh":
         strategy = mesh_strategy()
     else:
         import jax
 
-        strategy = mf.strategies.MirroredStrategy(jax.devices()[:4])
+        strategy = mf.strategies.MirroredStrategy(jax.devices()[:4], gradient_compression=args.compression)
     import numpy as np
     from helpers import MLP, classification_data
 
@@ -73,8 +74,10 @@ def main():
     predictions = model.predict(x[:23], batch_size=args.batch_size, verbose=0)
     os.makedirs(args.out, exist_ok=True)
     rank = strategy.process_index
+    report = model.step_report()
+    collectives = {"compiled": report.collectives, "lowered": report.lowered_collectives}
     with open(os.path.join(args.out, f"history_{rank}.json"), "w") as f:
-        json.dump({"history": history.history, "evaluate": evaluation}, f)
+        json.dump({"history": history.history, "evaluate": evaluation, "collectives": collectives}, f)
     if rank == 0:
         np.savez(os.path.join(args.out, "params.npz"), *model.get_weights(), predictions=predictions)
 
