@@ -125,7 +125,7 @@ _HLO_COLLECTIVE = re.compile(
     r"^\s*(?:ROOT\s+)?%?[\w.-]+\s*=\s*(?P<shape>.+?)\s+(?P<kind>" + _KINDS + r")(?P<start>-start)?\("
 )
 _HLO_ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9]\w*)?)\[([0-9,]*)\]")
-_HLO_GROUPS = re.compile(r"replica_groups=(\{\{[0-9,]*\}|\[[0-9]+,([0-9]+)\])")
+_HLO_GROUPS = re.compile(r"replica_groups=(\{\{[0-9,]*\}|\[[0-9]+,([0-9]+)\]|mesh\[([^\]]*)\]\s*\{([^}]*)\})")
 
 
 def compiled_collectives(hlo_text: str) -> dict:
@@ -168,11 +168,16 @@ def _start_operands(kind: str, arrays: list[int], group: int) -> list[int]:
 
 
 def _group_size(line: str) -> int:
+    """Devices in each replica group: from `{{0,1,...}}`, the iota form `[groups,size]<=[...]`,
+    or the mesh form `mesh['data'=2,'fsdp'=4] {'fsdp'}` (the product of the named axes' sizes)."""
     match = _HLO_GROUPS.search(line)
     if not match:
         return 1
-    if match.group(2):  # iota form: [groups,size]<=[...]
+    if match.group(2):
         return int(match.group(2))
+    if match.group(3) is not None:
+        sizes = {name: int(size) for name, size in re.findall(r"'([^']+)'=([0-9]+)", match.group(3))}
+        return math.prod(sizes.get(name, 1) for name in re.findall(r"'([^']+)'", match.group(4)))
     return len(match.group(1).strip("{}").split(","))
 
 

@@ -10,6 +10,8 @@ import meshfit as mf
 from meshfit import step_report
 from meshfit.step_report import jaxpr_flops
 
+eight_devices = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (simulated on a CPU)")
+
 
 def fitted(strategy=None):
     x, y = classification_data(n=256, din=32, classes=10)
@@ -25,9 +27,11 @@ def test_step_report_counts_about_six_flops_per_parameter_and_sample():
     report = model.step_report()
     assert report.batch_size == 32 and report.num_devices == 1
     assert 0.5 < report.flops_per_sample / (6 * model.count_params()) < 2  # forward 2x, backward 4x
-    assert report.memory["arguments"] > 0 and report.bytes_accessed > 0
+    assert report.memory["arguments"] > 0
+    assert report.bytes_accessed > 0 or jax.default_backend() == "gpu"  # the CUDA plugin gives no estimate
 
 
+@eight_devices
 def test_step_report_is_per_device_under_data_parallelism():
     one = fitted().step_report()
     eight = fitted(strategy=mf.strategies.MirroredStrategy()).step_report()
@@ -59,7 +63,8 @@ def test_memory_adds_up_and_summary_prints_it():
     assert memory["peak"] == memory["arguments"] + memory["outputs"] + memory["temporaries"] - memory["aliased"]
     assert memory["aliased"] > 0  # the state is donated: the new state reuses its buffers
     text = model.summary(print_fn=None)
-    assert "Train step (batch 32; per device, 1 x cpu)" in text and "Collectives" not in text
+    assert f"Train step (batch 32; per device, 1 x {jax.devices()[0].device_kind})" in text
+    assert "Collectives" not in text
 
 
 class Wide(nnx.Module):
@@ -72,6 +77,7 @@ class Wide(nnx.Module):
         return self.b(nnx.relu(self.a(x)))
 
 
+@eight_devices
 def test_a_batch_is_costed_before_any_training():
     """`step_report(x, y)` compiles for that batch and runs nothing: whether a layout fits, known up front."""
     x, y = np.zeros((64, 256), np.float32), np.zeros((64, 256), np.float32)
@@ -106,6 +112,7 @@ def test_needs_targets_with_a_batch():
         model.step_report(np.zeros((8, 4), np.float32))
 
 
+@eight_devices
 def test_collective_bytes_are_read_from_the_compiled_program():
     """Each kind's operand bytes per device, against a shard_map program written with all five kinds."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("i",))
@@ -147,6 +154,11 @@ def test_collective_bytes_are_read_from_the_compiled_program():
             "%ag = (f32[128]{0}, f32[1024]{0}) all-gather-start(f32[128]{0} %p), replica_groups=[1,8]<=[8]",
             "all-gather",
             128 * 4,
+        ),
+        (  # the mesh form of replica groups (XLA in jax 0.11): groups over 'fsdp' of a 2 x 4 mesh
+            "%ag.3 = f32[32,16]{1,0} all-gather(%p), channel_id=1, replica_groups=mesh['data'=2,'fsdp'=4] {'fsdp'}",
+            "all-gather",
+            32 * 16 * 4 // 4,
         ),
         (
             "%rs = f32[128]{0} reduce-scatter(f32[1024]{0} %p), replica_groups=[1,8]<=[8], dimensions={0}",
