@@ -189,3 +189,24 @@ def test_options_are_checked():
         with pytest.raises(TypeError, match="gradient_compression"):
             strategy(gradient_compression="bf16")
     assert "gradient_compression='fp16'" in repr(S.MirroredStrategy(gradient_compression="fp16"))
+
+
+def test_bf16_compression_reaches_the_same_digits_accuracy():
+    """scikit-learn's digits, an MLP, 8 replicas: compressed gradients learn as well as float32 ones (±1 %)."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x, y = (x / 16.0).astype(np.float32), y.astype(np.int32)
+    order = np.random.default_rng(0).permutation(len(x))
+    train_rows, test_rows = order[:1400], order[1400:]
+    accuracy = {}
+    for compression in (None, "bf16"):
+        with S.MirroredStrategy(reduction="explicit", gradient_compression=compression).scope():
+            model = mf.Model(MLP(din=64, hidden=128, dout=10))
+            model.compile(
+                optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"]
+            )
+        model.fit(x[train_rows], y[train_rows], batch_size=64, epochs=8, verbose=0)
+        accuracy[compression] = model.evaluate(x[test_rows], y[test_rows], verbose=0, return_dict=True)["accuracy"]
+    assert accuracy[None] > 0.93
+    assert abs(accuracy["bf16"] - accuracy[None]) <= 0.01, accuracy
