@@ -145,7 +145,7 @@ def compiled_collectives(hlo_text: str) -> dict:
         arrays = [_array_bytes(dtype, dims) for dtype, dims in _HLO_ARRAY.findall(shape)]
         group = _group_size(line)
         if match["start"]:
-            arrays = _start_operands(kind, arrays, group)
+            arrays = _start_operands(kind, shape, arrays, group)
         result = sum(arrays)
         if kind == "all-gather" and not match["start"]:
             result //= group
@@ -155,10 +155,17 @@ def compiled_collectives(hlo_text: str) -> dict:
     return totals
 
 
-def _start_operands(kind: str, arrays: list[int], group: int) -> list[int]:
-    """The operands among an asynchronous start's outputs (operands first, then results, then context)."""
+def _start_operands(kind: str, shape: str, arrays: list[int], group: int) -> list[int]:
+    """The operands among an asynchronous start's outputs.
+
+    XLA prints `((operands...), results...)` (GPU, jax 0.11) or, in older
+    forms, the operands and results side by side (an all-reduce's results alone).
+    """
+    if shape.startswith("(("):
+        inner = shape[2 : shape.index(")")]
+        return [_array_bytes(dtype, dims) for dtype, dims in _HLO_ARRAY.findall(inner)]
     if kind == "all-reduce":
-        return arrays  # the results alone (the operands are not repeated)
+        return arrays
     if kind == "collective-permute":
         return arrays[:1]
     half = len(arrays) // 2

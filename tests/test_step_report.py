@@ -145,6 +145,12 @@ def test_collective_bytes_are_read_from_the_compiled_program():
 @pytest.mark.parametrize(
     "line, kind, size",
     [  # forms XLA prints for GPUs: asynchronous starts, iota replica groups, bf16
+        (  # XLA:GPU (jax 0.11.2, H200): a bf16-compressed gradient all-reduce, operands then results
+            "%all-reduce-start.2 = ((bf16[669706]{0}), bf16[669706]{0}) all-reduce-start(%wrapped_concatenate.1), "
+            "channel_id=1, replica_groups={{0}}, use_global_device_ids=true, to_apply=%region_10.17",
+            "all-reduce",
+            669706 * 2,
+        ),
         (
             "%all-reduce-start = bf16[1024,256]{1,0} all-reduce-start(bf16[1024,256]{1,0} %p), replica_groups={{0,1}}",
             "all-reduce",
