@@ -1,6 +1,7 @@
 """meshfit.cluster: single-process fallback and the warning for an undetected multi-process launch."""
 
 import os
+import re
 import sys
 import time
 
@@ -87,3 +88,99 @@ def test_the_initialization_timeout_comes_from_the_environment():
     result = run_with(env)
     assert result.returncode != 0
     assert time.monotonic() - started < 90
+
+
+# -- a job that does not assemble: what it waits for, and a Python exception in time (real processes) ------------
+
+
+def slurm_env(process_id, tasks, port, **extra):
+    """What `srun` sets for task `process_id` of `tasks` on one node: JAX's SlurmCluster detects the job."""
+    return {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_STEP_NODELIST": "localhost",
+        "SLURM_NTASKS": str(tasks),
+        "SLURM_PROCID": str(process_id),
+        "SLURM_LOCALID": str(process_id),
+        "JAX_COORDINATOR_PORT": str(port),  # in place of 61440 + job id mod 4096, which may be taken here
+        **extra,
+    }
+
+
+def clean_env(env_extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "OMPI", "PMI", "MESHFIT_", "JAX_COORD"))}
+    return {**env, **env_extra}
+
+
+def start_joining(env_extra):
+    """Starts a process that joins the job (`initialize`) and prints what it got; `.started`: when."""
+    job = processes.Job([sys.executable, "-c", CODE], timeout=120, env=clean_env(env_extra))
+    job.started = time.monotonic()
+    return job
+
+
+def ended(job, within):
+    """Waits for a joining process to end; returns (status, seconds it took, stderr)."""
+    status = job.finish(timeout=within)
+    return status, time.monotonic() - job.started, job.stderr
+
+
+def assert_no_abort(status, err):
+    assert status == 1, err  # a Python exception, not SIGABRT (134 / -6) with a coordination-service dump
+    assert "DEADLINE_EXCEEDED" not in err and "Check failure stack trace" not in err
+
+
+def test_slurm_job_with_one_of_two_processes_started():
+    """The issue's check: 2 tasks, only process 0 started, MESHFIT_INIT_TIMEOUT=15: non-zero within 75 s."""
+    port = free_port()
+    job = start_joining(slurm_env(0, 2, port, MESHFIT_INIT_TIMEOUT="15"))
+    status, took, err = ended(job, within=75)
+    assert_no_abort(status, err)
+    assert 15 <= took < 45
+    assert f"meshfit: waiting for 2 processes at localhost:{port} (1 joined, timeout 15 s)" in err
+    assert err.count("meshfit: waiting for") == 1
+    assert (
+        f"JoinTimeoutError: only 1 of 2 processes joined at localhost:{port} within 15 s (not joined: process 1). "
+        "Likely causes: a process was not started" in err
+    )
+
+
+def test_slurm_job_with_only_process_1_started():
+    """No coordinator: the count that came is unknown, and the message says the job did not assemble."""
+    port = free_port()
+    job = start_joining(slurm_env(1, 2, port, MESHFIT_INIT_TIMEOUT="4"))
+    status, took, err = ended(job, within=60)
+    assert_no_abort(status, err)
+    assert took < 30
+    assert f"the job did not assemble: 2 processes expected at localhost:{port} within 4 s. " in err
+    assert "got no answer at" in err and "process 0 was not started" in err
+
+
+def test_slurm_count_larger_than_the_processes_started():
+    """SLURM_NTASKS=3 with 2 started: both say 2 of 3 joined, and which one is missing."""
+    port = free_port()
+    jobs = [start_joining(slurm_env(i, 3, port, MESHFIT_INIT_TIMEOUT="5")) for i in (0, 1)]
+    for job in jobs:
+        status, took, err = ended(job, within=60)
+        assert_no_abort(status, err)
+        assert took < 35
+        assert f"only 2 of 3 processes joined at localhost:{port} within 5 s (not joined: process 2)" in err
+
+
+def test_two_processes_with_one_id_fail_at_once_naming_it():
+    """Both given MESHFIT_PROCESS_ID=0: a ValueError naming the id in both, in seconds, not a silent wait."""
+    env = {"MESHFIT_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "MESHFIT_NUM_PROCESSES": "2"}
+    env.update(MESHFIT_PROCESS_ID="0", MESHFIT_INIT_TIMEOUT="60")
+    jobs = [start_joining(env) for _ in range(2)]
+    for job in jobs:
+        status, took, err = ended(job, within=60)
+        assert_no_abort(status, err)
+        assert took < 20  # the timeout is 60 s
+        assert re.search(r"ValueError: two processes were given process id 0: process 0 \(pid \d+ on .*\) and", err)
+
+
+def test_slurm_processes_that_all_start_join_quietly():
+    port = free_port()
+    jobs = [start_joining(slurm_env(i, 2, port)) for i in (0, 1)]
+    for job in jobs:
+        assert job.finish(timeout=60) == 0, job.stderr
+        assert "multi True" in job.stdout and "meshfit: waiting" not in job.stderr
