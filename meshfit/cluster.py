@@ -29,6 +29,9 @@ ENV_INIT_TIMEOUT = "MESHFIT_INIT_TIMEOUT"
 ENV_PS_ROLE = "MESHFIT_PS_ROLE"
 #: Seconds `initialize` waits for every process to join, unless told otherwise.
 DEFAULT_INIT_TIMEOUT = 300
+#: Seconds without heartbeats after which a process is declared dead and the job ends, unless told otherwise
+#: (JAX's own default is 100).
+DEFAULT_HEARTBEAT_TIMEOUT = 30
 # Variables launchers set that reveal a multi-process job JAX may not detect (e.g. Open MPI 5).
 _SIZE_HINTS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS", "WORLD_SIZE")
 
@@ -115,13 +118,19 @@ def initialize(
     `rendezvous.JoinTimeoutError` naming the count and the likely causes, and
     two processes with one id, or given different counts, are a `ValueError`,
     in place of JAX's abort after its timeout.
+
+    `heartbeat_timeout_seconds` (default `MESHFIT_HEARTBEAT_TIMEOUT`, else 30):
+    a process whose heartbeats stop for this long is declared dead and the
+    others end (JAX aborts them, naming it). Heartbeats come from a thread of
+    JAX's client in C++, so a process busy for longer (a long compilation,
+    Python code holding the GIL) is not declared dead.
     """
     if jax.distributed.is_initialized():
         return jax.process_count() > 1
     coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR)
     num_processes = num_processes if num_processes is not None else _int_env(ENV_NUM_PROCESSES)
     process_id = process_id if process_id is not None else _int_env(ENV_PROCESS_ID)
-    heartbeat = heartbeat_timeout_seconds or _int_env(ENV_HEARTBEAT) or 100
+    heartbeat = heartbeat_timeout_seconds or _int_env(ENV_HEARTBEAT) or DEFAULT_HEARTBEAT_TIMEOUT
     if initialization_timeout is None:
         initialization_timeout = _int_env(ENV_INIT_TIMEOUT) or DEFAULT_INIT_TIMEOUT
     if initialization_timeout < 1:

@@ -2,13 +2,14 @@
 
 import os
 import re
+import signal
 import sys
 import time
 
 import processes
 import pytest
 
-from meshfit.cluster import check_settings
+from meshfit.cluster import DEFAULT_HEARTBEAT_TIMEOUT, check_settings
 from meshfit.launch import free_port
 
 CODE = """
@@ -184,3 +185,62 @@ def test_slurm_processes_that_all_start_join_quietly():
     for job in jobs:
         assert job.finish(timeout=60) == 0, job.stderr
         assert "multi True" in job.stdout and "meshfit: waiting" not in job.stderr
+
+
+# -- a dead peer ends the job in bounded time, with no launcher watching (real training processes) -------------
+
+TRAIN = os.path.join(os.path.dirname(__file__), "workers", "train_data_parallel.py")
+
+
+def start_training(process_id, port, out_dir, *args, **env_extra):
+    """Process `process_id` of a 2-task SLURM job training the test MLP on 2 simulated devices."""
+    env = slurm_env(process_id, 2, port, XLA_FLAGS="--xla_force_host_platform_device_count=2", **env_extra)
+    return processes.Job([sys.executable, "-u", TRAIN, str(out_dir), *args], timeout=150, env=clean_env(env))
+
+
+def test_a_killed_process_ends_the_other_within_60_s_by_default(tmp_path):
+    """The issue's check, with the default heartbeat timeout: under SLURM no launcher stops the survivor; JAX's
+    coordination service declares process 1 dead after DEFAULT_HEARTBEAT_TIMEOUT s and process 0 aborts, naming it
+    (JAX's own default, 100 s, took ~97 s)."""
+    assert DEFAULT_HEARTBEAT_TIMEOUT <= 30
+    port = free_port()
+    with start_training(0, port, tmp_path, "--hang") as chief, start_training(1, port, tmp_path, "--hang") as other:
+        chief.wait_for(r"epoch ", count=2)  # training is under way
+        other.proc.kill()
+        killed = time.monotonic()
+        status = chief.finish(timeout=90)
+        took = time.monotonic() - killed
+    assert status == -signal.SIGABRT  # JAX's way to end it: a fatal log line, then abort()
+    assert took < 60
+    assert re.search(r"The following tasks are unhealthy \(stopped sending heartbeats\):\s+1\n", chief.stderr)
+
+
+def test_a_process_busy_for_longer_than_the_heartbeat_timeout_is_not_declared_dead(tmp_path):
+    """Heartbeats are sent by a C++ thread of JAX's client, not by Python: process 1 holding the GIL for 12 s
+    (as a long compilation might keep it from Python) with a heartbeat timeout of 4 s, and the job trains on."""
+    port = free_port()
+    stall = ("--epochs", "3", "--stall", "12")
+    jobs = [start_training(i, port, tmp_path, *stall, MESHFIT_HEARTBEAT_TIMEOUT="4") for i in (0, 1)]
+    with jobs[0], jobs[1]:
+        statuses = [job.finish(timeout=120) for job in jobs]
+    assert statuses == [0, 0], jobs[0].stderr[-3000:] + jobs[1].stderr[-3000:]
+    assert "stalling 12 s" in jobs[1].stdout and "stall over" in jobs[1].stdout
+    assert re.search(r"^Epoch 3/3", jobs[0].stdout, re.M)
+
+
+def test_a_stopped_process_is_declared_dead_after_the_heartbeat_timeout(tmp_path):
+    """The control of the test above: the same job with process 1 stopped (SIGSTOP stops its heartbeat thread
+    too) ends within seconds of the 4 s timeout."""
+    port = free_port()
+    with (
+        start_training(0, port, tmp_path, "--hang", MESHFIT_HEARTBEAT_TIMEOUT="4") as chief,
+        start_training(1, port, tmp_path, "--hang", MESHFIT_HEARTBEAT_TIMEOUT="4") as other,
+    ):
+        chief.wait_for(r"epoch ", count=2)
+        other.proc.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        status = chief.finish(timeout=60)
+        took = time.monotonic() - stopped
+        other.proc.send_signal(signal.SIGCONT)
+    assert status == -signal.SIGABRT and took < 20
+    assert re.search(r"The following tasks are unhealthy \(stopped sending heartbeats\):\s+1\n", chief.stderr)
