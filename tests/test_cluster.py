@@ -167,6 +167,23 @@ def test_slurm_count_larger_than_the_processes_started():
         assert f"only 2 of 3 processes joined at localhost:{port} within 5 s (not joined: process 2)" in err
 
 
+def test_open_mpi_job_with_one_of_two_processes_started():
+    """The Open MPI 4 route (what `mpirun` sets, read by JAX's OmpiCluster): the same message."""
+    port = free_port()
+    env = {
+        "OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://127.0.0.1:34911",
+        "OMPI_COMM_WORLD_SIZE": "2",
+        "OMPI_COMM_WORLD_RANK": "0",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+        "JAX_COORDINATOR_PORT": str(port),
+        "MESHFIT_INIT_TIMEOUT": "3",
+    }
+    status, took, err = ended(start_joining(env), within=60)
+    assert_no_abort(status, err)
+    assert took < 30
+    assert f"only 1 of 2 processes joined at 127.0.0.1:{port} within 3 s (not joined: process 1)" in err
+
+
 def test_two_processes_with_one_id_fail_at_once_naming_it():
     """Both given MESHFIT_PROCESS_ID=0: a ValueError naming the id in both, in seconds, not a silent wait."""
     env = {"MESHFIT_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "MESHFIT_NUM_PROCESSES": "2"}
@@ -179,9 +196,19 @@ def test_two_processes_with_one_id_fail_at_once_naming_it():
         assert re.search(r"ValueError: two processes were given process id 0: process 0 \(pid \d+ on .*\) and", err)
 
 
-def test_slurm_processes_that_all_start_join_quietly():
+def kubernetes_env(process_id, tasks, port):
+    """The docs' Kubernetes recipe with explicit settings: a fixed address, the count, the pod's index as id."""
+    return {
+        "JAX_COORDINATOR_ADDRESS": f"localhost:{port}",
+        "MESHFIT_NUM_PROCESSES": str(tasks),
+        "MESHFIT_PROCESS_ID": str(process_id),
+    }
+
+
+@pytest.mark.parametrize("route", [slurm_env, kubernetes_env])
+def test_processes_that_all_start_join_quietly(route):
     port = free_port()
-    jobs = [start_joining(slurm_env(i, 2, port)) for i in (0, 1)]
+    jobs = [start_joining(route(i, 2, port)) for i in (0, 1)]
     for job in jobs:
         assert job.finish(timeout=60) == 0, job.stderr
         assert "multi True" in job.stdout and "meshfit: waiting" not in job.stderr
