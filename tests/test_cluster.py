@@ -167,21 +167,38 @@ def test_slurm_count_larger_than_the_processes_started():
         assert f"only 2 of 3 processes joined at localhost:{port} within 5 s (not joined: process 2)" in err
 
 
-def test_open_mpi_job_with_one_of_two_processes_started():
-    """The Open MPI 4 route (what `mpirun` sets, read by JAX's OmpiCluster): the same message."""
-    port = free_port()
-    env = {
+def open_mpi_env(process_id, tasks, port):
+    """What `mpirun` of Open MPI 4 sets, read by JAX's OmpiCluster (the coordinator: mpirun's host)."""
+    return {
         "OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://127.0.0.1:34911",
-        "OMPI_COMM_WORLD_SIZE": "2",
-        "OMPI_COMM_WORLD_RANK": "0",
-        "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+        "OMPI_COMM_WORLD_SIZE": str(tasks),
+        "OMPI_COMM_WORLD_RANK": str(process_id),
+        "OMPI_COMM_WORLD_LOCAL_RANK": str(process_id),
         "JAX_COORDINATOR_PORT": str(port),
-        "MESHFIT_INIT_TIMEOUT": "3",
     }
-    status, took, err = ended(start_joining(env), within=60)
+
+
+def gke_tpu_env(process_id, tasks, port):
+    """What GKE sets on a TPU slice, read by JAX's GkeTpuCluster; JAX_FORCE_TPU_INIT stands in for the chips."""
+    return {
+        "JAX_FORCE_TPU_INIT": "1",
+        "TPU_WORKER_HOSTNAMES": ",".join(["localhost"] * tasks),
+        "TPU_WORKER_ID": str(process_id),
+        "MEGASCALE_COORDINATOR_ADDRESS": "localhost",
+        "MEGASCALE_NUM_SLICES": "1",
+        "MEGASCALE_SLICE_ID": "0",
+        "JAX_COORDINATOR_PORT": str(port),
+    }
+
+
+@pytest.mark.parametrize("route", [open_mpi_env, gke_tpu_env])
+def test_other_detected_clusters_with_one_of_two_processes_started(route):
+    """Open MPI 4 and a TPU slice: the same message as under SLURM."""
+    port = free_port()
+    status, took, err = ended(start_joining({**route(0, 2, port), "MESHFIT_INIT_TIMEOUT": "3"}), within=60)
     assert_no_abort(status, err)
     assert took < 30
-    assert f"only 1 of 2 processes joined at 127.0.0.1:{port} within 3 s (not joined: process 1)" in err
+    assert re.search(rf"only 1 of 2 processes joined at [\w.]+:{port} within 3 s \(not joined: process 1\)", err)
 
 
 def test_two_processes_with_one_id_fail_at_once_naming_it():
@@ -205,7 +222,7 @@ def kubernetes_env(process_id, tasks, port):
     }
 
 
-@pytest.mark.parametrize("route", [slurm_env, kubernetes_env])
+@pytest.mark.parametrize("route", [slurm_env, open_mpi_env, gke_tpu_env, kubernetes_env])
 def test_processes_that_all_start_join_quietly(route):
     port = free_port()
     jobs = [start_joining(route(i, 2, port)) for i in (0, 1)]
