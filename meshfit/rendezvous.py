@@ -223,7 +223,7 @@ class _Chief:
             pass
         port = split_address(self.bind_address)[1]
         raise JoinError(
-            f"process 0 cannot listen on port {port} for the job's coordinator: it is in use ({error.strerror}). "
+            f"process 0 cannot listen on port {port} for the job's coordinator, which is in use: {error.strerror}. "
             "Another program, or an earlier job still running, holds it: stop it, or give the job another port "
             "(MESHFIT_COORDINATOR_ADDRESS, or JAX_COORDINATOR_PORT under a detected cluster)."
         ) from error

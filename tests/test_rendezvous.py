@@ -144,11 +144,11 @@ def test_a_process_that_left_is_no_longer_counted(address):
 
 def test_a_port_held_by_another_program_is_named(address):
     host, port = rendezvous.split_address(address)
-    with socket.create_server((host, port)) as other:
+    with socket.create_server((host, port)):
         errors = finish(start(address, 2, 0, timeout=2), start(address, 2, 1, timeout=1))
-        del other
     assert isinstance(errors[0], JoinError)
-    assert re.search(rf"process 0 cannot listen on port {port} .*: it is in use", str(errors[0]))
+    in_use = f"process 0 cannot listen on port {port} for the job's coordinator, which is in use: Address already"
+    assert str(errors[0]).startswith(in_use)
     assert "Another program, or an earlier job still running, holds it" in str(errors[0])
     assert isinstance(errors[1], JoinTimeoutError)  # the other program never answers process 1
     assert str(errors[1]).startswith(f"the job did not assemble: 2 processes expected at {address} within 1 s")
