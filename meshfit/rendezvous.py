@@ -173,7 +173,6 @@ class _Conn:
     opened: float
     buffer: bytearray = field(default_factory=bytearray)
     process_id: int | None = None
-    who: str = "a process"
 
 
 class _Chief:
@@ -313,7 +312,7 @@ class _Chief:
             self._fail(
                 ValueError(f"{who} has an id out of range: ids run from 0 to {n - 1} in a job of {n} processes.")
             )
-        conn.process_id, conn.who = process_id, who
+        conn.process_id = process_id
         self.joined[process_id] = who
         self._broadcast({"joined": len(self.joined), "missing": self._missing()})
 
