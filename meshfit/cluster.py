@@ -3,7 +3,9 @@
 Order of precedence for each setting: the argument, then `MESHFIT_*` variables
 (set by `meshfit launch`), then JAX's own (`JAX_COORDINATOR_ADDRESS`, ...), then
 JAX's cluster auto-detection (SLURM, Open MPI, Cloud TPU, Kubernetes). With none
-of these, the job is a single process.
+of these, the job is a single process. Before JAX joins them, the processes meet
+in meshfit's start-up handshake (`meshfit.rendezvous`), which says what it
+waits for and turns a job that cannot assemble into a Python exception.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import warnings
 
 import jax
 
-from meshfit import compat
+from meshfit import compat, rendezvous
 
 logger = logging.getLogger("meshfit")
 
@@ -27,6 +29,9 @@ ENV_INIT_TIMEOUT = "MESHFIT_INIT_TIMEOUT"
 ENV_PS_ROLE = "MESHFIT_PS_ROLE"
 #: Seconds `initialize` waits for every process to join, unless told otherwise.
 DEFAULT_INIT_TIMEOUT = 300
+#: Seconds without heartbeats after which a process is declared dead and the job ends, unless told otherwise
+#: (JAX's own default is 100).
+DEFAULT_HEARTBEAT_TIMEOUT = 30
 # Variables launchers set that reveal a multi-process job JAX may not detect (e.g. Open MPI 5).
 _SIZE_HINTS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS", "WORLD_SIZE")
 
@@ -104,15 +109,28 @@ def initialize(
     multi-process job also runs on hosts without accelerators. Settings that
     cannot form a job (an address without a port, a process id without a
     count, an id out of range) are a `ValueError` before any network wait.
-    `initialization_timeout` (seconds to wait for every process; default
-    `MESHFIT_INIT_TIMEOUT`, else 300) bounds the wait.
+
+    The processes first meet in meshfit's start-up handshake on the
+    coordinator's port (`meshfit.rendezvous`), then join JAX's job, all of
+    them there. While it waits, process 0 says once for how many processes
+    and how many came; when `initialization_timeout` (seconds; default
+    `MESHFIT_INIT_TIMEOUT`, else 300) passes first, the error is a
+    `rendezvous.JoinTimeoutError` naming the count and the likely causes, and
+    two processes with one id, or given different counts, are a `ValueError`,
+    in place of JAX's abort after its timeout.
+
+    `heartbeat_timeout_seconds` (default `MESHFIT_HEARTBEAT_TIMEOUT`, else 30):
+    a process whose heartbeats stop for this long is declared dead and the
+    others end (JAX aborts them, naming it). Heartbeats come from a thread of
+    JAX's client in C++, so a process busy for longer (a long compilation,
+    Python code holding the GIL) is not declared dead.
     """
     if jax.distributed.is_initialized():
         return jax.process_count() > 1
     coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR)
     num_processes = num_processes if num_processes is not None else _int_env(ENV_NUM_PROCESSES)
     process_id = process_id if process_id is not None else _int_env(ENV_PROCESS_ID)
-    heartbeat = heartbeat_timeout_seconds or _int_env(ENV_HEARTBEAT) or 100
+    heartbeat = heartbeat_timeout_seconds or _int_env(ENV_HEARTBEAT) or DEFAULT_HEARTBEAT_TIMEOUT
     if initialization_timeout is None:
         initialization_timeout = _int_env(ENV_INIT_TIMEOUT) or DEFAULT_INIT_TIMEOUT
     if initialization_timeout < 1:
@@ -136,17 +154,67 @@ def initialize(
         return False
     if num_processes == 1:
         return False
+    if compat.backends_are_initialized():
+        raise RuntimeError(
+            "This process cannot join the job: JAX's backend has already started (an array was created, or "
+            "jax.devices() called, before the strategy). Create MultiWorkerMirroredStrategy or MeshStrategy "
+            "(or call meshfit.cluster.initialize) first, before any other JAX work."
+        )
+    address, count, index, devices = complete_settings(
+        coordinator_address, num_processes, process_id, local_device_ids, initialization_timeout, cluster
+    )
+    rendezvous.assemble(
+        address, count, index, initialization_timeout, bind_address=os.environ.get("JAX_COORDINATOR_BIND_ADDRESS")
+    )
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
-        coordinator_address=coordinator_address,
-        num_processes=num_processes,
-        process_id=process_id,
-        local_device_ids=local_device_ids,
+        coordinator_address=address,
+        num_processes=count,
+        process_id=index,
+        local_device_ids=devices,
+        cluster_detection_method="deactivate",  # done above, once
         heartbeat_timeout_seconds=heartbeat,
-        initialization_timeout=initialization_timeout,
+        initialization_timeout=initialization_timeout,  # every process is there by now: this wait is short
     )
     logger.info("Joined a %d-process job as process %d.", jax.process_count(), jax.process_index())
     return jax.process_count() > 1
+
+
+def complete_settings(
+    coordinator_address, num_processes, process_id, local_device_ids, timeout: int, cluster: str | None
+) -> tuple:
+    """The job's (coordinator address, process count, process id, local device ids), as JAX would complete them.
+
+    What is unset comes from JAX's variables (`JAX_COORDINATOR_ADDRESS`,
+    `JAX_LOCAL_DEVICE_IDS`), then from the detected `cluster`, in the order
+    and by the code `jax.distributed.initialize` uses, so that meshfit's
+    handshake and JAX's join meet at the same address.
+    """
+    coordinator_address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if local_device_ids is None and os.environ.get("JAX_LOCAL_DEVICE_IDS"):
+        local_device_ids = [int(i) for i in os.environ["JAX_LOCAL_DEVICE_IDS"].split(",")]
+    if None in (coordinator_address, num_processes, process_id, local_device_ids):
+        coordinator_address, num_processes, process_id, local_device_ids = compat.detect_cluster_settings(
+            coordinator_address, num_processes, process_id, local_device_ids, timeout
+        )
+    source = f" ({cluster} gave them)" if cluster else ""
+    unset = [
+        name
+        for name, value in (
+            (f"the coordinator address ({ENV_COORDINATOR})", coordinator_address),
+            (f"the number of processes ({ENV_NUM_PROCESSES})", num_processes),
+            (f"this process's id ({ENV_PROCESS_ID})", process_id),
+        )
+        if value is None
+    ]
+    if unset:
+        raise ValueError(f"A multi-process job needs {' and '.join(unset)}, which nothing set{source}.")
+    if not 0 <= process_id < num_processes:
+        raise ValueError(
+            f"The process id {process_id} is out of range for {num_processes} processes{source}: ids run from 0 "
+            f"to {num_processes - 1}."
+        )
+    return coordinator_address, num_processes, process_id, local_device_ids
 
 
 _warned_alone: list[bool] = []

@@ -19,6 +19,34 @@ def cluster_environments() -> list:
     return list(clusters.ClusterEnv._cluster_types)
 
 
+def detect_cluster_settings(coordinator_address, num_processes, process_id, local_device_ids, timeout) -> tuple:
+    """The settings JAX's cluster auto-detection (SLURM, Open MPI, Cloud TPU, Kubernetes) fills where unset.
+
+    Returns (coordinator_address, num_processes, process_id, local_device_ids),
+    exactly what `jax.distributed.initialize` would use. Why: meshfit's start-up
+    handshake (`meshfit.rendezvous`) meets on the coordinator's port before
+    JAX joins the job, so it needs these first; JAX runs its detection only
+    inside `initialize`.
+    """
+    from jax._src import clusters
+
+    return clusters.ClusterEnv.auto_detect_unset_distributed_params(
+        coordinator_address, num_processes, process_id, local_device_ids, None, timeout
+    )
+
+
+def backends_are_initialized() -> bool:
+    """Whether JAX's backend has started (then `jax.distributed.initialize` refuses to run).
+
+    Why: `meshfit.cluster.initialize` checks it before its start-up handshake,
+    so that a process that cannot join refuses at once instead of letting the
+    others go on to wait for it.
+    """
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
 def preemption_sync_manager():
     """JAX's preemption sync manager of this process's `jax.distributed` job, or None.
 

@@ -27,9 +27,11 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         local_device_ids: devices this process uses (GPU hosts running one
             process per device).
         heartbeat_timeout_seconds: a process that stops sending heartbeats for
-            this long is declared dead, and the others stop with an error.
+            this long is declared dead, and the others stop with an error
+            (default: `MESHFIT_HEARTBEAT_TIMEOUT`, else 30).
         initialization_timeout: seconds to wait for all processes to join
-            (default: `MESHFIT_INIT_TIMEOUT`, else 300).
+            (default: `MESHFIT_INIT_TIMEOUT`, else 300); past it, a
+            `meshfit.rendezvous.JoinTimeoutError` says how many came.
         reduction, gradient_compression: as for `MirroredStrategy`; across
             hosts the all-reduce crosses the network, where compression pays most.
     """

@@ -2,11 +2,13 @@
 
     python train_data_parallel.py OUT_DIR [--strategy multi_worker|mirrored] [--epochs N] [--batch-size B]
                                   [--steps-per-execution K] [--compression bf16|fp16] [--hang]
+                                  [--stall S [--stall-process P]]
 Process 0 writes OUT_DIR/params.npz and OUT_DIR/history.json; every process writes
 OUT_DIR/history_<rank>.json.
 """
 
 import argparse
+import ctypes
 import json
 import os
 import sys
@@ -22,6 +24,14 @@ def mesh_strategy(devices=None):
     return mf.strategies.MeshStrategy(axes={"data": 2, "fsdp": 2, "tensor": 1}, min_shard_size=16, devices=devices)
 
 
+def stall(epoch, strategy, seconds, process):
+    """After epoch 0, `process` blocks for `seconds` in C code that holds the GIL: no Python thread runs."""
+    if epoch == 0 and strategy.process_index == process:
+        print(f"stalling {seconds:g} s", flush=True)
+        ctypes.PyDLL(None).sleep(int(seconds))  # PyDLL: the GIL is held through the call
+        print("stall over", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -32,6 +42,13 @@ def main():
     parser.add_argument("--steps-per-execution", type=int, default=1)
     parser.add_argument("--compression", default=None, help="gradient_compression of the data-parallel strategies")
     parser.add_argument("--hang", action="store_true", help="train for a long time (for kill tests)")
+    parser.add_argument(
+        "--stall",
+        type=float,
+        default=0.0,
+        help="seconds a process stalls at the end of epoch 0, holding the GIL (as a long compilation might)",
+    )
+    parser.add_argument("--stall-process", type=int, default=1, help="the process that stalls")
     args = parser.parse_args()
 
     if args.strategy == "multi_worker":
@@ -66,6 +83,10 @@ def main():
             mf.callbacks.LambdaCallback(
                 on_epoch_end=lambda e, logs: (print(f"epoch {e}", flush=True), time.sleep(0.05))
             )
+        )
+    if args.stall:
+        callbacks.append(
+            mf.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: stall(e, strategy, args.stall, args.stall_process))
         )
     history = model.fit(
         x, y, batch_size=args.batch_size, epochs=epochs, validation_split=0.2, verbose=2, callbacks=callbacks
