@@ -8,6 +8,54 @@ from __future__ import annotations
 import threading
 
 
+def as_eager(fn):
+    """`fn` (no arguments) as a function that, traced into one program, computes what eager JAX computes.
+
+    `fn` is traced to a jaxpr whose top-level equations are replayed one by
+    one, each one's results behind `lax.optimization_barrier`: XLA then cannot
+    simplify across equations as it does inside one program (it folds
+    `normal(key) * stddev` into one multiply by a different constant, 1 ulp
+    away), nor evaluate them at compile time with its own math (`erf` of a
+    literal bound), while each equation, a jitted library function included,
+    is compiled as eager execution compiles it. Why: a model created from a
+    factory inside `jax.jit` (to create it in its sharded layout) must start
+    bitwise equal to the same module created eagerly. The replay uses JAX's
+    jaxpr internals (`get_bind_params`, whose result changed shape across versions).
+    """
+    import jax
+    from jax.extend import core as jax_core
+
+    closed, shapes = jax.make_jaxpr(fn, return_shape=True)()
+    treedef = jax.tree.structure(shapes)
+
+    def fence(value, dtype=None):
+        value = jax.numpy.asarray(value, dtype)
+        return value if jax.dtypes.issubdtype(value.dtype, jax.dtypes.extended) else jax.lax.optimization_barrier(value)
+
+    def replay():
+        # Constants reach each equation as eager execution passes them, as values computed at run
+        # time: XLA would fold them at compile time, with its own (differently rounded) math.
+        env = {var: fence(const) for var, const in zip(closed.jaxpr.constvars, closed.consts, strict=True)}
+
+        def read(var):
+            return fence(var.val, var.aval.dtype) if isinstance(var, jax_core.Literal) else env[var]
+
+        for eqn in closed.jaxpr.eqns:
+            params = eqn.primitive.get_bind_params(eqn.params)
+            subfuns, params = params if isinstance(params, tuple) else ((), params)
+            with eqn.ctx.manager:
+                outs = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **params)
+            outs = list(outs) if eqn.primitive.multiple_results else [outs]
+            plain = [i for i, out in enumerate(outs) if not jax.dtypes.issubdtype(out.dtype, jax.dtypes.extended)]
+            fenced = jax.lax.optimization_barrier([outs[i] for i in plain])  # not for key arrays
+            for i, out in zip(plain, fenced, strict=True):
+                outs[i] = out
+            env.update(zip(eqn.outvars, outs, strict=True))
+        return jax.tree.unflatten(treedef, [read(var) for var in closed.jaxpr.outvars])
+
+    return replay
+
+
 def cluster_environments() -> list:
     """JAX's registry of cluster environments (SLURM, Open MPI, Cloud TPU, Kubernetes, ...).
 

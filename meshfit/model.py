@@ -69,8 +69,13 @@ class Model:
     """A Flax module with Keras's training API.
 
     Args:
-        module: a `flax.nnx.Module` (variables already created) or a
-            `flax.linen.Module` (variables created from `sample_input`).
+        module: a `flax.nnx.Module` (variables already created), a factory of
+            one (a function of no arguments, e.g. `lambda: MLP(rngs=nnx.Rngs(0))`:
+            the variables are created straight into the strategy's layout, so a
+            model larger than one device never exists whole on a device), or a
+            `flax.linen.Module` (variables created from `sample_input`, in the
+            layout too). An eager module is moved into the layout and then holds
+            the placed arrays (its own copies are freed).
         sample_input: an example input batch; required for Linen modules.
         seed: seeds data shuffling, Linen initialisation and dropout. Same
             seed, same data -> bitwise identical training.
@@ -88,21 +93,16 @@ class Model:
         cluster.warn_if_launched_but_alone(self.strategy)
         self.seed = int(seed)
         self._adapter = adapt(module, sample_input, self.seed)
-        params, model_state = self._adapter.init()
-        state = self.strategy.place_state(
-            TrainState(
-                params=params,
-                model_state=model_state,
-                opt_state=None,
-                metrics=(),
-                step=jnp.zeros((), jnp.int32),
-                # Only modules that take an RNG argument (Linen) carry a key; NNX keeps its own streams.
-                rng=jax.random.key_data(jax.random.key(self.seed)) if self._adapter.uses_rng else None,
-            ),
-            self._adapter.partition_specs(),
+        hints = self._adapter.partition_specs()
+        template = jax.eval_shape(self._initial_state, *self._adapter.abstract_init())
+        shardings = self.strategy.state_shardings(template, hints)
+        # Created straight into the strategy's layout where it has one (a factory, Linen).
+        params, model_state = self._adapter.init(
+            None if shardings is None else (shardings.params, shardings.model_state)
         )
+        state = self.strategy.place_state(self._initial_state(params, model_state), hints)
         #: The training state and the bookkeeping of fits (the one owner of both; see `meshfit.session`).
-        self.session = Session(self.strategy, state)
+        self.session = Session(self.strategy, state, follow=self._follow_state)
         self._compiled: CompileSettings | None = None
         self._input_spec = None
         self.optimizer: optimizers_lib.Optimizer | None = None
@@ -110,6 +110,21 @@ class Model:
         self.history: callbacks_lib.History | None = None
         self._shuffle_orders = data_lib.ShuffleOrders()  # computed ahead by one fit for the next
         self._example_batch: data_lib.Batch | None = None
+
+    def _initial_state(self, params, model_state) -> TrainState:
+        return TrainState(
+            params=params,
+            model_state=model_state,
+            opt_state=None,
+            metrics=(),
+            step=jnp.zeros((), jnp.int32),
+            # Only modules that take an RNG argument (Linen) carry a key; NNX keeps its own streams.
+            rng=jax.random.key_data(jax.random.key(self.seed)) if self._adapter.uses_rng else None,
+        )
+
+    def _follow_state(self, state: TrainState) -> None:
+        """Points the user's module at the state's arrays (its own copies are then freed)."""
+        self._adapter.sync_module(state.params, state.model_state)
 
     # -- state access ----------------------------------------------------------------
 
@@ -238,12 +253,17 @@ class Model:
         params = policy.cast_to_variable(state.params) if policy.variable_dtype != np.float32 else state.params
         state = state._replace(
             params=params,
-            opt_state=tx.init(params),
+            opt_state=jax.eval_shape(tx.init, params),
             metrics=(),
             step=jnp.zeros((), jnp.int32),
             loss_scale=precision.LossScale.initial() if policy.loss_scaling else None,
         )
-        self.session.reset(self.strategy.place_state(state, self._adapter.partition_specs()))
+        hints = self._adapter.partition_specs()
+        shardings = self.strategy.state_shardings(state, hints)
+        # The optimizer state is created in its layout (Adam's moments sharded like their parameters).
+        init = tx.init if shardings is None else jax.jit(tx.init, out_shardings=shardings.opt_state)
+        state = state._replace(opt_state=init(params))
+        self.session.reset(self.strategy.place_state(state, hints))
         self._compiled = CompileSettings(
             tx=tx,
             optimizer_id=optimizer,
@@ -699,7 +719,8 @@ def load_model(
 
     Args:
         path: the directory `model.save` wrote.
-        module: a Flax module of the saved architecture (its values are replaced).
+        module: a Flax module of the saved architecture (its values are replaced), or a
+            factory of one (see `Model`): the restored arrays go straight into the layout.
         sample_input: for Linen modules, as in `Model`.
         seed: as in `Model`.
         compile: compile the model as it was saved (optimizer, loss and

@@ -15,6 +15,8 @@ import jax
 from flax import linen, nnx
 from flax.core import meta
 
+from meshfit import compat
+
 Pytree = Any
 
 
@@ -25,8 +27,18 @@ class ModuleAdapter:
     #: Whether `apply` reads the `rng` argument (else the step skips splitting keys).
     uses_rng: bool = False
 
-    def init(self) -> tuple[Pytree, Pytree]:
-        """Returns `(params, model_state)` as pure pytrees."""
+    def abstract_init(self) -> tuple[Pytree, Pytree]:
+        """`(params, model_state)` as `jax.ShapeDtypeStruct`s: what `init` returns, without creating it."""
+        return jax.eval_shape(self.init)
+
+    def init(self, shardings=None) -> tuple[Pytree, Pytree]:
+        """Returns `(params, model_state)` as pure pytrees.
+
+        Variables not created yet are created in one compiled function whose
+        outputs have `shardings` (a `(params, model_state)` pair of sharding
+        pytrees, or None for the default device), so none is ever whole on a
+        device that the layout gives only a part of it.
+        """
         raise NotImplementedError
 
     def apply(self, params, model_state, x, *, training: bool, rng) -> tuple[Any, Pytree]:
@@ -69,9 +81,10 @@ class NNXAdapter(ModuleAdapter):
     The user's module is left as it is: the change is made on views.
     """
 
-    def __init__(self, module: nnx.Module, compute_dtype=None):
+    def __init__(self, module: nnx.Module, compute_dtype=None, factory=None):
         self.module = module
         self.compute_dtype = compute_dtype
+        self._factory = factory  # creates the module's variables, until `init` has
         train_view = nnx.view(module, deterministic=False, use_running_average=False, raise_if_not_found=False)
         eval_view = nnx.view(module, deterministic=True, use_running_average=True, raise_if_not_found=False)
         if compute_dtype is not None:
@@ -82,15 +95,30 @@ class NNXAdapter(ModuleAdapter):
         self._train_graphdef = nnx.split(train_view, *_NNX_GROUPS)[0]
         self._eval_graphdef = nnx.split(eval_view, *_NNX_GROUPS)[0]
 
+    @classmethod
+    def from_factory(cls, factory) -> NNXAdapter:
+        """An adapter for the module `factory()` returns, whose variables `init` creates (under `jax.jit`).
+
+        Until then the module is abstract (`nnx.eval_shape`): its structure and
+        sharding metadata, no arrays.
+        """
+        abstract = nnx.eval_shape(lambda: _checked_module(factory()))
+        return cls(abstract, factory=factory)
+
     def with_compute_dtype(self, dtype) -> NNXAdapter:
         return NNXAdapter(self.module, dtype)
 
-    def init(self):
-        _, params, rngs, weights = nnx.split(self.module, *_NNX_GROUPS)
-        return nnx.to_pure_dict(params), {
-            "weights": nnx.to_pure_dict(weights),
-            "rngs": nnx.to_pure_dict(rngs),
-        }
+    def abstract_init(self):
+        return jax.eval_shape(lambda: _nnx_state(self.module))
+
+    def init(self, shardings=None):
+        if self._factory is None:
+            return _nnx_state(self.module)
+        factory, self._factory = self._factory, None
+        create = compat.as_eager(lambda: _nnx_state(_checked_module(factory())))  # the eager module's values
+        params, model_state = jax.jit(create, out_shardings=shardings)()
+        self.sync_module(params, model_state)  # the abstract module now holds the created arrays
+        return params, model_state
 
     def apply(self, params, model_state, x, *, training, rng):
         del rng  # NNX modules carry their own RNG streams in model_state["rngs"].
@@ -116,6 +144,21 @@ class NNXAdapter(ModuleAdapter):
         nnx.replace_by_pure_dict(weight_state, model_state["weights"])
         nnx.update(self.module, param_state, rng_state, weight_state)
         return self.module
+
+
+def _nnx_state(module: nnx.Module):
+    """`(params, model_state)` of an NNX module as pure dicts."""
+    _, params, rngs, weights = nnx.split(module, *_NNX_GROUPS)
+    return nnx.to_pure_dict(params), {"weights": nnx.to_pure_dict(weights), "rngs": nnx.to_pure_dict(rngs)}
+
+
+def _checked_module(module):
+    if not isinstance(module, nnx.Module):
+        raise TypeError(
+            "A model factory must return a flax.nnx.Module (e.g. lambda: MLP(rngs=nnx.Rngs(0))). "
+            f"Received: {type(module).__name__} from the factory."
+        )
+    return module
 
 
 _TRAINING_FLAGS = {"train": True, "training": True, "is_training": True, "deterministic": False}
@@ -152,19 +195,27 @@ class LinenAdapter(ModuleAdapter):
         args = x if isinstance(x, tuple) else (x,)
         return self.module.apply(variables, *args, **kwargs)
 
-    def init(self):
+    def _variables(self):
+        """The module's variables from `init`, boxed with their sharding metadata."""
         param_key, dropout_key = jax.random.split(jax.random.key(self.seed))
         args = self.sample_input if isinstance(self.sample_input, tuple) else (self.sample_input,)
-        variables = jax.jit(
-            lambda: self.module.init({"params": param_key, "dropout": dropout_key}, *args, **self._mode_kwargs(False))
-        )()
-        self._specs = linen.get_partition_spec(variables).get("params")
-        variables = dict(meta.unbox(variables))
+        return self.module.init({"params": param_key, "dropout": dropout_key}, *args, **self._mode_kwargs(False))
+
+    def _split(self):
+        variables = dict(meta.unbox(self._variables()))
         params = variables.pop("params", {})
         return dict(params), variables
 
+    def abstract_init(self):
+        return jax.eval_shape(self._split)
+
+    def init(self, shardings=None):
+        return jax.jit(self._split, out_shardings=shardings)()
+
     def partition_specs(self):
-        return getattr(self, "_specs", None)
+        if not hasattr(self, "_specs"):
+            self._specs = linen.get_partition_spec(jax.eval_shape(self._variables)).get("params")
+        return self._specs
 
     def apply(self, params, model_state, x, *, training, rng):
         variables = {"params": params, **model_state}
@@ -181,12 +232,32 @@ class LinenAdapter(ModuleAdapter):
 
 
 def adapt(module, sample_input=None, seed: int = 0) -> ModuleAdapter:
-    """Picks the adapter for `module`, with a clear error for anything else."""
+    """Picks the adapter for `module` (a module, or a factory of one), with a clear error for anything else."""
     if isinstance(module, nnx.Module):
         return NNXAdapter(module)
     if isinstance(module, linen.Module):
         return LinenAdapter(module, sample_input, seed)
+    if callable(module):
+        _check_factory(module)
+        return NNXAdapter.from_factory(module)
     raise TypeError(
-        "meshfit.Model expects a flax.nnx.Module or a flax.linen.Module. "
-        f"Received: module of type {type(module).__name__}."
+        "meshfit.Model expects a flax.nnx.Module, a flax.linen.Module, or a factory: a function of no "
+        f"arguments that returns an nnx.Module. Received: module of type {type(module).__name__}."
     )
+
+
+def _check_factory(factory) -> None:
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin without a signature: let the call say
+        return
+    required = [
+        p.name
+        for p in signature.parameters.values()
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    if required:
+        raise TypeError(
+            "A model factory is called with no arguments (e.g. mf.Model(lambda: MLP(rngs=nnx.Rngs(0)))). "
+            f"Received: {getattr(factory, '__name__', factory)!r}, which requires {required}."
+        )

@@ -76,11 +76,16 @@ class Session:
         strategy: the model's strategy (placement, compilation, transfers).
         state: the initial state, already laid out by `strategy.place_state`.
         max_in_flight: see `meshfit.in_flight.InFlight`.
+        follow: called with each state set from outside a step and at the end of
+            each fit: the model points the user's module at the state's arrays, so
+            the module never keeps alive arrays the model has dropped.
     """
 
-    def __init__(self, strategy, state: TrainState, max_in_flight: int = 4):
+    def __init__(self, strategy, state: TrainState, max_in_flight: int = 4, follow=None):
         self.strategy = strategy
         self._state = state
+        self._follow = follow or (lambda state: None)
+        self._follow(state)
         self._step = 0  # optimizer steps taken, counted on the host
         self._step_known = True  # whether `_step` counts `_state` (else read once from the device)
         self.in_flight = InFlight(max_in_flight)
@@ -109,6 +114,7 @@ class Session:
     def state(self, state: TrainState) -> None:
         """Replaces the state from outside a step (weights set, a learning rate changed, a restore)."""
         self._state = state
+        self._follow(state)
         self._step_known = False  # a restored state may hold another step: the next fit reads it
 
     @property
@@ -124,6 +130,7 @@ class Session:
     def reset(self, state: TrainState) -> None:
         """A fresh start (`compile`): the state at step 0, compiled steps dropped."""
         self._state, self._step, self._step_known = state, 0, True
+        self._follow(state)
         self.steps = None
 
     @property
@@ -161,6 +168,7 @@ class Session:
         """Ends the fit; after one that `finished`, the host count matches the state, so the next need not read it."""
         self._step_known = finished
         self._data, self.callbacks = None, []
+        self._follow(self.latest)
 
     def start_point(self, initial_epoch: int) -> tuple[int, int]:
         """`(epoch, step_in_epoch)` the fit starts at: a restored position, or `initial_epoch`'s start."""

@@ -99,13 +99,26 @@ class Strategy(ABC):
         gradients its own way (the explicit data-parallel step swaps in its per-replica gradients)."""
         return steps
 
+    def state_shardings(self, state, param_hints=None):
+        """Where `place_state` puts each leaf of a `TrainState`: a matching pytree of shardings.
+
+        `state` may hold arrays or `jax.ShapeDtypeStruct`s: state that does not
+        exist yet (a model built from a factory, an optimizer's moments) is
+        created in a compiled function with these as its output shardings, so
+        no device ever holds what the layout splits. None: the strategy places
+        state its own way (`place_state`), and it is created first, then placed.
+        """
+        del state, param_hints
+        return None
+
     def place_state(self, state, param_hints=None):
-        """Lays out a `TrainState` on this strategy's devices.
+        """Lays out a `TrainState` on this strategy's devices (as `state_shardings` says).
 
         `param_hints` are PartitionSpecs from the module's sharding metadata,
         for strategies that shard parameters.
         """
-        return self.replicate(state)
+        shardings = self.state_shardings(state, param_hints)
+        return self.replicate(state) if shardings is None else placement.put(state, shardings)
 
     @abstractmethod
     def replicate(self, tree):

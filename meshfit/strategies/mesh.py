@@ -130,10 +130,9 @@ class MeshStrategy(Strategy):
         loss_scale = replicated(state.loss_scale)
         return type(state)(params, model_state, opt_state, replicated(state.metrics), P(), rng, loss_scale)
 
-    def place_state(self, state, param_hints=None):
+    def state_shardings(self, state, param_hints=None):
         specs = self.state_specs(state, param_hints)
-        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
-        return placement.put(state, shardings)
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
 
     def replicate(self, tree):
         return placement.put(tree, self._replicated)

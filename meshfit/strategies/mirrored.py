@@ -64,6 +64,9 @@ class MirroredStrategy(Strategy):
         gradients = data_parallel.replica_gradients(steps, self.mesh, DATA_AXIS, self.gradient_compression)
         return steps.with_replica_gradients(gradients)
 
+    def state_shardings(self, state, param_hints=None):
+        return jax.tree.map(lambda _: self._replicated, state)
+
     def replicate(self, tree):
         return placement.put(tree, self._replicated)
 

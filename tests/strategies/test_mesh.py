@@ -5,7 +5,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import assert_trees_close, classification_data
+from helpers import assert_trees_close, classification_data, device_bytes
 from jax.sharding import PartitionSpec as P
 
 import meshfit as mf
@@ -173,3 +173,46 @@ def test_mesh_under_launch_equals_single_process(tmp_path):
     for i, weight in enumerate(model.get_weights()):
         np.testing.assert_allclose(saved[f"arr_{i}"], weight, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(saved["predictions"], predictions, rtol=1e-5, atol=1e-6)
+
+
+class Wide(nnx.Module):
+    """Two 1024 x 2048 kernels: 16 MiB of parameters, 48 MiB with Adam's moments."""
+
+    def __init__(self, seed=0):
+        rngs = nnx.Rngs(seed)
+        self.a = nnx.Linear(1024, 2048, rngs=rngs)
+        self.b = nnx.Linear(2048, 1024, rngs=rngs)
+
+    def __call__(self, x):
+        return self.b(nnx.relu(self.a(x)))
+
+
+def check_device0(model, what):
+    """Device 0 holds about its eighth of the state, and no whole sharded parameter."""
+    state_bytes = sum(a.nbytes for a in jax.tree.leaves(model.session.latest))
+    ideal = state_bytes / 8
+    held, whole = device_bytes()
+    assert held <= 1.2 * ideal + 2 * 2**20, f"{what}: device 0 holds {held / 2**20:.2f} MiB, ideal {ideal / 2**20:.2f}"
+    sharded = {tuple(a.shape) for a in jax.tree.leaves(model.session.latest) if not a.sharding.is_fully_replicated}
+    assert not sharded & {tuple(shape) for shape in whole}, f"{what}: whole copies of sharded parameters on device 0"
+    return held, ideal
+
+
+@pytest.mark.parametrize("creation", ["factory", "eager"])
+def test_fsdp8_device0_holds_its_eighth_after_creation_fit_and_restore(tmp_path, creation):
+    """MLP 1024-2048-1024 with Adam under fsdp=8: no lingering whole or replicated copies on device 0."""
+    x = np.random.default_rng(0).standard_normal((256, 1024)).astype(np.float32)
+    strategy = mf.strategies.MeshStrategy(axes={"fsdp": 8})
+    with strategy.scope():
+        model = mf.Model(Wide if creation == "factory" else Wide())
+        check_device0(model, "after Model()")
+        model.compile(optimizer="adam", loss="mse")
+        model.fit(x, x, batch_size=64, epochs=1, verbose=0)
+    held, ideal = check_device0(model, "after fit")
+    assert held <= 1.1 * ideal + 2**20  # the issue's bar after fit: metrics, step and a batch block on top
+    model.save(tmp_path / "saved")
+    del model
+    with strategy.scope():
+        restored = mf.load_model(tmp_path / "saved", Wide if creation == "factory" else Wide())
+    check_device0(restored, "after load_model")
+    assert int(restored.session.state.step) == 4  # the optimizer state came back too

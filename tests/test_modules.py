@@ -1,0 +1,112 @@
+"""Module adapters: models built from a factory, created straight into their layout, equal to eager ones."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen, nnx
+from helpers import device_bytes
+
+import meshfit as mf
+
+
+class Embedder(nnx.Module):
+    """Initializers XLA would fold differently inside one program (`normal(key) * 0.02`)."""
+
+    def __init__(self, seed=0):
+        rngs = nnx.Rngs(seed)
+        self.embed = nnx.Embed(64, 256, embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+        self.norm = nnx.LayerNorm(256, rngs=rngs)
+        self.up = nnx.Linear(256, 512, rngs=rngs)
+        self.out = nnx.Linear(512, 64, rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.out(nnx.gelu(self.up(self.norm(self.embed(tokens)))))
+
+
+STRATEGIES = {
+    "one_device": lambda: mf.strategies.OneDeviceStrategy(),
+    "mirrored": lambda: mf.strategies.MirroredStrategy(),
+    "fsdp8": lambda: mf.strategies.MeshStrategy(axes={"fsdp": 8}, min_shard_size=1024),
+}
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_a_factory_starts_bitwise_equal_to_the_eager_module(strategy):
+    with STRATEGIES[strategy]().scope():
+        from_factory = mf.Model(Embedder)
+        eager = mf.Model(Embedder())
+    for name, a, b in zip(from_factory.weight_names(), from_factory.get_weights(), eager.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    assert isinstance(from_factory.module, Embedder)
+    tokens = np.arange(8, dtype=np.int32).reshape(2, 4)
+    np.testing.assert_array_equal(np.asarray(from_factory.module(tokens)), np.asarray(eager.module(tokens)))
+
+
+def test_a_factory_under_fsdp_is_never_whole_on_a_device():
+    """The variables are created in one compiled function whose outputs have the layout's shardings."""
+    with mf.strategies.MeshStrategy(axes={"fsdp": 8}, min_shard_size=1024).scope():
+        model = mf.Model(Embedder)
+    params = model.session.latest.params
+    assert params["up"]["kernel"].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
+    _, whole = device_bytes()
+    sharded = {a.shape for a in jax.tree.leaves(params) if not a.sharding.is_fully_replicated}
+    assert sharded and not sharded & set(whole)
+
+
+def test_a_factory_model_saved_under_fsdp_restores_with_a_factory(tmp_path):
+    tokens = np.random.default_rng(0).integers(0, 64, (64, 8)).astype(np.int32)
+    with mf.strategies.MeshStrategy(axes={"fsdp": 8}, min_shard_size=1024).scope():
+        model = mf.Model(Embedder)
+        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(tokens, tokens, batch_size=16, epochs=1, verbose=0)
+        model.save(tmp_path / "model")
+        restored = mf.load_model(tmp_path / "model", lambda: Embedder(seed=1))  # other initial values
+    np.testing.assert_array_equal(model.predict(tokens, verbose=0), restored.predict(tokens, verbose=0))
+    with mf.strategies.OneDeviceStrategy().scope():  # and onto another layout
+        elsewhere = mf.load_model(tmp_path / "model", Embedder)
+    np.testing.assert_allclose(
+        model.predict(tokens, verbose=0), elsewhere.predict(tokens, verbose=0), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_the_users_module_holds_the_trained_weights_after_fit():
+    x = np.random.default_rng(0).integers(0, 64, (32, 8)).astype(np.int32)
+    module = Embedder()
+    model = mf.Model(module)
+    model.compile(optimizer="sgd", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, x, batch_size=16, epochs=1, verbose=0)
+    np.testing.assert_array_equal(np.asarray(module.up.kernel[...]), model.params["up"]["kernel"])
+    np.testing.assert_array_equal(np.asarray(module(x)), np.asarray(model.module(x)))
+
+
+def test_bad_factories_are_clear_errors():
+    with pytest.raises(TypeError, match=r"called with no arguments.*requires \['rngs'\]"):
+        mf.Model(lambda rngs: Embedder())
+    with pytest.raises(TypeError, match="must return a flax.nnx.Module.*Received: int"):
+        mf.Model(lambda: 3)
+
+    def failing():
+        raise RuntimeError("the factory's own error")
+
+    with pytest.raises(RuntimeError, match="the factory's own error"):
+        mf.Model(failing)
+
+
+class LinenMLP(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+        x = linen.Dense(2048)(x)
+        return linen.Dense(16)(linen.relu(x))
+
+
+def test_linen_variables_are_created_in_their_layout():
+    x = jnp.ones((8, 512))
+    with mf.strategies.MeshStrategy(axes={"fsdp": 8}).scope():
+        model = mf.Model(LinenMLP(), sample_input=x)
+    kernel = model.session.latest.params["Dense_0"]["kernel"]
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
+    _, whole = device_bytes()
+    assert (512, 2048) not in whole
+    reference = mf.Model(LinenMLP(), sample_input=x)
+    np.testing.assert_array_equal(model.get_weights()[1], reference.get_weights()[1])
