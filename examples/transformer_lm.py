@@ -23,6 +23,15 @@ After training, text is sampled from a prompt with the trained module.
     python examples/transformer_lm.py --mesh 2,2,2 --epochs 8
     python examples/transformer_lm.py --layers 4 --d-model 256 --heads 8 --context 128
     python examples/transformer_lm.py --host-devices 0   # leave XLA_FLAGS alone (real devices)
+    python examples/transformer_lm.py --remat            # rematerialised blocks: temporaries with and without
+    python examples/transformer_lm.py --mesh 1,8,1 --layers 12 --d-model 1024 --heads 16 --context 256 --report-only
+
+The model is built from a factory (`mf.Model(lambda: TransformerLM(...))`):
+its parameters are created straight into their sharded layout, so a model
+larger than one device can be built at all (`--eager` creates it whole first).
+`--report-only` prints what one step needs per device (`model.step_report`)
+without training: the last command shows a 153 M-parameter model, 1.8 GB with
+Adam's moments, of which each of the 8 devices holds an eighth.
 
 On CPU, when XLA_FLAGS is not set, the script sets
 `XLA_FLAGS=--xla_force_host_platform_device_count=8` before importing JAX, so the
@@ -184,10 +193,12 @@ class TransformerLM(nnx.Module):
         d_model: int = 128,
         heads: int = 4,
         tied: bool = True,
+        remat: bool = False,
         rngs: nnx.Rngs,
     ):
         self.context = context
         self.tied = tied
+        self.remat = remat
         embed_init = nnx.initializers.normal(0.02)
         self.tok_embed = nnx.Embed(vocab, d_model, embedding_init=embed_init, rngs=rngs)
         self.pos_embed = nnx.Embed(context, d_model, embedding_init=embed_init, rngs=rngs)
@@ -200,9 +211,15 @@ class TransformerLM(nnx.Module):
         x = self.tok_embed(tokens) + self.pos_embed(positions)[None]
         x = mf.strategies.constrain(x, BATCH, None, None)
         for block in self.blocks:
-            x = block(x)
+            # Rematerialised: the backward pass recomputes the block's activations
+            # instead of keeping them from the forward pass.
+            x = nnx.remat(_call_block)(block, x) if self.remat else block(x)
         x = self.ln_f(x)
         return self.tok_embed.attend(x) if self.tied else self.lm_head(x)
+
+
+def _call_block(block: Block, x):
+    return block(x)
 
 
 def sharding_rules(tied: bool) -> list[tuple[str, tuple]]:
@@ -266,6 +283,28 @@ def sample(module: TransformerLM, prompt: str, length: int, temperature: float =
 # -- main ------------------------------------------------------------------------------------------
 
 
+def print_memory(model, report, without_remat=None) -> None:
+    """The state's total bytes against one device's share, and what a step needs per device."""
+    state_bytes = sum(a.nbytes for a in jax.tree.leaves(model.session.state))
+    per_device = sum(
+        shard.data.nbytes
+        for a in jax.tree.leaves(model.session.state)
+        for shard in a.addressable_shards
+        if shard.device == jax.devices()[0]
+    )
+    mem = report.memory
+    print(
+        f"state (parameters + Adam): {state_bytes / 2**20:,.1f} MiB in all, {per_device / 2**20:,.1f} MiB on device 0 "
+        f"({state_bytes / max(per_device, 1):.1f}x less); train step per device: peak {mem['peak'] / 2**20:,.1f} MiB, "
+        f"temporaries {mem['temporaries'] / 2**20:,.1f} MiB"
+    )
+    if without_remat is not None:
+        print(
+            f"  temporaries per device with --remat {mem['temporaries'] / 2**20:,.1f} MiB, without "
+            f"{without_remat.memory['temporaries'] / 2**20:,.1f} MiB"
+        )
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -294,6 +333,19 @@ def parse_args(argv=None):
     parser.add_argument("--temperature", type=float, default=0.8, help="0 samples greedily")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", type=int, default=2)
+    parser.add_argument(
+        "--eager",
+        action="store_true",
+        help="create the module eagerly and then shard it (default: from a factory, straight into the layout)",
+    )
+    parser.add_argument(
+        "--remat", action="store_true", help="rematerialise each block (nnx.remat): less activation memory"
+    )
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="build the model and print what a step needs per device (step_report), without training",
+    )
     parser.add_argument(
         "--host-devices",
         type=int,
@@ -327,23 +379,39 @@ def main(argv=None) -> dict:
             f"{len(text):,} bytes of stdlib source -> {len(x_train):,} train / {len(x_val):,} validation "
             f"windows of {args.context} bytes; {jax.device_count()} devices ({jax.devices()[0].platform})"
         )
-    with strategy.scope():
-        module = TransformerLM(
+
+    def factory(remat=args.remat):
+        return TransformerLM(
             context=args.context,
             layers=args.layers,
             d_model=args.d_model,
             heads=args.heads,
             tied=tied,
+            remat=remat,
             rngs=nnx.Rngs(args.seed),
         )
-        model = mf.Model(module, seed=args.seed)
-        model.compile(
-            optimizer=mf.optimizers.get("adam", learning_rate=args.learning_rate),
-            loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
-            steps_per_execution=args.steps_per_execution,
-        )
+
+    def build(remat=args.remat):
+        with strategy.scope():
+            # From a factory, the parameters are created in their sharded layout: no device ever
+            # holds a whole one. An eager module is created whole, then sharded.
+            model = mf.Model(factory(remat) if args.eager else lambda: factory(remat), seed=args.seed)
+            model.compile(
+                optimizer=mf.optimizers.get("adam", learning_rate=args.learning_rate),
+                loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+                steps_per_execution=args.steps_per_execution,
+            )
+        return model
+
+    model = build()
+    batch = (x_train[: args.batch_size], y_train[: args.batch_size])
+    report = model.step_report(*batch)  # compiled for one batch, nothing run
+    without_remat = build(remat=False).step_report(*batch) if args.remat else None
     if chief:
         model.summary()
+        print_memory(model, report, without_remat)
+    if args.report_only:
+        return {"model": model, "report": report, "report_without_remat": without_remat}
     history = model.fit(
         x_train,
         y_train,
