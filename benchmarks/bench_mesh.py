@@ -8,7 +8,13 @@ On 8 simulated devices, for several mesh shapes, the same MLP is trained by
 It prints steps/s and the ratio, and a table of parameter + optimizer bytes
 per device for each mesh, measured from the live arrays' addressable shards.
 
+`--memory` prints instead, for mirrored and each mesh, what device 0 holds
+after `fit` of a model built from a factory (every live buffer, counted once:
+`meshfit.memory.live_bytes`) and the step's peak (`model.step_report()`),
+against the ideal: the state's bytes divided as the layout divides them.
+
     python benchmarks/bench_mesh.py [--repeats 3]
+    python benchmarks/bench_mesh.py --memory
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import meshfit as mf  # noqa: E402
+from meshfit.memory import live_bytes  # noqa: E402
 from meshfit.strategies import layout  # noqa: E402
 
 SIZES = (512, 1024, 1024, 512, 16)
@@ -103,12 +110,43 @@ def bytes_per_device(tree):
     return max(per_device.values())
 
 
+def memory_table(x, y, batch):
+    """Device 0 after a fit, per layout: live bytes and the step's peak against the layout's share."""
+    print("\n  layout                        state total   ideal on device 0   live on device 0 (/ ideal)   step peak")
+    layouts = {"mirrored": mf.strategies.MirroredStrategy()}
+    for name in ("fsdp=8", "fsdp=4 x tensor=2"):
+        axes, rules = MESHES[name]
+        layouts[name] = mf.strategies.MeshStrategy(axes=axes, rules=rules, min_shard_size=1024)
+    baseline = live_bytes().total  # the data and anything else alive before the model
+    for name, strategy in layouts.items():
+        with strategy.scope():
+            model = mf.Model(lambda: MLP(SIZES, rngs=nnx.Rngs(0)))
+            model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
+        state = model.session.state
+        total = sum(a.nbytes for a in jax.tree.leaves(state))
+        ideal = sum(  # the state's shards on device 0, as the layout splits it
+            shard.data.nbytes
+            for a in jax.tree.leaves(state)
+            for shard in a.addressable_shards
+            if shard.device == jax.devices()[0]
+        )
+        live = live_bytes().total - baseline
+        peak = model.step_report().memory["peak"]
+        print(
+            f"  {name:28s} {total / 2**20:9.2f} MiB {ideal / 2**20:14.2f} MiB {live / 2**20:14.2f} MiB "
+            f"({live / ideal:5.3f}) {peak / 2**20:14.2f} MiB"
+        )
+        del model, state
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--memory", action="store_true", help="the memory table instead of throughput")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     x = rng.standard_normal((args.batch * args.steps, SIZES[0]), dtype=np.float32)
@@ -118,6 +156,9 @@ def main():
         f"MLP {'-'.join(map(str, SIZES))}, global batch {args.batch}, {args.steps} steps/run, "
         f"median of {args.repeats}"
     )
+    if args.memory:
+        memory_table(x, y, args.batch)
+        return
     table = []
     for name, (axes, rules) in MESHES.items():
         strategy = mf.strategies.MeshStrategy(axes=axes, rules=rules, min_shard_size=1024)

@@ -5,10 +5,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import assert_trees_close, classification_data, device_bytes
+from helpers import assert_trees_close, classification_data
 from jax.sharding import PartitionSpec as P
 
 import meshfit as mf
+from meshfit.memory import live_bytes
 
 
 class Block(nnx.Module):
@@ -191,7 +192,8 @@ def check_device0(model, what):
     """Device 0 holds about its eighth of the state, and no whole sharded parameter."""
     state_bytes = sum(a.nbytes for a in jax.tree.leaves(model.session.latest))
     ideal = state_bytes / 8
-    held, whole = device_bytes()
+    live = live_bytes()
+    held, whole = live.total, live.whole
     assert held <= 1.2 * ideal + 2 * 2**20, f"{what}: device 0 holds {held / 2**20:.2f} MiB, ideal {ideal / 2**20:.2f}"
     sharded = {tuple(a.shape) for a in jax.tree.leaves(model.session.latest) if not a.sharding.is_fully_replicated}
     assert not sharded & {tuple(shape) for shape in whole}, f"{what}: whole copies of sharded parameters on device 0"
