@@ -45,8 +45,8 @@ def example():
 
 @pytest.mark.parametrize(
     "extra",
-    [[], ["--mesh", "2,2,2", "--untied-head", "--steps-per-execution", "5"]],
-    ids=["fsdp4-tensor2-tied", "data2-fsdp2-tensor2-untied-spe5"],
+    [[], ["--mesh", "2,2,2", "--untied-head", "--steps-per-execution", "5", "--eager"]],
+    ids=["fsdp4-tensor2-tied-factory", "data2-fsdp2-tensor2-untied-spe5-eager"],
 )
 def test_transformer_lm_trains_and_samples(example, extra):
     assert jax.device_count() == 8
@@ -76,3 +76,13 @@ def test_default_mesh_and_rules(example):
     assert example.parse_mesh(None) == {"data": 1, "fsdp": 4, "tensor": 2}
     assert example.parse_mesh("-1,1,1") == {"data": -1, "fsdp": 1, "tensor": 1}
     assert len(example.sharding_rules(tied=False)) == len(example.sharding_rules(tied=True)) + 1
+
+
+def test_report_only_compares_a_rematerialised_step(example, capsys):
+    """`--report-only --remat`: the step compiled with and without nnx.remat, nothing trained."""
+    result = example.main(TINY + ["--report-only", "--remat"])
+    report, without = result["report"], result["report_without_remat"]
+    assert report.flops > without.flops  # the backward pass recomputes each block's forward
+    assert result["model"].session.step == 0
+    out = capsys.readouterr().out
+    assert "temporaries per device with --remat" in out and "on device 0" in out
