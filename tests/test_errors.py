@@ -131,7 +131,9 @@ def test_fit_without_targets(model):
 
 
 def test_non_flax_module():
-    with pytest.raises(TypeError, match="flax.nnx.Module or a flax.linen.Module. Received: module of type dict"):
+    with pytest.raises(
+        TypeError, match=r"flax.nnx.Module, a flax.linen.Module, or a factory.*Received: module of type dict"
+    ):
         mf.Model({"w": 1})
 
 
