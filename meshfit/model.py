@@ -24,7 +24,7 @@ from meshfit import data as data_lib
 from meshfit import losses as losses_lib
 from meshfit import metrics as metrics_lib
 from meshfit import optimizers as optimizers_lib
-from meshfit.loop import evaluate_loop, fit_loop, predict_loop
+from meshfit.loop import evaluate_loop, fit_loop, host_logs, predict_loop
 from meshfit.modules import adapt
 from meshfit.preemption import PreemptionWatch
 from meshfit.session import Session
@@ -595,10 +595,7 @@ class Model:
         self._build(first)
         callback_list = self._one_pass_callbacks(callbacks, verbose, steps or data.steps_per_epoch)
         logs = evaluate_loop(self, data, callbacks=callback_list, steps=steps)
-        if return_dict:
-            return logs
-        values = [logs[name] for name in self.metrics_names]
-        return values[0] if len(values) == 1 else values
+        return self._ordered(logs, return_dict)
 
     def predict(
         self,
@@ -635,6 +632,54 @@ class Model:
             self._check_input(first)
         callback_list = self._one_pass_callbacks(callbacks, verbose, steps or data.steps_per_epoch)
         return predict_loop(self, data, callbacks=callback_list, steps=steps)
+
+    # -- one batch (Keras's *_on_batch) ---------------------------------------------------------
+
+    def train_on_batch(
+        self,
+        x: Any,
+        y: Any = None,
+        sample_weight: Any = None,
+        class_weight: dict[int, float] | None = None,
+        return_dict: bool = False,
+    ) -> float | list[float] | dict[str, float]:
+        """One gradient update on one batch: every row of `x` and `y` (Keras's `train_on_batch`).
+
+        Metrics are counted afresh for the batch, as in Keras 3. The step is
+        compiled once per batch shape, under any strategy.
+
+        Returns:
+            As `evaluate`: a dict with `return_dict=True`; otherwise the loss
+            alone when there are no metrics, else `[loss, *metrics]`.
+        """
+        self._check_strategy("train_on_batch")
+        self._require_compiled("train_on_batch")
+        if class_weight is not None:
+            sample_weight = _class_weights(y, class_weight, sample_weight)
+        data = self._make_data(x, y, sample_weight, _rows(x, "train_on_batch"), what="train_on_batch")
+        batch = self._first_batch(data)
+        if batch.y is None:
+            raise ValueError("`train_on_batch()` needs targets: pass `y`.")
+        self._build(batch)
+        logs = host_logs(self.session.train_batch(batch), self.strategy.to_host)
+        return self._ordered(logs, return_dict)
+
+    def test_on_batch(
+        self, x: Any, y: Any = None, sample_weight: Any = None, return_dict: bool = False
+    ) -> float | list[float] | dict[str, float]:
+        """Loss and metrics of one batch: every row of `x` and `y` (Keras's `test_on_batch`); returns as `evaluate`."""
+        rows = _rows(x, "test_on_batch")
+        return self.evaluate(x, y, batch_size=rows, sample_weight=sample_weight, verbose=0, return_dict=return_dict)
+
+    def predict_on_batch(self, x: Any) -> Any:
+        """The outputs for one batch: every row of `x` (Keras's `predict_on_batch`), as numpy."""
+        return self.predict(x, batch_size=_rows(x, "predict_on_batch"), verbose=0)
+
+    def _ordered(self, logs: dict, return_dict: bool):
+        if return_dict:
+            return logs
+        values = [logs[name] for name in self.metrics_names]
+        return values[0] if len(values) == 1 else values
 
     def step_report(self, x: Any = None, y: Any = None) -> StepReport:
         """What one training step costs per device, from XLA's analyses of the compiled step.
@@ -797,6 +842,17 @@ def _unpack_validation(validation_data):
             f"Received a tuple of length {len(validation_data)}."
         )
     return validation_data, None, None
+
+
+def _rows(x, what: str) -> int:
+    """The rows of one batch of array input `x` (a `*_on_batch` call takes exactly one batch)."""
+    leaves = jax.tree.leaves(x)
+    if not leaves or not all(data_lib.is_array_like(leaf) or isinstance(leaf, (list, tuple)) for leaf in leaves):
+        raise TypeError(
+            f"`{what}()` takes one batch of arrays (a numpy/JAX array, or a dict/tuple/list of them). "
+            f"Received: x of type {type(x).__name__}."
+        )
+    return len(leaves[0])
 
 
 def _class_weights(y, class_weight: dict, sample_weight):

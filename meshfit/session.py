@@ -334,6 +334,18 @@ class Session:
         self.in_flight.add(logs[LOSS_KEY])
         return logs
 
+    def train_batch(self, host_batch):
+        """One training step on one host batch (`train_on_batch`), its metrics counted afresh; returns its logs.
+
+        The step is the single-step function `fit` uses for a short last group:
+        compiled once per batch shape.
+        """
+        self.reset_train_metrics()
+        self._state, logs = self._train_one(self._state, self.strategy.distribute_batch(host_batch, False))
+        self._step += 1
+        settled = self.settle()  # asynchronous strategies: the batch is applied before its logs are read
+        return logs if settled is None else settled
+
     def _train_staged_steps(self, staged: Staged):
         """Each staged step in turn, with the in-flight bound kept at every step."""
         train, stage, add = self._train_staged, staged.stage, self.in_flight.add

@@ -292,3 +292,48 @@ def test_keras_default_optimizer_and_learning_rate_access():
     plain = make_model(optimizer=optax.sgd(0.1))
     with pytest.raises(AttributeError, match="inject_hyperparams"):
         _ = plain.optimizer.learning_rate
+
+
+@pytest.mark.parametrize("strategy", ["one_device", "mirrored"])
+def test_on_batch_methods_match_keras_on_the_same_weights(strategy):
+    """train_on_batch / test_on_batch / predict_on_batch against Keras 3's, from the same weights."""
+    keras = pytest.importorskip("keras")
+    x, y = classification_data(n=30)
+    scope = mf.strategies.MirroredStrategy() if strategy == "mirrored" else mf.strategies.OneDeviceStrategy()
+    with scope.scope():
+        model = make_model(optimizer=mf.optimizers.get("sgd", learning_rate=0.1, momentum=0.9))
+    twin = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
+    module = model.module
+    twin.set_weights(
+        [np.asarray(v) for v in (module.hidden.kernel[...], module.hidden.bias[...])]
+        + [np.asarray(v) for v in (module.out.kernel[...], module.out.bias[...])]
+    )
+    twin.compile(
+        optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    for start in (0, 10, 20, 0):  # 10 rows: padded to 16 under 8 replicas
+        rows = slice(start, start + 10)
+        got, want = model.train_on_batch(x[rows], y[rows]), twin.train_on_batch(x[rows], y[rows])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model.get_weights()[1], twin.get_weights()[0], rtol=1e-5, atol=1e-6)  # hidden kernel
+    assert model.test_on_batch(x[:7], y[:7], return_dict=True) == pytest.approx(
+        twin.test_on_batch(x[:7], y[:7], return_dict=True), rel=1e-5
+    )
+    np.testing.assert_allclose(model.predict_on_batch(x[:7]), twin.predict_on_batch(x[:7]), rtol=1e-5, atol=1e-6)
+
+
+def test_train_on_batch_compiles_once_per_batch_shape():
+    x, y = classification_data(n=40)
+    model = make_model(metrics=None)
+    assert isinstance(model.train_on_batch(x[:8], y[:8]), float)
+    train_one = model.session._train_one.step  # the jitted single step
+    sizes = {train_one._cache_size()}
+    for start in range(8, 40, 8):
+        model.train_on_batch(x[start : start + 8], y[start : start + 8])
+        sizes.add(train_one._cache_size())
+    assert sizes == {1}
+    assert model.session.step == 5
+    with pytest.raises(TypeError, match="takes one batch of arrays"):
+        model.train_on_batch(iter([(x, y)]))
