@@ -79,6 +79,11 @@ class Model:
         sample_input: an example input batch; required for Linen modules.
         seed: seeds data shuffling, Linen initialisation and dropout. Same
             seed, same data -> bitwise identical training.
+        trainable: for NNX modules, a filter of the parameters to train
+            (default `nnx.Param`: all), e.g. `nnx.All(nnx.Param,
+            nnx.PathContains("head"))` or `lambda path, value: path[0] == "head"`.
+            The other parameters are frozen: no gradient, no optimizer state, no
+            update; they are listed (and saved) with the non-trainable weights.
 
     Example:
         >>> model = meshfit.Model(MLP(rngs=nnx.Rngs(0)))
@@ -88,11 +93,11 @@ class Model:
         ...                     validation_split=0.1)
     """
 
-    def __init__(self, module: Any, *, sample_input: Any = None, seed: int = 0) -> None:
+    def __init__(self, module: Any, *, sample_input: Any = None, seed: int = 0, trainable: Any = None) -> None:
         self.strategy = get_strategy()
         cluster.warn_if_launched_but_alone(self.strategy)
         self.seed = int(seed)
-        self._adapter = adapt(module, sample_input, self.seed)
+        self._adapter = adapt(module, sample_input, self.seed, trainable)
         hints = self._adapter.partition_specs()
         template = jax.eval_shape(self._initial_state, *self._adapter.abstract_init())
         shardings = self.strategy.state_shardings(template, hints)
@@ -754,6 +759,7 @@ def load_model(
     *,
     sample_input: Any = None,
     seed: int = 0,
+    trainable: Any = None,
     compile: bool = True,
     **compile_kwargs: Any,
 ) -> Model:
@@ -768,6 +774,7 @@ def load_model(
             factory of one (see `Model`): the restored arrays go straight into the layout.
         sample_input: for Linen modules, as in `Model`.
         seed: as in `Model`.
+        trainable: as in `Model` (the parameters it freezes load as saved).
         compile: compile the model as it was saved (optimizer, loss and
             metrics given by name), `compile_kwargs` overriding them; the
             optimizer state and step are restored too. With False, or when the
@@ -777,7 +784,7 @@ def load_model(
     Returns:
         A `meshfit.Model` under the current strategy.
     """
-    model = Model(module, sample_input=sample_input, seed=seed)
+    model = Model(module, sample_input=sample_input, seed=seed, trainable=trainable)
     saving.load_saved_model(model, path, compile=compile, **compile_kwargs)
     return model
 

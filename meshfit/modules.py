@@ -67,8 +67,9 @@ class ModuleAdapter:
         return self
 
 
-# Trainable parameters, RNG streams, then every other variable (BatchNorm statistics, ...).
-_NNX_GROUPS = (nnx.Param, nnx.RngState, ...)
+def _groups(trainable) -> tuple:
+    """Trainable parameters, RNG streams, then every other variable (BatchNorm statistics, frozen parameters)."""
+    return (nnx.All(nnx.Param, trainable), nnx.RngState, ...)
 
 
 class NNXAdapter(ModuleAdapter):
@@ -81,9 +82,11 @@ class NNXAdapter(ModuleAdapter):
     The user's module is left as it is: the change is made on views.
     """
 
-    def __init__(self, module: nnx.Module, compute_dtype=None, factory=None):
+    def __init__(self, module: nnx.Module, compute_dtype=None, factory=None, trainable=nnx.Param):
         self.module = module
         self.compute_dtype = compute_dtype
+        self.trainable = trainable
+        self._groups = _groups(trainable)
         self._factory = factory  # creates the module's variables, until `init` has
         train_view = nnx.view(module, deterministic=False, use_running_average=False, raise_if_not_found=False)
         eval_view = nnx.view(module, deterministic=True, use_running_average=True, raise_if_not_found=False)
@@ -92,30 +95,30 @@ class NNXAdapter(ModuleAdapter):
                 for _, submodule in nnx.iter_modules(view):
                     if hasattr(submodule, "dtype"):
                         submodule.dtype = compute_dtype
-        self._train_graphdef = nnx.split(train_view, *_NNX_GROUPS)[0]
-        self._eval_graphdef = nnx.split(eval_view, *_NNX_GROUPS)[0]
+        self._train_graphdef = nnx.split(train_view, *self._groups)[0]
+        self._eval_graphdef = nnx.split(eval_view, *self._groups)[0]
 
     @classmethod
-    def from_factory(cls, factory) -> NNXAdapter:
+    def from_factory(cls, factory, trainable=nnx.Param) -> NNXAdapter:
         """An adapter for the module `factory()` returns, whose variables `init` creates (under `jax.jit`).
 
         Until then the module is abstract (`nnx.eval_shape`): its structure and
         sharding metadata, no arrays.
         """
         abstract = nnx.eval_shape(lambda: _checked_module(factory()))
-        return cls(abstract, factory=factory)
+        return cls(abstract, factory=factory, trainable=trainable)
 
     def with_compute_dtype(self, dtype) -> NNXAdapter:
-        return NNXAdapter(self.module, dtype)
+        return NNXAdapter(self.module, dtype, trainable=self.trainable)
 
     def abstract_init(self):
-        return jax.eval_shape(lambda: _nnx_state(self.module))
+        return jax.eval_shape(lambda: _nnx_state(self.module, self._groups))
 
     def init(self, shardings=None):
         if self._factory is None:
-            return _nnx_state(self.module)
+            return _nnx_state(self.module, self._groups)
         factory, self._factory = self._factory, None
-        create = compat.as_eager(lambda: _nnx_state(_checked_module(factory())))  # the eager module's values
+        create = compat.as_eager(lambda: _nnx_state(_checked_module(factory()), self._groups))  # as eagerly
         params, model_state = jax.jit(create, out_shardings=shardings)()
         self.sync_module(params, model_state)  # the abstract module now holds the created arrays
         return params, model_state
@@ -127,18 +130,18 @@ class NNXAdapter(ModuleAdapter):
         y_pred = module(*x) if isinstance(x, tuple) else module(x)
         if not training:
             return y_pred, model_state
-        _, _, rngs, weights = nnx.split(module, *_NNX_GROUPS)
+        _, _, rngs, weights = nnx.split(module, *self._groups)
         return y_pred, {"weights": nnx.to_pure_dict(weights), "rngs": nnx.to_pure_dict(rngs)}
 
     def non_trainable_weights(self, model_state):
         return model_state["weights"]
 
     def partition_specs(self):
-        _, params, _, _ = nnx.split(self.module, *_NNX_GROUPS)
+        _, params, _, _ = nnx.split(self.module, *self._groups)
         return nnx.to_pure_dict(nnx.get_partition_spec(params))
 
     def sync_module(self, params, model_state):
-        _, param_state, rng_state, weight_state = nnx.split(self.module, *_NNX_GROUPS)
+        _, param_state, rng_state, weight_state = nnx.split(self.module, *self._groups)
         nnx.replace_by_pure_dict(param_state, params)
         nnx.replace_by_pure_dict(rng_state, model_state["rngs"])
         nnx.replace_by_pure_dict(weight_state, model_state["weights"])
@@ -146,9 +149,9 @@ class NNXAdapter(ModuleAdapter):
         return self.module
 
 
-def _nnx_state(module: nnx.Module):
-    """`(params, model_state)` of an NNX module as pure dicts."""
-    _, params, rngs, weights = nnx.split(module, *_NNX_GROUPS)
+def _nnx_state(module: nnx.Module, groups: tuple):
+    """`(params, model_state)` of an NNX module as pure dicts, split by `groups` (see `_groups`)."""
+    _, params, rngs, weights = nnx.split(module, *groups)
     return nnx.to_pure_dict(params), {"weights": nnx.to_pure_dict(weights), "rngs": nnx.to_pure_dict(rngs)}
 
 
@@ -231,15 +234,26 @@ class LinenAdapter(ModuleAdapter):
         return self.module.bind({"params": params, **model_state})
 
 
-def adapt(module, sample_input=None, seed: int = 0) -> ModuleAdapter:
-    """Picks the adapter for `module` (a module, or a factory of one), with a clear error for anything else."""
-    if isinstance(module, nnx.Module):
-        return NNXAdapter(module)
+def adapt(module, sample_input=None, seed: int = 0, trainable=None) -> ModuleAdapter:
+    """Picks the adapter for `module` (a module, or a factory of one), with a clear error for anything else.
+
+    `trainable`: an NNX filter of the parameters to train (default all `nnx.Param`s);
+    the others are frozen: kept with the non-trainable weights, never updated.
+    """
     if isinstance(module, linen.Module):
+        if trainable is not None:
+            raise TypeError(
+                "`trainable` takes an NNX filter and applies to flax.nnx modules. To freeze part of a Linen "
+                "model, give compile an optimizer that leaves it alone, e.g. optax.multi_transform({'train': "
+                "optax.adam(1e-3), 'freeze': optax.set_to_zero()}, labels) with labels from the parameter paths."
+            )
         return LinenAdapter(module, sample_input, seed)
+    trainable = nnx.Param if trainable is None else trainable
+    if isinstance(module, nnx.Module):
+        return NNXAdapter(module, trainable=trainable)
     if callable(module):
         _check_factory(module)
-        return NNXAdapter.from_factory(module)
+        return NNXAdapter.from_factory(module, trainable)
     raise TypeError(
         "meshfit.Model expects a flax.nnx.Module, a flax.linen.Module, or a factory: a function of no "
         f"arguments that returns an nnx.Module. Received: module of type {type(module).__name__}."

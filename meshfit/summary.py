@@ -52,18 +52,28 @@ def format_summary(name: str, strategy, names: list[str], params, non_trainable,
     leaves = jax.tree.leaves(params) + jax.tree.leaves(non_trainable)
     n_params = len(jax.tree.leaves(params))
     sharded = _sharded((params, non_trainable))
-    header = ["Weight", "Shape", "Dtype", "Params", "Bytes"] + (["Sharding", "Bytes/device"] if sharded else [])
+    header = ["Weight", "Shape", "Dtype", "Trainable", "Params", "Bytes"] + (
+        ["Sharding", "Bytes/device"] if sharded else []
+    )
     rows = []
-    for weight, leaf in zip(names, leaves, strict=True):
+    for i, (weight, leaf) in enumerate(zip(names, leaves, strict=True)):
         count = int(np.prod(leaf.shape))
-        row = [weight, str(tuple(leaf.shape)), str(leaf.dtype), f"{count:,}", human_bytes(count * leaf.dtype.itemsize)]
+        trainable = "yes" if i < n_params else "no"
+        row = [
+            weight,
+            str(tuple(leaf.shape)),
+            str(leaf.dtype),
+            trainable,
+            f"{count:,}",
+            human_bytes(count * leaf.dtype.itemsize),
+        ]
         if sharded:
             spec = leaf.sharding.spec if isinstance(leaf.sharding, NamedSharding) else "-"
             row += [str(spec), human_bytes(bytes_per_device(leaf))]
         rows.append(row)
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
     line = "-" * (sum(widths) + 2 * (len(widths) - 1))
-    left = {0, 1, 2, 5}
+    left = {0, 1, 2, 3, 6}
 
     def fmt(row):
         return "  ".join(

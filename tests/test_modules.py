@@ -111,3 +111,35 @@ def test_linen_variables_are_created_in_their_layout():
     assert (512, 2048) not in whole
     reference = mf.Model(LinenMLP(), sample_input=x)
     np.testing.assert_array_equal(model.get_weights()[1], reference.get_weights()[1])
+
+
+def test_frozen_parameters_stay_bitwise_unchanged_without_optimizer_state(tmp_path):
+    """`trainable=` an NNX filter: the rest gets no gradient, no optimizer state, no update."""
+    from helpers import MLP, classification_data
+
+    x, y = classification_data(n=64)
+    head_only = nnx.All(nnx.Param, nnx.PathContains("out"))
+    model = mf.Model(MLP(), trainable=head_only)
+    model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    before = dict(zip(model.weight_names(), model.get_weights(), strict=True))
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    after = dict(zip(model.weight_names(), model.get_weights(), strict=True))
+    assert model.weight_names() == ["out/bias", "out/kernel", "hidden/bias", "hidden/kernel"]  # trainable first
+    for name in before:
+        if "hidden" in name:
+            np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+        else:
+            assert not np.array_equal(after[name], before[name]), name
+    moments = [a.shape for a in jax.tree.leaves(model.session.state.opt_state) if a.ndim > 0]
+    assert sorted(moments) == sorted([(3,), (16, 3)] * 2)  # Adam's mu and nu for the head alone
+    assert model.count_params() == 16 * 3 + 3
+    rows = {line.split()[0]: line for line in model.summary(print_fn=None).splitlines() if "/" in line.split()[0]}
+    assert " no " in next(v for k, v in rows.items() if k.endswith("hidden/kernel"))
+    assert " yes " in next(v for k, v in rows.items() if k.endswith("out/kernel"))
+
+    model.save(tmp_path / "model")
+    restored = mf.load_model(tmp_path / "model", MLP(seed=1), trainable=head_only)
+    for a, b in zip(model.get_weights(), restored.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(TypeError, match="multi_transform"):
+        mf.Model(LinenMLP(), sample_input=jnp.ones((1, 4)), trainable=head_only)
