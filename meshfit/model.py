@@ -653,6 +653,13 @@ class Model:
         Metrics are counted afresh for the batch, as in Keras 3. The step is
         compiled once per batch shape, under any strategy.
 
+        Args:
+            x: one batch of inputs: an array, or a dict/tuple/list of arrays.
+            y: its targets.
+            sample_weight: per-sample weights for the batch.
+            class_weight: `{class: weight}`, multiplied into the sample weights.
+            return_dict: return `{name: value}` instead of a list.
+
         Returns:
             As `evaluate`: a dict with `return_dict=True`; otherwise the loss
             alone when there are no metrics, else `[loss, *metrics]`.
@@ -672,12 +679,26 @@ class Model:
     def test_on_batch(
         self, x: Any, y: Any = None, sample_weight: Any = None, return_dict: bool = False
     ) -> float | list[float] | dict[str, float]:
-        """Loss and metrics of one batch: every row of `x` and `y` (Keras's `test_on_batch`); returns as `evaluate`."""
+        """Loss and metrics of one batch: every row of `x` and `y` (Keras's `test_on_batch`).
+
+        Args:
+            x: one batch of inputs: an array, or a dict/tuple/list of arrays.
+            y: its targets.
+            sample_weight: per-sample weights for the batch.
+            return_dict: return `{name: value}` instead of a list.
+
+        Returns:
+            As `evaluate`.
+        """
         rows = _rows(x, "test_on_batch")
         return self.evaluate(x, y, batch_size=rows, sample_weight=sample_weight, verbose=0, return_dict=return_dict)
 
     def predict_on_batch(self, x: Any) -> Any:
-        """The outputs for one batch: every row of `x` (Keras's `predict_on_batch`), as numpy."""
+        """The outputs for one batch: every row of `x` (Keras's `predict_on_batch`), as numpy.
+
+        Args:
+            x: one batch of inputs: an array, or a dict/tuple/list of arrays.
+        """
         return self.predict(x, batch_size=_rows(x, "predict_on_batch"), verbose=0)
 
     def _ordered(self, logs: dict, return_dict: bool):
