@@ -684,12 +684,18 @@ class Model:
             print_fn(text)
         return text
 
-    def save(self, path: str | os.PathLike, overwrite: bool = False) -> None:
-        """Saves weights, optimizer state, step and compile settings (Orbax); see `meshfit.load_model`."""
+    def save(self, path: str | os.PathLike, overwrite: bool = True) -> None:
+        """Saves weights, optimizer state, step and compile settings (Orbax); see `meshfit.load_model`.
+
+        A model saved at `path` before is replaced, as in Keras (`overwrite=False`
+        refuses with a FileExistsError); the old copy is deleted only once the new
+        one is complete, so a crash mid-save leaves one of them whole. A directory
+        meshfit did not write, or of saved weights or checkpoints, is refused.
+        """
         saving.save_model(self, path, overwrite=overwrite)
 
-    def save_weights(self, path: str | os.PathLike, overwrite: bool = False) -> None:
-        """Saves the weights (Orbax). Nothing already at `path` is overwritten unless `overwrite=True`."""
+    def save_weights(self, path: str | os.PathLike, overwrite: bool = True) -> None:
+        """Saves the weights (Orbax), replacing weights saved at `path` before, as `save` replaces a model."""
         saving.save_weights(self, path, overwrite=overwrite)
 
     def load_weights(self, path: str | os.PathLike) -> None:
