@@ -239,6 +239,7 @@ class Model:
                 f"leave `gradient_accumulation_steps` unset. Received: {gradient_accumulation_steps!r}."
             )
         tx = optimizers_lib.get(optimizer)
+        schedule = optimizers_lib.schedule_of(tx)
         if accumulate > 1:
             tx = optax.MultiSteps(tx, every_k_schedule=accumulate).gradient_transformation()
         loss_obj = losses_lib.get(loss) if loss is not None else None
@@ -275,7 +276,7 @@ class Model:
             dtype_policy=policy,
             gradient_accumulation_steps=accumulate,
         )
-        self.optimizer = optimizers_lib.Optimizer(tx, self.session)
+        self.optimizer = optimizers_lib.Optimizer(tx, self.session, schedule)
 
     @property
     def compiled(self) -> bool:
