@@ -62,6 +62,31 @@ def _to_numpy(tree):
     return jax.tree.map(np.asarray, tree)
 
 
+#: numpy dtype kinds no step can take: strings, bytes, Python objects, dates and times.
+_NOT_NUMERIC = {"U": "strings", "S": "bytes", "O": "Python objects", "M": "dates", "m": "time deltas"}
+
+
+def check_numeric(tree, name: str) -> None:
+    """Raises a TypeError naming `name` if an array in `tree` holds strings, objects or dates, not numbers.
+
+    Such arrays cannot go to a device; without this check the strategy fails
+    inside JAX with a message that names neither the argument nor the fix.
+    """
+    for leaf in jax.tree.leaves(tree):
+        kind = np.dtype(getattr(leaf, "dtype", np.asarray(leaf).dtype)).kind
+        if kind in _NOT_NUMERIC:
+            hint = (
+                "Encode labels as integers first, e.g. `classes, y = np.unique(y, return_inverse=True)`."
+                if name.startswith("y")
+                else "Convert them to a numeric array first (e.g. np.asarray(..., dtype=np.float32)), "
+                "or encode categories as integers."
+            )
+            raise TypeError(
+                f"`{name}` must hold numbers: arrays of dtype bool, int, float (bfloat16 included) or complex. "
+                f"Received an array of dtype {np.dtype(leaf.dtype)} ({_NOT_NUMERIC[kind]}). {hint}"
+            )
+
+
 def _num_rows(tree, name: str) -> int:
     sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in jax.tree.leaves(tree)}
     if None in sizes:
@@ -219,6 +244,10 @@ class ArrayData(DataSource):
     ):
         self.x = _to_numpy(x)
         self.y = None if y is None else _to_numpy(y)
+        check_numeric(self.x, "x")
+        check_numeric(self.y, "y")
+        if sample_weight is not None:
+            check_numeric(np.asarray(sample_weight), "sample_weight")
         self.sample_weight = None if sample_weight is None else np.asarray(sample_weight, np.float32)
         self.num_samples = _num_rows(self.x, "x")
         if self.y is not None:
@@ -518,6 +547,9 @@ class IterableData(DataSource):
     def _to_batch(self, element) -> Batch:
         x, y, sw = unpack_element(element)
         x, y = _to_numpy(x), None if y is None else _to_numpy(y)
+        check_numeric(x, "x (a batch the dataset yielded)")
+        check_numeric(y, "y (a batch the dataset yielded)")
+        check_numeric(sw, "sample_weight (a batch the dataset yielded)")
         rows = _num_rows(x, "x")
         if rows == 0:
             raise ValueError("The dataset yielded an empty batch (0 samples). Every batch needs samples.")

@@ -381,6 +381,13 @@ class Model:
                 block=strategy.batch_block,
                 orders=self._shuffle_orders,
             )
+        not_a_dataset = isinstance(x, (list, tuple, dict, str, bytes)) or not hasattr(x, "__iter__")
+        if (y is not None or sample_weight is not None) and not_a_dataset:
+            raise TypeError(
+                "With `y` or `sample_weight` given, `x` must be a numpy/JAX array or a dict, tuple or list of "
+                f"arrays. Received: x of type {_type_description(x)}. Convert it (e.g. np.asarray(x)), or pass "
+                "a dataset or generator yielding (x, y) batches as `x` alone, with y=None and sample_weight=None."
+            )
         if y is not None or sample_weight is not None:
             raise ValueError(
                 f"When `x` is a dataset or generator, `y` and `sample_weight` must be None (the dataset "
@@ -772,6 +779,18 @@ def _as_list(value, name: str) -> list:
     if isinstance(value, dict):
         raise ValueError(f"`{name}` as a dict (per-output metrics) is not supported yet; pass a list.")
     return [value]
+
+
+def _type_description(value) -> str:
+    """A value's type, with the types inside a container (`list of float`), for error messages."""
+    name = type(value).__name__
+    if isinstance(value, dict) and value:
+        inner = sorted({type(v).__name__ for v in value.values()})
+        return f"{name} of {', '.join(inner)}"
+    if isinstance(value, (list, tuple)) and value:
+        inner = sorted({type(v).__name__ for v in value})
+        return f"{name} of {', '.join(inner)}"
+    return name
 
 
 def _needs_shapes(identifier) -> bool:
