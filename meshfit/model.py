@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -473,7 +473,12 @@ class Model:
             validation_split: the fraction of array data (taken from the end,
                 before shuffling) held out to validate on after each epoch.
             validation_data: `(x_val, y_val)`, `(x_val, y_val, sample_weight)`
-                or a dataset, evaluated after each epoch (`val_` logs).
+                or a dataset, evaluated after each epoch (`val_` logs). A
+                re-iterable dataset (grain, anything whose `iter()` starts
+                anew) is read from its start each time; a one-shot iterator
+                (a generator) is kept on the host as it is read, up to
+                `meshfit.data.REPLAY_BYTES`, and replayed (beyond that, a
+                warning, and no `val_` logs once it ran out).
             shuffle: shuffle array data anew each epoch (seeded by the model's
                 `seed`; passes are numbered across calls of fit).
             class_weight: `{class: weight}`, multiplied into the sample weights.
@@ -521,6 +526,8 @@ class Model:
                 data, val_data = data.split(validation_split)
             if validation_data is not None:
                 vx, vy, vsw = _unpack_validation(validation_data)
+                if isinstance(vx, Iterator) and not data_lib.is_array_tree(vx):  # validated on every epoch
+                    vx = data_lib.Replay(vx)
                 val_batch_size = (validation_batch_size or batch_size) if data_lib.is_array_tree(vx) else None
                 val_data = self._make_data(vx, vy, vsw, val_batch_size, what="fit")
             first = self._first_batch(data)

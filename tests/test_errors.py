@@ -135,12 +135,6 @@ def test_non_flax_module():
         mf.Model({"w": 1})
 
 
-def test_growing_batch_in_a_generator(model):
-    x, y = classification_data(n=16)
-    with pytest.raises(ValueError, match="A batch of 8 samples came after batches of at most 4"):
-        model.fit(iter([(x[:4], y[:4]), (x[:8], y[:8])]), verbose=0)
-
-
 @pytest.mark.parametrize(
     "labels, says",
     [
