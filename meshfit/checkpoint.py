@@ -34,7 +34,7 @@ from etils import epath
 
 from meshfit import integrity
 from meshfit.compat import release_orbax_waiters
-from meshfit.dirlock import LOCK_NAME, DirectoryLock
+from meshfit.dirlock import LOCK_NAME, DirectoryLock, DirectoryLocked
 from meshfit.trees import is_key, path_name
 
 MARKER = "meshfit_checkpoints.json"
@@ -152,6 +152,93 @@ def check_directory(directory: str, kind: str) -> None:
             f"Directory {directory!r} holds meshfit {marker['kind']} checkpoints, not {kind} ones; "
             "choose another directory."
         )
+
+
+#: Suffixes of the siblings of a directory being replaced whole (`replace_directory`).
+STAGING, REPLACED = ".meshfit-new", ".meshfit-old"
+
+
+def staging_path(directory: str) -> str:
+    """Where a replacement of `directory` is written before it takes the directory's place."""
+    return os.path.abspath(os.fspath(directory)).rstrip(os.sep) + STAGING
+
+
+def _complete(directory: str, kind: str) -> bool:
+    """Whether `directory` is meshfit's, of `kind`, and holds at least one complete checkpoint."""
+    if not os.path.isdir(directory):
+        return False
+    try:
+        marker = read_marker(directory)
+    except (FileNotFoundError, ValueError):
+        return False
+    return marker is not None and marker["kind"] == kind and _looks_like_checkpoints(directory, os.listdir(directory))
+
+
+def _remove_own(directory: str, kind: str) -> None:
+    """Deletes a sibling meshfit left (a staging copy or a replaced one) if it is meshfit's, of `kind`."""
+    try:
+        marker = read_marker(directory) if os.path.isdir(directory) else None
+    except (FileNotFoundError, ValueError):
+        return  # not recognisably ours: left alone
+    if marker is None or marker["kind"] != kind:
+        return
+    lock = DirectoryLock(directory)
+    try:
+        lock.acquire()  # a live writer's staging copy is left to it
+    except DirectoryLocked:
+        return
+    shutil.rmtree(directory, ignore_errors=True)
+    lock.release()
+
+
+def replace_directory(staged: str, directory: str, kind: str) -> None:
+    """Puts the complete checkpoints in `staged` in the place of `directory` (both meshfit's, of `kind`).
+
+    Two renames and a delete: `directory` -> `<directory>.meshfit-old`, `staged` ->
+    `directory`, then the old copy is deleted. A crash between them leaves a
+    complete copy under one of the names, which `finish_replacement` puts back.
+    Both directories must be closed (no lock held): the lock file moves with them.
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    replaced = directory.rstrip(os.sep) + REPLACED
+    _remove_own(replaced, kind)
+    if os.path.exists(directory):
+        os.rename(directory, replaced)
+    os.rename(staged, directory)
+    _remove_own(replaced, kind)
+
+
+def finish_replacement(directory: str, kind: str) -> None:
+    """Completes, or undoes, a `replace_directory` that a crash interrupted; nothing if there was none.
+
+    If `directory` is missing, the new copy takes its place when it is complete,
+    else the old one goes back. Leftover copies of `kind` beside a present
+    `directory` (an interrupted staging write, a replaced copy not yet deleted) are
+    deleted: `directory` itself is complete. Only process 0 acts.
+    """
+    if jax.process_index() != 0:
+        return
+    directory = os.path.abspath(os.fspath(directory))
+    staged, replaced = staging_path(directory), directory.rstrip(os.sep) + REPLACED
+    if not os.path.exists(directory):
+        if _complete(staged, kind):
+            os.rename(staged, directory)
+        elif _complete(replaced, kind):
+            os.rename(replaced, directory)
+    if os.path.exists(directory):
+        _remove_own(staged, kind)
+        _remove_own(replaced, kind)
+
+
+def readable_path(directory: str) -> str:
+    """`directory`, or where its complete copy lies when a crash interrupted its replacement (readers move nothing)."""
+    directory = os.path.abspath(os.fspath(directory))
+    if os.path.exists(directory):
+        return directory
+    for sibling in (staging_path(directory), directory.rstrip(os.sep) + REPLACED):
+        if os.path.isdir(sibling) and _looks_like_checkpoints(sibling, os.listdir(sibling)):
+            return sibling
+    return directory
 
 
 def _describe(leaf) -> str:

@@ -1,6 +1,7 @@
 """Turning user inputs into fixed-shape host batches.
 
-Every batch the step sees has the same shape, so the step compiles once. A
+Every batch the step sees has the same shape, so the step compiles once (an
+iterable's batches may grow: at most log2(largest / first) more times). A
 partial batch is padded (by repeating its own rows) up to the full size and
 carries a `mask` of 1s for real rows and 0s for padding; losses and metrics
 weight by the mask, so results equal those of the unpadded batch exactly.
@@ -60,6 +61,31 @@ def is_array_tree(value) -> bool:
 
 def _to_numpy(tree):
     return jax.tree.map(np.asarray, tree)
+
+
+#: numpy dtype kinds no step can take: strings, bytes, Python objects, dates and times.
+_NOT_NUMERIC = {"U": "strings", "S": "bytes", "O": "Python objects", "M": "dates", "m": "time deltas"}
+
+
+def check_numeric(tree, name: str) -> None:
+    """Raises a TypeError naming `name` if an array in `tree` holds strings, objects or dates, not numbers.
+
+    Such arrays cannot go to a device; without this check the strategy fails
+    inside JAX with a message that names neither the argument nor the fix.
+    """
+    for leaf in jax.tree.leaves(tree):
+        kind = np.dtype(getattr(leaf, "dtype", np.asarray(leaf).dtype)).kind
+        if kind in _NOT_NUMERIC:
+            hint = (
+                "Encode labels as integers first, e.g. `classes, y = np.unique(y, return_inverse=True)`."
+                if name.startswith("y")
+                else "Convert them to a numeric array first (e.g. np.asarray(..., dtype=np.float32)), "
+                "or encode categories as integers."
+            )
+            raise TypeError(
+                f"`{name}` must hold numbers: arrays of dtype bool, int, float (bfloat16 included) or complex. "
+                f"Received an array of dtype {np.dtype(leaf.dtype)} ({_NOT_NUMERIC[kind]}). {hint}"
+            )
 
 
 def _num_rows(tree, name: str) -> int:
@@ -124,9 +150,10 @@ class DataSource(ABC):
     """Where a fit's batches come from: the contract the loop and the session rely on.
 
     Batches are fixed-shape host `Batch`es: every batch has the rows of the
-    first (rounded up to the strategy's `batch_multiple`), and a partial batch
-    is padded with rows whose `mask` is 0, so the step compiles once and the
-    padding counts for nothing. An epoch is `steps_per_epoch` batches (None:
+    first (rounded up to the strategy's `batch_multiple`; an iterable's may
+    grow, see `IterableData`), and a partial batch is padded with rows whose
+    `mask` is 0, so the step compiles once per size and the padding counts
+    for nothing. An epoch is `steps_per_epoch` batches (None:
     until the input runs out). `get_state` / `set_state` save and restore the
     position in the input for BackupAndRestore.
     """
@@ -219,6 +246,10 @@ class ArrayData(DataSource):
     ):
         self.x = _to_numpy(x)
         self.y = None if y is None else _to_numpy(y)
+        check_numeric(self.x, "x")
+        check_numeric(self.y, "y")
+        if sample_weight is not None:
+            check_numeric(np.asarray(sample_weight), "sample_weight")
         self.sample_weight = None if sample_weight is None else np.asarray(sample_weight, np.float32)
         self.num_samples = _num_rows(self.x, "x")
         if self.y is not None:
@@ -423,8 +454,17 @@ class IterableData(DataSource):
     A re-iterable input (not itself an iterator) starts a new pass each epoch;
     a one-shot iterator is consumed across epochs, and training stops with a
     warning when it runs out, as in Keras. With `steps_per_epoch`, an epoch is
-    that many batches of one continuing stream. Batches are padded to the size
-    of the first batch (rounded up to `batch_multiple`).
+    that many batches of one continuing stream.
+
+    Batches may come in any sizes and order. Each is padded (masked rows) to
+    the padded size: the first batch's size, rounded up to `batch_multiple`;
+    a batch larger than any before raises it to at least twice its value
+    (`max(rows, 2 * padded)`, rounded up). The step compiles once per padded
+    size, so at most `1 + ceil(log2(largest / first))` times for a fit's
+    training batches (and as often for evaluation), however the sizes vary;
+    a padded batch costs up to twice the compute of its real rows only after
+    such a growth. Every process of a multi-process job must yield batches of
+    the same sizes, as before.
 
     With `prefetch > 0` and a `place` function (training), the input is read,
     batched and placed on the devices by a background thread, up to `prefetch`
@@ -518,16 +558,16 @@ class IterableData(DataSource):
     def _to_batch(self, element) -> Batch:
         x, y, sw = unpack_element(element)
         x, y = _to_numpy(x), None if y is None else _to_numpy(y)
+        check_numeric(x, "x (a batch the dataset yielded)")
+        check_numeric(y, "y (a batch the dataset yielded)")
+        check_numeric(sw, "sample_weight (a batch the dataset yielded)")
         rows = _num_rows(x, "x")
         if rows == 0:
             raise ValueError("The dataset yielded an empty batch (0 samples). Every batch needs samples.")
         if self.padded_batch_size is None:
             self.padded_batch_size = _round_up(rows, self.batch_multiple)
-        if rows > self.padded_batch_size:
-            raise ValueError(
-                f"A batch of {rows} samples came after batches of at most {self.padded_batch_size}. "
-                "meshfit compiles the step for the first batch's size; make the first batch the largest."
-            )
+        elif rows > self.padded_batch_size:  # at least doubles: at most log2(largest / first) growths
+            self.padded_batch_size = _round_up(max(rows, 2 * self.padded_batch_size), self.batch_multiple)
         if y is not None and _num_rows(y, "y") != rows:
             raise ValueError(f"A batch has {rows} inputs but {_num_rows(y, 'y')} targets; they must match.")
         return make_batch(x, y, sw, self.padded_batch_size)
@@ -550,6 +590,8 @@ class IterableData(DataSource):
                     continue  # the stream goes on with the next pass
                 if step == 0:
                     self.exhausted = True
+                    if isinstance(self.data, Replay):
+                        return  # `Replay` has said why
                     warnings.warn(
                         "Your input ran out of data; interrupting training. Make sure the dataset can "
                         "produce at least `steps_per_epoch * epochs` batches.",
@@ -660,8 +702,92 @@ class IterableData(DataSource):
         return self._to_batch(read[0])
 
 
+def pad_batch(batch: Batch, rows: int) -> Batch:
+    """`batch` padded to `rows` rows: inputs repeated, the added rows masked out (mask 0)."""
+    have = len(batch.mask)
+    if have == rows:
+        return batch
+    mask = np.concatenate([batch.mask, np.zeros(rows - have, batch.mask.dtype)])
+    return Batch(_pad_rows(batch.x, rows), _pad_rows(batch.y, rows), _pad_rows(batch.sample_weight, rows), mask)
+
+
+#: Bytes of a one-shot validation iterator's batches kept on the host to evaluate them again each epoch.
+REPLAY_BYTES = 256 * 2**20
+
+
+def _nbytes(element) -> int:
+    return sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(element))
+
+
+class Replay:
+    """A one-shot iterator (a generator) made re-iterable by keeping what it yielded, up to `max_bytes`.
+
+    `fit` wraps a one-shot `validation_data` in one, so each epoch validates on
+    the same batches (Keras validates on nothing after a generator ran out).
+    Every `iter()` replays the kept elements (host numpy copies), then
+    continues the source. If the source yields more than `max_bytes`, nothing
+    more is kept (what was kept is freed): the pass reading it goes on, and
+    later passes yield nothing, with a warning saying what to pass instead.
+    """
+
+    def __init__(self, source: Iterator, max_bytes: int | None = None, what: str = "validation_data"):
+        self.source = source
+        self.max_bytes = REPLAY_BYTES if max_bytes is None else max_bytes
+        self.what = what
+        self._kept: list = []
+        self._bytes = 0
+        self._pulled = 0
+        self._dropped = False
+        self._exhausted = False
+        self._warned = False
+
+    def __iter__(self) -> Iterator:
+        if self._dropped:
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"`{self.what}` is a one-shot iterator (e.g. a generator) that ran out after its first pass, "
+                    f"and its batches were more than meshfit keeps to replay ({self.max_bytes / 2**20:.1f} MiB, "
+                    "meshfit.data.REPLAY_BYTES), so later epochs have no `val_` logs. Pass a re-iterable instead "
+                    "(a list of batches, a grain MapDataset or IterDataset: anything whose iter() starts anew), "
+                    "or arrays.",
+                    stacklevel=2,
+                )
+            return iter(())
+        return self._replay()
+
+    def _replay(self) -> Iterator:
+        position = 0
+        while True:
+            if position < len(self._kept):
+                yield self._kept[position]
+                position += 1
+                continue
+            if position < self._pulled or self._exhausted:  # pulled by an earlier pass and not kept / the end
+                return
+            try:
+                element = next(self.source)
+            except StopIteration:
+                self._exhausted = True
+                return
+            self._pulled += 1
+            position += 1
+            if not self._dropped:
+                element = jax.tree.map(np.array, element)  # a copy: the source may reuse its buffers
+                self._bytes += _nbytes(element)
+                # The first element is always kept: `peek` reads it before the first pass starts.
+                if self._bytes > self.max_bytes and self._pulled > 1:
+                    self._dropped, self._kept = True, []
+                else:
+                    self._kept.append(element)
+            yield element
+
+
 def stack_batches(batches: list[Batch], size: int) -> Batch:
-    """Stacks up to `size` batches on a new leading axis, padding with fully masked batches."""
+    """Stacks up to `size` batches on a new leading axis, padding with fully masked batches (and batches
+    padded before the input's batch size grew, to the largest)."""
+    rows = max(len(b.mask) for b in batches)
+    batches = [pad_batch(b, rows) for b in batches]
     filler = batches[-1]._replace(mask=np.zeros_like(batches[-1].mask))
     full = batches + [filler] * (size - len(batches))
     return jax.tree.map(lambda *leaves: np.stack(leaves), *full)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -244,6 +244,7 @@ class Model:
                 f"leave `gradient_accumulation_steps` unset. Received: {gradient_accumulation_steps!r}."
             )
         tx = optimizers_lib.get(optimizer)
+        schedule = optimizers_lib.schedule_of(tx)
         if accumulate > 1:
             tx = optax.MultiSteps(tx, every_k_schedule=accumulate).gradient_transformation()
         loss_obj = losses_lib.get(loss) if loss is not None else None
@@ -280,7 +281,7 @@ class Model:
             dtype_policy=policy,
             gradient_accumulation_steps=accumulate,
         )
-        self.optimizer = optimizers_lib.Optimizer(tx, self.session)
+        self.optimizer = optimizers_lib.Optimizer(tx, self.session, schedule)
 
     @property
     def compiled(self) -> bool:
@@ -385,6 +386,13 @@ class Model:
                 block=strategy.batch_block,
                 orders=self._shuffle_orders,
             )
+        not_a_dataset = isinstance(x, (list, tuple, dict, str, bytes)) or not hasattr(x, "__iter__")
+        if (y is not None or sample_weight is not None) and not_a_dataset:
+            raise TypeError(
+                "With `y` or `sample_weight` given, `x` must be a numpy/JAX array or a dict, tuple or list of "
+                f"arrays. Received: x of type {_type_description(x)}. Convert it (e.g. np.asarray(x)), or pass "
+                "a dataset or generator yielding (x, y) batches as `x` alone, with y=None and sample_weight=None."
+            )
         if y is not None or sample_weight is not None:
             raise ValueError(
                 f"When `x` is a dataset or generator, `y` and `sample_weight` must be None (the dataset "
@@ -470,7 +478,12 @@ class Model:
             validation_split: the fraction of array data (taken from the end,
                 before shuffling) held out to validate on after each epoch.
             validation_data: `(x_val, y_val)`, `(x_val, y_val, sample_weight)`
-                or a dataset, evaluated after each epoch (`val_` logs).
+                or a dataset, evaluated after each epoch (`val_` logs). A
+                re-iterable dataset (grain, anything whose `iter()` starts
+                anew) is read from its start each time; a one-shot iterator
+                (a generator) is kept on the host as it is read, up to
+                `meshfit.data.REPLAY_BYTES`, and replayed (beyond that, a
+                warning, and no `val_` logs once it ran out).
             shuffle: shuffle array data anew each epoch (seeded by the model's
                 `seed`; passes are numbered across calls of fit).
             class_weight: `{class: weight}`, multiplied into the sample weights.
@@ -518,6 +531,8 @@ class Model:
                 data, val_data = data.split(validation_split)
             if validation_data is not None:
                 vx, vy, vsw = _unpack_validation(validation_data)
+                if isinstance(vx, Iterator) and not data_lib.is_array_tree(vx):  # validated on every epoch
+                    vx = data_lib.Replay(vx)
                 val_batch_size = (validation_batch_size or batch_size) if data_lib.is_array_tree(vx) else None
                 val_data = self._make_data(vx, vy, vsw, val_batch_size, what="fit")
             first = self._first_batch(data)
@@ -755,12 +770,18 @@ class Model:
             print_fn(text)
         return text
 
-    def save(self, path: str | os.PathLike, overwrite: bool = False) -> None:
-        """Saves weights, optimizer state, step and compile settings (Orbax); see `meshfit.load_model`."""
+    def save(self, path: str | os.PathLike, overwrite: bool = True) -> None:
+        """Saves weights, optimizer state, step and compile settings (Orbax); see `meshfit.load_model`.
+
+        A model saved at `path` before is replaced, as in Keras (`overwrite=False`
+        refuses with a FileExistsError); the old copy is deleted only once the new
+        one is complete, so a crash mid-save leaves one of them whole. A directory
+        meshfit did not write, or of saved weights or checkpoints, is refused.
+        """
         saving.save_model(self, path, overwrite=overwrite)
 
-    def save_weights(self, path: str | os.PathLike, overwrite: bool = False) -> None:
-        """Saves the weights (Orbax). Nothing already at `path` is overwritten unless `overwrite=True`."""
+    def save_weights(self, path: str | os.PathLike, overwrite: bool = True) -> None:
+        """Saves the weights (Orbax), replacing weights saved at `path` before, as `save` replaces a model."""
         saving.save_weights(self, path, overwrite=overwrite)
 
     def load_weights(self, path: str | os.PathLike) -> None:
@@ -838,6 +859,18 @@ def _as_list(value, name: str) -> list:
     if isinstance(value, dict):
         raise ValueError(f"`{name}` as a dict (per-output metrics) is not supported yet; pass a list.")
     return [value]
+
+
+def _type_description(value) -> str:
+    """A value's type, with the types inside a container (`list of float`), for error messages."""
+    name = type(value).__name__
+    if isinstance(value, dict) and value:
+        inner = sorted({type(v).__name__ for v in value.values()})
+        return f"{name} of {', '.join(inner)}"
+    if isinstance(value, (list, tuple)) and value:
+        inner = sorted({type(v).__name__ for v in value})
+        return f"{name} of {', '.join(inner)}"
+    return name
 
 
 def _needs_shapes(identifier) -> bool:

@@ -9,6 +9,7 @@ compiled step call passes, which costs host time on small models.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,20 @@ _FACTORIES: dict[str, tuple[Callable[..., optax.GradientTransformation], dict[st
     "lion": (optax.lion, dict(learning_rate=1e-3, b1=0.9, b2=0.99)),
     "lamb": (optax.lamb, dict(learning_rate=1e-3, b1=0.9, b2=0.999, eps=1e-6)),
 }
+
+
+#: The learning-rate schedule of each transform `get` built with one, keyed by its update function
+#: (a transform is a NamedTuple, which cannot be keyed weakly itself).
+_SCHEDULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class LearningRateIsSchedule(TypeError):
+    """The learning rate follows an optax schedule, so it cannot be set."""
+
+
+def schedule_of(transform) -> Callable | None:
+    """The learning-rate schedule `get` built `transform` with, or None."""
+    return _SCHEDULES.get(getattr(transform, "update", None))
 
 
 def names() -> list[str]:
@@ -86,7 +101,10 @@ def get(
         kwargs = {**defaults, **overrides}
         static = tuple(k for k in kwargs if k != "learning_rate" and not callable(kwargs[k]))
         tx = optax.inject_hyperparams(factory, static_args=static)(**kwargs)
-        return optax.chain(*clipping, tx) if clipping else tx
+        tx = optax.chain(*clipping, tx) if clipping else tx
+        if callable(kwargs["learning_rate"]):
+            _SCHEDULES[tx.update] = kwargs["learning_rate"]
+        return tx
     raise TypeError(
         "`optimizer` must be an optimizer name (one of "
         f"{names()}), an optax.GradientTransformation or an optax.MultiSteps. Received: {identifier!r} "
@@ -130,17 +148,25 @@ class Optimizer:
 
     Reads and writes the learning rate held in the optimizer state (see
     `optax.inject_hyperparams`); writing keeps the array's dtype and placement,
-    so the compiled step is reused.
+    so the compiled step is reused. A learning rate given as an optax schedule
+    (`get("adam", learning_rate=optax.cosine_decay_schedule(...))`) is read as
+    the schedule's value at the optimizer's step count (the rate the next step
+    uses, as Keras reads a `LearningRateSchedule`), and cannot be set.
+
+    Args:
+        transform: the optax transformation.
+        session: the model's `meshfit.session.Session` (holds the optimizer state).
+        schedule: the learning-rate schedule `transform` was built with (`schedule_of`), if any.
     """
 
-    def __init__(self, transform: optax.GradientTransformation, session):
+    def __init__(self, transform: optax.GradientTransformation, session, schedule: Callable | None = None):
         self.transform = transform
-        self._session = session  # the model's `meshfit.session.Session`: holds the optimizer state
+        self._session = session
+        self.schedule = schedule
 
-    def _lr_leaf(self):
-        opt_state = self._session.latest.opt_state
-        found = otu.tree_get(opt_state, "learning_rate", default=None)
-        if found is None:
+    def _lr_leaves(self) -> list[tuple[tuple, Any]]:
+        found = otu.tree_get_all_with_path(self._session.latest.opt_state, "learning_rate")
+        if not found:
             raise AttributeError(
                 "The optimizer has no learning rate held in its state, so it cannot be read "
                 "or changed while training. Build it with optax.inject_hyperparams, e.g. "
@@ -148,17 +174,47 @@ class Optimizer:
             )
         return found
 
+    @staticmethod
+    def _is_schedule_state(path) -> bool:
+        return any(getattr(key, "name", None) == "hyperparams_states" for key in path)
+
+    @property
+    def learning_rate_is_schedule(self) -> bool:
+        """Whether the learning rate follows a schedule (it can be read, not set)."""
+        return any(self._is_schedule_state(path) for path, _ in self._lr_leaves())
+
     @property
     def learning_rate(self) -> float:
-        """The current learning rate (reads one value from the device)."""
-        return float(self._session.strategy.to_host(self._lr_leaf()))
+        """The current learning rate (reads one value from the device).
+
+        For a schedule: its value at the optimizer's step count. For a schedule
+        in a transform `get` did not build (its function is unknown here), the
+        rate the last step used.
+        """
+        leaves = self._lr_leaves()
+        values = [leaf for path, leaf in leaves if not self._is_schedule_state(path)]
+        counts = [leaf.count for path, leaf in leaves if self._is_schedule_state(path) and hasattr(leaf, "count")]
+        if self.schedule is not None and counts:
+            return float(self.schedule(int(self._session.strategy.to_host(counts[0]))))
+        return float(self._session.strategy.to_host(values[0]))
 
     @learning_rate.setter
     def learning_rate(self, value) -> None:
-        old = self._lr_leaf()
+        if self.learning_rate_is_schedule:
+            raise self.schedule_error(f"set to {value!r}")
+        old = self._lr_leaves()[0][1]
         new = placement.put(np.asarray(value, dtype=old.dtype), old.sharding)
         state = self._session.latest
         self._session.state = state._replace(opt_state=otu.tree_set(state.opt_state, learning_rate=new))
+
+    @staticmethod
+    def schedule_error(what: str) -> LearningRateIsSchedule:
+        return LearningRateIsSchedule(
+            f"The learning rate follows an optax schedule, so it cannot be {what}: the schedule decides it at "
+            "every step. To set or reduce it from a callback (ReduceLROnPlateau, LearningRateScheduler) or "
+            "`model.optimizer.learning_rate = ...`, compile with a float learning rate, e.g. "
+            "meshfit.optimizers.get('adam', learning_rate=1e-3); or fold what the callback does into the schedule."
+        )
 
     @property
     def iterations(self) -> int:

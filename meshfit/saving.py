@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from meshfit.checkpoint import CheckpointDamaged, CheckpointDir, read_marker
+from meshfit.checkpoint import CheckpointDamaged, CheckpointDir, read_marker, readable_path
 
 FORMAT = 1
 _LABELS = {"model": "a saved model", "weights": "saved weights"}
@@ -66,13 +66,15 @@ def compile_record(model) -> dict | None:
     }
 
 
-def _open(path, kind: str) -> CheckpointDir:
-    return CheckpointDir(os.fspath(path), kind, max_to_keep=1, async_save=False)
+def model_meta(model) -> dict:
+    """The JSON record `load_model` reads beside a saved model's arrays."""
+    has_optimizer = model.session.latest.opt_state is not None
+    return {"format": FORMAT, "compile": compile_record(model), "has_optimizer": has_optimizer}
 
 
 def _open_for_reading(path, kinds: tuple[str, ...]) -> CheckpointDir:
     """Opens a saved model, weights or checkpoints without writing anything there (not even a marker)."""
-    path = os.fspath(path)
+    path = readable_path(os.fspath(path))  # also a copy a crash left mid-replacement
     if not os.path.isdir(path):
         raise FileNotFoundError(f"No meshfit checkpoint at {path!r}: no such directory.")
     marker = read_marker(path)
@@ -86,29 +88,44 @@ def _open_for_reading(path, kinds: tuple[str, ...]) -> CheckpointDir:
     return CheckpointDir(path, marker["kind"], read_only=True)
 
 
-def _write(path, kind: str, tree, meta: dict, overwrite: bool) -> None:
-    ckpt = _open(path, kind)
+def open_for_saving(path, kind: str, *, overwrite: bool, async_save: bool = False) -> tuple[CheckpointDir, int]:
+    """Opens `path` to save one model or set of weights into; returns the directory and the number to save as.
+
+    A directory meshfit wrote for the same `kind` is overwritten (unless
+    `overwrite=False`: a FileExistsError), crash-safely: the new checkpoint
+    gets the next number and the old one is deleted only once the new one is
+    complete (`max_to_keep=1`), so a crash mid-save leaves the old or the new
+    copy, whole. A directory of another kind, or holding files meshfit did not
+    write, is refused (`meshfit.checkpoint.check_directory`).
+    """
+    ckpt = CheckpointDir(os.fspath(path), kind, max_to_keep=1, async_save=async_save)
     try:
         steps = ckpt.steps()
         if steps and not overwrite:
             raise FileExistsError(
-                f"{ckpt.directory!r} already holds {_LABELS[kind]}. Pass overwrite=True to replace it."
+                f"{ckpt.directory!r} already holds {_LABELS[kind]}. Pass overwrite=True (the default) to replace it."
             )
-        # A new number: the old checkpoint is deleted only once this one is complete.
-        ckpt.save(max(steps) + 1 if steps else 0, tree, meta, wait=True)
+    except BaseException:
+        ckpt.close()
+        raise
+    return ckpt, max(steps) + 1 if steps else 0
+
+
+def _write(path, kind: str, tree, meta: dict, overwrite: bool) -> None:
+    ckpt, number = open_for_saving(path, kind, overwrite=overwrite)
+    try:
+        ckpt.save(number, tree, meta, wait=True)
     finally:
         ckpt.close()
 
 
-def save_model(model, path, overwrite: bool = False) -> None:
-    """Writes weights, optimizer state, step and compile settings to `path`."""
-    has_optimizer = model.session.latest.opt_state is not None
-    meta = {"format": FORMAT, "compile": compile_record(model), "has_optimizer": has_optimizer}
-    _write(path, "model", training_tree(model), meta, overwrite)
+def save_model(model, path, overwrite: bool = True) -> None:
+    """Writes weights, optimizer state, step and compile settings to `path` (see `open_for_saving`)."""
+    _write(path, "model", training_tree(model), model_meta(model), overwrite)
 
 
-def save_weights(model, path, overwrite: bool = False) -> None:
-    """Writes the weights (trainable and non-trainable) to `path`."""
+def save_weights(model, path, overwrite: bool = True) -> None:
+    """Writes the weights (trainable and non-trainable) to `path` (see `open_for_saving`)."""
     _write(path, "weights", {"weights": weights_tree(model)}, {"format": FORMAT}, overwrite)
 
 

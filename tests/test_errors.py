@@ -137,7 +137,41 @@ def test_non_flax_module():
         mf.Model({"w": 1})
 
 
-def test_growing_batch_in_a_generator(model):
+@pytest.mark.parametrize(
+    "labels, says",
+    [
+        (np.array(["cat", "dog"] * 8), r"`y` must hold numbers.*dtype <U3 \(strings\).*np.unique"),
+        (np.array([0, 1] * 8, dtype=object), r"`y` must hold numbers.*dtype object \(Python objects\)"),
+    ],
+)
+def test_string_or_object_labels(model, labels, says):
+    x, _ = classification_data(n=16)
+    before = snapshot(model)
+    for call in (model.fit, model.evaluate):
+        with pytest.raises(TypeError, match=says):
+            call(x, labels, verbose=0)
+    with pytest.raises(TypeError, match=says.replace("`y`", r"`y \(a batch the dataset yielded\)`")):
+        model.fit(iter([(x, labels)]), verbose=0)
+    assert_unchanged(model, before)
+    fresh = mf.Model(MLP())  # before anything is built: the model still builds from good data afterwards
+    fresh.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    with pytest.raises(TypeError, match=says):
+        fresh.fit(x, labels, verbose=0)
+    assert not fresh.session.built
+    fresh.fit(x, np.zeros(16, np.int32), verbose=0)
+
+
+def test_string_inputs_and_non_array_x_with_y(model):
     x, y = classification_data(n=16)
-    with pytest.raises(ValueError, match="A batch of 8 samples came after batches of at most 4"):
-        model.fit(iter([(x[:4], y[:4]), (x[:8], y[:8])]), verbose=0)
+    before = snapshot(model)
+    with pytest.raises(TypeError, match=r"`x` must hold numbers.*dtype <U1 \(strings\)"):
+        model.predict(np.full((16, 4), "a"), verbose=0)
+    with pytest.raises(TypeError, match=r"`sample_weight` must hold numbers"):
+        model.fit(x, y, sample_weight=np.array(["1"] * 16), verbose=0)
+    with pytest.raises(TypeError, match=r"`x` must be a numpy/JAX array.*Received: x of type list of list"):
+        model.fit(x.tolist(), y, verbose=0)
+    with pytest.raises(TypeError, match=r"Received: x of type dict of list"):
+        model.evaluate({"a": [1.0, 2.0]}, y, verbose=0)
+    with pytest.raises(TypeError, match=r"Received: x of type int"):
+        model.fit(5, y, verbose=0)
+    assert_unchanged(model, before)

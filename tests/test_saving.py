@@ -2,11 +2,15 @@
 
 import json
 import os
+import re
+import sys
+import time
 
 import jax
 import numpy as np
 import pytest
 from helpers import MLP, classification_data
+from processes import Job
 
 import meshfit as mf
 
@@ -65,7 +69,7 @@ def test_weights_round_trip_and_no_silent_overwrite(tmp_path):
     assert same_weights(model, other)
     before = os.listdir(tmp_path / "w")
     with pytest.raises(FileExistsError, match="already holds saved weights. Pass overwrite=True"):
-        other.save_weights(tmp_path / "w")
+        other.save_weights(tmp_path / "w", overwrite=False)
     assert os.listdir(tmp_path / "w") == before
     other.save_weights(tmp_path / "w", overwrite=True)
     assert sorted(p for p in os.listdir(tmp_path / "w") if p.isdigit()) == ["1"]  # the new one replaced the old
@@ -95,3 +99,49 @@ def test_load_model_with_a_custom_optimizer_needs_compile_arguments(tmp_path):
     assert not loaded.compiled and same_weights(model, loaded)
     loaded = mf.load_model(tmp_path / "m", MLP(seed=3), optimizer=optax.sgd(0.1))
     assert loaded.compiled
+
+
+def test_save_overwrites_by_default_and_overwrite_false_refuses(tmp_path):
+    model, _, _ = trained(mf.strategies.OneDeviceStrategy(), epochs=1)
+    model.save(tmp_path / "m")
+    first = model.get_weights()
+    model.set_weights([w + 1 for w in first])
+    model.save(tmp_path / "m")  # a re-run, as in Keras
+    assert sorted(p for p in os.listdir(tmp_path / "m") if p.isdigit()) == ["1"]
+    loaded = mf.load_model(tmp_path / "m", MLP(din=4, hidden=64, dout=3, seed=9))
+    assert same_weights(model, loaded)
+    before = sorted(os.listdir(tmp_path / "m"))
+    with pytest.raises(FileExistsError, match="already holds a saved model. Pass overwrite=True"):
+        model.save(tmp_path / "m", overwrite=False)
+    assert sorted(os.listdir(tmp_path / "m")) == before
+    model.save_weights(tmp_path / "w")
+    model.save_weights(tmp_path / "w")
+    with pytest.raises(FileExistsError, match="holds meshfit model checkpoints, not weights ones"):
+        model.save_weights(tmp_path / "m")  # another kind is still refused
+
+
+@pytest.mark.parametrize("kind", ["model", "weights"])
+def test_a_save_killed_while_overwriting_leaves_one_complete_copy(tmp_path, kind):
+    """SIGKILL lands inside an overwriting save (after the first saves): the old or the new copy loads whole."""
+    path = tmp_path / "saved"
+    worker = os.path.join(os.path.dirname(__file__), "workers", "save_repeatedly.py")
+    with Job([sys.executable, worker, str(path), kind], timeout=240) as job:
+        timings = [float(m.group(1)) for m in job.wait_for(r"saved \d+ in ([\d.]+)", count=3)]
+        target = 3 + int(job.wait_for(r"saved (\d+)", count=3)[-1].group(1))
+        job.wait_for(rf"saving {target}$")
+        time.sleep(min(timings) / 2)  # about half-way into save number `target`
+        job.kill()
+    started = [int(m.group(1)) for m in map(re.compile(r"saving (\d+)").match, job.out) if m]
+    done = [int(m.group(1)) for m in map(re.compile(r"saved (\d+)").match, job.out) if m]
+    loaded = mf.Model(MLP(din=4, hidden=256, dout=3, seed=7))
+    if kind == "model":
+        loaded = mf.load_model(path, MLP(din=4, hidden=256, dout=3, seed=7))
+    else:
+        loaded.load_weights(path)
+    assert started[-1] == done[-1] + 1  # killed inside a save
+    values = {float(np.unique(w).item()) for w in loaded.get_weights()}
+    assert len(values) == 1  # every array from one save: complete, not mixed
+    assert values.pop() in (done[-1], started[-1])
+    # The directory stays usable: a new save takes over the dead writer's lock and replaces it.
+    (loaded.save if kind == "model" else loaded.save_weights)(path)
+    assert len([p for p in os.listdir(path) if p.isdigit()]) == 1

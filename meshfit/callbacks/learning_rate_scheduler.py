@@ -27,6 +27,11 @@ class LearningRateScheduler(Callback):
         self.schedule = schedule
         self.verbose = verbose
 
+    def on_train_begin(self, logs=None):
+        optimizer = self.model.optimizer
+        if getattr(optimizer, "learning_rate_is_schedule", False):  # refused before any step
+            raise optimizer.schedule_error("set by LearningRateScheduler")
+
     def _update_optimizer_lr(self, optimizer, epoch):
         try:
             current = optimizer.learning_rate

@@ -3,27 +3,51 @@
 from __future__ import annotations
 
 import os
+import string
 
 from meshfit import saving
 from meshfit.callbacks.early_stopping import MonitorCallback
 from meshfit.callbacks.progbar_logger import print_msg
-from meshfit.checkpoint import CheckpointDir
+from meshfit.checkpoint import CheckpointDir, finish_replacement, replace_directory, staging_path
+
+
+def _has_fields(path: str) -> bool:
+    """Whether `path` has `str.format` fields such as `{epoch:02d}` or `{val_loss:.2f}`."""
+    try:
+        return any(field is not None for _, field, _, _ in string.Formatter().parse(path))
+    except ValueError:  # an unmatched brace: a literal name
+        return False
 
 
 class ModelCheckpoint(MonitorCallback):
     """Saves the model (or its weights) every epoch or every N batches.
 
-    Checkpoints go to numbered subdirectories of `directory` (an Orbax
-    `CheckpointManager`: the epoch number for `save_freq="epoch"`, the step
-    otherwise). Writing happens in a background thread, so training continues
-    while a checkpoint is written; the oldest are deleted beyond `max_to_keep`,
-    and only once a newer one is complete. Load one with
-    `model.load_weights(directory)` (the newest), onto any strategy. A
-    directory that already holds checkpoints of the same numbers (from an
-    earlier run) is not overwritten: the save raises FileExistsError.
+    Two forms of `directory`:
+
+    * a plain path: checkpoints go to numbered subdirectories of it (an Orbax
+      `CheckpointManager`: the epoch number, 1-based, for `save_freq="epoch"`,
+      the step otherwise), the oldest deleted beyond `max_to_keep`, and only
+      once a newer one is complete. Load the newest with
+      `model.load_weights(directory)`. A new run into a directory that holds an
+      earlier run's checkpoints replaces them, as Keras overwrites its file: the
+      new run writes its first checkpoint beside the directory
+      (`<directory>.meshfit-new`) and, once it is complete, takes the
+      directory's place, so a crash leaves the old or the new checkpoints whole.
+      A run resumed by `BackupAndRestore` continues its own checkpoints instead.
+    * a path with `str.format` fields, as Keras's `filepath`: `{epoch}` (1-based),
+      `{batch}` (1-based, for `save_freq=N`) and any log key, e.g.
+      `"ckpt/model-{epoch:02d}-{val_loss:.2f}"`. Each save writes one model
+      (`meshfit.load_model(path, module)` reads it) or, with
+      `save_weights_only`, one set of weights, into the formatted path,
+      replacing what an earlier save wrote there.
+
+    Writing happens in a background thread, so training continues while a
+    checkpoint is written. With `overwrite=False`, checkpoints already on disk
+    are never replaced (a FileExistsError). A directory holding files meshfit
+    did not write, or another kind of checkpoints, is always refused.
 
     Args:
-        directory: where to write; a directory holding anything else is refused.
+        directory: where to write (see above).
         monitor: the logged value that decides "best" for `save_best_only`.
         verbose: 1 prints a line when a checkpoint is written.
         save_best_only: save only when `monitor` improved on the best so far.
@@ -31,8 +55,9 @@ class ModelCheckpoint(MonitorCallback):
         mode: "auto", "min" or "max", as in Keras.
         save_freq: "epoch", or a number of batches between checkpoints.
         initial_value_threshold: a first "best" value to beat.
-        max_to_keep: newest checkpoints kept (None keeps all).
+        max_to_keep: newest checkpoints kept (None keeps all; a plain path only).
         async_save: write in the background (True) or block until written.
+        overwrite: replace checkpoints an earlier run (or save) wrote, as Keras does (True).
     """
 
     def __init__(
@@ -47,6 +72,7 @@ class ModelCheckpoint(MonitorCallback):
         initial_value_threshold=None,
         max_to_keep: int | None = None,
         async_save: bool = True,
+        overwrite: bool = True,
     ):
         super().__init__(monitor=monitor, mode=mode, baseline=initial_value_threshold)
         if save_freq != "epoch" and (not isinstance(save_freq, int) or save_freq < 1):
@@ -58,15 +84,20 @@ class ModelCheckpoint(MonitorCallback):
         self.save_freq = save_freq
         self.max_to_keep = max_to_keep
         self.async_save = async_save
+        self.overwrite = overwrite
+        self.formatted = _has_fields(self.directory)
         self._dir: CheckpointDir | None = None
+        self._earlier = False  # the directory held an earlier run's checkpoints when this run opened it
         self._epoch = 0
         self._last_step = 0
 
     def on_train_begin(self, logs=None):
-        if self._dir is None:
+        if self._dir is None and not self.formatted:
+            finish_replacement(self.directory, "checkpoint")  # a replacement a crash interrupted
             self._dir = CheckpointDir(
                 self.directory, "checkpoint", max_to_keep=self.max_to_keep, async_save=self.async_save
             )
+            self._earlier = bool(self._dir.steps())
         if self.monitor_op is None:
             self._set_monitor_op()
         self._last_step = self.model.session.step
@@ -78,14 +109,31 @@ class ModelCheckpoint(MonitorCallback):
         step = self.model.session.step
         if self.save_freq != "epoch" and step // self.save_freq > self._last_step // self.save_freq:
             self._last_step = step
-            self._maybe_save(step, logs)
+            self._maybe_save(step, logs, batch=batch)
 
     def on_epoch_end(self, epoch, logs=None):
         if self.save_freq == "epoch":
             self._maybe_save(epoch + 1, logs)
 
-    def _maybe_save(self, number: int, logs) -> None:
-        logs = logs or {}
+    def path_for(self, logs: dict, batch: int | None = None) -> str:
+        """Where the next save goes: `directory` formatted as Keras formats `filepath` (a formatted path),
+        or the numbered checkpoint in `directory`."""
+        if not self.formatted:
+            return os.path.join(os.path.abspath(self.directory), "<step>")
+        fields = {"epoch": self._epoch + 1, **logs}
+        if batch is not None and "batch" not in logs:
+            fields["batch"] = batch + 1
+        try:
+            return self.directory.format(**fields)
+        except (KeyError, IndexError) as error:
+            raise KeyError(
+                f'Failed to format this callback filepath: "{self.directory}". Reason: {error}. The fields it '
+                f"can use are epoch, batch (with save_freq=N) and the logs: {sorted(logs)}."
+            ) from None
+
+    def _maybe_save(self, number: int, logs, batch: int | None = None) -> None:
+        logs = {k: float(v) for k, v in (logs or {}).items()}
+        target = self.path_for(logs, batch) if self.formatted else os.path.join(self._dir.directory, str(number))
         if self.save_best_only:
             current = logs.get(self.monitor)
             if current is None:
@@ -100,11 +148,11 @@ class ModelCheckpoint(MonitorCallback):
                 previous = "inf" if self.best is None else f"{self.best:.5f}"
                 print_msg(
                     f"Epoch {self._epoch + 1}: {self.monitor} improved from {previous} to {current:.5f}, "
-                    f"saving to {os.path.join(self._dir.directory, str(number))}"
+                    f"saving to {target}"
                 )
             self.best = current
         elif self.verbose:
-            print_msg(f"Epoch {self._epoch + 1}: saving model to {os.path.join(self._dir.directory, str(number))}")
+            print_msg(f"Epoch {self._epoch + 1}: saving model to {target}")
         tree = (
             {"weights": saving.weights_tree(self.model)} if self.save_weights_only else saving.training_tree(self.model)
         )
@@ -112,10 +160,39 @@ class ModelCheckpoint(MonitorCallback):
             "epoch": self._epoch,
             "step": int(self.model.session.step),
             "weights_only": self.save_weights_only,
-            "logs": {k: float(v) for k, v in logs.items()},
+            "logs": logs,
         }
-        # A run resumed by BackupAndRestore may save a step it saved before (same values).
-        self._dir.save(number, tree, meta, if_exists="skip" if self.model.session.resumed else "error")
+        if self.formatted:
+            self._save_formatted(target, tree, meta)
+        elif self._earlier and self.overwrite and not self.model.session.resumed:
+            self._replace_earlier_run(number, tree, meta)
+        else:
+            # A run resumed by BackupAndRestore may save a step it saved before (same values).
+            self._dir.save(number, tree, meta, if_exists="skip" if self.model.session.resumed else "error")
+
+    def _save_formatted(self, path: str, tree, meta: dict) -> None:
+        """One model (or weights) in its own directory, as `model.save` writes it; written in the background."""
+        self.close()  # the previous save is complete first (it may be the same directory)
+        kind = "weights" if self.save_weights_only else "model"
+        meta = {**(saving.model_meta(self.model) if kind == "model" else {"format": saving.FORMAT}), **meta}
+        self._dir, number = saving.open_for_saving(path, kind, overwrite=self.overwrite, async_save=self.async_save)
+        self._dir.save(number, tree, meta)
+
+    def _replace_earlier_run(self, number: int, tree, meta: dict) -> None:
+        """This run's first checkpoint replaces an earlier run's: written beside, then swapped in whole."""
+        staged = staging_path(self._dir.directory)
+        self.close()  # the directory's lock file moves with it: released before the swap
+        finish_replacement(self.directory, "checkpoint")  # a stale staging copy goes
+        new = CheckpointDir(staged, "checkpoint", max_to_keep=self.max_to_keep, async_save=False)
+        try:
+            new.save(number, tree, meta, wait=True)
+        finally:
+            new.close()
+        replace_directory(staged, self.directory, "checkpoint")
+        self._dir = CheckpointDir(
+            self.directory, "checkpoint", max_to_keep=self.max_to_keep, async_save=self.async_save
+        )
+        self._earlier = False
 
     def state_dict(self):
         return {"best": None if self.best is None else float(self.best)}

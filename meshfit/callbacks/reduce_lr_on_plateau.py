@@ -76,6 +76,9 @@ class ReduceLROnPlateau(MonitorCallback):
         return False
 
     def on_train_begin(self, logs=None):
+        optimizer = self.model.optimizer
+        if getattr(optimizer, "learning_rate_is_schedule", False):  # refused before any step
+            raise optimizer.schedule_error("reduced by ReduceLROnPlateau")
         if self._take_loaded_state():
             return
         self._reset()

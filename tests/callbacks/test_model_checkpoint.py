@@ -73,9 +73,80 @@ def test_bad_arguments(tmp_path):
         fit_with(mf.callbacks.ModelCheckpoint(tmp_path / "x"), epochs=1)
 
 
-def test_a_second_run_into_the_same_directory_is_refused(tmp_path):
-    fit_with(mf.callbacks.ModelCheckpoint(tmp_path / "ck"), epochs=2)
+def test_a_second_run_overwrites_as_keras_does_and_overwrite_false_refuses(tmp_path):
+    fit_with(mf.callbacks.ModelCheckpoint(tmp_path / "ck"), epochs=4)
+    assert steps_in(tmp_path / "ck") == [1, 2, 3, 4]
+    model, _, snapshots = fit_with(mf.callbacks.ModelCheckpoint(tmp_path / "ck", monitor="loss"), epochs=2)
+    # The earlier run's checkpoints are replaced whole: none of its epochs 3 and 4 is left to pass for the newest.
+    assert steps_in(tmp_path / "ck") == [1, 2]
+    assert sorted(os.listdir(tmp_path)) == ["ck"]  # no staging or replaced copy left beside it
+    restored = mf.Model(MLP(seed=1))
+    restored.load_weights(tmp_path / "ck")
+    for a, b in zip(restored.get_weights(), snapshots[2][0], strict=True):
+        np.testing.assert_array_equal(a, b)
     before = steps_in(tmp_path / "ck")
     with pytest.raises(FileExistsError, match="already exists.*does not overwrite"):
-        fit_with(mf.callbacks.ModelCheckpoint(tmp_path / "ck"), epochs=2)
+        fit_with(mf.callbacks.ModelCheckpoint(tmp_path / "ck", overwrite=False), epochs=2)
     assert steps_in(tmp_path / "ck") == before
+
+
+def test_a_replacement_interrupted_by_a_crash_is_finished_or_undone(tmp_path):
+    """The states a crash can leave between the renames of a replacement: readers find a whole copy,
+    the next writer puts it back in place."""
+    fit_with(mf.callbacks.ModelCheckpoint(tmp_path / "ck"), epochs=2)
+    _, _, snapshots = fit_with(mf.callbacks.ModelCheckpoint(tmp_path / "new"), epochs=1)
+    # Crashed after `ck` was renamed aside, before the new copy took its place.
+    os.rename(tmp_path / "ck", tmp_path / "ck.meshfit-old")
+    os.rename(tmp_path / "new", tmp_path / "ck.meshfit-new")
+    restored = mf.Model(MLP(seed=1))
+    restored.load_weights(tmp_path / "ck")  # a reader finds the complete new copy and moves nothing
+    for a, b in zip(restored.get_weights(), snapshots[1][0], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert sorted(os.listdir(tmp_path)) == ["ck.meshfit-new", "ck.meshfit-old"]
+    mf.checkpoint.finish_replacement(str(tmp_path / "ck"), "checkpoint")
+    assert sorted(os.listdir(tmp_path)) == ["ck"] and steps_in(tmp_path / "ck") == [1]
+    # Crashed while staging (no complete new copy): the old one goes back.
+    os.rename(tmp_path / "ck", tmp_path / "ck.meshfit-old")
+    (tmp_path / "ck.meshfit-new").mkdir()
+    mf.checkpoint.write_marker(str(tmp_path / "ck.meshfit-new"), "checkpoint")
+    mf.checkpoint.finish_replacement(str(tmp_path / "ck"), "checkpoint")
+    assert sorted(os.listdir(tmp_path)) == ["ck"] and steps_in(tmp_path / "ck") == [1]
+    # A sibling meshfit did not write is never touched.
+    (tmp_path / "ck.meshfit-old").mkdir()
+    (tmp_path / "ck.meshfit-old" / "notes.txt").write_text("mine")
+    mf.checkpoint.finish_replacement(str(tmp_path / "ck"), "checkpoint")
+    assert (tmp_path / "ck.meshfit-old" / "notes.txt").read_text() == "mine"
+
+
+def test_formatted_paths_as_keras(tmp_path):
+    pattern = str(tmp_path / "model-{epoch:02d}")
+    model, _, snapshots = fit_with(mf.callbacks.ModelCheckpoint(pattern), epochs=3)
+    assert sorted(os.listdir(tmp_path)) == ["model-01", "model-02", "model-03"]  # 1-based, as Keras
+    # Each a saved model, optimizer state and step included.
+    loaded = mf.load_model(tmp_path / "model-02", MLP(seed=1), optimizer=mf.optimizers.get("adam", learning_rate=0.02))
+    for a, b in zip(loaded.get_weights(), snapshots[2][0], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert loaded.optimizer.iterations == 6  # 3 steps per epoch, 2 epochs
+    with pytest.raises(FileExistsError, match="holds meshfit model checkpoints, not weights ones"):
+        fit_with(mf.callbacks.ModelCheckpoint(pattern, save_weights_only=True), epochs=1)  # another kind
+
+
+def test_formatted_path_with_log_keys_and_save_best_only(tmp_path):
+    pattern = str(tmp_path / "w-{epoch}-{val_loss:.3f}")
+    cb = mf.callbacks.ModelCheckpoint(pattern, save_best_only=True, save_weights_only=True)
+    _, history, snapshots = fit_with(cb, epochs=6)
+    val = history.history["val_loss"]
+    improved = [i + 1 for i, v in enumerate(val) if v < min(val[:i], default=np.inf)]
+    assert sorted(os.listdir(tmp_path)) == sorted(f"w-{e}-{val[e - 1]:.3f}" for e in improved)
+    restored = mf.Model(MLP(seed=1))
+    restored.load_weights(tmp_path / f"w-{improved[-1]}-{val[improved[-1] - 1]:.3f}")
+    for a, b in zip(restored.get_weights(), snapshots[improved[-1]][0], strict=True):
+        np.testing.assert_array_equal(a, b)
+    # The same formatted path saved again (here: every epoch into "best") is replaced, as Keras overwrites.
+    _, _, snapshots = fit_with(mf.callbacks.ModelCheckpoint(str(tmp_path / "best{batch}"), save_freq=3), epochs=2)
+    assert "best3" in os.listdir(tmp_path)
+    restored.load_weights(tmp_path / "best3")  # the second epoch's save replaced the first's
+    for a, b in zip(restored.get_weights(), snapshots[2][0], strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(KeyError, match="Failed to format this callback filepath.*nope.*the logs"):
+        fit_with(mf.callbacks.ModelCheckpoint(str(tmp_path / "x-{nope}")), epochs=1)

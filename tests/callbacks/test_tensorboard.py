@@ -216,3 +216,15 @@ def test_profile_batch_writes_a_trace_of_those_batches(tmp_path):
 def test_bad_profile_batch_is_refused(bad, tmp_path):
     with pytest.raises(ValueError, match="`profile_batch` must be a non-negative int"):
         mf.callbacks.TensorBoard(tmp_path, profile_batch=bad)
+
+
+def test_the_learning_rate_of_an_optax_schedule_is_logged(tmp_path):
+    import optax
+
+    schedule = optax.linear_schedule(0.1, 0.0, transition_steps=12)
+    x, y = classification_data(n=64)
+    model = mf.Model(MLP())
+    model.compile(optimizer=mf.optimizers.get("sgd", learning_rate=schedule), loss="sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[TensorBoard(str(tmp_path))])
+    scalars, _ = read_events(os.path.join(tmp_path, "train"))
+    assert scalars["epoch_learning_rate"] == [(e, pytest.approx(float(schedule(4 * (e + 1))))) for e in range(3)]

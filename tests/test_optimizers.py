@@ -1,0 +1,71 @@
+"""`model.optimizer.learning_rate` with an optax schedule: read as the schedule's current value, never set."""
+
+import numpy as np
+import optax
+import pytest
+from helpers import MLP, classification_data
+
+import meshfit as mf
+
+SCHEDULE = optax.exponential_decay(0.05, transition_steps=3, decay_rate=0.5)
+
+
+def scheduled(**compile_kwargs):
+    model = mf.Model(MLP())
+    model.compile(
+        optimizer=compile_kwargs.pop("optimizer", mf.optimizers.get("adam", learning_rate=SCHEDULE)),
+        loss="sparse_categorical_crossentropy",
+        **compile_kwargs,
+    )
+    return model
+
+
+def test_a_schedules_learning_rate_is_its_value_at_the_step_count_after_fit():
+    x, y = classification_data(n=64)
+    model = scheduled()
+    assert model.optimizer.learning_rate == pytest.approx(float(SCHEDULE(0)))
+    seen = []
+    record = mf.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: seen.append(model.optimizer.learning_rate))
+    model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[record])
+    assert model.optimizer.iterations == 12
+    assert model.optimizer.learning_rate == pytest.approx(float(SCHEDULE(12)))
+    assert seen == pytest.approx([float(SCHEDULE(4)), float(SCHEDULE(8)), float(SCHEDULE(12))])
+    # The steps followed the schedule: the same as optax's adam with it.
+    reference = scheduled(optimizer=optax.adam(SCHEDULE, eps=1e-7))
+    reference.set_weights(scheduled().get_weights())
+    reference.fit(x, y, batch_size=16, epochs=3, verbose=0)
+    for a, b in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_with_clipping_and_gradient_accumulation_the_schedule_counts_updates():
+    x, y = classification_data(n=64)
+    model = scheduled(
+        optimizer=mf.optimizers.get("sgd", learning_rate=SCHEDULE, clipnorm=1.0), gradient_accumulation_steps=2
+    )
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)  # 8 batches, 4 updates
+    assert model.optimizer.learning_rate == pytest.approx(float(SCHEDULE(4)))
+
+
+def test_a_schedule_cannot_be_set_and_callbacks_that_set_it_are_refused_before_training():
+    x, y = classification_data(n=64)
+    model = scheduled()
+    with pytest.raises(mf.optimizers.LearningRateIsSchedule, match="optax schedule, so it cannot be set"):
+        model.optimizer.learning_rate = 0.1
+    before = model.get_weights()
+    for callback, what in [
+        (mf.callbacks.ReduceLROnPlateau(monitor="loss"), "reduced by ReduceLROnPlateau"),
+        (mf.callbacks.LearningRateScheduler(lambda epoch, lr: lr), "set by LearningRateScheduler"),
+    ]:
+        with pytest.raises(mf.optimizers.LearningRateIsSchedule, match=f"cannot be {what}.*float learning rate"):
+            model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[callback])
+        assert model.optimizer.iterations == 0
+        for a, b in zip(model.get_weights(), before, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_a_float_learning_rate_is_still_set_and_read():
+    model = scheduled(optimizer=mf.optimizers.get("adam", learning_rate=0.01))
+    assert not model.optimizer.learning_rate_is_schedule
+    model.optimizer.learning_rate = 0.25
+    assert model.optimizer.learning_rate == 0.25
