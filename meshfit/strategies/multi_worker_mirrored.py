@@ -32,8 +32,10 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         initialization_timeout: seconds to wait for all processes to join
             (default: `MESHFIT_INIT_TIMEOUT`, else 300); past it, a
             `meshfit.rendezvous.JoinTimeoutError` says how many came.
-        reduction, gradient_compression: as for `MirroredStrategy`; across
-            hosts the all-reduce crosses the network, where compression pays most.
+        reduction: as for `MirroredStrategy`: "auto" (XLA's all-reduce) or
+            "explicit" (meshfit's psum under shard_map).
+        gradient_compression: as for `MirroredStrategy`: None, "bf16" or "fp16";
+            across hosts the all-reduce crosses the network, where it pays most.
     """
 
     def __init__(
