@@ -30,7 +30,7 @@ The model is built from a factory (`mf.Model(lambda: TransformerLM(...))`):
 its parameters are created straight into their sharded layout, so a model
 larger than one device can be built at all (`--eager` creates it whole first).
 `--report-only` prints what one step needs per device (`model.step_report`)
-without training: the last command shows a 153 M-parameter model, 1.8 GB with
+without training: the last command shows a 152 M-parameter model, 1.8 GB with
 Adam's moments, of which each of the 8 devices holds an eighth.
 
 On CPU, when XLA_FLAGS is not set, the script sets
