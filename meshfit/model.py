@@ -907,8 +907,8 @@ def _unpack_validation(validation_data):
 
 def _rows(x, what: str) -> int:
     """The rows of one batch of array input `x` (a `*_on_batch` call takes exactly one batch)."""
-    leaves = jax.tree.leaves(x)
-    if not leaves or not all(data_lib.is_array_like(leaf) or isinstance(leaf, (list, tuple)) for leaf in leaves):
+    leaves = jax.tree.leaves(x) if data_lib.is_array_tree(x) else []
+    if not leaves:
         raise TypeError(
             f"`{what}()` takes one batch of arrays (a numpy/JAX array, or a dict/tuple/list of them). "
             f"Received: x of type {type(x).__name__}."
