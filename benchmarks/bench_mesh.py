@@ -125,12 +125,7 @@ def memory_table(x, y, batch):
         model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
         state = model.session.state
         total = sum(a.nbytes for a in jax.tree.leaves(state))
-        ideal = sum(  # the state's shards on device 0, as the layout splits it
-            shard.data.nbytes
-            for a in jax.tree.leaves(state)
-            for shard in a.addressable_shards
-            if shard.device == jax.devices()[0]
-        )
+        ideal = bytes_per_device(state)  # the state's shards on one device, as the layout splits it
         live = live_bytes().total - baseline
         peak = model.step_report().memory["peak"]
         print(

@@ -78,6 +78,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import meshfit as mf  # noqa: E402
+from meshfit.summary import bytes_per_device  # noqa: E402
 
 BATCH = ("data", "fsdp")  # mesh axes the batch dimension is split over
 VOCAB = 256  # bytes
@@ -286,12 +287,7 @@ def sample(module: TransformerLM, prompt: str, length: int, temperature: float =
 def print_memory(model, report, without_remat=None) -> None:
     """The state's total bytes against one device's share, and what a step needs per device."""
     state_bytes = sum(a.nbytes for a in jax.tree.leaves(model.session.state))
-    per_device = sum(
-        shard.data.nbytes
-        for a in jax.tree.leaves(model.session.state)
-        for shard in a.addressable_shards
-        if shard.device == jax.devices()[0]
-    )
+    per_device = sum(bytes_per_device(a) for a in jax.tree.leaves(model.session.state))
     mem = report.memory
     print(
         f"state (parameters + Adam): {state_bytes / 2**20:,.1f} MiB in all, {per_device / 2**20:,.1f} MiB on device 0 "

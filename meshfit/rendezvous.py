@@ -259,13 +259,19 @@ class _Chief:
         self.conns.append(conn)
         self.selector.register(sock, selectors.EVENT_READ, conn)
 
-    def _read(self, conn: _Conn) -> None:
+    def _receive(self, conn: _Conn) -> bytes:
+        """What `conn` sent; b"" once it ended or failed, and then it is closed."""
         try:
             data = conn.sock.recv(4096)
         except OSError:
             data = b""
         if not data:
             self._close(conn)
+        return data
+
+    def _read(self, conn: _Conn) -> None:
+        data = self._receive(conn)
+        if not data:
             if conn.process_id is not None:
                 del self.joined[conn.process_id]
                 self._broadcast({"joined": len(self.joined), "missing": self._missing()})
@@ -348,15 +354,7 @@ class _Chief:
         while any(c.process_id is not None for c in self.conns) and time.monotonic() < end:
             for key, _ in self.selector.select(max(0.0, end - time.monotonic())):
                 if key.data is not None:
-                    self._read_goodbye(key.data)
-
-    def _read_goodbye(self, conn: _Conn) -> None:
-        try:
-            data = conn.sock.recv(4096)
-        except OSError:
-            data = b""
-        if not data:
-            self._close(conn)
+                    self._receive(key.data)  # a goodbye: the process closed its end
 
 
 # -- every other process -----------------------------------------------------------------------------
