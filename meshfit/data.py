@@ -134,6 +134,16 @@ def _pad_rows(tree, padded_rows: int):
     return jax.tree.map(pad, tree)
 
 
+def as_weights(sample_weight):
+    """Sample weights as float32 numpy: one array (a list of numbers too), or a dict/list of arrays per output."""
+    per_output = isinstance(sample_weight, dict) or (
+        isinstance(sample_weight, (list, tuple)) and any(is_array_like(w) for w in sample_weight)
+    )
+    if per_output:
+        return jax.tree.map(lambda w: np.asarray(w, np.float32), sample_weight)
+    return np.asarray(sample_weight, np.float32)
+
+
 def make_batch(x, y, sample_weight, padded_rows: int) -> Batch:
     """Builds a padded `Batch` from the real rows of one batch."""
     n = _num_rows(x, "x")
@@ -141,7 +151,7 @@ def make_batch(x, y, sample_weight, padded_rows: int) -> Batch:
     return Batch(
         _pad_rows(x, padded_rows),
         _pad_rows(y, padded_rows),
-        None if sample_weight is None else _pad_rows(np.asarray(sample_weight, np.float32), padded_rows),
+        None if sample_weight is None else _pad_rows(as_weights(sample_weight), padded_rows),
         mask,
     )
 
@@ -249,8 +259,8 @@ class ArrayData(DataSource):
         check_numeric(self.x, "x")
         check_numeric(self.y, "y")
         if sample_weight is not None:
-            check_numeric(np.asarray(sample_weight), "sample_weight")
-        self.sample_weight = None if sample_weight is None else np.asarray(sample_weight, np.float32)
+            check_numeric(_to_numpy(sample_weight), "sample_weight")
+        self.sample_weight = None if sample_weight is None else as_weights(sample_weight)
         self.num_samples = _num_rows(self.x, "x")
         if self.y is not None:
             ny = _num_rows(self.y, "y")
@@ -259,11 +269,13 @@ class ArrayData(DataSource):
                     "`x` and `y` must have the same number of samples. "
                     f"Received: x has {self.num_samples} samples, y has {ny}."
                 )
-        if self.sample_weight is not None and self.sample_weight.shape[:1] != (self.num_samples,):
-            raise ValueError(
-                f"`sample_weight` must have shape ({self.num_samples},) to match x. "
-                f"Received shape {self.sample_weight.shape}."
-            )
+        for weights in jax.tree.leaves(self.sample_weight):
+            if weights.shape[:1] != (self.num_samples,):
+                raise ValueError(
+                    f"`sample_weight` must have shape ({self.num_samples},) to match x "
+                    "(or be a dict/list of such arrays, one per output). "
+                    f"Received shape {weights.shape}."
+                )
         if self.num_samples == 0:
             raise ValueError("The input data is empty: x has 0 samples. Pass at least one sample.")
         self.batch_size = batch_size

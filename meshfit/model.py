@@ -24,6 +24,7 @@ from meshfit import data as data_lib
 from meshfit import losses as losses_lib
 from meshfit import metrics as metrics_lib
 from meshfit import optimizers as optimizers_lib
+from meshfit import outputs as outputs_lib
 from meshfit.loop import evaluate_loop, fit_loop, host_logs, predict_loop
 from meshfit.modules import adapt
 from meshfit.preemption import PreemptionWatch
@@ -45,10 +46,13 @@ class CompileSettings:
     Attributes:
         tx: the optax transformation.
         optimizer_id: the optimizer as passed (a name is saved with the model).
-        loss: the resolved loss (None: `predict` only).
+        loss: the loss as passed (one for every output, or a dict/list per
+            output), checked; resolved per output on the first batch (None:
+            `predict` only).
         loss_id: the loss as passed.
-        metrics: metric identifiers, resolved on the first batch (their shapes decide "accuracy").
-        weighted: identifiers of the metrics that use `sample_weight`.
+        metrics: metric identifiers (a list, or a dict/list per output),
+            resolved on the first batch (their shapes decide "accuracy").
+        weighted: identifiers of the metrics that use `sample_weight`, likewise.
         steps_per_execution: batches run inside one compiled call.
         dtype_policy: the `meshfit.precision.DTypePolicy` the steps compute under.
         gradient_accumulation_steps: batches whose mean gradient makes one update (1: every batch).
@@ -63,6 +67,7 @@ class CompileSettings:
     steps_per_execution: int
     dtype_policy: precision.DTypePolicy = precision.get("float32")
     gradient_accumulation_steps: int = 1
+    loss_weights: Any = None
 
 
 class Model:
@@ -197,9 +202,10 @@ class Model:
     def compile(
         self,
         optimizer: str | optax.GradientTransformation = "rmsprop",
-        loss: str | losses_lib.Loss | Callable | None = None,
-        metrics: Sequence[str | metrics_lib.Metric | Callable] | None = None,
-        weighted_metrics: Sequence[str | metrics_lib.Metric | Callable] | None = None,
+        loss: Any = None,
+        loss_weights: Any = None,
+        metrics: Any = None,
+        weighted_metrics: Any = None,
         steps_per_execution: int = 1,
         dtype_policy: str | precision.DTypePolicy | None = None,
         gradient_accumulation_steps: int | None = None,
@@ -210,9 +216,19 @@ class Model:
             optimizer: an optimizer name ("adam", "sgd", ...; see
                 `meshfit.optimizers.names()`) or an `optax.GradientTransformation`.
             loss: a loss name, a `meshfit.losses.Loss`, or a callable
-                `(y_true, y_pred) -> per-sample losses`.
-            metrics: list of metric names, `meshfit.metrics.Metric` objects or callables.
-            weighted_metrics: metrics that also use `sample_weight`.
+                `(y_true, y_pred) -> per-sample losses`. For a model with
+                several outputs (a dict, list or tuple of arrays), one loss for
+                every output, or a dict keyed by output name (a list in output
+                order) of them; outputs left out have no loss. See
+                `meshfit.outputs` for output names.
+            loss_weights: a float (one output), or a dict/list per output of
+                floats: the loss is the sum of each output's loss times its
+                weight (unweighted: 1).
+            metrics: a list of metric names, `meshfit.metrics.Metric` objects
+                or callables. With several outputs, a dict keyed by output name
+                (or a list in output order) of such lists; they are logged as
+                `<output>_<metric>`.
+            weighted_metrics: metrics that also use `sample_weight`, given like `metrics`.
             steps_per_execution: number of batches run inside one compiled call
                 (a `lax.scan`); batch callbacks are called once per call.
             dtype_policy: Keras's policy names: "float32" (default),
@@ -247,12 +263,13 @@ class Model:
         schedule = optimizers_lib.schedule_of(tx)
         if accumulate > 1:
             tx = optax.MultiSteps(tx, every_k_schedule=accumulate).gradient_transformation()
-        loss_obj = losses_lib.get(loss) if loss is not None else None
-        metric_ids = _as_list(metrics, "metrics")
-        weighted_ids = _as_list(weighted_metrics, "weighted_metrics")
-        for identifier in metric_ids + weighted_ids:  # unknown names fail now, not at fit
-            if not _needs_shapes(identifier):
-                metrics_lib.get(identifier, loss=loss)
+        loss_obj = _check_each(loss, "loss", losses_lib.get)
+        _check_loss_weights(loss_weights)
+        metric_ids = _as_metrics(metrics, "metrics")
+        weighted_ids = _as_metrics(weighted_metrics, "weighted_metrics")
+        # Unknown names fail now, not at fit ("accuracy" is resolved from the first batch's shapes).
+        _check_each(metric_ids, "metrics", lambda i: _needs_shapes(i) or metrics_lib.get(i))
+        _check_each(weighted_ids, "weighted_metrics", lambda i: _needs_shapes(i) or metrics_lib.get(i))
         if not isinstance(steps_per_execution, int) or steps_per_execution < 1:
             raise ValueError(f"`steps_per_execution` must be a positive int. Received: {steps_per_execution!r}.")
         state = self.session.latest
@@ -275,11 +292,12 @@ class Model:
             optimizer_id=optimizer,
             loss=loss_obj,
             loss_id=loss,
-            metrics=tuple(metric_ids),
-            weighted=tuple(weighted_ids),
+            metrics=metric_ids,
+            weighted=weighted_ids,
             steps_per_execution=steps_per_execution,
             dtype_policy=policy,
             gradient_accumulation_steps=accumulate,
+            loss_weights=loss_weights,
         )
         self.optimizer = optimizers_lib.Optimizer(tx, self.session, schedule)
 
@@ -339,17 +357,20 @@ class Model:
         self._check_input(batch)
         if self.session.built:
             return
-        self._example_batch = batch  # the shape `step_report` compiles for
         y_pred = self._output_spec(batch)
         y_true = None if batch.y is None else jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch.y)
         c = self._compiled
-
-        def resolve(ids):
-            return [metrics_lib.get(i, y_true=y_true, y_pred=y_pred, loss=c.loss_id) for i in ids]
-
+        outputs = outputs_lib.outputs_of(y_pred)
+        loss_terms = outputs_lib.resolve_losses(c.loss, c.loss_weights, outputs)
+        metric_terms = outputs_lib.resolve_metrics(c.metrics, c.weighted, outputs, y_true, y_pred, c.loss_id)
+        if y_true is not None:
+            outputs_lib.check_targets(y_true, loss_terms + metric_terms, outputs)
+            if batch.sample_weight is not None and outputs_lib.is_structure(batch.sample_weight):
+                outputs_lib.check_targets(batch.sample_weight, loss_terms, outputs, "sample_weight")
         policy = c.dtype_policy
         adapter = self._adapter if policy.name == "float32" else self._adapter.with_compute_dtype(policy.compute_dtype)
-        steps = StepFunctions(adapter, c.loss, c.tx, resolve(c.metrics), resolve(c.weighted), policy)
+        steps = StepFunctions(adapter, loss_terms, c.tx, metric_terms, policy)
+        self._example_batch = batch  # the shape `step_report` compiles for
         self.session.build(steps, c.steps_per_execution)
 
     @property
@@ -361,7 +382,7 @@ class Model:
     def metrics(self) -> list:
         """The compiled metric objects (after the first fit/evaluate)."""
         steps = self.session.steps
-        return steps.metrics + steps.weighted_metrics if steps is not None else []
+        return steps.metrics if steps is not None else []
 
     # -- data --------------------------------------------------------------------------------
 
@@ -851,14 +872,40 @@ def _describe(spec) -> str:
     )
 
 
-def _as_list(value, name: str) -> list:
+def _as_metrics(value, name: str):
+    """Metrics as given: a list (a lone metric becomes one), or a dict/list per output."""
     if value is None:
         return []
+    if isinstance(value, dict):
+        return dict(value)
     if isinstance(value, (list, tuple)):
         return list(value)
-    if isinstance(value, dict):
-        raise ValueError(f"`{name}` as a dict (per-output metrics) is not supported yet; pass a list.")
     return [value]
+
+
+def _check_each(value, name: str, check: Callable):
+    """`check` applied to each identifier of a `compile` argument given once or per output (dict/list);
+    returns the same structure of results (None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        return {key: _check_each(v, name, check) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_check_each(v, name, check) for v in value]
+    return check(value)
+
+
+def _check_loss_weights(loss_weights) -> None:
+    bad = [
+        w
+        for w in jax.tree.leaves(loss_weights)
+        if isinstance(w, bool) or not isinstance(w, (int, float, np.integer, np.floating))
+    ]
+    if bad:
+        raise TypeError(
+            "`loss_weights` must be a number, or a dict/list of numbers per output. "
+            f"Received: loss_weights={loss_weights!r} (not numbers: {bad})."
+        )
 
 
 def _type_description(value) -> str:

@@ -72,6 +72,30 @@ def _groups(trainable) -> tuple:
     return (nnx.All(nnx.Param, trainable), nnx.RngState, ...)
 
 
+def call_arguments(module, x) -> tuple[tuple, dict]:
+    """How a batch's inputs are passed to `module(...)`, as Keras passes them.
+
+    A list or tuple of arrays: as positional arguments. A dict whose keys all
+    name parameters of the module's `__call__`: as keyword arguments. Anything
+    else, another dict included: as one argument.
+    """
+    if isinstance(x, (list, tuple)):
+        return tuple(x), {}
+    if isinstance(x, dict) and x and _takes_keywords(type(module), tuple(x)):
+        return (), dict(x)
+    return (x,), {}
+
+
+def _takes_keywords(module_type: type, keys: tuple) -> bool:
+    parameters = inspect.signature(module_type.__call__).parameters
+    named = {
+        name
+        for name, p in parameters.items()
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+    return all(isinstance(key, str) and key in named for key in keys)
+
+
 class NNXAdapter(ModuleAdapter):
     """Wraps an `nnx.Module`; train/eval modes via `nnx.view` (Dropout, BatchNorm flags).
 
@@ -127,7 +151,8 @@ class NNXAdapter(ModuleAdapter):
         del rng  # NNX modules carry their own RNG streams in model_state["rngs"].
         graphdef = self._train_graphdef if training else self._eval_graphdef
         module = nnx.merge(graphdef, params, model_state["rngs"], model_state["weights"])
-        y_pred = module(*x) if isinstance(x, tuple) else module(x)
+        args, kwargs = call_arguments(self.module, x)
+        y_pred = module(*args, **kwargs)
         if not training:
             return y_pred, model_state
         _, _, rngs, weights = nnx.split(module, *self._groups)
@@ -195,14 +220,15 @@ class LinenAdapter(ModuleAdapter):
         return {self._flag: on if training else not on}
 
     def _call(self, variables, x, **kwargs):
-        args = x if isinstance(x, tuple) else (x,)
-        return self.module.apply(variables, *args, **kwargs)
+        args, by_name = call_arguments(self.module, x)
+        return self.module.apply(variables, *args, **by_name, **kwargs)
 
     def _variables(self):
         """The module's variables from `init`, boxed with their sharding metadata."""
         param_key, dropout_key = jax.random.split(jax.random.key(self.seed))
-        args = self.sample_input if isinstance(self.sample_input, tuple) else (self.sample_input,)
-        return self.module.init({"params": param_key, "dropout": dropout_key}, *args, **self._mode_kwargs(False))
+        args, kwargs = call_arguments(self.module, self.sample_input)
+        rngs = {"params": param_key, "dropout": dropout_key}
+        return self.module.init(rngs, *args, **kwargs, **self._mode_kwargs(False))
 
     def _split(self):
         variables = dict(meta.unbox(self._variables()))

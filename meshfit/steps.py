@@ -8,6 +8,7 @@ pytrees and a strategy compiles it. `steps_per_execution=K` wraps a step in a
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -19,9 +20,8 @@ from meshfit import losses as losses_lib
 from meshfit import precision
 from meshfit.data import Batch
 from meshfit.modules import ModuleAdapter
+from meshfit.outputs import LOSS_KEY, LossTerm, MetricTerm
 from meshfit.state import TrainState
-
-LOSS_KEY = "loss"
 
 
 class Replicas(Protocol):
@@ -62,28 +62,29 @@ class StepFunctions:
 
     Args:
         adapter: the module adapter (forward pass on pure pytrees).
-        loss: a `meshfit.losses.Loss`.
+        losses: the `meshfit.outputs.LossTerm`s: each output's loss and its
+            weight; the training objective is their weighted sum (none:
+            `predict` only).
         tx: the optax optimizer.
-        metrics: metrics updated with the padding mask as sample weight.
-        weighted_metrics: metrics updated with `mask * sample_weight`.
+        metrics: the `meshfit.outputs.MetricTerm`s, updated with the padding
+            mask as sample weight (times the output's `sample_weight` for the
+            weighted ones).
         policy: the `meshfit.precision.DTypePolicy` the forward and backward passes run under.
     """
 
     def __init__(
         self,
         adapter: ModuleAdapter,
-        loss,
+        losses: Sequence[LossTerm],
         tx: optax.GradientTransformation,
-        metrics: Sequence = (),
-        weighted_metrics: Sequence = (),
+        metrics: Sequence[MetricTerm] = (),
         policy: precision.DTypePolicy | None = None,
     ):
         self.adapter = adapter
         self.policy = policy or precision.get("float32")
-        self.loss = loss
+        self.losses = list(losses)
         self.tx = tx
-        self.metrics = list(metrics)
-        self.weighted_metrics = list(weighted_metrics)
+        self.metric_terms = list(metrics)
         self.replica_gradients: Callable | None = None
 
     def with_replica_gradients(self, fn: Callable) -> StepFunctions:
@@ -98,46 +99,65 @@ class StepFunctions:
         return steps
 
     @property
+    def metrics(self) -> list:
+        """The metric objects, in log order."""
+        return [term.metric for term in self.metric_terms]
+
+    @property
+    def _logs_each_loss(self) -> bool:
+        return len(self.losses) > 1
+
+    @property
     def metric_names(self) -> list[str]:
-        return [LOSS_KEY] + [m.name for m in self.metrics + self.weighted_metrics]
+        """The keys of the logs: "loss", each output's "<output>_loss" (several losses), the metrics."""
+        each = [f"{term.output.name}_loss" for term in self.losses] if self._logs_each_loss else []
+        return [LOSS_KEY, *each] + [term.log_name for term in self.metric_terms]
 
     # -- metric accumulators -----------------------------------------------------
 
     def init_metrics(self):
-        loss_state = jnp.zeros((2,), jnp.float32)  # (weighted sum, count): one buffer, fewer step arguments
-        return (loss_state,) + tuple(m.init() for m in self.metrics + self.weighted_metrics)
+        # (weighted sum, count) of the loss, then of each output's loss: one buffer, fewer step arguments.
+        losses = 1 + (len(self.losses) if self._logs_each_loss else 0)
+        return (jnp.zeros((2 * losses,), jnp.float32),) + tuple(term.metric.init() for term in self.metric_terms)
 
-    def _update_metrics(self, states, loss_value, batch: Batch, y_pred):
+    def _update_metrics(self, states, losses, batch: Batch, y_pred):
+        """Adds one batch to the accumulators; `losses` is `(loss, [each output's loss])`."""
+        loss, each = losses
         mask = batch.mask
         n_real = jnp.sum(mask)
-        loss_state = states[0] + jnp.stack([loss_value.astype(jnp.float32) * n_real, n_real])
-        weighted = mask if batch.sample_weight is None else mask * _per_sample(batch.sample_weight)
-        new = [loss_state]
-        for metric, state in zip(self.metrics, states[1:], strict=True):
-            new.append(metric.update(state, batch.y, y_pred, mask))
-        for metric, state in zip(self.weighted_metrics, states[1 + len(self.metrics) :], strict=True):
-            new.append(metric.update(state, batch.y, y_pred, weighted))
+        values = [loss] + (list(each) if self._logs_each_loss else [])
+        sums = [part for value in values for part in (value.astype(jnp.float32) * n_real, n_real)]
+        new = [states[0] + jnp.stack(sums)]
+        for term, state in zip(self.metric_terms, states[1:], strict=True):
+            weight = mask
+            if term.weighted:
+                sample_weight = _output_weight(batch.sample_weight, term.output)
+                weight = mask if sample_weight is None else mask * _per_sample(sample_weight)
+            new.append(term.metric.update(state, term.output.of(batch.y), term.output.of(y_pred), weight))
         return tuple(new)
 
     def logs(self, states) -> dict[str, jax.Array]:
-        """Current value of the loss and each metric (device scalars)."""
-        total, count = states[0][0], states[0][1]
-        values = {LOSS_KEY: total / jnp.maximum(count, 1.0)}
-        for metric, state in zip(self.metrics + self.weighted_metrics, states[1:], strict=True):
-            values[metric.name] = metric.compute(state)
+        """Current value of the loss, each output's loss and each metric (device scalars)."""
+        sums = states[0].reshape(-1, 2)
+        means = sums[:, 0] / jnp.maximum(sums[:, 1], 1.0)
+        loss_names = self.metric_names[: sums.shape[0]]
+        values = {name: means[i] for i, name in enumerate(loss_names)}
+        for term, state in zip(self.metric_terms, states[1:], strict=True):
+            values[term.log_name] = term.metric.compute(state)
         return values
 
     # -- steps ---------------------------------------------------------------------
 
     def _forward(self, params, model_state, batch: Batch, rng, training: bool):
-        """Per-sample loss values, predictions (float32 at least) and the updated module state.
+        """Each loss's per-sample values, the predictions (float32 at least) and the updated module state.
 
         Under a policy other than float32 the parameters and floating inputs
         are cast to the compute dtype, the outputs back to float32, and the
         module state keeps the dtypes it had.
         """
         y_pred, new_model_state = self._apply(params, model_state, batch.x, rng, training)
-        return self.loss.call(batch.y, y_pred), y_pred, new_model_state
+        values = [term.loss.call(term.output.of(batch.y), term.output.of(y_pred)) for term in self.losses]
+        return values, y_pred, new_model_state
 
     def _apply(self, params, model_state, x, rng, training: bool):
         """The module's outputs under the dtype policy (float32 out) and its updated state."""
@@ -149,51 +169,90 @@ class StepFunctions:
             new_model_state = jax.tree.map(_keep_floating_dtype, new_model_state, model_state)
         return y_pred, new_model_state
 
-    def compute_loss(self, params, model_state, batch: Batch, rng, training: bool):
-        values, y_pred, new_model_state = self._forward(params, model_state, batch, rng, training)
-        loss = losses_lib.reduce_values(
-            values, sample_weight=batch.sample_weight, mask=batch.mask, reduction=self.loss.reduction
-        )
-        return loss, (y_pred, new_model_state)
+    def _parts(self, values, batch: Batch):
+        """`(total, divisor)` of each loss: its value is `total / divisor`."""
+        return [
+            losses_lib.reduce_parts(
+                value,
+                sample_weight=_output_weight(batch.sample_weight, term.output),
+                mask=batch.mask,
+                reduction=term.loss.reduction,
+            )
+            for term, value in zip(self.losses, values, strict=True)
+        ]
 
-    def _loss_parts(self, params, model_state, batch: Batch, rng, loss_scale):
-        """The training objective `total * loss_scale`, with `(total, divisor, y_pred, module state)`:
-        loss = total / divisor."""
+    def _weighted_sum(self, each):
+        """The loss: each output's loss times its weight, summed (Keras's total)."""
+        weighted = [
+            value if term.weight is None else value * term.weight for term, value in zip(self.losses, each, strict=True)
+        ]
+        return functools.reduce(jnp.add, weighted)
+
+    def compute_loss(self, params, model_state, batch: Batch, rng, training: bool):
+        """`(loss, each output's loss)` and `(predictions, module state)`."""
+        values, y_pred, new_model_state = self._forward(params, model_state, batch, rng, training)
+        each = [losses_lib.divide_no_nan(total, divisor) for total, divisor in self._parts(values, batch)]
+        return (self._weighted_sum(each), each), (y_pred, new_model_state)
+
+    def _loss_parts(self, params, model_state, batch: Batch, rng, loss_scale, replicas: Replicas):
+        """The training objective (times `loss_scale`) and `(totals, divisors, y_pred, module state)`.
+
+        One loss: its (weighted) total; `gradients` divides by the divisor (the
+        real rows) afterwards, so the divisor, summed over replicas, needs no
+        collective of its own before the backward pass. Several losses each
+        have their own divisor: these are summed over the replicas first
+        (scalars that depend on no parameter), and each total is divided by
+        its own before the weighted sum.
+        """
         values, y_pred, new_model_state = self._forward(params, model_state, batch, rng, True)
-        total, divisor = losses_lib.reduce_parts(
-            values, sample_weight=batch.sample_weight, mask=batch.mask, reduction=self.loss.reduction
-        )
-        objective = total if loss_scale is None else total * loss_scale
-        return objective, (total, divisor, y_pred, new_model_state)
+        totals, divisors = (list(parts) for parts in zip(*self._parts(values, batch), strict=True))
+        if len(self.losses) == 1:
+            objective = self._weighted_sum(totals)
+        else:
+            divisors = [
+                d if term.loss.reduction == "sum" else jax.lax.stop_gradient(replicas.sum(d))
+                for term, d in zip(self.losses, divisors, strict=True)
+            ]
+            objective = self._weighted_sum(
+                [losses_lib.divide_no_nan(t, d) for t, d in zip(totals, divisors, strict=True)]
+            )
+        if loss_scale is not None:
+            objective = objective * loss_scale
+        return objective, (totals, divisors, y_pred, new_model_state)
 
     def gradients(self, params, model_state, batch: Batch, rng, loss_scale=None, replicas: Replicas = ONE_REPLICA):
         """A worker's part of a step: gradients, the updated module state, metric increments.
 
-        The gradient of the loss's total is divided by the loss's divisor (the
-        real rows) afterwards, so the divisor, summed over replicas, does not
-        need a collective of its own before the backward pass. With a
-        `loss_scale` (float16), the objective is scaled before the backward
-        pass and the gradients unscaled in the same division. `replicas` says
-        how replicas computing one step on parts of its batch share totals,
-        gradients and module state: with them, every replica returns the
-        values one replica computes on the whole batch.
+        The gradient of a single loss's total is divided by its divisor (the
+        real rows) afterwards (see `_loss_parts`). With a `loss_scale`
+        (float16), the objective is scaled before the backward pass and the
+        gradients unscaled in the same division. `replicas` says how replicas
+        computing one step on parts of its batch share totals, gradients and
+        module state: with them, every replica returns the values one replica
+        computes on the whole batch.
         """
         if rng is not None:
             rng = replicas.rng(rng)
         grad_fn = jax.grad(self._loss_parts, has_aux=True)
-        grads, (total, divisor, y_pred, model_state) = grad_fn(params, model_state, batch, rng, loss_scale)
+        grads, (totals, divisors, y_pred, model_state) = grad_fn(params, model_state, batch, rng, loss_scale, replicas)
         grads = replicas.sum_gradients(grads)
-        if self.loss.reduction == "sum":  # every replica's divisor is 1, and so is the whole batch's
-            total = replicas.sum(total)
+        if len(self.losses) > 1:  # the divisors are the whole batch's already
+            totals = replicas.sum(totals)
+            divisor = jnp.ones((), divisors[0].dtype)
+        elif self.losses[0].loss.reduction == "sum":  # every replica's divisor is 1, and so is the whole batch's
+            totals = replicas.sum(totals)
+            divisor = divisors[0]
         else:
-            total, divisor = replicas.sum((total, divisor))
+            totals, divisors = replicas.sum((totals, divisors))
+            divisor = divisors[0]
         model_state = replicas.mean_state(model_state)
         scale = losses_lib.divide_no_nan(jnp.ones((), divisor.dtype), divisor)  # 0 for an all-padding batch
         if loss_scale is not None:
             scale = scale / loss_scale
         grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
-        loss = losses_lib.divide_no_nan(total, divisor)
-        increments = replicas.sum(self._update_metrics(self.init_metrics(), loss, batch, y_pred))
+        each = [losses_lib.divide_no_nan(t, d) for t, d in zip(totals, divisors, strict=True)]
+        losses = (self._weighted_sum(each), each)
+        increments = replicas.sum(self._update_metrics(self.init_metrics(), losses, batch, y_pred))
         return grads, model_state, increments
 
     def apply_gradients(self, state: TrainState, grads, model_state, increments, rng) -> TrainState:
@@ -243,8 +302,8 @@ class StepFunctions:
 
     def eval_step(self, variables, metrics, batch: Batch):
         params, model_state = variables
-        loss, (y_pred, _) = self.compute_loss(params, model_state, batch, None, False)
-        metrics = self._update_metrics(metrics, loss, batch, y_pred)
+        losses, (y_pred, _) = self.compute_loss(params, model_state, batch, None, False)
+        metrics = self._update_metrics(metrics, losses, batch, y_pred)
         return metrics, self.logs(metrics)
 
     def predict_step(self, variables, batch: Batch):
@@ -282,6 +341,13 @@ def _per_sample(sample_weight):
     """Reduces a sample-weight array to one weight per row (Keras allows (batch, 1))."""
     sample_weight = jnp.asarray(sample_weight, jnp.float32)
     return sample_weight.reshape(sample_weight.shape[0], -1)[:, 0] if sample_weight.ndim > 1 else sample_weight
+
+
+def _output_weight(sample_weight, output):
+    """An output's sample weights: its entry of per-output weights (a dict or list), else the one array for all."""
+    if sample_weight is None or not isinstance(sample_weight, (dict, list, tuple)):
+        return sample_weight
+    return output.of(sample_weight)
 
 
 def _keep_floating_dtype(new, old):
