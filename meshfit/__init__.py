@@ -1,6 +1,6 @@
 """meshfit: Keras-style training for Flax models on JAX, from one device to many hosts."""
 
-from meshfit import callbacks, cluster, data, losses, metrics, optimizers, strategies
+from meshfit import callbacks, cluster, data, losses, metrics, optimizers, outputs, strategies
 from meshfit.model import Model, load_model
 from meshfit.preemption import PREEMPTED_EXIT_CODE, Preempted
 
@@ -17,6 +17,7 @@ __all__ = [
     "losses",
     "metrics",
     "optimizers",
+    "outputs",
     "strategies",
     "__version__",
 ]

@@ -120,6 +120,7 @@ class Model:
         self.history: callbacks_lib.History | None = None
         self._shuffle_orders = data_lib.ShuffleOrders()  # computed ahead by one fit for the next
         self._example_batch: data_lib.Batch | None = None
+        self._outputs: list[outputs_lib.Output] = []  # the module's outputs, known from the first batch
 
     def _initial_state(self, params, model_state) -> TrainState:
         return TrainState(
@@ -333,6 +334,8 @@ class Model:
         if self._input_spec is None:
             self._output_spec(batch)  # a clear error here if the model rejects these inputs
             self._input_spec = spec
+        elif jax.tree.structure(spec) != jax.tree.structure(self._input_spec):
+            self._output_spec(batch)  # inputs passed another way ([a, b], then {"a": a, "b": b}) the model takes
         elif spec != self._input_spec:
             raise ValueError(
                 "Input does not match the shape the model was built with: expected feature shape(s) "
@@ -353,25 +356,34 @@ class Model:
             raise ValueError(f"The model could not be called on inputs of shape {shapes}: {error}") from error
 
     def _build(self, batch: data_lib.Batch) -> None:
-        """Resolves metrics from the first batch's shapes and compiles the steps once."""
+        """Resolves losses and metrics per output from the first batch's shapes and compiles the steps once.
+
+        Every batch's targets are checked against what the losses and metrics read.
+        """
         self._check_input(batch)
         if self.session.built:
+            steps = self.session.steps
+            self._check_targets(batch, steps.losses, steps.metric_terms)
             return
         y_pred = self._output_spec(batch)
         y_true = None if batch.y is None else jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch.y)
         c = self._compiled
-        outputs = outputs_lib.outputs_of(y_pred)
+        self._outputs = outputs = outputs_lib.outputs_of(y_pred)
         loss_terms = outputs_lib.resolve_losses(c.loss, c.loss_weights, outputs)
         metric_terms = outputs_lib.resolve_metrics(c.metrics, c.weighted, outputs, y_true, y_pred, c.loss_id)
-        if y_true is not None:
-            outputs_lib.check_targets(y_true, loss_terms + metric_terms, outputs)
-            if batch.sample_weight is not None and outputs_lib.is_structure(batch.sample_weight):
-                outputs_lib.check_targets(batch.sample_weight, loss_terms, outputs, "sample_weight")
+        self._check_targets(batch, loss_terms, metric_terms)
         policy = c.dtype_policy
         adapter = self._adapter if policy.name == "float32" else self._adapter.with_compute_dtype(policy.compute_dtype)
         steps = StepFunctions(adapter, loss_terms, c.tx, metric_terms, policy)
         self._example_batch = batch  # the shape `step_report` compiles for
         self.session.build(steps, c.steps_per_execution)
+
+    def _check_targets(self, batch: data_lib.Batch, loss_terms, metric_terms) -> None:
+        if batch.y is None:
+            return
+        outputs_lib.check_targets(batch.y, [*loss_terms, *metric_terms], self._outputs)
+        if outputs_lib.is_structure(batch.sample_weight):
+            outputs_lib.check_targets(batch.sample_weight, loss_terms, self._outputs, "sample_weight")
 
     @property
     def metrics_names(self) -> list[str]:
@@ -965,7 +977,10 @@ def _rows(x, what: str) -> int:
 
 def _class_weights(y, class_weight: dict, sample_weight):
     if y is None or not data_lib.is_array_like(y):
-        raise ValueError("`class_weight` needs `y` as a single array of class labels.")
+        raise ValueError(
+            "`class_weight` needs `y` as a single array of class labels (a model with one output). "
+            "For several outputs, weigh the rows of each with `sample_weight={output: weights}`."
+        )
     labels = np.asarray(y)
     if labels.ndim > 1 and labels.shape[-1] > 1:
         labels = labels.argmax(-1)
