@@ -499,8 +499,13 @@ class Model:
         Args:
             x: input data: a numpy/JAX array, a dict, tuple or list of arrays,
                 or an iterable of batches (a generator, a grain dataset)
-                yielding `(x, y)` or `(x, y, sample_weight)`.
-            y: targets, for array `x`; None when `x` yields them.
+                yielding `(x, y)` or `(x, y, sample_weight)`. A list or tuple
+                of arrays is passed to the module as positional arguments; a
+                dict as keyword arguments when the module's `__call__` names
+                every key, else as one argument.
+            y: targets, for array `x`; None when `x` yields them. For a module
+                with several outputs, a dict or list shaped like its outputs
+                (those no loss or metric reads may be left out).
             batch_size: the global batch size, split over the strategy's
                 devices and processes (default 32); None for datasets.
             epochs: the index of the epoch to stop after (with
@@ -519,8 +524,10 @@ class Model:
                 warning, and no `val_` logs once it ran out).
             shuffle: shuffle array data anew each epoch (seeded by the model's
                 `seed`; passes are numbered across calls of fit).
-            class_weight: `{class: weight}`, multiplied into the sample weights.
-            sample_weight: per-sample weights for array data.
+            class_weight: `{class: weight}`, multiplied into the sample
+                weights (a model with one output).
+            sample_weight: per-sample weights for array data: a `(samples,)`
+                array for every output, or a dict/list of them per output.
             initial_epoch: the epoch to start at (to continue an earlier fit).
             steps_per_epoch: batches per epoch; required for an endless
                 iterator, optional otherwise (an array epoch stops early).
@@ -626,17 +633,18 @@ class Model:
 
         Args:
             x: input data, as for `fit`.
-            y: targets, for array `x`.
+            y: targets, for array `x`, as for `fit`.
             batch_size: the global batch size (default 32); None for datasets.
             verbose: "auto" or 1 (progress bar), 2 or 0 (silent).
-            sample_weight: per-sample weights for array data.
+            sample_weight: per-sample weights for array data, as for `fit`.
             steps: stop after this many batches (None: the whole data).
             callbacks: callbacks whose test hooks are called.
             return_dict: return `{name: value}` instead of a list.
 
         Returns:
             A dict with `return_dict=True`; otherwise the loss alone when there
-            are no metrics, else `[loss, *metrics]` in `metrics_names` order.
+            are no metrics, else a list in `metrics_names` order: the loss,
+            each output's loss (several losses), the metrics.
         """
         self._check_strategy("evaluate")
         self._require_compiled("evaluate")
@@ -663,7 +671,8 @@ class Model:
         Works without `compile` (as in Keras).
 
         Args:
-            x: input data: arrays or an iterable of batches (targets, if any, are ignored).
+            x: input data: arrays (passed to the module as for `fit`) or an
+                iterable of batches (targets, if any, are ignored).
             batch_size: the global batch size (default 32); None for datasets.
             verbose: "auto" or 1 (progress bar), 2 or 0 (silent).
             steps: stop after this many batches (None: the whole data).
