@@ -8,8 +8,9 @@ when the outputs' structure is known, into flat lists of terms that each
 address one output by its path; the steps in `meshfit.steps` only loop over
 those lists.
 
-Output names: a dict output's keys (nested keys joined with "/"), and
-`output_0`, `output_1`, ... for the items of a list or tuple. Logs follow
+Output names: a dict output's keys (nested keys joined with "/"), a
+NamedTuple's or dataclass's field names, and `output_0`, `output_1`, ... for
+the items of a list or tuple. Logs follow
 Keras: `loss` is the weighted sum of the outputs' losses; with more than one
 loss, `<output>_loss` is each output's own loss, before its weight; with more
 than one output, a metric is logged as `<output>_<metric>`.
@@ -37,7 +38,7 @@ class Output(NamedTuple):
     def of(self, tree):
         """This output's part of `tree` (predictions, targets or per-output sample weights)."""
         for key in self.path:
-            tree = tree[key]
+            tree = getattr(tree, key) if _is_field(tree, key) else tree[key]
         return tree
 
 
@@ -73,13 +74,21 @@ def outputs_of(y_pred) -> list[Output]:
             elif isinstance(key, jax.tree_util.SequenceKey):
                 path.append(key.idx)
                 names.append(f"output_{key.idx}" if depth == 0 else str(key.idx))
+            elif isinstance(key, jax.tree_util.GetAttrKey):  # a NamedTuple's or a dataclass's field
+                path.append(key.name)
+                names.append(key.name)
             else:
                 raise TypeError(
-                    "A model's outputs must be an array or a dict, list or tuple of arrays. "
+                    "A model's outputs must be an array, or a dict, list, tuple or NamedTuple of arrays. "
                     f"Received an output at {jax.tree_util.keystr(key_path)} inside a {type(y_pred).__name__}."
                 )
         outputs.append(Output("/".join(names), tuple(path)))
     return outputs
+
+
+def _is_field(tree, key) -> bool:
+    """Whether `key` names a field of a NamedTuple or dataclass (read with getattr), not a dict key."""
+    return isinstance(key, str) and not isinstance(tree, dict)
 
 
 def is_structure(value) -> bool:

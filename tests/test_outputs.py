@@ -1,5 +1,7 @@
 """Multiple outputs and inputs (`meshfit.outputs`): Keras 3's per-output losses, weights, metrics and log names."""
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -249,3 +251,13 @@ def test_outputs_are_named_from_their_paths():
     assert names == ["a/0", "a/1", "b"]
     assert [o.name for o in mf.outputs.outputs_of((spec["b"], spec["b"]))] == ["output_0", "output_1"]
     assert mf.outputs.outputs_of(spec["b"]) == [mf.outputs.Output("", ())]
+
+    class Pair(NamedTuple):
+        logits: jax.Array
+        value: jax.Array
+
+    pair = Pair(jnp.zeros((2, 3)), jnp.ones((2, 1)))
+    outputs = mf.outputs.outputs_of(pair)
+    assert [o.name for o in outputs] == ["logits", "value"]
+    assert outputs[1].of(pair) is pair.value
+    assert outputs[1].of({"logits": 0, "value": 1}) == 1  # targets for them may be a dict
