@@ -9,6 +9,7 @@ compiled step call passes, which costs host time on small models.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -37,18 +38,42 @@ _FACTORIES: dict[str, tuple[Callable[..., optax.GradientTransformation], dict[st
 }
 
 
-#: The learning-rate schedule of each transform `get` built with one, keyed by its update function
-#: (a transform is a NamedTuple, which cannot be keyed weakly itself).
-_SCHEDULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How `get` built a transform: `get(recipe.name, **recipe.config)` builds it again.
+
+    `model.save` writes it down (when every value is JSON) so that
+    `load_model` compiles with the same optimizer; the transform itself, two
+    functions, cannot be written.
+
+    Attributes:
+        name: the optimizer name, lower case ("adam").
+        config: every keyword argument: Keras's defaults, the overrides and the clipping.
+    """
+
+    name: str
+    config: dict[str, Any]
+
+
+#: The recipe of each transform `get` built from a name, keyed by its update function (a transform is
+#: a NamedTuple, which cannot be keyed weakly itself; the function lives as long as the transform).
+_RECIPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class LearningRateIsSchedule(TypeError):
     """The learning rate follows an optax schedule, so it cannot be set."""
 
 
+def recipe_of(transform) -> Recipe | None:
+    """How `get` built `transform` from a name, or None (a transform built another way)."""
+    return _RECIPES.get(getattr(transform, "update", None))
+
+
 def schedule_of(transform) -> Callable | None:
     """The learning-rate schedule `get` built `transform` with, or None."""
-    return _SCHEDULES.get(getattr(transform, "update", None))
+    recipe = recipe_of(transform)
+    learning_rate = None if recipe is None else recipe.config["learning_rate"]
+    return learning_rate if callable(learning_rate) else None
 
 
 def names() -> list[str]:
@@ -98,12 +123,13 @@ def get(
                 f"Unknown optimizer name {identifier!r}. Expected one of {names()}, or an optax.GradientTransformation."
             )
         factory, defaults = _FACTORIES[key]
-        kwargs = {**defaults, **overrides}
+        # A numpy scalar as its Python value: optax would keep `np.float32(1e-3)` static, out of the state.
+        kwargs = {k: v.item() if isinstance(v, np.generic) else v for k, v in {**defaults, **overrides}.items()}
         static = tuple(k for k in kwargs if k != "learning_rate" and not callable(kwargs[k]))
         tx = optax.inject_hyperparams(factory, static_args=static)(**kwargs)
         tx = optax.chain(*clipping, tx) if clipping else tx
-        if callable(kwargs["learning_rate"]):
-            _SCHEDULES[tx.update] = kwargs["learning_rate"]
+        clip_args = {"clipnorm": clipnorm, "clipvalue": clipvalue, "global_clipnorm": global_clipnorm}
+        _RECIPES[tx.update] = Recipe(key, {**kwargs, **{k: v for k, v in clip_args.items() if v is not None}})
         return tx
     raise TypeError(
         "`optimizer` must be an optimizer name (one of "

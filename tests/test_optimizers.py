@@ -69,3 +69,10 @@ def test_a_float_learning_rate_is_still_set_and_read():
     assert not model.optimizer.learning_rate_is_schedule
     model.optimizer.learning_rate = 0.25
     assert model.optimizer.learning_rate == 0.25
+
+
+def test_a_numpy_learning_rate_is_held_in_the_state_as_a_float_is():
+    model = scheduled(optimizer=mf.optimizers.get("adam", learning_rate=np.float32(0.01)))
+    assert model.optimizer.learning_rate == np.float32(0.01)
+    model.optimizer.learning_rate = 0.25  # optax would have kept a numpy scalar static, out of reach
+    assert model.optimizer.learning_rate == 0.25
