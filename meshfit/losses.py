@@ -523,7 +523,12 @@ class Loss:
         return reduce_values(values, sample_weight, mask, self.reduction)
 
     def get_config(self):
-        return {"name": self.name, "reduction": self.reduction}
+        """The constructor's arguments: `type(self)(**self.get_config())` is an equal loss.
+
+        A subclass with arguments of its own adds them (`model.save` writes
+        the config of meshfit's built-in losses, and `load_model` rebuilds them).
+        """
+        return {"name": self.name, "reduction": self.reduction, "dtype": self.dtype.name}
 
     def __repr__(self):
         return f"<{type(self).__name__} name={self.name}>"
@@ -565,6 +570,17 @@ class LossFunctionWrapper(Loss):
         if hasattr(y_true, "ndim") and hasattr(y_pred, "ndim"):
             y_true, y_pred = squeeze_or_expand_to_same_rank(jnp.asarray(y_true), jnp.asarray(y_pred))
         return self.fn(y_true, y_pred, **self._fn_kwargs)
+
+    def get_config(self):
+        """`Loss.get_config` plus the keyword arguments of `fn`, and `fn` itself where `__init__` takes it.
+
+        The built-in subclasses take `fn`'s arguments (`delta`, `from_logits`,
+        ...) as their own and fix `fn`; the wrapper itself takes `fn`.
+        """
+        config = {**super().get_config(), **self._fn_kwargs}
+        if type(self).__init__ is LossFunctionWrapper.__init__:
+            config["fn"] = self.fn
+        return config
 
     def __repr__(self):
         return f"<LossFunctionWrapper({self.fn}, kwargs={self._fn_kwargs})>"

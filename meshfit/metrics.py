@@ -92,6 +92,11 @@ class Metric:
         return self.result()
 
     def get_config(self):
+        """The constructor's arguments: `type(self)(**self.get_config())` is an equal metric.
+
+        A subclass with arguments of its own adds them (`model.save` writes
+        the config of meshfit's built-in metrics, and `load_model` rebuilds them).
+        """
         return {"name": self.name, "dtype": self.dtype.name}
 
     def __repr__(self):
@@ -205,6 +210,13 @@ class MeanMetricWrapper(Mean):
         self._fn_kwargs = kwargs
         for key, value in kwargs.items():  # Keras exposes these as attributes
             setattr(self, key, value)
+
+    def get_config(self):
+        """`Metric.get_config` plus the keyword arguments of `fn`, and `fn` itself where `__init__` takes it."""
+        config = {**super().get_config(), **self._fn_kwargs}
+        if type(self).__init__ is MeanMetricWrapper.__init__:
+            config["fn"] = self._fn
+        return config
 
     def _values_and_mask(self, y_true, y_pred):
         return self._fn(y_true, y_pred, **self._fn_kwargs), None
@@ -627,6 +639,12 @@ class _ConfusionMetric(Metric):
         self.top_k = top_k
         self.class_id = class_id
 
+    def get_config(self):
+        # With `top_k` and no threshold, `thresholds` holds NEG_INF, which the constructor takes as None.
+        default = self.top_k is not None and self.thresholds == NEG_INF
+        thresholds = None if default else self.thresholds
+        return {**super().get_config(), "thresholds": thresholds, "top_k": self.top_k, "class_id": self.class_id}
+
     def init(self):
         return {k: _zeros() for k in self._keys}
 
@@ -636,52 +654,43 @@ class _ConfusionMetric(Metric):
         return {k: state[k] + jnp.sum(counts[k]) for k in self._keys}
 
 
-class TruePositives(_ConfusionMetric):
+class _ConfusionCount(_ConfusionMetric):
+    """One weighted count (`_keys[0]`) at one threshold; no `top_k` or `class_id`, as in Keras."""
+
+    def __init__(self, thresholds=None, name=None, dtype=None):
+        super().__init__(thresholds=thresholds, name=name, dtype=dtype)
+
+    def compute(self, state):
+        return state[self._keys[0]]
+
+    def get_config(self):
+        config = super().get_config()
+        del config["top_k"], config["class_id"]
+        return config
+
+
+class TruePositives(_ConfusionCount):
     """Weighted count of true positives at `thresholds` (default 0.5)."""
 
     _keys = ("true_positives",)
 
-    def __init__(self, thresholds=None, name=None, dtype=None):
-        super().__init__(thresholds=thresholds, name=name, dtype=dtype)
 
-    def compute(self, state):
-        return state["true_positives"]
-
-
-class FalsePositives(_ConfusionMetric):
+class FalsePositives(_ConfusionCount):
     """Weighted count of false positives at `thresholds` (default 0.5)."""
 
     _keys = ("false_positives",)
 
-    def __init__(self, thresholds=None, name=None, dtype=None):
-        super().__init__(thresholds=thresholds, name=name, dtype=dtype)
 
-    def compute(self, state):
-        return state["false_positives"]
-
-
-class TrueNegatives(_ConfusionMetric):
+class TrueNegatives(_ConfusionCount):
     """Weighted count of true negatives at `thresholds` (default 0.5)."""
 
     _keys = ("true_negatives",)
 
-    def __init__(self, thresholds=None, name=None, dtype=None):
-        super().__init__(thresholds=thresholds, name=name, dtype=dtype)
 
-    def compute(self, state):
-        return state["true_negatives"]
-
-
-class FalseNegatives(_ConfusionMetric):
+class FalseNegatives(_ConfusionCount):
     """Weighted count of false negatives at `thresholds` (default 0.5)."""
 
     _keys = ("false_negatives",)
-
-    def __init__(self, thresholds=None, name=None, dtype=None):
-        super().__init__(thresholds=thresholds, name=name, dtype=dtype)
-
-    def compute(self, state):
-        return state["false_negatives"]
 
 
 class Precision(_ConfusionMetric):
@@ -779,6 +788,7 @@ class AUC(Metric):
             if any(t is None or t < 0 or t > 1 for t in thresholds):
                 raise ValueError(f"Expected every threshold in [0, 1]. Received: thresholds={thresholds!r}.")
             thresholds = sorted(thresholds)
+            self._given_thresholds = [float(t) for t in thresholds]
             self.num_thresholds = len(thresholds) + 2
             self._evenly = _is_evenly_distributed(np.array([0.0] + thresholds + [1.0]))
         else:
@@ -787,6 +797,7 @@ class AUC(Metric):
                     f"Expected `num_thresholds` to be an integer > 1. Received: num_thresholds={num_thresholds}."
                 )
             self.num_thresholds = num_thresholds
+            self._given_thresholds = None
             thresholds = [(i + 1) * 1.0 / (num_thresholds - 1) for i in range(num_thresholds - 2)]
             self._evenly = True
         self._thresholds = np.array([0.0 - EPSILON] + thresholds + [1.0 + EPSILON], dtype=np.float32)
@@ -809,6 +820,20 @@ class AUC(Metric):
     @property
     def thresholds(self):
         return list(self._thresholds)
+
+    def get_config(self):
+        label_weights = None if self.label_weights is None else np.asarray(self.label_weights).tolist()
+        return {
+            **super().get_config(),
+            "num_thresholds": self.num_thresholds,
+            "curve": self.curve,
+            "summation_method": self.summation_method,
+            "thresholds": self._given_thresholds,
+            "multi_label": self.multi_label,
+            "num_labels": self.num_labels,
+            "label_weights": label_weights,
+            "from_logits": self.from_logits,
+        }
 
     def init(self):
         shape = (self.num_thresholds,)
