@@ -45,7 +45,7 @@ class CompileSettings:
 
     Attributes:
         tx: the optax transformation.
-        optimizer_id: the optimizer as passed (a name is saved with the model).
+        optimizer_id: the optimizer as passed (saved with the model when `meshfit.serialization` can write it).
         loss: the loss as passed (one for every output, or a dict/list per
             output), checked; resolved per output on the first batch (None:
             `predict` only).
@@ -815,6 +815,16 @@ class Model:
     def save(self, path: str | os.PathLike, overwrite: bool = True) -> None:
         """Saves weights, optimizer state, step and compile settings (Orbax); see `meshfit.load_model`.
 
+        The compile settings are written as JSON: names, meshfit's built-in
+        losses and metrics with their arguments (`SparseCategoricalCrossentropy(
+        from_logits=True)`), and optimizers from `meshfit.optimizers.get` with
+        JSON arguments (`get("adam", learning_rate=3e-3)`), so `load_model(path,
+        module)` evaluates, predicts and trains on with nothing passed again.
+        Code cannot be saved: a custom loss or metric (a function, a class of
+        your own), a raw optax transformation or a learning-rate schedule is
+        recorded by name only, and `load_model` asks for it again (as Keras
+        asks for custom objects).
+
         A model saved at `path` before is replaced, as in Keras (`overwrite=False`
         refuses with a FileExistsError); the old copy is deleted only once the new
         one is complete, so a crash mid-save leaves one of them whole. A directory
@@ -849,6 +859,15 @@ def load_model(
 ) -> Model:
     """Loads a model saved with `model.save` into `module` (same architecture).
 
+    The model is compiled as it was saved (optimizer, loss, metrics, dtype
+    policy, ...) and its optimizer state and step are restored, so it
+    evaluates and predicts to the same numbers, and trains on as the saved
+    one would, with nothing passed again. A setting `model.save` could not
+    write down (a custom loss or metric, a raw optax transformation, a
+    learning-rate schedule) must be passed again: without it, a `ValueError`
+    names it before anything is loaded, rather than compiling with something
+    else (Keras raises too). `compile=False` loads the weights alone.
+
     A checkpoint of another architecture or optimizer is refused with a
     `ValueError` naming the arrays that differ; nothing on disk changes.
 
@@ -859,18 +878,29 @@ def load_model(
         sample_input: for Linen modules, as in `Model`.
         seed: as in `Model`.
         trainable: as in `Model` (the parameters it freezes load as saved).
-        compile: compile the model as it was saved (optimizer, loss and
-            metrics given by name), `compile_kwargs` overriding them; the
-            optimizer state and step are restored too. With False, or when the
-            optimizer was not a name and none is passed, only weights load.
-        **compile_kwargs: arguments for `Model.compile`.
+        compile: compile the model as it was saved, `compile_kwargs`
+            overriding its settings; the optimizer state and step are restored
+            too. With False, only the weights load (`predict` works; call
+            `compile` to evaluate or train).
+        **compile_kwargs: arguments for `Model.compile`, each replacing the
+            saved setting of that name: e.g. `loss=my_loss` for a custom loss.
 
     Returns:
         A `meshfit.Model` under the current strategy.
+
+    Example:
+        >>> model.compile(optimizer=meshfit.optimizers.get("adam", learning_rate=3e-3),
+        ...               loss=meshfit.losses.SparseCategoricalCrossentropy(from_logits=True),
+        ...               metrics=["accuracy"])
+        >>> model.save("/tmp/model")
+        >>> loaded = meshfit.load_model("/tmp/model", MLP(rngs=nnx.Rngs(0)))
+        >>> loaded.evaluate(x, y)  # the numbers model.evaluate(x, y) gives
     """
-    model = Model(module, sample_input=sample_input, seed=seed, trainable=trainable)
-    saving.load_saved_model(model, path, compile=compile, **compile_kwargs)
-    return model
+
+    def build() -> Model:  # called once the saved record is read and checked
+        return Model(module, sample_input=sample_input, seed=seed, trainable=trainable)
+
+    return saving.load_saved_model(path, build, compile=compile, **compile_kwargs)
 
 
 # -- helpers ------------------------------------------------------------------------------------

@@ -11,10 +11,15 @@ MirroredStrategy on 8 devices, restored on one device or sharded with fsdp.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
+from meshfit import serialization
 from meshfit.checkpoint import CheckpointDamaged, CheckpointDir, read_marker, readable_path
 
-FORMAT = 1
+#: The format of the JSON record written beside saved arrays. 2: compile settings as
+#: `meshfit.serialization` records (1: names only, objects left out).
+FORMAT = 2
 _LABELS = {"model": "a saved model", "weights": "saved weights"}
 
 
@@ -49,21 +54,92 @@ def set_from_tree(model, tree: dict) -> None:
     model.session.state = state
 
 
+#: The compile arguments a saved model's record holds (format 2), in `Model.compile`'s order.
+COMPILE_ENTRIES = (
+    "optimizer",
+    "loss",
+    "loss_weights",
+    "metrics",
+    "weighted_metrics",
+    "steps_per_execution",
+    "dtype_policy",
+    "gradient_accumulation_steps",
+)
+
+
 def compile_record(model) -> dict | None:
-    """How the model was compiled, where that can be written down (names)."""
+    """How the model was compiled, as JSON (see `meshfit.serialization`).
+
+    Names, meshfit's built-in losses and metrics, and optimizers built by
+    `meshfit.optimizers.get` are written down; anything else is recorded as
+    `{"__custom__": description}`, for `load_model` to ask for again.
+    """
     compiled = model.compile_settings
     if compiled is None:
         return None
-    names = lambda values: [v for v in values if isinstance(v, str)]  # noqa: E731
-    optimizer = compiled.optimizer_id if isinstance(compiled.optimizer_id, str) else None
-    loss = compiled.loss_id if isinstance(compiled.loss_id, str) else None
     return {
-        "optimizer": optimizer,
-        "loss": loss,
-        "metrics": names(compiled.metrics),
+        "optimizer": serialization.serialize_optimizer(compiled.optimizer_id),
+        "loss": serialization.serialize(compiled.loss_id),
+        "loss_weights": serialization.serialize(getattr(compiled, "loss_weights", None)),
+        "metrics": serialization.serialize(compiled.metrics),
+        "weighted_metrics": serialization.serialize(compiled.weighted),
+        "steps_per_execution": compiled.steps_per_execution,
         "dtype_policy": compiled.dtype_policy.name,
         "gradient_accumulation_steps": compiled.gradient_accumulation_steps,
     }
+
+
+def compile_arguments(meta: dict, compile_kwargs: dict) -> dict | None:
+    """The arguments to compile a loaded model with: the saved ones, `compile_kwargs` overriding them.
+
+    None when the model is not to be compiled: it was saved uncompiled and no
+    optimizer is passed, or (records of format 1, names only) its optimizer
+    was not a name and none is passed.
+
+    Raises:
+        ValueError: an entry the saved model was compiled with could not be
+            saved (a custom loss, metric or optimizer) and is not in
+            `compile_kwargs`: compiling without it would give other numbers.
+    """
+    saved = meta.get("compile")
+    if meta.get("format", 1) < 2 or saved is None:  # names only; what was not a name is left out
+        kwargs = {k: v for k, v in (saved or {}).items() if v}
+        kwargs.update(compile_kwargs)
+        return kwargs if kwargs.get("optimizer") is not None else None
+    missing = {
+        entry: serialization.unsaved(saved.get(entry)) for entry in COMPILE_ENTRIES if entry not in compile_kwargs
+    }
+    missing = {entry: found for entry, found in missing.items() if found}
+    if missing:
+        raise ValueError(_unsaved_message(missing))
+    kwargs = {}
+    for entry in COMPILE_ENTRIES:
+        value = saved.get(entry)
+        if entry in compile_kwargs or value is None:
+            continue
+        if entry == "optimizer":
+            kwargs[entry] = serialization.deserialize_optimizer(value)
+        else:
+            kwargs[entry] = serialization.deserialize(value)
+    kwargs.update(compile_kwargs)
+    return kwargs
+
+
+def _unsaved_message(missing: dict[str, list[str]]) -> str:
+    """Names what `load_model` needs passed again, and how."""
+    what = "; ".join(f"{entry} {', '.join(f'`{d}`' for d in found)}" for entry, found in missing.items())
+    received = " or ".join(f"`{entry}`" for entry in missing)
+    example = ", ".join(
+        f"{entry}={found[0]}" if entry in ("optimizer", "loss") and found[0].isidentifier() else f"{entry}=..."
+        for entry, found in missing.items()
+    )
+    return (
+        "Expected load_model to be given again what the saved model was compiled with that `save` could not "
+        "write down (code: not a name, one of meshfit's built-in losses and metrics, or an optimizer from "
+        f"meshfit.optimizers.get with JSON arguments): {what}. Received: no {received} argument. Pass each as "
+        f"it was given to compile, e.g. load_model(path, module, {example}), or pass compile=False to load the "
+        "weights alone."
+    )
 
 
 def model_meta(model) -> dict:
@@ -152,12 +228,13 @@ def load_weights(model, path) -> None:
     set_from_tree(model, tree)
 
 
-def load_saved_model(model, path, *, compile: bool = True, **compile_kwargs) -> None:
-    """Loads a model saved with `model.save` into `model` (built from a module of the same architecture).
+def load_saved_model(path, build: Callable[[], Any], *, compile: bool = True, **compile_kwargs):
+    """Loads a model saved with `model.save` into the model `build()` returns; returns that model.
 
-    With `compile`, the model is compiled as it was saved (optimizer, loss and
-    metrics given by name, `compile_kwargs` overriding them) and its optimizer
-    state and step are restored too; see `meshfit.load_model`.
+    With `compile`, the model is compiled as it was saved (`compile_kwargs`
+    overriding entries; see `compile_arguments`) and its optimizer state and
+    step are restored too; see `meshfit.load_model`. `build` is called once the
+    saved record has been read and checked, so a refusal leaves the module alone.
     """
     ckpt = _open_for_reading(path, ("model",))
     try:
@@ -168,11 +245,10 @@ def load_saved_model(model, path, *, compile: bool = True, **compile_kwargs) -> 
             meta = ckpt.read_meta(steps[-1])
         except CheckpointDamaged as damage:
             raise CheckpointDamaged(f"The saved model {ckpt.directory!r} is damaged: {damage}.") from None
-        saved = meta.get("compile") or {}
-        kwargs = {k: v for k, v in saved.items() if v}
-        kwargs.update(compile_kwargs)
-        if compile and kwargs.get("optimizer") is not None:
-            model.compile(**kwargs)
+        arguments = compile_arguments(meta, compile_kwargs) if compile else None
+        model = build()
+        if arguments is not None:
+            model.compile(**arguments)
         with_optimizer = model.session.latest.opt_state is not None and meta.get("has_optimizer")
         template = training_tree(model) if with_optimizer else {"weights": weights_tree(model)}
         found = ckpt.restore_latest(template, partial=True)
@@ -181,3 +257,4 @@ def load_saved_model(model, path, *, compile: bool = True, **compile_kwargs) -> 
     if found is None:
         raise FileNotFoundError(f"{ckpt.directory!r} holds no readable saved model (see the warnings above).")
     set_from_tree(model, found[1])
+    return model

@@ -35,10 +35,14 @@ def test_saved_under_mirrored8_restores_onto_other_layouts(tmp_path, target):
     # What Orbax wrote: a numbered, committed checkpoint with the state and our JSON record.
     assert (tmp_path / "model" / "0" / "state" / "_METADATA").exists()
     record = json.loads((tmp_path / "model" / "0" / "meta" / "metadata").read_text())
+    assert record["format"] == 2
     assert record["compile"] == {
         "optimizer": "adam",
         "loss": "sparse_categorical_crossentropy",
+        "loss_weights": None,
         "metrics": ["accuracy"],
+        "weighted_metrics": [],
+        "steps_per_execution": 1,
         "dtype_policy": "float32",
         "gradient_accumulation_steps": 1,
     }
@@ -89,16 +93,107 @@ def test_refuses_foreign_and_wrong_kind_directories(tmp_path):
         model.load_weights(tmp_path / "nothing")
 
 
-def test_load_model_with_a_custom_optimizer_needs_compile_arguments(tmp_path):
+def compiled_with_objects(x, y):
+    """A model compiled with objects, not names (all of them savable), trained briefly."""
+    model = mf.Model(MLP())
+    model.compile(
+        optimizer=mf.optimizers.get("adam", learning_rate=3e-3),
+        loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=[mf.metrics.SparseCategoricalAccuracy(), "mae"],
+    )
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    return model
+
+
+def test_a_reload_evaluates_predicts_and_trains_on_with_nothing_passed(tmp_path):
+    x, y = classification_data(n=64)
+    y = y[:, None]  # a trailing axis of 1, so that "mae" compares labels with every logit
+    weights = np.linspace(0.5, 1.5, len(x)).astype(np.float32)
+    model = compiled_with_objects(x, y)
+    logs = model.evaluate(x, y, sample_weight=weights, batch_size=16, verbose=0, return_dict=True)
+    model.save(tmp_path / "m")
+    loaded = mf.load_model(tmp_path / "m", MLP(seed=3))
+    again = loaded.evaluate(x, y, sample_weight=weights, batch_size=16, verbose=0, return_dict=True)
+    assert list(again.items()) == list(logs.items())  # the same keys, in the same order, and the same numbers
+    assert sorted(logs) == ["loss", "mae", "sparse_categorical_accuracy"]
+    assert loaded.metrics_names == model.metrics_names
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+    settings = loaded.compile_settings
+    assert isinstance(settings.loss, mf.losses.SparseCategoricalCrossentropy) and settings.loss.from_logits
+    assert mf.optimizers.recipe_of(settings.optimizer_id).config["learning_rate"] == 3e-3
+    # The optimizer (its arguments and its state) came back: training on gives the same weights.
+    history = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0).history
+    assert loaded.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0).history == history
+    assert same_weights(model, loaded)
+
+
+def my_loss(y_true, y_pred):
+    """A user's loss: code, which a saved model cannot hold."""
+    return mf.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True)
+
+
+def test_a_custom_loss_is_asked_for_again_before_anything_is_loaded(tmp_path):
+    x, y = classification_data(n=32)
+    model = mf.Model(MLP())
+    model.compile(optimizer="adam", loss=my_loss, metrics=["accuracy"])
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    model.save(tmp_path / "m")  # saving works; the record says what could not be saved
+    record = json.loads((tmp_path / "m" / "0" / "meta" / "metadata").read_text())
+    assert record["compile"]["loss"] == {"__custom__": "my_loss"}
+    built = []
+    factory = lambda: built.append(1) or MLP(seed=3)  # noqa: E731
+    expected = r"loss `my_loss`. Received: no `loss` argument.*load_model\(path, module, loss=my_loss\), or pass"
+    with pytest.raises(ValueError, match=expected):
+        mf.load_model(tmp_path / "m", factory)
+    assert built == []  # refused before the model was made
+    loaded = mf.load_model(tmp_path / "m", factory, loss=my_loss)
+    assert loaded.evaluate(x, y, batch_size=16, verbose=0) == model.evaluate(x, y, batch_size=16, verbose=0)
+    weights_only = mf.load_model(tmp_path / "m", MLP(seed=3), compile=False)
+    assert not weights_only.compiled and same_weights(model, weights_only)
+
+
+def test_a_custom_optimizer_is_asked_for_again(tmp_path):
     import optax
 
     model = mf.Model(MLP())
-    model.compile(optimizer=optax.sgd(0.1), loss="mse")
+    model.compile(
+        optimizer=optax.sgd(0.1),
+        loss="mse",
+        weighted_metrics=[mf.metrics.SparseTopKCategoricalAccuracy(k=2)],
+        steps_per_execution=4,
+        gradient_accumulation_steps=2,
+    )
     model.save(tmp_path / "m")
-    loaded = mf.load_model(tmp_path / "m", MLP(seed=3))
-    assert not loaded.compiled and same_weights(model, loaded)
+    with pytest.raises(ValueError, match=r"optimizer `an optax transformation`.*module, optimizer=\.\.\.\)"):
+        mf.load_model(tmp_path / "m", MLP(seed=3))
     loaded = mf.load_model(tmp_path / "m", MLP(seed=3), optimizer=optax.sgd(0.1))
-    assert loaded.compiled
+    assert loaded.compiled and same_weights(model, loaded)
+    settings = loaded.compile_settings
+    assert (settings.steps_per_execution, settings.gradient_accumulation_steps) == (4, 2)
+    (weighted,) = settings.weighted
+    assert isinstance(weighted, mf.metrics.SparseTopKCategoricalAccuracy) and weighted.k == 2
+
+
+def rewrite_record(path, **changes):
+    """Edits the JSON record of a saved model, as an older meshfit would have written it."""
+    meta = path / "0" / "meta" / "metadata"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), **changes}))
+
+
+def test_records_of_format_1_names_only_load_as_before(tmp_path):
+    x, y = classification_data(n=32)
+    model = mf.Model(MLP())
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.save(tmp_path / "m")
+    old = {"optimizer": "adam", "loss": "sparse_categorical_crossentropy", "metrics": ["accuracy"]}
+    old.update(dtype_policy="float32", gradient_accumulation_steps=1)
+    rewrite_record(tmp_path / "m", format=1, compile=old)
+    loaded = mf.load_model(tmp_path / "m", MLP(seed=9))
+    assert loaded.evaluate(x, y, verbose=0) == model.evaluate(x, y, verbose=0)
+    # Format 1 left out an optimizer that was not a name: the weights load, uncompiled.
+    rewrite_record(tmp_path / "m", format=1, compile={**old, "optimizer": None})
+    loaded = mf.load_model(tmp_path / "m", MLP(seed=9))
+    assert not loaded.compiled and same_weights(model, loaded)
 
 
 def test_save_overwrites_by_default_and_overwrite_false_refuses(tmp_path):
