@@ -9,6 +9,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from helpers import MLP, classification_data
 from processes import Job
 
@@ -100,6 +101,7 @@ def compiled_with_objects(x, y):
         optimizer=mf.optimizers.get("adam", learning_rate=3e-3),
         loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=[mf.metrics.SparseCategoricalAccuracy(), "mae"],
+        weighted_metrics=[mf.metrics.SparseTopKCategoricalAccuracy(k=2)],
     )
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     return model
@@ -115,7 +117,7 @@ def test_a_reload_evaluates_predicts_and_trains_on_with_nothing_passed(tmp_path)
     loaded = mf.load_model(tmp_path / "m", MLP(seed=3))
     again = loaded.evaluate(x, y, sample_weight=weights, batch_size=16, verbose=0, return_dict=True)
     assert list(again.items()) == list(logs.items())  # the same keys, in the same order, and the same numbers
-    assert sorted(logs) == ["loss", "mae", "sparse_categorical_accuracy"]
+    assert sorted(logs) == ["loss", "mae", "sparse_categorical_accuracy", "sparse_top_k_categorical_accuracy"]
     assert loaded.metrics_names == model.metrics_names
     np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
     settings = loaded.compile_settings
@@ -125,6 +127,40 @@ def test_a_reload_evaluates_predicts_and_trains_on_with_nothing_passed(tmp_path)
     history = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0).history
     assert loaded.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0).history == history
     assert same_weights(model, loaded)
+
+
+class TwoHeads(nnx.Module):
+    """Class logits ("cls") and a regression value ("reg") from one trunk."""
+
+    def __init__(self, seed=0):
+        rngs = nnx.Rngs(seed)
+        self.trunk = nnx.Linear(4, 8, rngs=rngs)
+        self.cls = nnx.Linear(8, 3, rngs=rngs)
+        self.reg = nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x):
+        h = nnx.relu(self.trunk(x))
+        return {"cls": self.cls(h), "reg": self.reg(h)}
+
+
+def test_per_output_settings_reload_as_dicts(tmp_path):
+    x, labels = classification_data(n=32)
+    y = {"cls": labels, "reg": x[:, :1] * 2.0}
+    model = mf.Model(TwoHeads())
+    model.compile(
+        optimizer="adam",
+        loss={"cls": mf.losses.SparseCategoricalCrossentropy(from_logits=True), "reg": "mse"},
+        loss_weights={"cls": 1.0, "reg": 0.5},
+        metrics={"cls": ["accuracy"], "reg": [mf.metrics.MeanAbsoluteError()]},
+    )
+    logs = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    assert sorted(logs) == ["cls_accuracy", "cls_loss", "loss", "reg_loss", "reg_mean_absolute_error"]
+    model.save(tmp_path / "m")
+    record = json.loads((tmp_path / "m" / "0" / "meta" / "metadata").read_text())["compile"]
+    assert record["loss_weights"] == {"cls": 1.0, "reg": 0.5} and record["loss"]["reg"] == "mse"
+    loaded = mf.load_model(tmp_path / "m", TwoHeads(seed=1))
+    again = loaded.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    assert list(again.items()) == list(logs.items())
 
 
 def my_loss(y_true, y_pred):
