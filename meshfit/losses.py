@@ -7,6 +7,12 @@ partial batch full size. Padding rows contribute to neither the numerator nor
 the denominator, so the loss of a padded batch equals the Keras loss of the
 unpadded batch.
 
+A loss may also return a scalar (one value for the whole batch), as Keras
+accepts; it is reduced as Keras reduces it (with `sample_weight`: the scalar
+times the mean weight, or the sum for `"sum"`). A scalar cannot be masked, so
+the training steps compute it on the real rows of a partial batch only
+(`meshfit.steps.StepFunctions.with_rows`).
+
 Everything here is pure `jax.numpy` and traceable under `jax.jit`.
 """
 
@@ -91,11 +97,18 @@ def reduce_values(values, sample_weight=None, mask=None, reduction="sum_over_bat
         mask: optional `(batch,)` (or `values`-shaped) array, nonzero for rows
             that count. Masked-out entries are zeroed (even if NaN) and left
             out of the denominator; their gradient is 0 as long as they are
-            finite (pad with zeros or copies of real rows, not NaN).
+            finite (pad with zeros or copies of real rows, not NaN). Not
+            with scalar `values` (one value cannot leave rows out).
         reduction: `"sum_over_batch_size"`/`"mean"` (sum divided by the number
             of unmasked entries), `"sum"`, `"mean_with_sample_weight"` (sum
             divided by the sum of unmasked sample weights) or `"none"`/`None`
             (the weighted, masked values).
+
+    Scalar `values` are reduced as Keras 3's `reduce_weighted_values`
+    reduces them: returned as they are without `sample_weight`; with it,
+    multiplied by the weights and then reduced, so `"sum_over_batch_size"`
+    gives the scalar times the mean weight, `"sum"` times their sum and
+    `"mean_with_sample_weight"` the scalar itself.
 
     Returns:
         A scalar, or the weighted values for `"none"`.
@@ -113,12 +126,11 @@ def _weight_and_mask(values, sample_weight, mask):
     values = jnp.asarray(values)
     if not jnp.issubdtype(values.dtype, jnp.floating):
         values = values.astype(jnp.float32)
-    if values.ndim == 0:
+    if values.ndim == 0 and mask is not None:
         raise ValueError(
-            "Expected per-sample loss values of shape (batch,) or (batch, ...). "
-            f"Received: values.shape={values.shape}; return one value per "
-            "sample (e.g. `jnp.mean(..., axis=-1)`) so that padded rows of "
-            "partial batches can be masked."
+            "Expected per-sample loss values of shape (batch,) or (batch, ...) to leave out the rows a "
+            "`mask` marks. Received: a scalar (shape ()); compute a scalar loss on the real rows only "
+            "(without `mask`), or return one value per sample (e.g. `jnp.mean(..., axis=-1)`)."
         )
     sw = m = None
     if sample_weight is not None:
@@ -146,6 +158,8 @@ def reduce_parts(values, sample_weight=None, mask=None, reduction="sum_over_batc
 
 
 def _total_and_divisor(values, sw, m, reduction):
+    if values.ndim == 0:  # a scalar loss (weighted by a one-row weight): Keras returns it as it is
+        return values, jnp.ones((), values.dtype)
     total = jnp.sum(values)
     if reduction == "sum":
         return total, jnp.ones((), values.dtype)
@@ -474,7 +488,8 @@ class Loss:
     """Base class: per-sample `call` plus the Keras reduction in `__call__`.
 
     Subclasses implement `call(y_true, y_pred)`, returning per-sample losses of
-    shape `(batch,)` or `(batch, ...)`.
+    shape `(batch,)` or `(batch, ...)`, or a scalar for the whole batch (the
+    steps then compute it on a partial batch's real rows; see `reduce_values`).
 
     Args:
         name: name of the loss; defaults to the snake-cased class name.
@@ -508,13 +523,11 @@ class Loss:
         y_pred = jax.tree.map(lambda x: jnp.asarray(x, self.dtype), y_pred)
         values, value_mask = self._values_and_mask(y_true, y_pred)
         values = jnp.asarray(values)
-        if values.ndim == 0:
+        if values.ndim == 0 and mask is not None:
             raise ValueError(
-                f"Expected loss `{self.name}` to return per-sample values of "
-                "shape (batch,) or (batch, ...). Received: a scalar (shape ()); "
-                "meshfit needs per-sample losses to mask the padded rows of "
-                "partial batches, so return e.g. `jnp.mean(..., axis=-1)` "
-                "instead of a scalar."
+                f"Expected loss `{self.name}` to return per-sample values of shape (batch,) or (batch, ...) "
+                "to leave out the rows `mask` marks. Received: a scalar (shape ()); call it on the real rows "
+                "only, without `mask`, or return one value per sample (e.g. `jnp.mean(..., axis=-1)`)."
             )
         if value_mask is not None:
             if mask is not None:
@@ -538,8 +551,8 @@ class LossFunctionWrapper(Loss):
     """Wraps `fn(y_true, y_pred, **kwargs) -> per-sample values` as a `Loss`.
 
     Args:
-        fn: the loss function; it must return shape `(batch,)` or
-            `(batch, ...)`, not a scalar, so that padded rows can be masked.
+        fn: the loss function; it returns per-sample values, shape
+            `(batch,)` or `(batch, ...)`, or a scalar for the whole batch.
         name: name of the loss; defaults to the function's snake-cased name.
         reduction: see `Loss`.
         dtype: see `Loss`.
@@ -933,7 +946,7 @@ def get(identifier) -> Loss:
     give the default-configured loss named by the string (as Keras's compile
     does), or class names (`"MeanSquaredError"`), which give the loss with its
     default name. A `Loss` is returned as is; any other callable
-    `(y_true, y_pred) -> per-sample values` is wrapped in `LossFunctionWrapper`.
+    `(y_true, y_pred) -> per-sample values (or a scalar)` is wrapped in `LossFunctionWrapper`.
 
     Args:
         identifier: a string, `Loss` or callable.

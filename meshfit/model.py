@@ -121,6 +121,7 @@ class Model:
         self._shuffle_orders = data_lib.ShuffleOrders()  # computed ahead by one fit for the next
         self._example_batch: data_lib.Batch | None = None
         self._outputs: list[outputs_lib.Output] = []  # the module's outputs, known from the first batch
+        self._built_with_targets = False  # the steps were built from a batch with targets
 
     def _initial_state(self, params, model_state) -> TrainState:
         return TrainState(
@@ -217,7 +218,10 @@ class Model:
             optimizer: an optimizer name ("adam", "sgd", ...; see
                 `meshfit.optimizers.names()`) or an `optax.GradientTransformation`.
             loss: a loss name, a `meshfit.losses.Loss`, or a callable
-                `(y_true, y_pred) -> per-sample losses`. For a model with
+                `(y_true, y_pred) -> per-sample losses`, or a scalar for the
+                batch (Keras's value; computed on a partial batch's real rows
+                by a step compiled per partial size: see `meshfit.session`;
+                refused where that cannot be exact). For a model with
                 several outputs (a dict, list or tuple of arrays), one loss for
                 every output, or a dict keyed by output name (a list in output
                 order) of them; outputs left out have no loss. See
@@ -358,24 +362,28 @@ class Model:
     def _build(self, batch: data_lib.Batch) -> None:
         """Resolves losses and metrics per output from the first batch's shapes and compiles the steps once.
 
-        Every batch's targets are checked against what the losses and metrics read.
+        Every batch's targets are checked against what the losses and metrics read. Steps built by
+        `predict` (no targets) are built again at the first batch with targets only if a loss returns
+        a scalar, which the steps must know and only the targets' shapes tell.
         """
         self._check_input(batch)
         if self.session.built:
             steps = self.session.steps
             self._check_targets(batch, steps.losses, steps.metric_terms)
-            return
+            if not self._scalar_loss_found_late(batch):
+                return
         y_pred = self._output_spec(batch)
         y_true = None if batch.y is None else jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch.y)
         c = self._compiled
         self._outputs = outputs = outputs_lib.outputs_of(y_pred)
-        loss_terms = outputs_lib.resolve_losses(c.loss, c.loss_weights, outputs)
+        loss_terms = self._loss_terms(outputs, y_true, y_pred)
         metric_terms = outputs_lib.resolve_metrics(c.metrics, c.weighted, outputs, y_true, y_pred, c.loss_id)
         self._check_targets(batch, loss_terms, metric_terms)
         policy = c.dtype_policy
         adapter = self._adapter if policy.name == "float32" else self._adapter.with_compute_dtype(policy.compute_dtype)
         steps = StepFunctions(adapter, loss_terms, c.tx, metric_terms, policy)
         self._example_batch = batch  # the shape `step_report` compiles for
+        self._built_with_targets = y_true is not None
         self.session.build(steps, c.steps_per_execution)
 
     def _check_targets(self, batch: data_lib.Batch, loss_terms, metric_terms) -> None:
@@ -384,6 +392,38 @@ class Model:
         outputs_lib.check_targets(batch.y, [*loss_terms, *metric_terms], self._outputs)
         if outputs_lib.is_structure(batch.sample_weight):
             outputs_lib.check_targets(batch.sample_weight, loss_terms, self._outputs, "sample_weight")
+
+    def _loss_terms(self, outputs, y_true, y_pred) -> list[outputs_lib.LossTerm]:
+        """The compiled loss per output; with targets, those returning a scalar are marked, and refused
+        (before any state changes) under a strategy that cannot compute them on a partial batch's real rows."""
+        c = self._compiled
+        terms = outputs_lib.resolve_losses(c.loss, c.loss_weights, outputs)
+        if y_true is None:
+            return terms
+        outputs_lib.check_targets(y_true, terms, outputs)  # a clear error before the losses are traced
+        terms = outputs_lib.find_scalar_losses(terms, y_true, y_pred)
+        scalar = [term.output.name or "output" for term in terms if term.scalar]
+        reason = self.strategy.scalar_loss_refusal() if scalar else None
+        if reason:
+            raise ValueError(
+                f"Expected a loss that returns one value per sample under {self.strategy!r}: {reason}. "
+                f"Received: a loss returning a scalar (shape ()) for {', '.join(map(repr, scalar))}. "
+                "Return per-sample values (shape (batch,), e.g. `jnp.mean(..., axis=-1)` rather than "
+                "`jnp.mean(...)`) and compile again, or train under OneDeviceStrategy, MirroredStrategy "
+                "(reduction='auto') or a single-process MeshStrategy."
+            )
+        return terms
+
+    def _scalar_loss_found_late(self, batch: data_lib.Batch) -> bool:
+        """Whether steps built without targets (by `predict`) must be built again for `batch`'s: only
+        when a loss returns a scalar. Checked once, at the first batch with targets."""
+        if self._built_with_targets or batch.y is None or self._compiled.loss is None:
+            return False
+        y_pred = self._output_spec(batch)
+        y_true = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch.y)
+        terms = self._loss_terms(outputs_lib.outputs_of(y_pred), y_true, y_pred)  # may refuse: checked again
+        self._built_with_targets = True
+        return any(term.scalar for term in terms)
 
     @property
     def metrics_names(self) -> list[str]:
@@ -493,8 +533,8 @@ class Model:
         """Trains the model for a number of epochs (Keras's `fit`); returns a `History`.
 
         The last partial batch of an epoch is trained on exactly (padded and
-        masked), with no recompilation. Every check runs before any state
-        changes.
+        masked), with no recompilation (a loss returning a scalar: one, see
+        `compile`). Every check runs before any state changes.
 
         Args:
             x: input data: a numpy/JAX array, a dict, tuple or list of arrays,

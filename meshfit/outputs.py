@@ -43,11 +43,17 @@ class Output(NamedTuple):
 
 
 class LossTerm(NamedTuple):
-    """One output's loss and its weight in the total (None: unweighted)."""
+    """One output's loss and its weight in the total (None: unweighted).
+
+    `scalar`: the loss returns one value for the batch, not one per sample
+    (`find_scalar_losses`), so the steps compute it on the real rows of a
+    partial batch rather than masking its padding.
+    """
 
     output: Output
     loss: losses_lib.Loss
     weight: float | None
+    scalar: bool = False
 
 
 class MetricTerm(NamedTuple):
@@ -159,6 +165,20 @@ def resolve_losses(loss, loss_weights, outputs: Sequence[Output]) -> list[LossTe
     if not terms:
         raise ValueError(f"`loss` gives no loss for any output. Received: loss={loss!r}.")
     return terms
+
+
+def find_scalar_losses(terms: Sequence[LossTerm], y_true, y_pred) -> list[LossTerm]:
+    """The terms, each marked `scalar` if its loss returns a scalar on these (abstract) targets and outputs.
+
+    Traced with `jax.eval_shape`: nothing runs. Per-sample losses cost
+    nothing more; only a scalar one makes the session pick the step by a
+    batch's real rows (`meshfit.session`).
+    """
+    marked = []
+    for term in terms:
+        values = jax.eval_shape(term.loss.call, term.output.of(y_true), term.output.of(y_pred))
+        marked.append(term._replace(scalar=len(getattr(values, "shape", ())) == 0))
+    return marked
 
 
 def resolve_metrics(metrics, weighted_metrics, outputs: Sequence[Output], y_true, y_pred, loss) -> list[MetricTerm]:

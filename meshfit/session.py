@@ -9,6 +9,20 @@ state without waiting for batches in flight. The session also
 counts optimizer steps on the host, knows where a running fit stands
 (`position()`), and decides how training batches reach the devices
 (`train_executions`): one by one, or several staged on the devices at once.
+
+Scalar losses: a loss that returns one value for the batch cannot be masked,
+so a partial batch (padded up to full size) must not reach the step every
+batch uses. The session reads each batch's real rows from its mask on the host
+before the batch goes to the devices, and runs a partial batch of `n` real rows
+through a step that computes the scalar on the first `n` rows
+(`StepFunctions.with_rows`), compiled on its first use and kept per `n`
+(`_with_rows`). In-memory arrays have one partial batch size, so one more
+compilation for training and one for evaluation; an iterable's batches one per
+distinct partial size (as Keras retraces per batch shape). Each costs what the
+step's own compilation costs (for small MLPs on a 2-core CPU, 0.4 to 0.8 s for
+training, 0.1 s for evaluation: `benchmarks/bench_scalar_loss.py`). Full batches
+run the usual step at the usual speed; only scalar losses make the host read
+masks.
 """
 
 from __future__ import annotations
@@ -57,16 +71,25 @@ class Position:
 
 class Placed(NamedTuple):
     """An execution already laid out on the devices (read ahead by the input's thread): one batch,
-    stacked batches, or a list of single batches (a short last group)."""
+    stacked batches, or a list of single batches (a short last group).
+
+    `rows`: under a scalar loss, the real rows of a partial batch (None for a
+    full one), or a list of them for a list of batches; None otherwise.
+    """
 
     batches: Any
+    rows: Any = None
 
 
 class Staged(NamedTuple):
-    """Batches already on the devices (a stage: several stacked); each step picks one by its device index."""
+    """Batches already on the devices (a stage: several stacked); each step picks one by its device index.
+
+    `rows`: for each index, the real rows of a partial batch under a scalar loss, else None.
+    """
 
     stage: Any
     indices: list
+    rows: list
 
 
 class Session:
@@ -234,6 +257,9 @@ class Session:
         # host work before an epoch's first step is what the devices wait for.
         self._spare_metrics = None
         self._report: tuple | None = None  # (batch shape, StepReport) of `step_report`
+        # Scalar losses: the steps for partial batches, by kind and real rows (see the module docstring).
+        self._scalar = bool(steps.scalar_losses)
+        self._by_rows: dict[tuple[str, int], Any] = {}
         self._state = self._state._replace(metrics=self.fresh_eval_metrics())
 
     def reset_train_metrics(self) -> None:
@@ -285,12 +311,13 @@ class Session:
         while len(self._indices) < stage_steps:
             self._indices.append(self.strategy.replicate(np.int32(len(self._indices))))
         for count, stage in data.executions(epoch, stage_steps, start_step, pad_last=True):
+            rows = self._partial_rows_each(stage.mask)[:count]  # from the host mask, before placing
             placed = self.strategy.place_stage(stage)
             if not per_step:
-                yield count, Staged(placed, self._indices[:count])
+                yield count, Staged(placed, self._indices[:count], rows)
                 continue
-            for index in self._indices[:count]:
-                yield 1, Staged(placed, [index])
+            for index, real in zip(self._indices[:count], rows, strict=True):
+                yield 1, Staged(placed, [index], [real])
 
     def prefetch(self, data, epoch: int, per_step: bool = True) -> None:
         """Prepares the first execution of `epoch` now, while the devices finish the last one.
@@ -312,9 +339,10 @@ class Session:
 
     def _place(self, execution) -> Placed:
         """Lays out a host execution on the devices (on the input's reading thread)."""
+        execution, rows = self._by_batch(execution)
         if isinstance(execution, list):
-            return Placed([self.strategy.place_batch(single, False) for single in execution])
-        return Placed(self.strategy.place_batch(execution, self.stacked))
+            return Placed([self.strategy.place_batch(single, False) for single in execution], rows)
+        return Placed(self.strategy.place_batch(execution, self.stacked), rows)
 
     def train(self, execution):
         """One execution: staged batches, a (stacked) batch read ahead and placed, a (stacked) host
@@ -323,16 +351,72 @@ class Session:
             return self._train_staged_steps(execution)
         placed = isinstance(execution, Placed)
         if placed:
-            execution = execution.batches
+            execution, rows = execution.batches, execution.rows
+        else:
+            execution, rows = self._by_batch(execution)
         if isinstance(execution, list):
-            for single in execution:
+            for single, real in zip(execution, rows or [None] * len(execution), strict=True):
                 batch = single if placed else self.strategy.distribute_batch(single, False)
-                self._state, logs = self._train_one(self._state, batch)
+                train = self._train_one if real is None else self._with_rows("train", real)
+                self._state, logs = train(self._state, batch)
         else:
             batch = execution if placed else self.strategy.distribute_batch(execution, self.stacked)
-            self._state, logs = self._train(self._state, batch)
+            train = self._train if rows is None else self._with_rows("train", rows)
+            self._state, logs = train(self._state, batch)
         self.in_flight.add(logs[LOSS_KEY])
         return logs
+
+    # -- scalar losses: partial batches by their real rows ---------------------------------
+
+    def _partial_rows(self, mask) -> int | None:
+        """The real rows of a partial batch (from its host mask) under a scalar loss; else None: the
+        usual step (a full batch, a batch of padding only, or no scalar loss, where masks are not read)."""
+        if not self._scalar:
+            return None
+        real = int(np.count_nonzero(mask))
+        return real if 0 < real < np.shape(mask)[-1] else None
+
+    def _partial_rows_each(self, mask) -> list:
+        """`_partial_rows` of each batch of a stacked group (host mask of shape (K, rows))."""
+        if not self._scalar:
+            return [None] * np.shape(mask)[0]
+        return [self._partial_rows(row) for row in np.asarray(mask)]
+
+    def _by_batch(self, execution):
+        """`(execution, rows)`: `rows` as `Placed` holds them; under a scalar loss a stacked group that
+        holds a partial batch becomes the list of its single batches (the K-step scan is one program
+        for all K, so that group runs step by step: the single step, as for a short last group)."""
+        if not self._scalar:
+            return execution, None
+        if isinstance(execution, list):
+            return execution, [self._partial_rows(single.mask) for single in execution]
+        if not self.stacked:
+            return execution, self._partial_rows(execution.mask)
+        rows = self._partial_rows_each(execution.mask)
+        if all(real is None for real in rows):
+            return execution, None
+        return [_one_of(execution, i) for i in range(len(rows))], rows
+
+    def _with_rows(self, kind: str, rows: int):
+        """The step of `kind` ("train", "staged" or "evaluate") for a partial batch of `rows` real rows,
+        compiled on first use and kept (each computes the scalar losses on the first `rows` rows)."""
+        step = self._by_rows.get((kind, rows))
+        if step is None:
+            steps = self.steps.with_rows(rows)
+            if kind == "train":
+                step = self.strategy.train_function(steps, False)
+            elif kind == "staged":
+                step = self.strategy.compile(steps.staged_train_step, donate_argnums=(0,))
+            else:
+                step = self.strategy.compile(steps.eval_step, donate_argnums=(1,))
+            self._by_rows[(kind, rows)] = step
+        return step
+
+    @property
+    def partial_batch_steps(self) -> list[tuple[str, int]]:
+        """`(kind, real rows)` of each step compiled for partial batches under a scalar loss (the extra
+        compilations a scalar loss costs; empty without one)."""
+        return sorted(self._by_rows)
 
     def train_batch(self, host_batch):
         """One training step on one host batch (`train_on_batch`), its metrics counted afresh; returns its logs.
@@ -341,7 +425,9 @@ class Session:
         compiled once per batch shape.
         """
         self.reset_train_metrics()
-        self._state, logs = self._train_one(self._state, self.strategy.distribute_batch(host_batch, False))
+        rows = self._partial_rows(host_batch.mask)  # a batch padded to the strategy's batch multiple
+        train = self._train_one if rows is None else self._with_rows("train", rows)
+        self._state, logs = train(self._state, self.strategy.distribute_batch(host_batch, False))
         self._step += 1
         settled = self.settle()  # asynchronous strategies: the batch is applied before its logs are read
         return logs if settled is None else settled
@@ -349,8 +435,9 @@ class Session:
     def _train_staged_steps(self, staged: Staged):
         """Each staged step in turn, with the in-flight bound kept at every step."""
         train, stage, add = self._train_staged, staged.stage, self.in_flight.add
-        for index in staged.indices:
-            self._state, logs = train(self._state, stage, index)
+        for index, rows in zip(staged.indices, staged.rows, strict=True):
+            step = train if rows is None else self._with_rows("staged", rows)
+            self._state, logs = step(self._state, stage, index)
             add(logs[LOSS_KEY])
         return logs
 
@@ -398,9 +485,32 @@ class Session:
         return self._state.params, self._state.model_state
 
     def evaluate(self, metrics, host_batch):
-        """One evaluation execution on the current weights; returns the new accumulators and logs."""
-        batch = self.strategy.distribute_batch(host_batch, self.stacked)
-        metrics, logs = self._evaluate(self._variables(), metrics, batch)
+        """One evaluation execution on the current weights; returns the new accumulators and logs.
+
+        Under a scalar loss a partial batch runs alone through its own step
+        (`_with_rows`); in a stacked group, the others run as a group with the
+        partial batch's mask zeroed (it counts for nothing there), so no
+        single-batch step is compiled besides.
+        """
+        variables = self._variables()
+        rows = [None]
+        if self._scalar:
+            rows = self._partial_rows_each(host_batch.mask) if self.stacked else [self._partial_rows(host_batch.mask)]
+        if all(real is None for real in rows):
+            batch = self.strategy.distribute_batch(host_batch, self.stacked)
+            metrics, logs = self._evaluate(variables, metrics, batch)
+        elif not self.stacked:
+            batch = self.strategy.distribute_batch(host_batch, False)
+            metrics, logs = self._with_rows("evaluate", rows[0])(variables, metrics, batch)
+        else:
+            partial = np.asarray([real is not None for real in rows])
+            mask = np.where(partial[:, None], 0, host_batch.mask).astype(host_batch.mask.dtype)
+            if mask.any():
+                batch = self.strategy.distribute_batch(host_batch._replace(mask=mask), True)
+                metrics, logs = self._evaluate(variables, metrics, batch)
+            for i in np.flatnonzero(partial):
+                batch = self.strategy.distribute_batch(_one_of(host_batch, i), False)
+                metrics, logs = self._with_rows("evaluate", rows[i])(variables, metrics, batch)
         self.in_flight.add(logs[LOSS_KEY])
         return metrics, logs
 
@@ -410,3 +520,8 @@ class Session:
         y_pred = self._predict(self._variables(), batch)
         self.in_flight.add(y_pred)
         return y_pred, batch.mask
+
+
+def _one_of(stacked, i: int):
+    """Batch `i` of a stacked host group (a view of its rows)."""
+    return jax.tree.map(lambda a: a[i], stacked)

@@ -70,6 +70,12 @@ class StepFunctions:
             mask as sample weight (times the output's `sample_weight` for the
             weighted ones).
         policy: the `meshfit.precision.DTypePolicy` the forward and backward passes run under.
+
+    A loss that returns a scalar for the batch (`LossTerm.scalar`) cannot
+    leave padding rows out: the steps take it as computed on the whole batch,
+    which is right for full batches, and a partial batch of `n` real rows
+    goes through a copy made by `with_rows(n)`, which computes it on the
+    first `n` rows (the real ones: padding always follows them).
     """
 
     def __init__(
@@ -86,6 +92,7 @@ class StepFunctions:
         self.tx = tx
         self.metric_terms = list(metrics)
         self.replica_gradients: Callable | None = None
+        self.rows: int | None = None  # set by `with_rows`: a scalar loss sees only these first rows
 
     def with_replica_gradients(self, fn: Callable) -> StepFunctions:
         """A copy whose training steps compute `(grads, module state, increments)` with `fn`.
@@ -97,6 +104,30 @@ class StepFunctions:
         steps = copy.copy(self)
         steps.replica_gradients = fn
         return steps
+
+    def with_rows(self, rows: int) -> StepFunctions:
+        """A copy whose steps compute each scalar loss on the first `rows` rows of the batch.
+
+        For a partial batch with `rows` real rows (they come first, the padding
+        after them): the slice is static, so each distinct `rows` is its own
+        compiled program; per-sample losses and metrics still use the mask.
+        Under explicit per-replica gradients a replica holds only its own rows,
+        so there is no copy to make (the model refuses that pairing at build).
+        """
+        if self.replica_gradients is not None:
+            raise ValueError(
+                "Scalar losses computed on a partial batch's real rows need the whole batch in one step. "
+                "Received: steps with per-replica gradients (an explicit data-parallel step); "
+                "return per-sample loss values instead."
+            )
+        steps = copy.copy(self)
+        steps.rows = int(rows)
+        return steps
+
+    @property
+    def scalar_losses(self) -> list[str]:
+        """The names of the outputs whose loss returns a scalar (empty: every loss is per sample)."""
+        return [term.output.name or "output" for term in self.losses if term.scalar]
 
     @property
     def metrics(self) -> list:
@@ -156,8 +187,17 @@ class StepFunctions:
         module state keeps the dtypes it had.
         """
         y_pred, new_model_state = self._apply(params, model_state, batch.x, rng, training)
-        values = [term.loss.call(term.output.of(batch.y), term.output.of(y_pred)) for term in self.losses]
+        values = [
+            term.loss.call(self._real(term, term.output.of(batch.y)), self._real(term, term.output.of(y_pred)))
+            for term in self.losses
+        ]
         return values, y_pred, new_model_state
+
+    def _real(self, term: LossTerm, tree):
+        """`tree` as a loss term reads it: a scalar loss of a `with_rows` copy reads the first `rows` rows."""
+        if tree is None or not term.scalar or self.rows is None:
+            return tree
+        return jax.tree.map(lambda a: a[: self.rows], tree)
 
     def _apply(self, params, model_state, x, rng, training: bool):
         """The module's outputs under the dtype policy (float32 out) and its updated state."""
@@ -170,16 +210,23 @@ class StepFunctions:
         return y_pred, new_model_state
 
     def _parts(self, values, batch: Batch):
-        """`(total, divisor)` of each loss: its value is `total / divisor`."""
-        return [
-            losses_lib.reduce_parts(
-                value,
-                sample_weight=_output_weight(batch.sample_weight, term.output),
-                mask=batch.mask,
-                reduction=term.loss.reduction,
-            )
-            for term, value in zip(self.losses, values, strict=True)
-        ]
+        """`(total, divisor)` of each loss: its value is `total / divisor`.
+
+        A scalar loss is reduced as Keras reduces it (see
+        `meshfit.losses.reduce_values`) over the rows it was computed on, with
+        no mask; its divisor is 1, or 0 on a batch of padding only (a filler
+        in a stacked group), which then counts for nothing, as with a
+        per-sample loss.
+        """
+        parts = []
+        for term, value in zip(self.losses, values, strict=True):
+            sample_weight = _output_weight(batch.sample_weight, term.output)
+            if not term.scalar:
+                parts.append(losses_lib.reduce_parts(value, sample_weight, batch.mask, term.loss.reduction))
+                continue
+            total, divisor = losses_lib.reduce_parts(value, self._real(term, sample_weight), None, term.loss.reduction)
+            parts.append((total, divisor * (jnp.sum(batch.mask) > 0).astype(divisor.dtype)))
+        return parts
 
     def _weighted_sum(self, each):
         """The loss: each output's loss times its weight, summed (Keras's total)."""

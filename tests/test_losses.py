@@ -538,10 +538,36 @@ def test_get_bad_type():
         losses.get(3)
 
 
-def test_scalar_returning_callable_raises():
-    loss = losses.LossFunctionWrapper(lambda t, p: jnp.mean((t - p) ** 2))
-    with pytest.raises(ValueError, match=r"per-sample.*jnp.mean\(\.\.\., axis=-1\)"):
-        loss(jnp.zeros((2, 2)), jnp.ones((2, 2)))
+def _scalar_mse(y_true, y_pred):
+    return jnp.mean(jnp.square(y_true - y_pred))
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum", "mean_with_sample_weight", None])
+def test_scalar_loss_reduces_as_keras(keras, reduction, rows):
+    """A loss returning a scalar: as it is without weights; with them, Keras's reduce_weighted_values
+    (the scalar times the mean weight, times their sum for "sum"; a batch of one row as Keras has it)."""
+    rng = np.random.default_rng(0)
+    y_true, y_pred = rng.standard_normal((2, rows, 3)).astype(np.float32)
+    ours = losses.LossFunctionWrapper(_scalar_mse, reduction=reduction)
+
+    class ScalarMSE(keras.losses.Loss):
+        def call(self, y_true, y_pred):
+            return keras.ops.mean(keras.ops.square(y_true - y_pred))
+
+    theirs = ScalarMSE(reduction=reduction)
+    for sample_weight in (None, np.linspace(0.5, 2.0, rows, dtype=np.float32)):
+        close(ours(y_true, y_pred, sample_weight), theirs(y_true, y_pred, sample_weight))
+    close(losses.reduce_values(jnp.float32(2.0), jnp.array([1.0, 3.0]), reduction="sum"), 8.0)
+
+
+def test_scalar_loss_values_cannot_be_masked():
+    loss = losses.LossFunctionWrapper(_scalar_mse)
+    mask = jnp.array([1.0, 0.0])
+    with pytest.raises(ValueError, match=r"Received: a scalar.*real rows only.*jnp.mean\(\.\.\., axis=-1\)"):
+        loss(jnp.zeros((2, 2)), jnp.ones((2, 2)), mask=mask)
+    with pytest.raises(ValueError, match=r"Received: a scalar.*real rows only"):
+        losses.reduce_parts(jnp.float32(1.0), mask=mask)
 
 
 def test_bad_reduction_lists_allowed():

@@ -279,9 +279,6 @@ def test_compile_accepts_names_objects_and_callables():
 
     model.compile(optimizer=optax.adam(1e-3), loss=my_loss, metrics=[mf.metrics.SparseCategoricalAccuracy()])
     model.fit(x, y, epochs=1, verbose=0)
-    with pytest.raises(ValueError, match="per-sample"):
-        model.compile(optimizer="sgd", loss=lambda t, p: jnp.mean((p - 0) ** 2))
-        model.fit(x, np.zeros((16, 3), np.float32), epochs=1, verbose=0)
 
 
 def test_keras_default_optimizer_and_learning_rate_access():
@@ -337,3 +334,213 @@ def test_train_on_batch_compiles_once_per_batch_shape():
     assert model.session.step == 5
     with pytest.raises(TypeError, match="takes one batch of arrays"):
         model.train_on_batch(iter([(x, y)]))
+
+
+# -- losses returning a scalar ------------------------------------------------------------------
+
+
+def scalar_cross_entropy(y_true, y_pred):
+    """The built-in's value as one scalar for the batch: it cannot be masked per row."""
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(y_pred, y_true))
+
+
+BUILT_IN = mf.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def strategy_named(name):
+    return mf.strategies.MirroredStrategy() if name == "mirrored" else mf.strategies.OneDeviceStrategy()
+
+
+def fit_both(run):
+    """`run(loss)` with the per-sample built-in, then with its scalar twin; both results."""
+    return run(BUILT_IN), run(scalar_cross_entropy)
+
+
+def assert_same_training(per_sample, scalar, rtol=1e-5):
+    (a, history_a), (b, history_b) = per_sample, scalar
+    assert history_a.keys() == history_b.keys()
+    for key in history_a:
+        np.testing.assert_allclose(history_a[key], history_b[key], rtol=rtol)
+    assert_trees_close(a.params, b.params, rtol=rtol, atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["one_device", "mirrored"])
+def test_scalar_loss_trains_and_evaluates_as_the_per_sample_built_in(strategy):
+    """70 rows in batches of 16 (a last batch of 6), validation on 37 (one of 5): the scalar is
+    computed on the real rows only, so it equals the masked per-sample mean. Batches are staged on
+    the devices: one device runs a stage's steps as one execution, mirrored (a batch callback) one
+    by one."""
+    x, y = classification_data(n=70)
+    seen = mf.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: None)
+    callbacks = [seen] if strategy == "mirrored" else []
+
+    def run(loss):
+        with strategy_named(strategy).scope():
+            model = make_model(loss=loss)
+        validation = (x[:37], y[:37])
+        history = model.fit(x, y, batch_size=16, epochs=3, validation_data=validation, callbacks=callbacks, verbose=0)
+        return model, history.history
+
+    per_sample, scalar = fit_both(run)
+    assert_same_training(per_sample, scalar)
+    (a, _), (b, _) = per_sample, scalar
+    evaluated = [m.evaluate(x[:45], y[:45], batch_size=16, verbose=0, return_dict=True) for m in (a, b)]
+    assert evaluated[0] == pytest.approx(evaluated[1], rel=1e-5)
+    assert a.session.partial_batch_steps == []  # per-sample losses: nothing more compiled
+    # Scalar: one step per partial size: training (staged) on 6 rows, validation on 5, evaluation on 13.
+    assert b.session.partial_batch_steps == [("evaluate", 5), ("evaluate", 13), ("staged", 6)]
+
+
+def test_scalar_loss_with_steps_per_execution_and_a_partial_batch_in_a_full_group():
+    """120 rows in batches of 16: 8 batches, the second group of 4 holds the partial one (it runs step
+    by step); evaluation's group of 3 real batches runs stacked, its partial batch alone."""
+    x, y = classification_data(n=120)
+
+    def run(loss):
+        model = make_model(loss=loss, steps_per_execution=4)
+        history = model.fit(x, y, batch_size=16, epochs=2, validation_data=(x[:45], y[:45]), verbose=0)
+        return model, history.history
+
+    per_sample, scalar = fit_both(run)
+    assert_same_training(per_sample, scalar)
+    assert scalar[0].session.partial_batch_steps == [("evaluate", 13), ("train", 8)]
+
+
+@pytest.mark.parametrize("prefetch", [0, 2], ids=["host-batches", "placed-ahead"])
+def test_scalar_loss_on_a_generator_of_ragged_batches(monkeypatch, prefetch):
+    """Batches of 8, 5, 8, 3, 8, 5 rows (padded to 8): one step per distinct partial size (5 and 3)."""
+    monkeypatch.setattr(mf.session, "PREFETCH_EXECUTIONS", prefetch)
+    sizes = [8, 5, 8, 3, 8, 5]
+    x, y = classification_data(n=sum(sizes))
+    ends = np.cumsum(sizes)
+
+    class Batches:  # re-iterable: each epoch reads it anew
+        def __iter__(self):
+            return ((x[end - size : end], y[end - size : end]) for size, end in zip(sizes, ends, strict=True))
+
+    def run(loss):
+        model = make_model(loss=loss)
+        history = model.fit(Batches(), epochs=2, validation_data=Batches(), verbose=0)
+        return model, history.history
+
+    per_sample, scalar = fit_both(run)
+    assert_same_training(per_sample, scalar)
+    assert scalar[0].session.partial_batch_steps == [("evaluate", 3), ("evaluate", 5), ("train", 3), ("train", 5)]
+
+
+def test_scalar_loss_on_batch_methods_under_mirrored():
+    """10 rows padded to 16 over 8 replicas: train_on_batch and test_on_batch take the real rows."""
+    x, y = classification_data(n=30)
+    models = []
+    for loss in (BUILT_IN, scalar_cross_entropy):
+        with mf.strategies.MirroredStrategy().scope():
+            models.append(make_model(loss=loss))
+    for start in (0, 10, 20):
+        rows = slice(start, start + 10)
+        got = [m.train_on_batch(x[rows], y[rows], return_dict=True) for m in models]
+        assert got[0] == pytest.approx(got[1], rel=1e-5)
+    assert_trees_close(models[0].params, models[1].params, rtol=1e-5)
+    tested = [m.test_on_batch(x[:7], y[:7], return_dict=True) for m in models]
+    assert tested[0] == pytest.approx(tested[1], rel=1e-5)
+    assert models[1].session.partial_batch_steps == [("evaluate", 7), ("train", 10)]
+
+
+def test_scalar_loss_found_after_predict_built_the_steps():
+    """`predict` builds the steps without targets; the first fit finds the scalar loss and builds them again."""
+    x, y = classification_data(n=70)
+
+    def run(loss):
+        model = make_model(loss=loss, metrics=None)  # ("accuracy" needs targets to resolve)
+        model.predict(x[:3], verbose=0)
+        return model, model.fit(x, y, batch_size=16, epochs=1, verbose=0).history
+
+    assert_same_training(*fit_both(run))
+
+
+class BackendCompiles:
+    """Counts XLA compilations (JAX's backend-compile events) while entered."""
+
+    def __enter__(self):
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._event)
+        return self
+
+    def _event(self, event, duration, **kwargs):
+        self.count += event == "/jax/core/compile/backend_compile_duration"
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._event)
+
+
+def test_scalar_loss_costs_one_compilation_per_partial_size_and_data():
+    """Against the per-sample built-in: one more XLA compilation for training, one for validation,
+    whatever the epochs; a second fit compiles nothing."""
+    x, y = classification_data(n=70)
+
+    def fit(model, epochs):
+        model.fit(x, y, batch_size=16, epochs=epochs, validation_data=(x[:37], y[:37]), verbose=0)
+
+    fit(make_model(), 1)  # warms what every model shares
+    compiles = {}
+    for name, loss in (("per_sample", BUILT_IN), ("scalar", scalar_cross_entropy)):
+        model = make_model(loss=loss)
+        with BackendCompiles() as first:
+            fit(model, 3)
+        with BackendCompiles() as again:
+            fit(model, 2)
+        compiles[name] = (first.count, again.count)
+    assert compiles["scalar"] == (compiles["per_sample"][0] + 2, 0)
+
+
+def test_scalar_loss_matches_keras_fit_with_sample_weight():
+    """Keras 3 weights a scalar loss by the batch's mean sample weight: so does meshfit, on 30 rows in
+    batches of 8 (a last batch of 6)."""
+    keras = pytest.importorskip("keras")
+    x, y = classification_data(n=30)
+    targets = np.eye(3, dtype=np.float32)[y]
+    weights = np.linspace(0.5, 2.0, 30, dtype=np.float32)
+    model = make_model(
+        optimizer=mf.optimizers.get("sgd", learning_rate=0.1), loss=lambda t, p: jnp.mean((t - p) ** 2), metrics=None
+    )
+    twin = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
+    module = model.module
+    twin.set_weights(
+        [np.asarray(v) for v in (module.hidden.kernel[...], module.hidden.bias[...])]
+        + [np.asarray(v) for v in (module.out.kernel[...], module.out.bias[...])]
+    )
+    twin.compile(optimizer=keras.optimizers.SGD(0.1), loss=lambda t, p: keras.ops.mean((t - p) ** 2))
+    fit_args = dict(sample_weight=weights, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    ours, theirs = model.fit(x, targets, **fit_args), twin.fit(x, targets, **fit_args)
+    np.testing.assert_allclose(ours.history["loss"], theirs.history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(model.get_weights()[1], twin.get_weights()[0], rtol=1e-5, atol=1e-6)  # hidden kernel
+    evaluated = [m.evaluate(x, targets, sample_weight=weights, batch_size=8, verbose=0) for m in (model, twin)]
+    assert evaluated[0] == pytest.approx(evaluated[1], rel=1e-5)
+
+
+class TwoProcesses(mf.strategies.OneDeviceStrategy):
+    """One device that says it is one of two processes (what a multi-process job's strategy says)."""
+
+    process_count = 2
+
+
+@pytest.mark.parametrize(
+    "strategy, reason",
+    [
+        (lambda: mf.strategies.MirroredStrategy(reduction="explicit"), "reduction='explicit'"),
+        (lambda: mf.strategies.ParameterServerStrategy(workers=jax.devices()[:2]), "workers compute gradients"),
+        (TwoProcesses, "job of 2 processes"),
+    ],
+    ids=["explicit-data-parallel", "parameter-server", "multi-process"],
+)
+def test_scalar_loss_is_refused_where_it_cannot_be_exact(strategy, reason):
+    x, y = classification_data(n=20)
+    with strategy().scope():
+        model = make_model(loss=scalar_cross_entropy)
+    weights = model.get_weights()
+    with pytest.raises(ValueError, match=f"one value per sample.*{reason}.*Received: a loss returning a scalar"):
+        model.fit(x, y, batch_size=8, verbose=0)
+    assert not model.session.built
+    for before, after in zip(weights, model.get_weights(), strict=True):
+        np.testing.assert_array_equal(before, after)
+    model.compile(optimizer="adam", loss=BUILT_IN)  # per-sample values: accepted
+    model.fit(x, y, batch_size=8, verbose=0)

@@ -99,6 +99,24 @@ class Strategy(ABC):
         gradients its own way (the explicit data-parallel step swaps in its per-replica gradients)."""
         return steps
 
+    def scalar_loss_refusal(self) -> str | None:
+        """Why this strategy cannot train with a loss that returns a scalar for the batch (None: it can).
+
+        Such a loss cannot be masked, so a partial batch's step computes it on
+        the batch's first real rows (`StepFunctions.with_rows`), picked on the
+        host from the batch's mask. That takes the whole global batch in one
+        synchronous step and a host that knows its real rows: a strategy whose
+        steps see only part of a batch, or run apart from the host, says why
+        not here. Across processes, a process knows only its own rows of a
+        generator's batch.
+        """
+        if self.process_count > 1:
+            return (
+                f"a job of {self.process_count} processes feeds each batch in per-process parts, "
+                "so no process knows how many rows of a partial batch are real"
+            )
+        return None
+
     def state_shardings(self, state, param_hints=None):
         """Where `place_state` puts each leaf of a `TrainState`: a matching pytree of shardings.
 

@@ -64,6 +64,14 @@ class MirroredStrategy(Strategy):
         gradients = data_parallel.replica_gradients(steps, self.mesh, DATA_AXIS, self.gradient_compression)
         return steps.with_replica_gradients(gradients)
 
+    def scalar_loss_refusal(self) -> str | None:
+        if self.reduction == "explicit":
+            return (
+                "reduction='explicit' computes each replica's loss on its own rows, "
+                "and a scalar of each replica's rows is not the scalar of the batch"
+            )
+        return super().scalar_loss_refusal()
+
     def state_shardings(self, state, param_hints=None):
         return jax.tree.map(lambda _: self._replicated, state)
 

@@ -144,6 +144,12 @@ class ParameterServerStrategy(Strategy):
             else:
                 self._link = FollowerLink()
 
+    def scalar_loss_refusal(self) -> str | None:
+        return (
+            "its workers compute gradients apart from the server (on parts of each batch in sync mode), "
+            "with one gradient program for every batch"
+        )
+
     @property
     def batch_block(self) -> tuple[int, int]:
         return 0, 1  # every server process reads whole batches; only rank 0 hands them out
