@@ -376,9 +376,10 @@ class Model:
         y_true = None if batch.y is None else jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch.y)
         c = self._compiled
         self._outputs = outputs = outputs_lib.outputs_of(y_pred)
-        loss_terms = self._loss_terms(outputs, y_true, y_pred)
+        loss_terms = outputs_lib.resolve_losses(c.loss, c.loss_weights, outputs)
         metric_terms = outputs_lib.resolve_metrics(c.metrics, c.weighted, outputs, y_true, y_pred, c.loss_id)
         self._check_targets(batch, loss_terms, metric_terms)
+        loss_terms = self._find_scalar_losses(loss_terms, y_true, y_pred)  # after every check of the arguments
         policy = c.dtype_policy
         adapter = self._adapter if policy.name == "float32" else self._adapter.with_compute_dtype(policy.compute_dtype)
         steps = StepFunctions(adapter, loss_terms, c.tx, metric_terms, policy)
@@ -393,14 +394,11 @@ class Model:
         if outputs_lib.is_structure(batch.sample_weight):
             outputs_lib.check_targets(batch.sample_weight, loss_terms, self._outputs, "sample_weight")
 
-    def _loss_terms(self, outputs, y_true, y_pred) -> list[outputs_lib.LossTerm]:
-        """The compiled loss per output; with targets, those returning a scalar are marked, and refused
-        (before any state changes) under a strategy that cannot compute them on a partial batch's real rows."""
-        c = self._compiled
-        terms = outputs_lib.resolve_losses(c.loss, c.loss_weights, outputs)
+    def _find_scalar_losses(self, terms, y_true, y_pred) -> list[outputs_lib.LossTerm]:
+        """The loss terms, with targets those returning a scalar marked, and refused (before any state
+        changes) under a strategy that cannot compute them on a partial batch's real rows."""
         if y_true is None:
             return terms
-        outputs_lib.check_targets(y_true, terms, outputs)  # a clear error before the losses are traced
         terms = outputs_lib.find_scalar_losses(terms, y_true, y_pred)
         scalar = [term.output.name or "output" for term in terms if term.scalar]
         reason = self.strategy.scalar_loss_refusal() if scalar else None
@@ -421,7 +419,9 @@ class Model:
             return False
         y_pred = self._output_spec(batch)
         y_true = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch.y)
-        terms = self._loss_terms(outputs_lib.outputs_of(y_pred), y_true, y_pred)  # may refuse: checked again
+        c = self._compiled
+        terms = outputs_lib.resolve_losses(c.loss, c.loss_weights, outputs_lib.outputs_of(y_pred))
+        terms = self._find_scalar_losses(terms, y_true, y_pred)  # may refuse: then checked again next time
         self._built_with_targets = True
         return any(term.scalar for term in terms)
 

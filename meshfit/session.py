@@ -19,7 +19,7 @@ through a step that computes the scalar on the first `n` rows
 (`_with_rows`). In-memory arrays have one partial batch size, so one more
 compilation for training and one for evaluation; an iterable's batches one per
 distinct partial size (as Keras retraces per batch shape). Each costs what the
-step's own compilation costs (for small MLPs on a 2-core CPU, 0.4 to 0.8 s for
+step's own compilation costs (for small MLPs on a 2-core CPU, 0.4 to 1 s for
 training, 0.1 s for evaluation: `benchmarks/bench_scalar_loss.py`). Full batches
 run the usual step at the usual speed; only scalar losses make the host read
 masks.

@@ -263,3 +263,26 @@ def test_outputs_are_named_from_their_paths():
     assert [o.name for o in outputs] == ["logits", "value"]
     assert outputs[1].of(pair) is pair.value
     assert outputs[1].of({"logits": 0, "value": 1}) == 1  # targets for them may be a dict
+
+
+def test_a_scalar_loss_on_one_output_equals_its_per_sample_twin():
+    """A scalar loss for "reg" beside a per-sample one for "cls", with loss weights: on 100 rows in
+    batches of 32 and validation on 37 (partial batches of 4 and 5) the same logs and weights as
+    per-sample losses for both; the scalar one is computed on the real rows only."""
+    x, y = data()
+
+    def run(reg_loss):
+        model = mf.Model(TwoHeads(nnx.Rngs(0)))
+        kwargs = compile_kwargs()
+        model.compile(optimizer="adam", **{**kwargs, "loss": {**kwargs["loss"], "reg": reg_loss}})
+        validation = (x[:37], jax.tree.map(lambda a: a[:37], y))
+        history = model.fit(x, y, batch_size=32, epochs=2, validation_data=validation, verbose=0)
+        return model, history.history
+
+    (per_sample, logs), (scalar, scalar_logs) = run("mse"), run(lambda t, p: jnp.mean(jnp.square(t - p)))
+    assert logs.keys() == scalar_logs.keys()
+    for key in logs:
+        np.testing.assert_allclose(logs[key], scalar_logs[key], rtol=1e-5, err_msg=key)
+    assert_trees_close(per_sample.params, scalar.params, rtol=1e-5, atol=1e-6)
+    assert scalar.session.steps.scalar_losses == ["reg"]
+    assert scalar.session.partial_batch_steps == [("evaluate", 5), ("staged", 4)]
