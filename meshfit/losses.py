@@ -87,6 +87,11 @@ def _align_to(w, values):
     return w
 
 
+def combine_masks(value_mask, row_mask):
+    """The entries that count: those a loss marks (`value_mask`, values-shaped) in the rows `row_mask` keeps."""
+    return value_mask & _align_to(jnp.asarray(row_mask).astype(bool), value_mask)
+
+
 def reduce_values(values, sample_weight=None, mask=None, reduction="sum_over_batch_size"):
     """Weights, masks and reduces per-sample loss values like Keras 3.
 
@@ -506,8 +511,13 @@ class Loss:
     def call(self, y_true, y_pred) -> jax.Array:
         raise NotImplementedError(f"{type(self).__name__} must implement `call(y_true, y_pred)`.")
 
-    def _values_and_mask(self, y_true, y_pred):
-        """Per-sample values and an optional mask of entries that count."""
+    def values_and_mask(self, y_true, y_pred):
+        """Per-sample values and an optional mask of the entries that count (None: all of them).
+
+        `SparseCategoricalCrossentropy(ignore_class=...)` leaves the ignored
+        entries out of the mean this way; the training step combines this
+        mask with the padding mask.
+        """
         return self.call(y_true, y_pred), None
 
     def __call__(self, y_true, y_pred, sample_weight=None, mask=None) -> jax.Array:
@@ -521,7 +531,7 @@ class Loss:
         """
         y_true = jax.tree.map(lambda x: jnp.asarray(x, self.dtype), y_true)
         y_pred = jax.tree.map(lambda x: jnp.asarray(x, self.dtype), y_pred)
-        values, value_mask = self._values_and_mask(y_true, y_pred)
+        values, value_mask = self.values_and_mask(y_true, y_pred)
         values = jnp.asarray(values)
         if values.ndim == 0 and mask is not None:
             raise ValueError(
@@ -530,9 +540,7 @@ class Loss:
                 "only, without `mask`, or return one value per sample (e.g. `jnp.mean(..., axis=-1)`)."
             )
         if value_mask is not None:
-            if mask is not None:
-                value_mask = value_mask & _align_to(jnp.asarray(mask).astype(bool), value_mask)
-            mask = value_mask
+            mask = value_mask if mask is None else combine_masks(value_mask, mask)
         return reduce_values(values, sample_weight, mask, self.reduction)
 
     def get_config(self):
@@ -871,7 +879,7 @@ class SparseCategoricalCrossentropy(LossFunctionWrapper):
             axis=axis,
         )
 
-    def _values_and_mask(self, y_true, y_pred):
+    def values_and_mask(self, y_true, y_pred):
         y_true, y_pred = squeeze_or_expand_to_same_rank(jnp.asarray(y_true), jnp.asarray(y_pred))
         return _sparse_ce_and_mask(y_true, y_pred, self.from_logits, self.ignore_class, self.axis)
 

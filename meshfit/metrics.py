@@ -1026,7 +1026,7 @@ class _LossMean(MeanMetricWrapper):
 
     def _values_and_mask(self, y_true, y_pred):
         cast = lambda x: jnp.asarray(x, self._loss.dtype)  # noqa: E731
-        return self._loss._values_and_mask(jax.tree.map(cast, y_true), jax.tree.map(cast, y_pred))
+        return self._loss.values_and_mask(jax.tree.map(cast, y_true), jax.tree.map(cast, y_pred))
 
 
 def _shape(x):

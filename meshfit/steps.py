@@ -187,8 +187,10 @@ class StepFunctions:
         module state keeps the dtypes it had.
         """
         y_pred, new_model_state = self._apply(params, model_state, batch.x, rng, training)
-        values = [
-            term.loss.call(self._real(term, term.output.of(batch.y)), self._real(term, term.output.of(y_pred)))
+        values = [  # (values, the entries that count: None for all, e.g. ignore_class)
+            term.loss.values_and_mask(
+                self._real(term, term.output.of(batch.y)), self._real(term, term.output.of(y_pred))
+            )
             for term in self.losses
         ]
         return values, y_pred, new_model_state
@@ -219,10 +221,11 @@ class StepFunctions:
         per-sample loss.
         """
         parts = []
-        for term, value in zip(self.losses, values, strict=True):
+        for term, (value, valid) in zip(self.losses, values, strict=True):
             sample_weight = _output_weight(batch.sample_weight, term.output)
             if not term.scalar:
-                parts.append(losses_lib.reduce_parts(value, sample_weight, batch.mask, term.loss.reduction))
+                mask = batch.mask if valid is None else losses_lib.combine_masks(valid, batch.mask)
+                parts.append(losses_lib.reduce_parts(value, sample_weight, mask, term.loss.reduction))
                 continue
             total, divisor = losses_lib.reduce_parts(value, self._real(term, sample_weight), None, term.loss.reduction)
             parts.append((total, divisor * (jnp.sum(batch.mask) > 0).astype(divisor.dtype)))

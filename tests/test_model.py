@@ -544,3 +544,21 @@ def test_scalar_loss_is_refused_where_it_cannot_be_exact(strategy, reason):
         np.testing.assert_array_equal(before, after)
     model.compile(optimizer="adam", loss=BUILT_IN)  # per-sample values: accepted
     model.fit(x, y, batch_size=8, verbose=0)
+
+
+def test_ignore_class_leaves_ignored_labels_out_of_the_loss_in_fit_and_evaluate():
+    """The step combines the loss's own mask (ignored entries) with the padding mask, as calling the loss does."""
+    keras = pytest.importorskip("keras")
+    x, y = classification_data(n=50)
+    y = y.copy()
+    y[::3] = -1  # a third of the labels ignored
+    loss = mf.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=-1)
+    model = mf.Model(MLP(din=4, hidden=16, dout=3))
+    model.compile(optimizer=optax.sgd(0.1), loss=loss)
+    logits = model.predict(x, verbose=0)
+    direct = float(loss(y, logits))
+    theirs = float(keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=-1)(y, logits))
+    np.testing.assert_allclose(direct, theirs, rtol=1e-5)
+    np.testing.assert_allclose(model.evaluate(x, y, batch_size=64, verbose=0), direct, rtol=1e-5)  # padded to 64
+    history = model.fit(x, y, batch_size=50, epochs=1, shuffle=False, verbose=0).history
+    np.testing.assert_allclose(history["loss"][0], direct, rtol=1e-5)  # the loss of the weights it started from
