@@ -31,7 +31,7 @@ def test_failure_of_one_process_stops_the_others_and_sets_the_status():
         ), result.stdout
 
 
-def kill_rank_one_while_training(out_dir):
+def kill_rank_one_while_training(out_dir, *launch_args):
     """Runs a 2-process job, SIGKILLs rank 1 once training is under way; returns (job, pids, seconds to the end,
     whether rank 0 was still alive when the launcher had ended)."""
     with Job(
@@ -40,6 +40,7 @@ def kill_rank_one_while_training(out_dir):
             "2",
             "--devices-per-proc",
             "2",
+            *launch_args,
             os.path.join(WORKERS, "train_data_parallel.py"),
             str(out_dir),
             "--hang",
@@ -63,9 +64,16 @@ def kill_rank_one_while_training(out_dir):
 @pytest.fixture(scope="module")
 def rank_one_killed(tmp_path_factory):
     """Three 2-process jobs whose rank 1 is SIGKILLed mid-training: the two tests below check every one of them
-    (each job takes ~12 s to start, train and end, so they share the runs rather than start their own)."""
+    (each job takes ~12 s to start, train and end, so they share the runs rather than start their own).
+
+    Rank 0, left waiting on its peer with JAX's preemption handler owning SIGTERM, does not end on the
+    launcher's SIGTERM and is killed after the stop grace: the first job has the default 5 s, the others 1 s.
+    """
     base = tmp_path_factory.mktemp("killed")
-    return [kill_rank_one_while_training(base / str(attempt)) for attempt in range(3)]
+    return [
+        kill_rank_one_while_training(base / str(attempt), *(["--stop-grace", "1"] if attempt else []))
+        for attempt in range(3)
+    ]
 
 
 def test_killed_worker_ends_the_job_with_a_clear_error_in_bounded_time(rank_one_killed):
@@ -132,7 +140,17 @@ def test_the_rank_that_died_first_is_blamed_not_the_one_that_aborted_after_it(ra
 
 def test_a_stopped_rank_ends_the_job_within_the_heartbeat_timeout():
     with Job(
-        launch_cmd("--nprocs", "2", "--heartbeat-timeout", "3", os.path.join(WORKERS, "exit_with.py"), "0"), timeout=120
+        launch_cmd(
+            "--nprocs",
+            "2",
+            "--heartbeat-timeout",
+            "3",
+            "--stop-grace",  # the stopped rank cannot act on SIGTERM: it is killed after this
+            "1",
+            os.path.join(WORKERS, "exit_with.py"),
+            "0",
+        ),
+        timeout=120,
     ) as job:
         job.wait_for(r"\[rank 0\] rank 0 of 2")
         ranks = job.children()
@@ -142,6 +160,7 @@ def test_a_stopped_rank_ends_the_job_within_the_heartbeat_timeout():
     assert time.monotonic() - stopped_at < 20
     assert status == 1
     assert re.search(r"\[launch\] rank \d \(pid \d+\) is stopped \(SIGSTOP\?\) and has not run for 3 s", job.stderr)
+    assert re.search(r"\[launch\] rank\(s\) \[\d\] did not end within the grace period and were killed", job.stderr)
 
 
 def _gpu_machine_env(tmp_path, gpus: int, jax_platforms: str | None) -> dict:

@@ -190,6 +190,8 @@ def test_restart_under_launch_with_a_killed_worker(tmp_path, uninterrupted_two_p
         + [
             "--max-restarts",
             "2",
+            "--stop-grace",  # rank 0, left waiting on its dead peer, is killed 1 s after the SIGTERM (default 5)
+            "1",
             WORKER,
             str(tmp_path / "a"),
             str(tmp_path / "ab"),
