@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from meshfit import __version__
-from meshfit.launch import PREEMPTION_GRACE_SECONDS, LaunchConfig, launch
+from meshfit.launch import GRACE_SECONDS, PREEMPTION_GRACE_SECONDS, LaunchConfig, launch
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -48,6 +48,13 @@ def _parser() -> argparse.ArgumentParser:
         default=PREEMPTION_GRACE_SECONDS,
         help="seconds the ranks get to write their preemption backups after the launcher receives "
         "SIGTERM, SIGINT or SIGHUP; what is left is then killed",
+    )
+    run.add_argument(
+        "--stop-grace",
+        type=float,
+        default=GRACE_SECONDS,
+        help="seconds the other ranks get to end once a rank failed (or the parameter servers finished) "
+        "before they are killed",
     )
     run.add_argument(
         "--server-timeout",
@@ -92,6 +99,7 @@ def main(argv=None) -> int:
             servers=servers,
             grace_period=args.grace_period,
             server_timeout=args.server_timeout,
+            stop_grace=args.stop_grace,
         )
         try:
             return launch(config)

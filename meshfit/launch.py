@@ -73,6 +73,9 @@ class LaunchConfig:
     grace_period: float = PREEMPTION_GRACE_SECONDS
     #: Seconds a parameter-server worker waits on a silent server before giving up.
     server_timeout: float = 60.0
+    #: Seconds the other ranks get to end once the job is over (a rank failed, or in a parameter-server
+    #: job the servers finished) before what is left is killed.
+    stop_grace: float = GRACE_SECONDS
     #: Parameter-server processes (ranks 0 to servers - 1); 0 for a plain job. In a
     #: parameter-server job the other ranks are workers, which may die without
     #: stopping the job: they are never part of a jax.distributed job. Servers
@@ -340,7 +343,7 @@ def run_once(config: LaunchConfig, attempt: int, log=sys.stderr) -> int:
             status, before_stop = -signal.SIGINT, []
         finally:
             signalled = signals.received is not None
-            killed = _stop(procs, config.grace_period if signalled else GRACE_SECONDS)
+            killed = _stop(procs, config.grace_period if signalled else config.stop_grace)
             for pump in pumps:
                 pump.join(timeout=2)
         failures = [(rank, code) for rank, code in before_stop if code != 0]

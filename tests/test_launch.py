@@ -6,6 +6,7 @@ import signal
 import sys
 import time
 
+import pytest
 from processes import Job, run
 
 WORKERS = os.path.join(os.path.dirname(__file__), "workers")
@@ -30,14 +31,16 @@ def test_failure_of_one_process_stops_the_others_and_sets_the_status():
         ), result.stdout
 
 
-def kill_rank_one_while_training(out_dir):
-    """Runs a 2-process job, SIGKILLs rank 1 once training is under way; returns (job, pids, seconds to the end)."""
+def kill_rank_one_while_training(out_dir, *launch_args):
+    """Runs a 2-process job, SIGKILLs rank 1 once training is under way; returns (job, pids, seconds to the end,
+    whether rank 0 was still alive when the launcher had ended)."""
     with Job(
         launch_cmd(
             "--nprocs",
             "2",
             "--devices-per-proc",
             "2",
+            *launch_args,
             os.path.join(WORKERS, "train_data_parallel.py"),
             str(out_dir),
             "--hang",
@@ -49,21 +52,37 @@ def kill_rank_one_while_training(out_dir):
         os.kill(pids[1], signal.SIGKILL)
         killed_at = time.monotonic()
         job.finish(timeout=60)
-    return job, pids, time.monotonic() - killed_at
-
-
-def test_killed_worker_ends_the_job_with_a_clear_error_in_bounded_time(tmp_path):
-    job, pids, took = kill_rank_one_while_training(tmp_path)
-    proc, err = job.proc, job.stderr
-    assert took < 30
-    assert proc.returncode == 128 + signal.SIGKILL
-    assert "[launch] rank 1 exited with status -9 (killed by SIGKILL); stopping the other 1 process(es)." in err
+    took = time.monotonic() - killed_at
     try:
         os.kill(pids[0], 0)
         alive = True
     except ProcessLookupError:
         alive = False
-    assert not alive, "rank 0 was left running"
+    return job, pids, took, alive
+
+
+@pytest.fixture(scope="module")
+def rank_one_killed(tmp_path_factory):
+    """Three 2-process jobs whose rank 1 is SIGKILLed mid-training: the two tests below check every one of them
+    (each job takes ~12 s to start, train and end, so they share the runs rather than start their own).
+
+    Rank 0, left waiting on its peer with JAX's preemption handler owning SIGTERM, does not end on the
+    launcher's SIGTERM and is killed after the stop grace: the first job has the default 5 s, the others 1 s.
+    """
+    base = tmp_path_factory.mktemp("killed")
+    return [
+        kill_rank_one_while_training(base / str(attempt), *(["--stop-grace", "1"] if attempt else []))
+        for attempt in range(3)
+    ]
+
+
+def test_killed_worker_ends_the_job_with_a_clear_error_in_bounded_time(rank_one_killed):
+    for job, _, took, alive in rank_one_killed:
+        proc, err = job.proc, job.stderr
+        assert took < 30
+        assert proc.returncode == 128 + signal.SIGKILL
+        assert "[launch] rank 1 exited with status -9 (killed by SIGKILL); stopping the other 1 process(es)." in err
+        assert not alive, "rank 0 was left running"
 
 
 def test_launch_requires_a_script():
@@ -109,10 +128,10 @@ def test_launch_rejects_a_parameter_server_job_without_servers_or_workers():
         assert "a parameter-server job takes --ps S --workers N (S, N >= 1) and no --nprocs" in result.stderr
 
 
-def test_the_rank_that_died_first_is_blamed_not_the_one_that_aborted_after_it(tmp_path):
+def test_the_rank_that_died_first_is_blamed_not_the_one_that_aborted_after_it(rank_one_killed):
     """rank 1 is SIGKILLed; rank 0 then fails on losing its peer. The launcher names rank 1, three times of three."""
-    for attempt in range(3):
-        job, _, _ = kill_rank_one_while_training(tmp_path / str(attempt))
+    assert len(rank_one_killed) == 3
+    for job, _, _, _ in rank_one_killed:
         assert "[launch] rank 1 exited with status -9 (killed by SIGKILL); stopping the other 1" in job.stderr, (
             job.stderr[-2000:]
         )
@@ -121,7 +140,17 @@ def test_the_rank_that_died_first_is_blamed_not_the_one_that_aborted_after_it(tm
 
 def test_a_stopped_rank_ends_the_job_within_the_heartbeat_timeout():
     with Job(
-        launch_cmd("--nprocs", "2", "--heartbeat-timeout", "3", os.path.join(WORKERS, "exit_with.py"), "0"), timeout=120
+        launch_cmd(
+            "--nprocs",
+            "2",
+            "--heartbeat-timeout",
+            "3",
+            "--stop-grace",  # the stopped rank cannot act on SIGTERM: it is killed after this
+            "1",
+            os.path.join(WORKERS, "exit_with.py"),
+            "0",
+        ),
+        timeout=120,
     ) as job:
         job.wait_for(r"\[rank 0\] rank 0 of 2")
         ranks = job.children()
@@ -131,6 +160,7 @@ def test_a_stopped_rank_ends_the_job_within_the_heartbeat_timeout():
     assert time.monotonic() - stopped_at < 20
     assert status == 1
     assert re.search(r"\[launch\] rank \d \(pid \d+\) is stopped \(SIGSTOP\?\) and has not run for 3 s", job.stderr)
+    assert re.search(r"\[launch\] rank\(s\) \[\d\] did not end within the grace period and were killed", job.stderr)
 
 
 def _gpu_machine_env(tmp_path, gpus: int, jax_platforms: str | None) -> dict:

@@ -190,6 +190,8 @@ def test_restart_under_launch_with_a_killed_worker(tmp_path, uninterrupted_two_p
         + [
             "--max-restarts",
             "2",
+            "--stop-grace",  # rank 0, left waiting on its dead peer, is killed 1 s after the SIGTERM (default 5)
+            "1",
             WORKER,
             str(tmp_path / "a"),
             str(tmp_path / "ab"),
@@ -403,10 +405,14 @@ def test_repeated_sigterms_during_the_preemption_save_still_exit_143(tmp_path, u
 
 def test_a_second_job_on_the_same_backup_directory_is_refused_and_the_first_is_undisturbed(tmp_path, uninterrupted):
     backup = tmp_path / "backup"
-    with Job([sys.executable, WORKER, str(tmp_path / "out"), str(backup), "--slow", "0.25"], timeout=180) as first:
+    go_on = tmp_path / "go_on"  # the first job waits after step 7, mid-epoch, until the second one has ended
+    with Job(
+        [sys.executable, WORKER, str(tmp_path / "out"), str(backup), "--pause-at-step", "7", str(go_on)], timeout=180
+    ) as first:
         pid = int(first.wait_for(r"pid (\d+) fitting")[0].group(1))
-        first.wait_for(r"step 7$")
+        first.wait_for(r"paused at step 7$")
         status, output = run_worker(tmp_path / "second", backup)
+        go_on.touch()
         assert status != 0
         assert f"is being written by another process: pid {pid} on host" in output, output[-3000:]
         assert first.finish() == 0, first.stderr[-3000:]

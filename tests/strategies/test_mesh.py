@@ -156,21 +156,21 @@ def test_constrain_is_a_no_op_elsewhere():
     assert mf.strategies.constrain(x, "data") is x
 
 
-def test_mesh_under_launch_equals_single_process(tmp_path):
+def test_mesh_under_launch_equals_single_process(two_process_job):
     """data=2 x fsdp=2 over 2 processes x 2 devices equals the same mesh in one process."""
     import os
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "workers"))
-    from test_multi_worker_mirrored import in_process, launch
+    from test_multi_worker_mirrored import in_process
     from train_data_parallel import mesh_strategy
 
-    launch(tmp_path, "--strategy", "mesh")
+    out = two_process_job.folder("mesh")  # the shared job (tests/strategies/conftest.py): --strategy mesh
     strategy = mesh_strategy(devices=jax.devices()[:4])
     model, history, evaluation, predictions = in_process(strategy)
     sharded = [leaf for leaf in jax.tree.leaves(model.params) if not leaf.sharding.is_fully_replicated]
     assert sharded, "the test model must have parameters sharded over fsdp"
-    saved = np.load(tmp_path / "params.npz")
+    saved = np.load(out / "params.npz")
     for i, weight in enumerate(model.get_weights()):
         np.testing.assert_allclose(saved[f"arr_{i}"], weight, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(saved["predictions"], predictions, rtol=1e-5, atol=1e-6)

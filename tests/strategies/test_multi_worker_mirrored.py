@@ -50,21 +50,22 @@ def in_process(strategy, spe=1, epochs=2, n=150, batch_size=15):
 
 
 @pytest.mark.parametrize("spe", [1, 3])
-def test_two_processes_equal_one_process_with_four_devices(tmp_path, spe):
-    result = launch(tmp_path, "--steps-per-execution", str(spe))
-    assert "trains alone" not in result.stdout  # the processes joined one job
-    lines = result.stdout.splitlines()
+def test_two_processes_equal_one_process_with_four_devices(two_process_job, spe):
+    # The shared job (tests/strategies/conftest.py) trained with --steps-per-execution 1, then 3, among others.
+    out = two_process_job.folder(f"spe{spe}")
+    assert "trains alone" not in two_process_job.result.stdout  # the processes joined one job
+    lines = two_process_job.lines(f"spe{spe}")
     assert any(ln.startswith("[rank 0] Epoch 1/2") for ln in lines)
     assert not any(ln.startswith("[rank 1] Epoch") for ln in lines)  # only process 0 prints progress
-    assert "[rank 1] pid" in result.stdout and "replicas 4" in result.stdout
+    assert any(ln.startswith("[rank 1] pid") for ln in lines) and any("replicas 4" in ln for ln in lines)
 
     model, history, evaluation, predictions = in_process(mf.strategies.MirroredStrategy(jax.devices()[:4]), spe)
-    saved = np.load(tmp_path / "params.npz")
+    saved = np.load(out / "params.npz")
     for i, weight in enumerate(model.get_weights()):
         np.testing.assert_allclose(saved[f"arr_{i}"], weight, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(saved["predictions"], predictions, rtol=1e-5, atol=1e-6)
     for rank in (0, 1):  # every process returns the same History
-        got = json.loads((tmp_path / f"history_{rank}.json").read_text())
+        got = json.loads((out / f"history_{rank}.json").read_text())
         assert set(got["history"]) == set(history)
         for key in history:
             np.testing.assert_allclose(got["history"][key], history[key], rtol=1e-5)
@@ -84,18 +85,18 @@ def test_processes_that_never_join_a_job_are_told_which_strategy_to_use(tmp_path
     assert "meshfit launch started 2 processes" in warnings[0] and "MultiWorkerMirroredStrategy()" in warnings[0]
 
 
-def test_bf16_compression_across_processes_equals_it_in_one_process(tmp_path):
+def test_bf16_compression_across_processes_equals_it_in_one_process(two_process_job):
     """2 processes x 2 devices with gradient_compression="bf16": meshfit's own psum of bf16 gradients over gloo."""
-    launch(tmp_path, "--compression", "bf16", "--epochs", "1")
+    out = two_process_job.folder("bf16")  # the shared job trained with --compression bf16 --epochs 1
     model, history, _, _ = in_process(
         mf.strategies.MirroredStrategy(jax.devices()[:4], gradient_compression="bf16"), epochs=1
     )
-    saved = np.load(tmp_path / "params.npz")
+    saved = np.load(out / "params.npz")
     for i, weight in enumerate(model.get_weights()):
         np.testing.assert_allclose(saved[f"arr_{i}"], weight, rtol=1e-4, atol=1e-5)
     param_bytes = sum(w.nbytes for w in model.get_weights())
     for rank in (0, 1):
-        got = json.loads((tmp_path / f"history_{rank}.json").read_text())
+        got = json.loads((out / f"history_{rank}.json").read_text())
         np.testing.assert_allclose(got["history"]["loss"], history["loss"], rtol=1e-4)
         lowered = got["collectives"]["lowered"]["all-reduce"]
         assert 0.5 * param_bytes <= lowered <= 0.5 * param_bytes + 64  # the gradients cross in bf16

@@ -1,16 +1,19 @@
 """Worker for launch tests: trains the test MLP under a strategy and saves what it got.
 
-    python train_data_parallel.py OUT_DIR [--strategy multi_worker|mirrored] [--epochs N] [--batch-size B]
+    python train_data_parallel.py OUT_DIR [--strategy multi_worker|mirrored|mesh] [--epochs N] [--batch-size B]
                                   [--steps-per-execution K] [--compression bf16|fp16] [--hang]
                                   [--stall S [--stall-process P]]
-Process 0 writes OUT_DIR/params.npz and OUT_DIR/history.json; every process writes
-OUT_DIR/history_<rank>.json.
+    python train_data_parallel.py OUT_DIR --each NAME "ARGS" [--each NAME "ARGS" ...]
+Process 0 writes OUT_DIR/params.npz; every process writes OUT_DIR/history_<rank>.json.
+With --each, the processes train one fresh model after the other, each with its own ARGS (the options
+above), into OUT_DIR/NAME: one job (and one start-up of its processes) for several trainings.
 """
 
 import argparse
 import ctypes
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -32,7 +35,7 @@ def stall(epoch, strategy, seconds, process):
         print("stall over", flush=True)
 
 
-def main():
+def parser_():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--strategy", default="multi_worker", choices=["multi_worker", "mirrored", "mesh"])
@@ -49,8 +52,28 @@ def main():
         help="seconds a process stalls at the end of epoch 0, holding the GIL (as a long compilation might)",
     )
     parser.add_argument("--stall-process", type=int, default=1, help="the process that stalls")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--each",
+        nargs=2,
+        action="append",
+        metavar=("NAME", "ARGS"),
+        help="train once more, with these options, into OUT_DIR/NAME (repeatable; the others are ignored)",
+    )
+    return parser
 
+
+def main():
+    parser = parser_()
+    args = parser.parse_args()
+    if not args.each:
+        train(args)
+    for name, options in args.each or []:
+        print(f"training {name}", flush=True)  # what follows, up to the next such line, is this training's
+        train(parser.parse_args([os.path.join(args.out, name), *shlex.split(options)]))
+
+
+def train(args):
+    """Trains a fresh model under the strategy `args` name and saves what it got into `args.out`."""
     if args.strategy == "multi_worker":
         strategy = mf.strategies.MultiWorkerMirroredStrategy(gradient_compression=args.compression)
     elif args.strategy == "mesh":

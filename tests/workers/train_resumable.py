@@ -1,6 +1,7 @@
 """Worker for resume tests: trains with BackupAndRestore and writes the final weights and History.
 
     python train_resumable.py OUT_DIR BACKUP_DIR [--save-freq N] [--spe K] [--epochs E] [--strategy S]
+                              [--slow SECONDS] [--pause-at-step STEP FILE] [--die-at-step S] [--hidden H]
 Prints "step <global step>" after every batch (flushed), so a test can kill it at a known step.
 """
 
@@ -24,6 +25,13 @@ def main():
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--strategy", default="one_device", choices=["one_device", "multi_worker"])
     parser.add_argument("--slow", type=float, default=0.0, help="seconds to sleep after each batch")
+    parser.add_argument(
+        "--pause-at-step",
+        nargs=2,
+        metavar=("STEP", "FILE"),
+        default=None,
+        help="after this step, wait until FILE exists (a test does something meanwhile) before training on",
+    )
     parser.add_argument(
         "--die-at-step",
         type=int,
@@ -65,6 +73,11 @@ def main():
             os.kill(os.getpid(), signal.SIGKILL)
         if args.slow:
             time.sleep(args.slow)
+        if args.pause_at_step and model.session.step == int(args.pause_at_step[0]):
+            print(f"paused at step {model.session.step}", flush=True)
+            deadline = time.monotonic() + 120
+            while not os.path.exists(args.pause_at_step[1]) and time.monotonic() < deadline:
+                time.sleep(0.05)
 
     class SigtermInSetup(mf.callbacks.Callback):
         def set_model(self, model):  # called by fit before on_train_begin (the restore) and the first step

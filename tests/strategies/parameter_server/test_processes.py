@@ -36,7 +36,8 @@ def test_a_stopped_worker_is_dropped_after_worker_timeout_and_training_finishes(
     """A worker that hangs holding a batch (SIGSTOP: alive, connected, silent) must not stall the job."""
     with Job(
         LAUNCH
-        + ["--ps", "1", "--workers", "2", WORKER, str(tmp_path / "backup"), "--epochs", "6", "--worker-timeout", "10"],
+        + ["--ps", "1", "--workers", "2", "--stop-grace", "1"]  # the stopped worker is killed 1 s after the end
+        + [WORKER, str(tmp_path / "backup"), "--epochs", "6", "--worker-timeout", "10"],
         timeout=300,
     ) as job:
         workers = worker_pids(job, 2)
@@ -61,6 +62,8 @@ def test_a_dead_parameter_server_fails_the_job_and_restarts_resume_from_the_back
             "--workers",
             "2",
             "--max-restarts",
+            "1",
+            "--stop-grace",  # with 2 servers, rank 0 waits on its dead peer: killed 1 s after the SIGTERM
             "1",
             WORKER,
             str(tmp_path / "backup"),
@@ -181,6 +184,8 @@ def test_a_stopped_parameter_server_ends_the_job_naming_it(tmp_path):
             "8",
             "--heartbeat-timeout",
             "120",
+            "--stop-grace",  # the stopped server cannot act on SIGTERM: it is killed after this
+            "1",
             WORKER,
             str(tmp_path / "backup"),
             "--epochs",
