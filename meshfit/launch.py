@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -41,9 +42,39 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def free_port() -> int:
+    """A port no program listens on, from below the kernel's ephemeral range where one can be found.
+
+    A port the kernel hands out for `bind(0)` comes from the ephemeral range, from which it also picks the
+    local port of every outgoing connection: between this pick and the coordinator's bind, any connection
+    on the machine (gloo opens many) can take it, and process 0 then fails with "Address already in use".
+    Ports below the range are only ever taken by a program that binds them by number.
+    """
+    low = _ephemeral_range()[0]
+    for port in random.sample(range(max(1024, low - 12_000), low), 32) if low > 1024 + 64 else ():
+        if _can_bind(port):
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' ports (Linux); IANA's 49152-65535 elsewhere."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(part) for part in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
+def _can_bind(port: int) -> bool:
+    """Whether a listening socket can take `port` on every interface now (what process 0 will do)."""
+    try:
+        with socket.create_server(("", port)):
+            return True
+    except OSError:
+        return False
 
 
 def _visible_gpus(env: dict[str, str]) -> int:

@@ -3,11 +3,14 @@
 import os
 import re
 import signal
+import socket
 import sys
 import time
 
 import pytest
 from processes import Job, run
+
+from meshfit import launch
 
 WORKERS = os.path.join(os.path.dirname(__file__), "workers")
 
@@ -208,3 +211,14 @@ def test_version():
 
     result = run([sys.executable, "-m", "meshfit.cli", "--version"], timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == f"meshfit {meshfit.__version__}"
+
+
+def test_the_coordinator_port_is_free_and_outside_the_range_outgoing_connections_take_ports_from():
+    """A port from `bind(0)` can be taken by any outgoing connection before process 0 binds it."""
+    low, high = launch._ephemeral_range()
+    ports = {launch.free_port() for _ in range(20)}
+    assert all(1024 <= port < low for port in ports), (sorted(ports), low, high)
+    assert len(ports) > 1  # picked at random: two jobs started together do not race for one port
+    for port in ports:
+        with socket.create_server(("", port)):
+            pass
