@@ -17,16 +17,17 @@ import warnings
 import jax
 
 from meshfit import compat, rendezvous
+from meshfit.job_env import (
+    ENV_COORDINATOR,
+    ENV_HEARTBEAT,
+    ENV_INIT_TIMEOUT,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+    ENV_PS_ROLE,
+)
 
 logger = logging.getLogger("meshfit")
 
-ENV_COORDINATOR = "MESHFIT_COORDINATOR_ADDRESS"
-ENV_NUM_PROCESSES = "MESHFIT_NUM_PROCESSES"
-ENV_PROCESS_ID = "MESHFIT_PROCESS_ID"
-ENV_HEARTBEAT = "MESHFIT_HEARTBEAT_TIMEOUT"
-ENV_INIT_TIMEOUT = "MESHFIT_INIT_TIMEOUT"
-#: Set by `meshfit launch --ps` to each rank's parameter-server role (read by the parameter-server package).
-ENV_PS_ROLE = "MESHFIT_PS_ROLE"
 #: Seconds `initialize` waits for every process to join, unless told otherwise.
 DEFAULT_INIT_TIMEOUT = 300
 #: Seconds without heartbeats after which a process is declared dead and the job ends, unless told otherwise

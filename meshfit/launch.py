@@ -33,8 +33,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from meshfit import cluster
-from meshfit.strategies.parameter_server import transport
+from meshfit import job_env
 
 GRACE_SECONDS = 5.0  # after a rank failed: the others get this long to end before SIGKILL
 PREEMPTION_GRACE_SECONDS = 60.0  # after a signal to the launcher: time for the ranks' preemption backups
@@ -129,17 +128,17 @@ def process_env(
         server = rank < config.servers
         env.update(
             {
-                transport.ENV_ROLE: "coordinator" if rank == 0 else "server" if server else "worker",
-                transport.ENV_ADDRESS: f"127.0.0.1:{ports[1]}",
-                transport.ENV_AUTHKEY: authkey,
-                transport.ENV_WORKERS: str(config.nprocs - config.servers),
-                transport.ENV_SERVERS: str(config.servers),
-                transport.ENV_SERVER_TIMEOUT: str(config.server_timeout),
+                job_env.ENV_PS_ROLE: "coordinator" if rank == 0 else "server" if server else "worker",
+                job_env.ENV_PS_ADDRESS: f"127.0.0.1:{ports[1]}",
+                job_env.ENV_PS_AUTHKEY: authkey,
+                job_env.ENV_PS_WORKERS: str(config.nprocs - config.servers),
+                job_env.ENV_PS_SERVERS: str(config.servers),
+                job_env.ENV_PS_SERVER_TIMEOUT: str(config.server_timeout),
                 "MESHFIT_PROCESS_ID": str(rank),
             }
         )
         if server:
-            env[transport.ENV_SERVER_RANK] = str(rank)
+            env[job_env.ENV_PS_SERVER_RANK] = str(rank)
             if config.servers > 1:
                 env.update(_distributed_env(ports[0], config.servers, rank, config.heartbeat_timeout))
     _set_devices(env, config, rank, gpus)
@@ -150,7 +149,7 @@ def process_command(config: LaunchConfig, rank: int) -> list[str]:
     """The command line of process `rank`: the script, or on the worker ranks of a parameter-server job the
     worker process (which gets its program from the server and runs none of the script)."""
     if config.servers and rank >= config.servers:
-        return [sys.executable, "-u", "-m", transport.WORKER_MODULE]
+        return [sys.executable, "-u", "-m", job_env.PS_WORKER_MODULE]
     return [sys.executable, "-u", *config.command]
 
 
@@ -158,10 +157,10 @@ def _distributed_env(port: int, processes: int, rank: int, heartbeat_timeout: in
     """What `cluster.initialize` reads to join a `jax.distributed` job of `processes` processes."""
     address = f"127.0.0.1:{port}"
     return {
-        cluster.ENV_COORDINATOR: address,
-        cluster.ENV_NUM_PROCESSES: str(processes),
-        cluster.ENV_PROCESS_ID: str(rank),
-        cluster.ENV_HEARTBEAT: str(heartbeat_timeout),
+        job_env.ENV_COORDINATOR: address,
+        job_env.ENV_NUM_PROCESSES: str(processes),
+        job_env.ENV_PROCESS_ID: str(rank),
+        job_env.ENV_HEARTBEAT: str(heartbeat_timeout),
         "JAX_COORDINATOR_BIND_ADDRESS": address,  # loopback only
     }
 
@@ -306,7 +305,7 @@ def _watch(config: LaunchConfig, procs: list[subprocess.Popen], exits: _Exits, s
             for rank, code in failed:
                 if rank >= config.servers and rank not in lost:
                     lost.add(rank)
-                    if code == transport.EXIT_SERVER_SILENT:
+                    if code == job_env.EXIT_SERVER_SILENT:
                         log.write(
                             f"[launch] worker rank {rank} found the parameter server silent (see its "
                             "output); stopping the job.\n"
@@ -348,7 +347,7 @@ def run_once(config: LaunchConfig, attempt: int, log=sys.stderr) -> int:
     """Runs the job once; returns 0, the status of the first process that failed, or -signal if the
     launcher was signalled."""
     ports, gpus = (free_port(), free_port()), _gpus_to_assign(config)
-    authkey = transport.new_authkey() if config.servers else ""
+    authkey = job_env.new_authkey() if config.servers else ""
     procs, pumps = [], []
     with _Signals() as signals:
         try:

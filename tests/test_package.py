@@ -1,10 +1,12 @@
-"""The package's shape: no import cycles, `import meshfit` stays free of the parameter-server code, and only
-`model.py` touches a `Model`'s private attributes."""
+"""The package's shape: no import cycles, `meshfit.Model` stays free of the parameter-server code, the
+launcher free of JAX, and only `model.py` touches a `Model`'s private attributes."""
 
 import ast
 import os
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "meshfit")
 
@@ -85,16 +87,41 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_cycles_among_meshfit_modules():
     found = modules()
     graph = {name: imports(path, set(found), name) for name, path in found.items()}
-    assert "meshfit.model" in graph["meshfit"] and "meshfit.saving" in graph["meshfit.model"]  # edges are seen
+    assert "meshfit.saving" in graph["meshfit.model"] and "meshfit.job_env" in graph["meshfit.launch"]  # edges are seen
     assert cycles(graph) == []
 
 
-def test_import_meshfit_loads_no_parameter_server_module():
-    prefix = "meshfit.strategies.parameter_server"
-    code = f"import sys, meshfit; print(sorted(m for m in sys.modules if m.startswith({prefix!r})))"
+def loaded_after(code: str, prefixes: tuple[str, ...]) -> list[str]:
+    """Modules of the packages `prefixes` that a fresh interpreter has loaded after running `code`."""
+    code += f"; import sys; print(sorted(m for m in sys.modules if m.split('.')[0] in {prefixes!r}))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip() == "[]"
+    return eval(result.stdout)
+
+
+def test_a_model_loads_no_parameter_server_module():
+    loaded = loaded_after("import meshfit; meshfit.Model; meshfit.strategies.MirroredStrategy", ("meshfit",))
+    assert "meshfit.model" in loaded  # the names did load
+    assert [m for m in loaded if m.startswith("meshfit.strategies.parameter_server")] == []
+
+
+def test_the_launcher_imports_no_jax():
+    """`meshfit launch` supervises processes and never computes: it starts in a fraction of a second."""
+    assert loaded_after("import meshfit.cli", ("jax", "jaxlib", "flax", "optax", "orbax", "numpy")) == []
+
+
+def test_names_load_on_first_use_as_if_imported():
+    import meshfit
+
+    assert {"Model", "load_model", "callbacks", "strategies", "__version__"} <= set(dir(meshfit))
+    for name in meshfit.__all__:
+        assert getattr(meshfit, name) is not None
+    from meshfit.model import Model
+
+    assert meshfit.Model is Model
+    assert meshfit.checkpoint.CheckpointDir  # any submodule, as before
+    with pytest.raises(AttributeError, match="no attribute 'Modle'"):
+        _ = meshfit.Modle
 
 
 def private_model_accesses(path: str) -> list[str]:

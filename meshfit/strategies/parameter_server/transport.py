@@ -17,7 +17,6 @@ import array
 import datetime
 import fcntl
 import os
-import secrets
 import sys
 import termios
 import threading
@@ -27,24 +26,23 @@ from multiprocessing.connection import Client
 import jax
 import numpy as np
 
-from meshfit import cluster
+from meshfit import job_env
 from meshfit.data import Batch
 
 # The exported gradient program takes a Batch; both ends must know its name.
 jax.export.register_namedtuple_serialization(Batch, serialized_name="meshfit.data.Batch")
 
-ENV_ROLE = cluster.ENV_PS_ROLE  # "coordinator" (server rank 0), "server" (server ranks 1..) or "worker"
-ENV_ADDRESS = "MESHFIT_PS_ADDRESS"  # host:port of the coordinator's control listener
-ENV_AUTHKEY = "MESHFIT_PS_AUTHKEY"  # hex secret shared by the job's processes
-ENV_WORKERS = "MESHFIT_PS_WORKERS"  # number of worker processes the coordinator waits for
-ENV_SERVERS = "MESHFIT_PS_SERVERS"  # number of server processes (rank 0 included)
-ENV_SERVER_RANK = "MESHFIT_PS_SERVER_RANK"  # this server's rank among the servers
-ENV_SERVER_TIMEOUT = "MESHFIT_PS_SERVER_TIMEOUT"  # seconds without a word from rank 0 before its peers give up
+# What `meshfit launch --ps` sets for each rank (meshfit.job_env, which the launcher imports without JAX).
+ENV_ROLE = job_env.ENV_PS_ROLE
+ENV_ADDRESS = job_env.ENV_PS_ADDRESS
+ENV_AUTHKEY = job_env.ENV_PS_AUTHKEY
+ENV_WORKERS = job_env.ENV_PS_WORKERS
+ENV_SERVERS = job_env.ENV_PS_SERVERS
+ENV_SERVER_RANK = job_env.ENV_PS_SERVER_RANK
+ENV_SERVER_TIMEOUT = job_env.ENV_PS_SERVER_TIMEOUT
+WORKER_MODULE = job_env.PS_WORKER_MODULE
+EXIT_SERVER_SILENT = job_env.EXIT_SERVER_SILENT
 DEFAULT_SERVER_TIMEOUT = 60.0
-#: What worker ranks run (`python -m`): the worker needs nothing of the training script.
-WORKER_MODULE = "meshfit.strategies.parameter_server.worker"
-#: Exit status of a worker that found the parameter server silent (`meshfit launch` then ends the job).
-EXIT_SERVER_SILENT = 3
 
 #: How long an offered array waits to be pulled before its transfer server lets it go.
 HOLD_TIMEOUT = datetime.timedelta(seconds=120)
@@ -76,10 +74,6 @@ def authkey() -> bytes:
     if not key:
         raise RuntimeError(f"{ENV_AUTHKEY} is not set; start parameter-server jobs with `meshfit launch --ps`.")
     return bytes.fromhex(key)
-
-
-def new_authkey() -> str:
-    return secrets.token_hex(32)
 
 
 def server_timeout() -> float:
