@@ -80,9 +80,13 @@ def test_async_reaches_sync_accuracy_on_digits():
 
     sync = accuracy("sync")
     # Async runs differ with thread timing; compare their mean (two runs) with the deterministic sync run.
+    # On 360 test images an accuracy near 0.96 has a standard error of about 0.01 between equally good
+    # models (one image is 0.003), so the mean of two runs may trail sync by 0.02 (seen: 0.0125 on a VM
+    # with 20 % steal time): about two standard errors of the difference, so it fails on async training
+    # that is worse, not on noise.
     runs = [accuracy("async") for _ in range(2)]
     assert sync > 0.95
-    assert np.mean(runs) >= sync - 0.01, (sync, runs)
+    assert np.mean(runs) >= sync - 0.02, (sync, runs)
 
 
 def test_bad_arguments():
