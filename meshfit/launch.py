@@ -134,7 +134,7 @@ def process_env(
                 job_env.ENV_PS_WORKERS: str(config.nprocs - config.servers),
                 job_env.ENV_PS_SERVERS: str(config.servers),
                 job_env.ENV_PS_SERVER_TIMEOUT: str(config.server_timeout),
-                "MESHFIT_PROCESS_ID": str(rank),
+                job_env.ENV_PROCESS_ID: str(rank),
             }
         )
         if server:

@@ -15,7 +15,7 @@ import os
 
 import jax
 
-from meshfit import cluster
+from meshfit import cluster, job_env
 from meshfit.strategies.base import Strategy
 from meshfit.strategies.parameter_server import partition, transport
 from meshfit.strategies.parameter_server.coordinator import Coordinator, RemoteWorkers
@@ -92,10 +92,10 @@ class ParameterServerStrategy(Strategy):
         role = transport.role()
         if role == "worker":
             raise RuntimeError(
-                f"This process has {transport.ENV_ROLE}=worker: it was meant to be a parameter-server worker, "
-                f"which runs `python -m {transport.WORKER_MODULE}` and none of the training script. Start "
+                f"This process has {job_env.ENV_PS_ROLE}=worker: it was meant to be a parameter-server worker, "
+                f"which runs `python -m {job_env.PS_WORKER_MODULE}` and none of the training script. Start "
                 "the script with `meshfit launch --ps S --workers N script.py` (the worker ranks then run the "
-                f"worker process), or unset {transport.ENV_ROLE} to train with this host's devices as workers."
+                f"worker process), or unset {job_env.ENV_PS_ROLE} to train with this host's devices as workers."
             )
         if mode not in MODES:
             raise ValueError(f"`mode` must be one of {MODES}. Received: mode={mode!r}.")
@@ -137,7 +137,7 @@ class ParameterServerStrategy(Strategy):
         self.num_replicas_in_sync = len(self.workers) if mode == "sync" else 1
         self._coordinator = self._link = None
         if role is not None:
-            worker_processes = int(os.environ[transport.ENV_WORKERS])
+            worker_processes = int(os.environ[job_env.ENV_PS_WORKERS])
             self.num_replicas_in_sync = worker_processes if mode == "sync" else 1
             if role == "coordinator":
                 self._coordinator = Coordinator(worker_processes, servers)
