@@ -4,7 +4,7 @@ Measured in one run, alternating, median of `--repeats`:
   * device:  a hand-written `jax.jit` loop over batches already on the device (the device time alone);
   * host:    the generator iterated alone (the host time alone);
   * meshfit: `model.fit(generator)`, reading and placing 2 executions ahead on a thread (the default);
-  * meshfit_no_prefetch: the same with `meshfit.session.PREFETCH_EXECUTIONS = 0` (read when needed).
+  * meshfit_no_prefetch: the same with `meshfit.feeder.PREFETCH_EXECUTIONS = 0` (read when needed).
 With perfect overlap an epoch takes max(host, device); without any, host + device. JAX's asynchronous
 dispatch already overlaps a generator with the steps queued on the device while nothing waits for a
 step; `--sync-each-batch` adds a callback that reads each batch's loss (a per-batch logger), after
@@ -25,7 +25,7 @@ import optax
 from flax import nnx
 
 import meshfit as mf
-import meshfit.session as session_lib
+import meshfit.feeder as feeder_lib
 
 SIZES = (784, 1024, 1024, 10)
 
@@ -111,7 +111,7 @@ def main():
 
     def fit(prefetch):
         def go():
-            session_lib.PREFETCH_EXECUTIONS = prefetch
+            feeder_lib.PREFETCH_EXECUTIONS = prefetch
             data = batches(args.steps, args.batch, work, kind=args.host_work)
             model.fit(data, epochs=1, verbose=0, callbacks=callbacks)
             jax.block_until_ready(model.params)
@@ -131,7 +131,7 @@ def main():
             t0 = time.perf_counter()
             go()
             times[name].append(time.perf_counter() - t0)
-    session_lib.PREFETCH_EXECUTIONS = 2
+    feeder_lib.PREFETCH_EXECUTIONS = 2
     t = {k: statistics.median(v) for k, v in times.items()}
     print(
         f"jax {jax.__version__} on {jax.devices()[0].device_kind}; MLP {'-'.join(map(str, SIZES))}, batch "

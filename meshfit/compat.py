@@ -134,3 +134,12 @@ def release_orbax_waiters() -> int:
                 continue
             released += 1
     return released
+
+
+def compilations(jitted) -> int:
+    """How many executables a `jax.jit` function holds (one per argument shape it met); 0 for other callables.
+
+    Private: `_cache_size` is the jit wrapper's own count; JAX has no public one.
+    """
+    size = getattr(jitted, "_cache_size", None)
+    return size() if callable(size) else 0

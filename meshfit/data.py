@@ -174,6 +174,11 @@ class DataSource(ABC):
     #: Batches per epoch, or None for an input read until it runs out.
     steps_per_epoch: int | None = None
 
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether `executions` reads and `place`s batches on a thread of its own, ahead of the loop."""
+        return False
+
     @abstractmethod
     def peek(self) -> Batch:
         """The first batch, without consuming it (the model is built from its shapes)."""
@@ -184,11 +189,11 @@ class DataSource(ABC):
     ) -> Iterator[tuple[int, Any]]:
         """Yields `(count, batches)` for epoch `epoch` from batch `start_step` on: `size` batches stacked
         on a new leading axis (one batch, unstacked, for `size == 1`). A short last group is padded with
-        fully masked batches, or with `pad_last=False` comes as a list of its `count` single batches.
+        fully masked batches, or with `pad_last=False` comes stacked on a leading axis of its `count`.
 
-        With `place`, a source that reads ahead (`IterableData`) yields `place(batches)` instead,
-        called on its reading thread, so the devices get the batches while the step before runs;
-        other sources ignore it."""
+        With `place`, every source yields `place(batches)` instead: a source that reads ahead
+        (`reads_ahead`) calls it on its reading thread, so the devices get the batches while the step
+        before runs; the others call it as each execution is taken."""
 
     def prepare(self, epoch: int) -> None:
         """Work for epoch `epoch` that can be done ahead, while the devices finish the last one."""
@@ -355,16 +360,17 @@ class ArrayData(DataSource):
     def executions(
         self, epoch: int, size: int, start_step: int = 0, pad_last: bool = True, place: Callable | None = None
     ) -> Iterator[tuple[int, Batch | list[Batch]]]:
-        """Yields `(count, batches)`: `size` batches stacked on a new leading axis (`place` is not used:
-        arrays are gathered on demand, and the session stages them on the devices itself).
+        """Yields `(count, batches)`: `size` batches stacked on a new leading axis, or `place` of them
+        (see `DataSource.executions`; arrays are gathered on demand, on the loop's thread).
 
         Gathers all rows of a group in one indexing operation. A short last
         group is filled with fully masked batches, or with `pad_last=False`
-        comes as a list of single batches.
+        comes stacked on a leading axis of its `count`.
         """
+        place = place or _as_is
         if size == 1:
             for batch in self.epoch(epoch, start_step):
-                yield 1, batch
+                yield 1, place(batch)
             return
         first = epoch * self.steps_per_epoch
         for group in range(start_step, self.steps_per_epoch, size):
@@ -374,19 +380,20 @@ class ArrayData(DataSource):
                 mask = self._full_masks(size)
             else:
                 rows = [self._rows(*self._position(first + step)) for step in range(group, group + count)]
-                if count < size and not pad_last:
-                    yield count, [self._take_all(*r) for r in rows]
-                    continue
-                rows += [(rows[0][0], np.zeros_like(rows[0][1]))] * (size - count)
+                stacked = size if pad_last else count
+                rows += [(rows[0][0], np.zeros_like(rows[0][1]))] * (stacked - count)
                 index = np.concatenate([np.arange(i.start, i.stop) if isinstance(i, slice) else i for i, _ in rows])
                 mask = np.stack([m for _, m in rows])
             batch = self._take_all(index, mask)  # all rows of the group in one gather
+            stacked = mask.shape[0]
             yield (
                 count,
-                batch._replace(
-                    x=_stack_rows(batch.x, size),
-                    y=_stack_rows(batch.y, size),
-                    sample_weight=_stack_rows(batch.sample_weight, size),
+                place(
+                    batch._replace(
+                        x=_stack_rows(batch.x, stacked),
+                        y=_stack_rows(batch.y, stacked),
+                        sample_weight=_stack_rows(batch.sample_weight, stacked),
+                    )
                 ),
             )
 
@@ -487,6 +494,10 @@ class IterableData(DataSource):
     """
 
     random_access = False  # batches come in the iterator's order, once
+
+    @property
+    def reads_ahead(self) -> bool:
+        return self.prefetch > 0
 
     def __init__(
         self,
@@ -629,10 +640,7 @@ class IterableData(DataSource):
             return
         for chunk in _chunks(items, size):
             batches, reads = [b for b, _ in chunk], [r for _, r in chunk]
-            if len(chunk) < size and not pad_last:
-                yield len(chunk), batches, reads
-            else:
-                yield len(chunk), stack_batches(batches, size), reads
+            yield len(chunk), stack_batches(batches, size if pad_last else len(chunk)), reads
 
     def executions(
         self, epoch: int, size: int, start_step: int = 0, pad_last: bool = True, place: Callable | None = None
@@ -641,9 +649,10 @@ class IterableData(DataSource):
         thread and passed through `place` when both `place` and `prefetch` are set."""
         groups = self._groups(epoch, size, start_step, pad_last)
         if place is None or self.prefetch < 1:
+            place = place or _as_is
             for count, execution, reads in groups:
                 self._position = reads[-1][1]
-                yield count, execution
+                yield count, place(execution)
             return
         yield from self._read_ahead(groups, place)
 
@@ -793,6 +802,10 @@ class Replay:
                 else:
                     self._kept.append(element)
             yield element
+
+
+def _as_is(batches):
+    return batches
 
 
 def stack_batches(batches: list[Batch], size: int) -> Batch:

@@ -38,7 +38,7 @@ def fit_loop(
 ) -> None:
     """Runs epochs of training with Keras's callback order and `stop_training` checks.
 
-    A callback may `model.session.restore(state, position)` in `on_train_begin`
+    A callback may `self.context.restore(state, position)` in `on_train_begin`
     (BackupAndRestore does) to continue from the middle of an epoch. The
     session numbers the passes over array data across calls of fit, so each
     epoch is shuffled anew. If a
@@ -52,20 +52,21 @@ def fit_loop(
     callbacks.on_train_begin()
     batch_begin = callbacks.bound_hooks("on_train_batch_begin")
     batch_end = callbacks.bound_hooks("on_train_batch_end")
-    start_epoch, start_step = session.start_point(initial_epoch)
+    start_epoch, start_step = session.cursor.start_point(initial_epoch)
     per_step = bool(batch_begin or batch_end) or watch is not None  # else steps may run in blocks
     device_logs = callbacks.accepts_device_logs  # no callback reads epoch values now: no sync per epoch
     epoch_logs: dict[str, float] = {}
     for epoch in range(start_epoch, epochs):
         if start_step == 0:
             session.reset_train_metrics()  # else they were restored mid-epoch
-        data_epoch = session.begin_epoch(epoch, start_step)
+        data_epoch = session.cursor.begin_epoch(epoch, start_step)
         callbacks.on_epoch_begin(epoch)
         logs, step = None, start_step
-        for count, batch in session.train_executions(train_data, data_epoch, start_step, per_step):
+        for execution in session.feeder.executions(train_data, data_epoch, start_step, per_step):
+            count = execution.count
             for hook in batch_begin:
                 hook(step)
-            logs = session.train(batch)
+            logs = session.train(execution)
             step += count
             session.count(count)
             for hook in batch_end:
@@ -77,14 +78,14 @@ def fit_loop(
                 callbacks.on_preemption(epoch, step)
                 raise Preempted()
         if epoch + 1 < epochs and not model.stop_training:
-            session.prefetch(train_data, data_epoch + 1, per_step)  # host work the devices need not wait for
+            session.feeder.prefetch(train_data, data_epoch + 1, per_step)  # host work the devices need not wait for
         else:
             train_data.prepare(data_epoch + 1)  # the next fit's shuffle, while the devices finish this one
         logs = session.finish_epoch(logs)
         if logs is None and start_step == 0:  # a one-shot input ran out of data
             break
         start_step = 0
-        session.epoch_done()
+        session.cursor.epoch_done()
         if logs is None:
             logs = session.epoch_logs()
         epoch_logs = dict(logs) if device_logs else host_logs(logs, to_host)

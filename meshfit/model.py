@@ -25,6 +25,7 @@ from meshfit import losses as losses_lib
 from meshfit import metrics as metrics_lib
 from meshfit import optimizers as optimizers_lib
 from meshfit import outputs as outputs_lib
+from meshfit.fit_context import FitContext
 from meshfit.loop import evaluate_loop, fit_loop, host_logs, predict_loop
 from meshfit.modules import adapt
 from meshfit.preemption import PreemptionWatch
@@ -141,6 +142,12 @@ class Model:
     # -- state access ----------------------------------------------------------------
 
     @property
+    def fit_context(self) -> FitContext:
+        """The running fit as callbacks see it: optimizer steps taken, a settled state, the fit's
+        position and `restore` (`meshfit.fit_context.FitContext`)."""
+        return self.session.context
+
+    @property
     def params(self):
         """The trainable parameters as a nested dict of `jax.Array` (live, on device)."""
         return self.session.latest.params
@@ -220,7 +227,7 @@ class Model:
             loss: a loss name, a `meshfit.losses.Loss`, or a callable
                 `(y_true, y_pred) -> per-sample losses`, or a scalar for the
                 batch (Keras's value; computed on a partial batch's real rows
-                by a step compiled per partial size: see `meshfit.session`;
+                by a step compiled per partial size: see `meshfit.executables`;
                 refused where that cannot be exact). For a model with
                 several outputs (a dict, list or tuple of arrays), one loss for
                 every output, or a dict keyed by output name (a list in output

@@ -172,7 +172,7 @@ def find_scalar_losses(terms: Sequence[LossTerm], y_true, y_pred) -> list[LossTe
 
     Traced with `jax.eval_shape`: nothing runs. Per-sample losses cost
     nothing more; only a scalar one makes the session pick the step by a
-    batch's real rows (`meshfit.session`).
+    batch's real rows (`meshfit.executables`).
     """
     marked = []
     for term in terms:

@@ -8,7 +8,7 @@ import pytest
 from helpers import MLP, classification_data
 
 import meshfit as mf
-import meshfit.session as session_lib
+import meshfit.feeder as feeder_lib
 from meshfit.data import ArrayData, IterableData, ShuffleOrders
 
 
@@ -121,7 +121,7 @@ def test_a_fit_from_a_generator_trains_the_same_with_and_without_read_ahead(monk
             yield x[i : i + 16], y[i : i + 16]
 
     def weights(prefetch):
-        monkeypatch.setattr(session_lib, "PREFETCH_EXECUTIONS", prefetch)
+        monkeypatch.setattr(feeder_lib, "PREFETCH_EXECUTIONS", prefetch)
         model = mf.Model(MLP())
         model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
         model.fit(batches(), epochs=1, verbose=0)

@@ -60,7 +60,7 @@ def test_steps_per_execution_matches_single_steps_with_ragged_last_group():
     np.testing.assert_allclose(
         one.predict(x, batch_size=9, verbose=0), four.predict(x, batch_size=9, verbose=0), rtol=1e-5, atol=1e-6
     )
-    assert four.session._train.step._cache_size() == 1
+    assert four.session.executables.compilations()["execution"] == 1
 
 
 def test_callback_order_and_batch_indices_follow_keras():
@@ -140,7 +140,7 @@ def test_learning_rate_scheduler_changes_lr_without_recompiling():
     history = model.fit(x, y, batch_size=8, epochs=3, callbacks=[schedule], verbose=0)
     np.testing.assert_allclose(history.history["learning_rate"], [0.1, 0.05, 0.1 / 3], rtol=1e-6)
     assert model.optimizer.learning_rate == pytest.approx(0.1 / 3)
-    assert model.session._train_staged._cache_size() == 1
+    assert model.session.executables.compilations()["staged"] == 1
 
 
 def test_learning_rate_change_has_effect_on_updates():

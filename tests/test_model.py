@@ -105,9 +105,9 @@ def test_steps_compile_once_across_epochs_partial_batches_and_fits():
     model.fit(x, y, batch_size=16, epochs=2, validation_split=0.2, verbose=0)
     model.fit(x, y, batch_size=16, epochs=2, validation_data=(x[:9], y[:9]), verbose=0)
     model.evaluate(x[:5], y[:5], batch_size=16, verbose=0)
-    session = model.session
-    assert session._train_staged._cache_size() == 1
-    assert session._evaluate._cache_size() == 1
+    compiles = model.session.executables.compilations()
+    assert compiles["staged"] == 1
+    assert compiles["evaluate"] == 1
 
 
 def test_predict_is_exact_on_partial_batches():
@@ -325,11 +325,11 @@ def test_train_on_batch_compiles_once_per_batch_shape():
     x, y = classification_data(n=40)
     model = make_model(metrics=None)
     assert isinstance(model.train_on_batch(x[:8], y[:8]), float)
-    train_one = model.session._train_one.step  # the jitted single step
-    sizes = {train_one._cache_size()}
+    compiles = model.session.executables.compilations
+    sizes = {compiles()["execution"]}  # one step per execution: the single step is the execution's
     for start in range(8, 40, 8):
         model.train_on_batch(x[start : start + 8], y[start : start + 8])
-        sizes.add(train_one._cache_size())
+        sizes.add(compiles()["execution"])
     assert sizes == {1}
     assert model.session.step == 5
     with pytest.raises(TypeError, match="takes one batch of arrays"):
@@ -386,9 +386,9 @@ def test_scalar_loss_trains_and_evaluates_as_the_per_sample_built_in(strategy):
     (a, _), (b, _) = per_sample, scalar
     evaluated = [m.evaluate(x[:45], y[:45], batch_size=16, verbose=0, return_dict=True) for m in (a, b)]
     assert evaluated[0] == pytest.approx(evaluated[1], rel=1e-5)
-    assert a.session.partial_batch_steps == []  # per-sample losses: nothing more compiled
+    assert a.session.executables.partial_batch_steps == []  # per-sample losses: nothing more compiled
     # Scalar: one step per partial size: training (staged) on 6 rows, validation on 5, evaluation on 13.
-    assert b.session.partial_batch_steps == [("evaluate", 5), ("evaluate", 13), ("staged", 6)]
+    assert b.session.executables.partial_batch_steps == [("evaluate", 5), ("evaluate", 13), ("staged", 6)]
 
 
 def test_scalar_loss_with_steps_per_execution_and_a_partial_batch_in_a_full_group():
@@ -403,13 +403,13 @@ def test_scalar_loss_with_steps_per_execution_and_a_partial_batch_in_a_full_grou
 
     per_sample, scalar = fit_both(run)
     assert_same_training(per_sample, scalar)
-    assert scalar[0].session.partial_batch_steps == [("evaluate", 13), ("train", 8)]
+    assert scalar[0].session.executables.partial_batch_steps == [("evaluate", 13), ("train", 8)]
 
 
 @pytest.mark.parametrize("prefetch", [0, 2], ids=["host-batches", "placed-ahead"])
 def test_scalar_loss_on_a_generator_of_ragged_batches(monkeypatch, prefetch):
     """Batches of 8, 5, 8, 3, 8, 5 rows (padded to 8): one step per distinct partial size (5 and 3)."""
-    monkeypatch.setattr(mf.session, "PREFETCH_EXECUTIONS", prefetch)
+    monkeypatch.setattr(mf.feeder, "PREFETCH_EXECUTIONS", prefetch)
     sizes = [8, 5, 8, 3, 8, 5]
     x, y = classification_data(n=sum(sizes))
     ends = np.cumsum(sizes)
@@ -425,7 +425,7 @@ def test_scalar_loss_on_a_generator_of_ragged_batches(monkeypatch, prefetch):
 
     per_sample, scalar = fit_both(run)
     assert_same_training(per_sample, scalar)
-    assert scalar[0].session.partial_batch_steps == [("evaluate", 3), ("evaluate", 5), ("train", 3), ("train", 5)]
+    assert scalar[0].session.executables.partial_batch_steps == [("evaluate", 3), ("evaluate", 5), ("train", 3), ("train", 5)]
 
 
 def test_scalar_loss_on_batch_methods_under_mirrored():
@@ -442,7 +442,7 @@ def test_scalar_loss_on_batch_methods_under_mirrored():
     assert_trees_close(models[0].params, models[1].params, rtol=1e-5)
     tested = [m.test_on_batch(x[:7], y[:7], return_dict=True) for m in models]
     assert tested[0] == pytest.approx(tested[1], rel=1e-5)
-    assert models[1].session.partial_batch_steps == [("evaluate", 7), ("train", 10)]
+    assert models[1].session.executables.partial_batch_steps == [("evaluate", 7), ("train", 10)]
 
 
 def test_scalar_loss_found_after_predict_built_the_steps():

@@ -285,4 +285,4 @@ def test_a_scalar_loss_on_one_output_equals_its_per_sample_twin():
         np.testing.assert_allclose(logs[key], scalar_logs[key], rtol=1e-5, err_msg=key)
     assert_trees_close(per_sample.params, scalar.params, rtol=1e-5, atol=1e-6)
     assert scalar.session.steps.scalar_losses == ["reg"]
-    assert scalar.session.partial_batch_steps == [("evaluate", 5), ("staged", 4)]
+    assert scalar.session.executables.partial_batch_steps == [("evaluate", 5), ("staged", 4)]

@@ -140,3 +140,30 @@ def private_model_accesses(path: str) -> list[str]:
 def test_only_model_py_touches_private_attributes_of_a_model():
     found = {name: private_model_accesses(path) for name, path in modules().items() if name != "meshfit.model"}
     assert {name: hits for name, hits in found.items() if hits} == {}
+
+
+SESSION_PARTS = ("session", "store", "cursor", "executables", "feeder", "context", "fit_context")
+
+
+def private_session_accesses(path: str) -> list[str]:
+    """`<...>.session._x` (or of one of its owners: `session.feeder._x`, ...) in a file."""
+    found = []
+    for node in ast.walk(ast.parse(open(path).read())):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+            continue
+        owner = node.value
+        name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+        if name in SESSION_PARTS:
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_test_or_callback_reads_a_private_attribute_of_the_session():
+    """Tests and callbacks use the session's public seams (and callbacks only their `context`)."""
+    tests = os.path.dirname(__file__)
+    paths = [os.path.join(root, n) for root, _, names in os.walk(tests) for n in names if n.endswith(".py")]
+    paths += [path for name, path in modules().items() if name.startswith("meshfit.callbacks")]
+    found = {path: private_session_accesses(path) for path in paths if not path.endswith("test_package.py")}
+    assert {path: hits for path, hits in found.items() if hits} == {}
+    callbacks = [path for name, path in modules().items() if name.startswith("meshfit.callbacks")]
+    assert [path for path in callbacks if ".session" in open(path).read()] == []

@@ -10,7 +10,7 @@ import numpy as np
 from meshfit import integrity
 from meshfit.callbacks.base import Callback
 from meshfit.checkpoint import CheckpointDir, NonFiniteState
-from meshfit.session import Position
+from meshfit.fit_cursor import Position
 
 
 def split_arrays(value, arrays: dict, prefix: str = "a"):
@@ -97,14 +97,13 @@ class BackupAndRestore(Callback):
     # -- what goes into a backup ---------------------------------------------------
 
     def _siblings(self):
-        return [cb for cb in self.model.session.callbacks if cb is not self]
+        return [cb for cb in self.context.callbacks if cb is not self]
 
     def _save(self, logs=None, *, wait: bool = False) -> None:
-        """Backs up the session's state at its position; `logs` are an ending epoch's (History records them later)."""
-        model = self.model
-        session = model.session
-        position = session.position()  # settles the state to match it
-        history = model.history
+        """Backs up the fit's state at its position; `logs` are an ending epoch's (History records them later)."""
+        context = self.context
+        position = context.position()  # settles the state to match it
+        history = self.model.history
         history_dict = {k: list(v) for k, v in history.history.items()}
         history_epochs = list(history.epoch)
         if logs is not None and position.epoch - 1 not in history_epochs and position.step_in_epoch == 0:
@@ -134,13 +133,13 @@ class BackupAndRestore(Callback):
         try:
             self._dir.save(
                 step,
-                {"train": session.state, "arrays": arrays},
+                {"train": context.state, "arrays": arrays},
                 meta,
                 wait=wait or not self.async_save,
                 finite_only=True,
             )
         except NonFiniteState as error:
-            if self._refused_step is None and model.strategy.is_chief:
+            if self._refused_step is None and self.model.strategy.is_chief:
                 print(
                     f"BackupAndRestore: not saving the state at step {step}: {error}. The last finite backup "
                     f"(step {self._newest()}) is kept.",
@@ -157,7 +156,7 @@ class BackupAndRestore(Callback):
 
         def template(meta):  # array shapes are in the meta, so the restore has a full target
             arrays = {k: np.zeros(shape, dtype) for k, (shape, dtype) in meta["array_specs"].items()}
-            return {"train": model.session.latest, "arrays": arrays}
+            return {"train": self.context.latest, "arrays": arrays}
 
         found = self._dir.restore_latest(template)
         if found is None:
@@ -177,7 +176,7 @@ class BackupAndRestore(Callback):
             data_origin=meta.get("data_origin", 0),  # backups from before it was saved: passes began at 0
             data=join_arrays(meta["data"], arrays),
         )
-        model.session.restore(state["train"], position)
+        self.context.restore(state["train"], position)
         if model.strategy.is_chief:
             print(
                 f"BackupAndRestore: resumed from {self._dir.directory} at epoch {meta['epoch'] + 1}, "
@@ -191,10 +190,10 @@ class BackupAndRestore(Callback):
         self._refused_step = None
         self._dir = CheckpointDir(self.backup_dir, "backup", max_to_keep=self.max_to_keep, async_save=self.async_save)
         self._restore()
-        self._saved_step = self.model.session.step
+        self._saved_step = self.context.step
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.save_freq != "epoch" and self.model.session.step // self.save_freq > self._saved_step // self.save_freq:
+        if self.save_freq != "epoch" and self.context.step // self.save_freq > self._saved_step // self.save_freq:
             self._save()
 
     def on_epoch_end(self, epoch, logs=None):
@@ -232,7 +231,7 @@ class BackupAndRestore(Callback):
         loss = (logs or {}).get("loss")
         if self._refused_step is not None or (loss is not None and not math.isfinite(float(loss))):
             return True
-        return bool(integrity.report(self.model.session.latest).non_finite())
+        return bool(integrity.report(self.context.latest).non_finite())
 
     def close(self) -> None:
         """Waits for the backup being written and releases the directory (also after a failed fit)."""

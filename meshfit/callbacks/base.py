@@ -19,6 +19,7 @@ class Callback:
 
     Attributes:
         model: the `meshfit.Model` being trained (set by `set_model`).
+        context: the running fit (`meshfit.fit_context.FitContext`): steps, state, position, restore.
         params: dict with `epochs`, `steps` (batches per epoch or None) and `verbose`.
 
     Callbacks that carry state across epochs (patience counters, best values)
@@ -44,6 +45,12 @@ class Callback:
 
     def set_model(self, model) -> None:
         self.model = model
+
+    @property
+    def context(self):
+        """The running fit as a callback sees it (`meshfit.fit_context.FitContext`): the optimizer
+        steps taken, a settled state, the fit's position and `restore`."""
+        return self.model.fit_context
 
     def set_params(self, params: dict[str, Any]) -> None:
         self.params = params

@@ -100,13 +100,13 @@ class ModelCheckpoint(MonitorCallback):
             self._earlier = bool(self._dir.steps())
         if self.monitor_op is None:
             self._set_monitor_op()
-        self._last_step = self.model.session.step
+        self._last_step = self.context.step
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        step = self.model.session.step
+        step = self.context.step
         if self.save_freq != "epoch" and step // self.save_freq > self._last_step // self.save_freq:
             self._last_step = step
             self._maybe_save(step, logs, batch=batch)
@@ -158,17 +158,17 @@ class ModelCheckpoint(MonitorCallback):
         )
         meta = {
             "epoch": self._epoch,
-            "step": int(self.model.session.step),
+            "step": int(self.context.step),
             "weights_only": self.save_weights_only,
             "logs": logs,
         }
         if self.formatted:
             self._save_formatted(target, tree, meta)
-        elif self._earlier and self.overwrite and not self.model.session.resumed:
+        elif self._earlier and self.overwrite and not self.context.resumed:
             self._replace_earlier_run(number, tree, meta)
         else:
             # A run resumed by BackupAndRestore may save a step it saved before (same values).
-            self._dir.save(number, tree, meta, if_exists="skip" if self.model.session.resumed else "error")
+            self._dir.save(number, tree, meta, if_exists="skip" if self.context.resumed else "error")
 
     def _save_formatted(self, path: str, tree, meta: dict) -> None:
         """One model (or weights) in its own directory, as `model.save` writes it; written in the background."""

@@ -68,7 +68,7 @@ class Throughput(Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._start, self._end = time.perf_counter(), None
-        self._start_step = self.model.session.step
+        self._start_step = self.context.step
 
     def on_test_begin(self, logs=None):
         if self._start is not None and self._end is None:  # validation: the epoch's training is done
@@ -76,7 +76,7 @@ class Throughput(Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         start, end = self._start, self._end if self._end is not None else time.perf_counter()
-        steps = self.model.session.step - self._start_step
+        steps = self.context.step - self._start_step
         self._start = None
         if logs is None or start is None or steps <= 0 or end <= start:
             return

@@ -68,7 +68,7 @@ def test_mesh_equals_one_device_after_20_steps(reference, axes, rules):
     assert int(model.session.state.step) == 20
     assert_trees_close(one.params, model.params, rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(h_one.history["loss"], history.history["loss"], rtol=1e-5)
-    assert model.session._train_staged._cache_size() == 1  # batches staged in blocks, one compile
+    assert model.session.executables.compilations()["staged"] == 1  # batches staged in blocks, one compile
     # The layout held through training: parameters and Adam moments keep their specs.
     specs = strategy.param_specs(model.params)
     for leaf, spec in zip(

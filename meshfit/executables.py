@@ -1,0 +1,217 @@
+"""The compiled programs of a built model: train, evaluate and predict, built through its strategy.
+
+This is the one place that knows about losses returning a scalar for the
+batch. Such a loss cannot be masked, so a partial batch (padded up to full
+size) must not reach the step every batch uses: its real rows are read from
+its mask on the host before it goes to the devices (`partial_rows`), and a
+batch of `n` real rows runs through a step that computes the scalar on the
+first `n` rows (`StepFunctions.with_rows`), compiled on its first use and kept
+per `n`. In-memory arrays have one partial batch size, so one more compilation
+for training and one for evaluation; an iterable's batches one per distinct
+partial size (as Keras retraces per batch shape). Each costs what the step's
+own compilation costs (for small MLPs on a 2-core CPU, 0.4 to 1 s for
+training, 0.1 s for evaluation: `benchmarks/bench_scalar_loss.py`). Full
+batches run the usual step at the usual speed; only scalar losses make the
+host read masks.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from meshfit import compat, step_report
+from meshfit.state import TrainState
+from meshfit.step_report import StepReport
+from meshfit.steps import StepFunctions
+
+#: The kinds of training program: "execution" (one call of the loop: one step, or K in a scan),
+#: "single" (one step, for a short last group of K), "staged" (one step on a batch picked from a stage).
+TRAIN_KINDS = ("execution", "single", "staged")
+
+
+class Executables:
+    """The compiled train, evaluate and predict programs of one `StepFunctions`, through `strategy`.
+
+    Args:
+        strategy: compiles each program and decides how training runs (`train_function`).
+        steps: the model's step functions (the strategy may swap in its own gradients).
+        steps_per_execution: steps run by one call of the loop (a `lax.scan` over K stacked batches).
+    """
+
+    def __init__(self, strategy, steps: StepFunctions, steps_per_execution: int = 1):
+        self.strategy = strategy
+        self.steps = steps = strategy.step_functions(steps)
+        self.steps_per_execution = steps_per_execution
+        self.stacked = stacked = steps_per_execution > 1
+        self._train = strategy.train_function(steps, stacked)
+        # A short last group of an epoch runs step by step (compiled on first use).
+        single = strategy.train_function(steps, False) if stacked else self._train
+        staged = None
+        if not stacked and strategy.stages_batches:
+            staged = strategy.compile(steps.staged_train_step, donate_argnums=(0,))
+        self._trains = {"execution": self._train, "single": single, "staged": staged}
+        self._evaluate = strategy.compile(steps.multi_eval_step if stacked else steps.eval_step, donate_argnums=(1,))
+        self._predict = strategy.compile(steps.multi_predict_step if stacked else steps.predict_step)
+        self._fresh_metrics = None  # compiled on first use, to lay out fresh accumulators like the first
+        self._report: tuple | None = None  # (batch shape, StepReport) of `step_report`
+        # Scalar losses: the programs for partial batches, by kind and real rows (see the module docstring).
+        self.scalar = bool(steps.scalar_losses)
+        self._by_rows: dict[tuple[str, int], Callable] = {}
+        self._by_rows_lock = threading.Lock()  # the input's reading thread asks too
+
+    # -- training -------------------------------------------------------------------------
+
+    @property
+    def stages_batches(self) -> bool:
+        """Whether single steps may pick their batch from a stage placed on the devices at once."""
+        return self._trains["staged"] is not None
+
+    def train(self, kind: str, rows: int | None = None) -> Callable:
+        """The training program of `kind` (see `TRAIN_KINDS`), for a partial batch of `rows` real rows
+        under a scalar loss (None: the usual program)."""
+        if rows is None:
+            return self._trains[kind]
+        return self._with_rows("single" if kind == "execution" else kind, rows)
+
+    def drain(self) -> tuple[TrainState, dict] | None:
+        """Applies what an asynchronous strategy has in flight; None when nothing ever is."""
+        return self._train.drain()
+
+    # -- metric accumulators ---------------------------------------------------------------
+
+    def fresh_metrics(self):
+        """Fresh loss and metric accumulators on the strategy's devices.
+
+        After the first, they come from a compiled call laid out like the
+        first: an epoch start then costs one dispatch, not a host transfer.
+        """
+        if self._fresh_metrics is None:
+            placed = self.strategy.replicate(self.steps.init_metrics())
+            shardings = jax.tree.map(lambda a: a.sharding, placed)
+            self._fresh_metrics = jax.jit(self.steps.init_metrics, out_shardings=shardings)
+            return placed
+        return self._fresh_metrics()
+
+    # -- evaluation and prediction ---------------------------------------------------------
+
+    def evaluate(self, variables, metrics, host_batch):
+        """One evaluation execution of a host batch; returns the new accumulators and logs.
+
+        Under a scalar loss a partial batch runs alone through its own program;
+        in a stacked group, the others run as a group with the partial batch's
+        mask zeroed (it counts for nothing there), so no single-batch program
+        is compiled besides.
+        """
+        distribute = self.strategy.distribute_batch
+        rows = self.partial_rows_each(host_batch.mask) if self.stacked else [self.partial_rows(host_batch.mask)]
+        if all(real is None for real in rows):
+            return self._evaluate(variables, metrics, distribute(host_batch, self.stacked))
+        if not self.stacked:
+            return self._with_rows("evaluate", rows[0])(variables, metrics, distribute(host_batch, False))
+        partial = np.asarray([real is not None for real in rows])
+        mask = np.where(partial[:, None], 0, host_batch.mask).astype(host_batch.mask.dtype)
+        if mask.any():
+            metrics, logs = self._evaluate(variables, metrics, distribute(host_batch._replace(mask=mask), True))
+        for i in np.flatnonzero(partial):
+            batch = distribute(one_of(host_batch, i), False)
+            metrics, logs = self._with_rows("evaluate", rows[i])(variables, metrics, batch)
+        return metrics, logs
+
+    def predict(self, variables, host_batch):
+        """Outputs of one execution, and the mask of its real rows (of every process)."""
+        batch = self.strategy.distribute_batch(host_batch, self.stacked)
+        return self._predict(variables, batch), batch.mask
+
+    # -- scalar losses: partial batches by their real rows ------------------------------------
+
+    def partial_rows(self, mask) -> int | None:
+        """The real rows of a partial batch (from its host mask) under a scalar loss; else None: the
+        usual program (a full batch, a batch of padding only, or no scalar loss: no mask is read)."""
+        if not self.scalar:
+            return None
+        real = int(np.count_nonzero(mask))
+        return real if 0 < real < np.shape(mask)[-1] else None
+
+    def partial_rows_each(self, mask) -> list:
+        """`partial_rows` of each batch of a stacked group (host mask of shape (K, rows))."""
+        if not self.scalar:
+            return [None] * np.shape(mask)[0]
+        return [self.partial_rows(row) for row in np.asarray(mask)]
+
+    def _with_rows(self, kind: str, rows: int) -> Callable:
+        """The program of `kind` ("single", "staged" or "evaluate") for a partial batch of `rows` real
+        rows, compiled on first use and kept (each computes the scalar losses on the first `rows` rows)."""
+        key = ("train" if kind == "single" else kind, rows)
+        with self._by_rows_lock:
+            program = self._by_rows.get(key)
+            if program is None:
+                steps = self.steps.with_rows(rows)
+                if kind == "single":
+                    program = self.strategy.train_function(steps, False)
+                elif kind == "staged":
+                    program = self.strategy.compile(steps.staged_train_step, donate_argnums=(0,))
+                else:
+                    program = self.strategy.compile(steps.eval_step, donate_argnums=(1,))
+                self._by_rows[key] = program
+        return program
+
+    @property
+    def partial_batch_steps(self) -> list[tuple[str, int]]:
+        """`(kind, real rows)` of each program compiled for partial batches under a scalar loss (the extra
+        compilations a scalar loss costs; empty without one)."""
+        return sorted(self._by_rows)
+
+    def compilations(self) -> dict[str, int]:
+        """How many times each program has been compiled so far (one per batch shape it met).
+
+        Keys: "execution", "single" and "staged" (0 where the program is not
+        used), "evaluate", "predict". A strategy whose train function is not a
+        compiled program of its own (the parameter server) counts 0 for it.
+        """
+        counts = {kind: _cache_size(program) for kind, program in self._trains.items()}
+        if self._trains["single"] is self._trains["execution"]:
+            counts["single"] = 0
+        counts["evaluate"] = _cache_size(self._evaluate)
+        counts["predict"] = _cache_size(self._predict)
+        return counts
+
+    # -- cost ------------------------------------------------------------------------------
+
+    def step_report(self, state: TrainState, host_batch) -> StepReport:
+        """Compiles the train step for one batch shaped like `host_batch` (nothing runs) and reports its cost.
+
+        The report is kept: a `Throughput` callback asks at every `fit`.
+        """
+        shape = jax.tree.map(lambda a: (np.shape(a), np.dtype(a.dtype)), host_batch)
+        if self._report is None or self._report[0] != shape:
+            self._report = (shape, self._compile_report(state, host_batch))
+        return self._report[1]
+
+    def _compile_report(self, state: TrainState, host_batch) -> StepReport:
+        batch = self.strategy.distribute_batch(host_batch, False)
+        train_step = self.strategy.compile(self.steps.train_step, donate_argnums=(0,))  # as fit compiles it
+        lowered = train_step.lower(state, batch)
+        compiled = lowered.compile()
+
+        def jaxpr():  # traced only where the backend has no cost analysis of a lowered program
+            return jax.make_jaxpr(self.steps.train_step)(state, batch)
+
+        rows = jax.tree.leaves(batch.mask)[0].shape[0]
+        leaf = jax.tree.leaves(state.params)[0]
+        devices = sorted(leaf.sharding.device_set, key=lambda d: d.id)
+        return step_report.analyse(lowered, compiled, rows, devices, jaxpr)
+
+
+def one_of(stacked: Any, i: int) -> Any:
+    """Batch `i` of a stacked host group (a view of its rows)."""
+    return jax.tree.map(lambda a: a[i], stacked)
+
+
+def _cache_size(program) -> int:
+    """Compilations of a jitted program (or of the one a synchronous train function wraps); 0 otherwise."""
+    return compat.compilations(getattr(program, "step", program))

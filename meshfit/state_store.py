@@ -1,0 +1,114 @@
+"""The one owner of a model's `TrainState`: where it is kept, read, replaced and advanced by steps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from meshfit.in_flight import InFlight
+from meshfit.state import TrainState
+from meshfit.steps import LOSS_KEY
+
+
+class StateStore:
+    """A model's `TrainState` and its optimizer steps counted on the host.
+
+    Compiled steps return a new state (the old buffers are donated, no copy is
+    kept) and `advance` stores it; everything else reads the state through
+    `state`, which is settled (it accounts for every batch handed out, also
+    under asynchronous strategies), or `latest` (without waiting for batches
+    in flight), and replaces it through `replace`, `reset` or `restore`.
+
+    Args:
+        state: the initial state, already laid out by the strategy.
+        follow: called with each state set from outside a step and at the end
+            of each fit: the model points the user's module at the state's
+            arrays, so the module never keeps alive arrays the model has dropped.
+    """
+
+    def __init__(self, state: TrainState, follow: Callable[[TrainState], None] | None = None):
+        self._state = state
+        self._follow = follow or (lambda state: None)
+        self._follow(state)
+        self._step = 0  # optimizer steps taken, counted on the host
+        self._step_known = True  # whether `_step` counts `_state` (else read once from the device)
+        #: Applies what an asynchronous strategy has in flight: `() -> (state, logs) | None` (set at build).
+        self.drain: Callable[[], tuple[TrainState, dict] | None] | None = None
+
+    @property
+    def latest(self) -> TrainState:
+        """The state as the last step returned it, without waiting for batches still in flight.
+
+        The same as `state` under synchronous strategies. Under asynchronous
+        ones, reading it costs nothing and joins no other process, so reads
+        that need no exact position (shapes, the learning rate, a summary) use it.
+        """
+        return self._state
+
+    @property
+    def state(self) -> TrainState:
+        """The state after every batch handed out so far (see `settle`): what savers write."""
+        self.settle()
+        return self._state
+
+    def settle(self) -> dict | None:
+        """Applies every batch handed out but not yet applied (asynchronous strategies).
+
+        Afterwards the state accounts for exactly the batches the fit's
+        position counts as consumed. Returns the logs after that, or None for
+        a strategy with nothing in flight.
+        """
+        drained = self.drain() if self.drain is not None else None
+        if drained is None:
+            return None
+        self._state, logs = drained
+        return logs
+
+    def replace(self, state: TrainState) -> None:
+        """Replaces the state from outside a step (weights set, a learning rate changed, a restore)."""
+        self._state = state
+        self._follow(state)
+        self._step_known = False  # a restored state may hold another step: the next fit reads it
+
+    def reset(self, state: TrainState) -> None:
+        """A fresh start (`compile`): the state at step 0, nothing in flight."""
+        self._state, self._step, self._step_known, self.drain = state, 0, True, None
+        self._follow(state)
+
+    def restore(self, state: TrainState, step: int) -> None:
+        """Replaces the state with one restored at optimizer step `step`."""
+        self.replace(state)
+        self._step, self._step_known = step, True
+
+    def replace_metrics(self, metrics) -> None:
+        """Sets the loss and metric accumulators (fresh ones at an epoch's start)."""
+        self._state = self._state._replace(metrics=metrics)
+
+    def advance(self, calls: Iterable, in_flight: InFlight) -> dict:
+        """Runs each `(program, args)` call on the state (donated) and keeps what it returns; returns
+        the last call's logs (device values). Each call counts against the `in_flight` bound."""
+        add = in_flight.add
+        for program, args in calls:
+            self._state, logs = program(self._state, *args)
+            add(logs[LOSS_KEY])
+        return logs
+
+    # -- the host's count of optimizer steps --------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken, counted on the host (no transfer)."""
+        return self._step
+
+    def count(self, steps: int) -> None:
+        self._step += steps
+
+    def begin_fit(self, to_host: Callable) -> None:
+        """Reads the step from the device once if the state was set from outside since the last fit."""
+        if not self._step_known:
+            self._step = int(to_host(self._state.step))
+        self._step_known = False  # until this fit ends normally, the count may run ahead of the state
+
+    def end_fit(self, finished: bool) -> None:
+        """After a fit that `finished`, the host count matches the state, so the next need not read it."""
+        self._step_known = finished
+        self._follow(self._state)
