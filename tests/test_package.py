@@ -124,38 +124,27 @@ def test_names_load_on_first_use_as_if_imported():
         _ = meshfit.Modle
 
 
-def private_model_accesses(path: str) -> list[str]:
-    """`model._x` and `self.model._x` (read or written) in a file, as `line: expression`."""
+def private_accesses(path: str, owners: tuple[str, ...]) -> list[str]:
+    """`<owner>._x` (read or written) in a file for each name in `owners`, as `line: expression`."""
     found = []
     for node in ast.walk(ast.parse(open(path).read())):
         if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
             continue
         owner = node.value
         name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
-        if name in ("model", "_model"):
+        if name in owners:
             found.append(f"{node.lineno}: {ast.unparse(node)}")
     return found
 
 
 def test_only_model_py_touches_private_attributes_of_a_model():
-    found = {name: private_model_accesses(path) for name, path in modules().items() if name != "meshfit.model"}
+    found = {
+        name: private_accesses(path, ("model", "_model")) for name, path in modules().items() if name != "meshfit.model"
+    }
     assert {name: hits for name, hits in found.items() if hits} == {}
 
 
 SESSION_PARTS = ("session", "store", "cursor", "executables", "feeder", "context", "fit_context")
-
-
-def private_session_accesses(path: str) -> list[str]:
-    """`<...>.session._x` (or of one of its owners: `session.feeder._x`, ...) in a file."""
-    found = []
-    for node in ast.walk(ast.parse(open(path).read())):
-        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
-            continue
-        owner = node.value
-        name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
-        if name in SESSION_PARTS:
-            found.append(f"{node.lineno}: {ast.unparse(node)}")
-    return found
 
 
 def test_no_test_or_callback_reads_a_private_attribute_of_the_session():
@@ -163,7 +152,7 @@ def test_no_test_or_callback_reads_a_private_attribute_of_the_session():
     tests = os.path.dirname(__file__)
     paths = [os.path.join(root, n) for root, _, names in os.walk(tests) for n in names if n.endswith(".py")]
     paths += [path for name, path in modules().items() if name.startswith("meshfit.callbacks")]
-    found = {path: private_session_accesses(path) for path in paths if not path.endswith("test_package.py")}
+    found = {path: private_accesses(path, SESSION_PARTS) for path in paths if not path.endswith("test_package.py")}
     assert {path: hits for path, hits in found.items() if hits} == {}
     callbacks = [path for name, path in modules().items() if name.startswith("meshfit.callbacks")]
     assert [path for path in callbacks if ".session" in open(path).read()] == []
