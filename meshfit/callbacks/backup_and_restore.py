@@ -5,38 +5,11 @@ from __future__ import annotations
 import math
 import os
 
-import numpy as np
-
 from meshfit import integrity
 from meshfit.callbacks.base import Callback
 from meshfit.checkpoint import CheckpointDir, NonFiniteState
+from meshfit.checkpoint_schema import BACKUP, Backup
 from meshfit.session import Position
-
-
-def split_arrays(value, arrays: dict, prefix: str = "a"):
-    """Replaces numpy arrays in a JSON-like value by references; fills `arrays`."""
-    if isinstance(value, np.ndarray):
-        key = f"{prefix}{len(arrays)}"
-        arrays[key] = value
-        return {"__array__": key}
-    if isinstance(value, dict):
-        return {k: split_arrays(v, arrays, prefix) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [split_arrays(v, arrays, prefix) for v in value]
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
-
-
-def join_arrays(value, arrays: dict):
-    """Inverse of `split_arrays`."""
-    if isinstance(value, dict):
-        if set(value) == {"__array__"}:
-            return np.asarray(arrays[value["__array__"]])
-        return {k: join_arrays(v, arrays) for k, v in value.items()}
-    if isinstance(value, list):
-        return [join_arrays(v, arrays) for v in value]
-    return value
 
 
 class BackupAndRestore(Callback):
@@ -96,7 +69,7 @@ class BackupAndRestore(Callback):
 
     # -- what goes into a backup ---------------------------------------------------
 
-    def _siblings(self):
+    def _siblings(self) -> list[Callback]:
         return [cb for cb in self.model.session.callbacks if cb is not self]
 
     def _save(self, logs=None, *, wait: bool = False) -> None:
@@ -112,33 +85,23 @@ class BackupAndRestore(Callback):
             history_epochs.append(position.epoch - 1)
             for k, v in logs.items():
                 history_dict.setdefault(k, []).append(v)
-        arrays: dict = {}
-        callbacks = {
-            f"{i}:{type(cb).__name__}": split_arrays(cb.state_dict(), arrays) for i, cb in enumerate(self._siblings())
-        }
-        arrays = {k: np.asarray(v) for k, v in arrays.items()}
-        data = split_arrays(position.data, arrays)
-        meta = {
-            "epoch": position.epoch,
-            "step_in_epoch": position.step_in_epoch,
-            "data_origin": position.data_origin,
-            "history": history_dict,
-            "history_epochs": history_epochs,
-            "callbacks": callbacks,
-            "data": data,
-            "format": 1,
-            "array_specs": {k: [list(v.shape), str(v.dtype)] for k, v in arrays.items()},
-        }
+        callbacks = {f"{i}:{type(cb).__name__}": cb.state_dict() for i, cb in enumerate(self._siblings())}
+        backup = Backup(
+            state=session.state,
+            epoch=position.epoch,
+            step_in_epoch=position.step_in_epoch,
+            step=position.step,
+            data_origin=position.data_origin,
+            data=position.data,
+            history=history_dict,
+            history_epochs=history_epochs,
+            callbacks=callbacks,
+        )
+        tree, meta = BACKUP.tree_and_meta(backup)
         step = position.step
         self._saved_step = step
         try:
-            self._dir.save(
-                step,
-                {"train": session.state, "arrays": arrays},
-                meta,
-                wait=wait or not self.async_save,
-                finite_only=True,
-            )
+            self._dir.save(step, tree, meta, wait=wait or not self.async_save, finite_only=True)
         except NonFiniteState as error:
             if self._refused_step is None and model.strategy.is_chief:
                 print(
@@ -154,34 +117,23 @@ class BackupAndRestore(Callback):
 
     def _restore(self) -> None:
         model = self.model
-
-        def template(meta):  # array shapes are in the meta, so the restore has a full target
-            arrays = {k: np.zeros(shape, dtype) for k, (shape, dtype) in meta["array_specs"].items()}
-            return {"train": model.session.latest, "arrays": arrays}
-
-        found = self._dir.restore_latest(template)
+        found = self._dir.restore_latest(lambda meta: BACKUP.target(model.session.latest, meta))
         if found is None:
             return
-        step, state, meta = found
-        arrays = {k: np.asarray(v) for k, v in state["arrays"].items()}
-        model.history.history.update(meta["history"])
-        model.history.epoch[:] = meta["history_epochs"]
+        step, tree, meta = found
+        backup = BACKUP.restored(step, tree, meta)
+        model.history.history.update(backup.history)
+        model.history.epoch[:] = backup.history_epochs
         for i, cb in enumerate(self._siblings()):
-            saved = meta["callbacks"].get(f"{i}:{type(cb).__name__}")
+            saved = backup.callbacks.get(f"{i}:{type(cb).__name__}")
             if saved:
-                cb.load_state_dict(join_arrays(saved, arrays))
-        position = Position(
-            epoch=meta["epoch"],
-            step_in_epoch=meta["step_in_epoch"],
-            step=step,
-            data_origin=meta.get("data_origin", 0),  # backups from before it was saved: passes began at 0
-            data=join_arrays(meta["data"], arrays),
-        )
-        model.session.restore(state["train"], position)
+                cb.load_state_dict(saved)
+        position = Position(backup.epoch, backup.step_in_epoch, step, backup.data_origin, backup.data)
+        model.session.restore(backup.state, position)
         if model.strategy.is_chief:
             print(
-                f"BackupAndRestore: resumed from {self._dir.directory} at epoch {meta['epoch'] + 1}, "
-                f"batch {meta['step_in_epoch']} (step {step}).",
+                f"BackupAndRestore: resumed from {self._dir.directory} at epoch {backup.epoch + 1}, "
+                f"batch {backup.step_in_epoch} (step {step}).",
                 flush=True,
             )
 

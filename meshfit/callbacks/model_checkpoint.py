@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import string
 
-from meshfit import saving
 from meshfit.callbacks.early_stopping import MonitorCallback
 from meshfit.callbacks.progbar_logger import print_msg
-from meshfit.checkpoint import CheckpointDir, finish_replacement, replace_directory, staging_path
+from meshfit.checkpoint import CheckpointDir, finish_replacement, open_for_saving, replace_directory, staging_path
+from meshfit.checkpoint_schema import TRAINING, WEIGHTS, WeightsSchema
+from meshfit.state import TrainState
 
 
 def _has_fields(path: str) -> bool:
@@ -153,9 +154,8 @@ class ModelCheckpoint(MonitorCallback):
             self.best = current
         elif self.verbose:
             print_msg(f"Epoch {self._epoch + 1}: saving model to {target}")
-        tree = (
-            {"weights": saving.weights_tree(self.model)} if self.save_weights_only else saving.training_tree(self.model)
-        )
+        state = self.model.session.state
+        tree = self._schema.tree(state)
         meta = {
             "epoch": self._epoch,
             "step": int(self.model.session.step),
@@ -163,19 +163,29 @@ class ModelCheckpoint(MonitorCallback):
             "logs": logs,
         }
         if self.formatted:
-            self._save_formatted(target, tree, meta)
+            self._save_formatted(target, tree, {**self._single_save_record(state), **meta})
         elif self._earlier and self.overwrite and not self.model.session.resumed:
             self._replace_earlier_run(number, tree, meta)
         else:
             # A run resumed by BackupAndRestore may save a step it saved before (same values).
             self._dir.save(number, tree, meta, if_exists="skip" if self.model.session.resumed else "error")
 
-    def _save_formatted(self, path: str, tree, meta: dict) -> None:
+    @property
+    def _schema(self) -> WeightsSchema:
+        """What each save holds: the weights, or (unless `save_weights_only`) what continues training too."""
+        return WEIGHTS if self.save_weights_only else TRAINING
+
+    def _single_save_record(self, state: TrainState) -> dict:
+        """The JSON record `model.save` (or `save_weights`) writes, for `load_model` to read."""
+        compile_config = self.model.get_compile_config() if self._schema is TRAINING else None
+        return self._schema.record(state, compile_config)
+
+    def _save_formatted(self, path: str, tree: dict, meta: dict) -> None:
         """One model (or weights) in its own directory, as `model.save` writes it; written in the background."""
         self.close()  # the previous save is complete first (it may be the same directory)
-        kind = "weights" if self.save_weights_only else "model"
-        meta = {**(saving.model_meta(self.model) if kind == "model" else {"format": saving.FORMAT}), **meta}
-        self._dir, number = saving.open_for_saving(path, kind, overwrite=self.overwrite, async_save=self.async_save)
+        self._dir, number = open_for_saving(
+            path, self._schema.kind, overwrite=self.overwrite, async_save=self.async_save
+        )
         self._dir.save(number, tree, meta)
 
     def _replace_earlier_run(self, number: int, tree, meta: dict) -> None:
