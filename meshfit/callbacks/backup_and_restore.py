@@ -9,6 +9,15 @@ from meshfit import integrity
 from meshfit.callbacks.base import Callback
 from meshfit.checkpoint import CheckpointDir, NonFiniteState
 from meshfit.checkpoint_schema import BACKUP, Backup
+from meshfit.save_policy import (
+    AFTER_BATCH,
+    AT_EPOCH_END,
+    AT_PREEMPTION,
+    AnySavePolicy,
+    DecisionContext,
+    PreemptionPolicy,
+    from_save_freq,
+)
 from meshfit.session import Position
 
 
@@ -56,15 +65,14 @@ class BackupAndRestore(Callback):
         async_save: bool = True,
     ):
         super().__init__()
-        if save_freq != "epoch" and (not isinstance(save_freq, int) or save_freq < 1):
-            raise ValueError(f"`save_freq` must be 'epoch' or a positive int. Received: save_freq={save_freq!r}.")
+        self.save_policy = AnySavePolicy((from_save_freq(save_freq), PreemptionPolicy()))
         self.backup_dir = os.fspath(backup_dir)
         self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint
         self.max_to_keep = max_to_keep
         self.async_save = async_save
         self._dir: CheckpointDir | None = None
-        self._saved_step = 0
+        self._saved_step = 0  # the step of the last save (or of the fit's start): what `save_freq` counts from
         self._refused_step: int | None = None  # a step whose state was not finite, so not saved
 
     # -- what goes into a backup ---------------------------------------------------
@@ -145,16 +153,20 @@ class BackupAndRestore(Callback):
         self._restore()
         self._saved_step = self.model.session.step
 
+    def _should_save(self, context: DecisionContext) -> bool:
+        return self.save_policy.should_save(self.model.session.step, (self._saved_step,), context=context)
+
     def on_train_batch_end(self, batch, logs=None):
-        if self.save_freq != "epoch" and self.model.session.step // self.save_freq > self._saved_step // self.save_freq:
+        if self._should_save(AFTER_BATCH):
             self._save()
 
     def on_epoch_end(self, epoch, logs=None):
-        if self.save_freq == "epoch":
+        if self._should_save(AT_EPOCH_END):
             self._save(logs)
 
     def on_preemption(self, epoch, step_in_epoch):
-        self._save(wait=True)
+        if self._should_save(AT_PREEMPTION):
+            self._save(wait=True)
 
     def on_train_end(self, logs=None):
         directory = self._dir

@@ -9,6 +9,7 @@ from meshfit.callbacks.early_stopping import MonitorCallback
 from meshfit.callbacks.progbar_logger import print_msg
 from meshfit.checkpoint import CheckpointDir, finish_replacement, open_for_saving, replace_directory, staging_path
 from meshfit.checkpoint_schema import TRAINING, WEIGHTS, WeightsSchema
+from meshfit.save_policy import AFTER_BATCH, AT_EPOCH_END, from_save_freq
 from meshfit.state import TrainState
 
 
@@ -76,8 +77,7 @@ class ModelCheckpoint(MonitorCallback):
         overwrite: bool = True,
     ):
         super().__init__(monitor=monitor, mode=mode, baseline=initial_value_threshold)
-        if save_freq != "epoch" and (not isinstance(save_freq, int) or save_freq < 1):
-            raise ValueError(f"`save_freq` must be 'epoch' or a positive int. Received: save_freq={save_freq!r}.")
+        self.save_policy = from_save_freq(save_freq)
         self.directory = os.fspath(directory)
         self.verbose = verbose
         self.save_best_only = save_best_only
@@ -90,7 +90,7 @@ class ModelCheckpoint(MonitorCallback):
         self._dir: CheckpointDir | None = None
         self._earlier = False  # the directory held an earlier run's checkpoints when this run opened it
         self._epoch = 0
-        self._last_step = 0
+        self._last_step = 0  # the step of the last save point (or of the fit's start): what `save_freq` counts from
 
     def on_train_begin(self, logs=None):
         if self._dir is None and not self.formatted:
@@ -108,12 +108,12 @@ class ModelCheckpoint(MonitorCallback):
 
     def on_train_batch_end(self, batch, logs=None):
         step = self.model.session.step
-        if self.save_freq != "epoch" and step // self.save_freq > self._last_step // self.save_freq:
-            self._last_step = step
+        if self.save_policy.should_save(step, (self._last_step,), context=AFTER_BATCH):
+            self._last_step = step  # a save point, also when `save_best_only` then saves nothing
             self._maybe_save(step, logs, batch=batch)
 
     def on_epoch_end(self, epoch, logs=None):
-        if self.save_freq == "epoch":
+        if self.save_policy.should_save(self.model.session.step, (self._last_step,), context=AT_EPOCH_END):
             self._maybe_save(epoch + 1, logs)
 
     def path_for(self, logs: dict, batch: int | None = None) -> str:
