@@ -32,8 +32,8 @@ from meshfit.state import TrainState
 #: The format of the JSON record beside a saved model's or saved weights' arrays. 2: compile settings as
 #: `meshfit.serialization` records (1: names only, objects left out).
 FORMAT = 2
-#: The format of a backup's JSON part: callbacks' state filed by "<index>:<class name>".
-BACKUP_FORMAT = 1
+#: The format of a backup's JSON part. 2: callbacks' state filed by `state_key` (1: by "<index>:<class name>").
+BACKUP_FORMAT = 2
 
 
 def weights_of(state: TrainState) -> dict:
@@ -116,9 +116,10 @@ class Backup(NamedTuple):
         epoch, step_in_epoch, step, data_origin, data: the fit's position
             (`meshfit.session.Position`'s fields).
         history: History's `history` so far; `history_epochs` its `epoch`.
-        callbacks: each other callback's `state_dict()`, by "<index>:<class
-            name>" (the index among the fit's other callbacks).
-        format: the format of the JSON part it was read from.
+        callbacks: each other callback's `state_dict()`, by its state key
+            (`meshfit.callbacks.base.state_keys`).
+        format: `BACKUP_FORMAT` when read from a current backup; 1 for a
+            backup whose callbacks are filed by "<index>:<class name>".
     """
 
     state: TrainState

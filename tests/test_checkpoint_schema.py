@@ -67,12 +67,12 @@ def test_the_trees_written_are_the_layouts_written_before(policy):
     same_leaves(WEIGHTS.tree(state), old_weights_tree(state))
     same_leaves(TRAINING.tree(state), old_training_tree(state))
     assert ("loss_scale" in TRAINING.tree(state)) == (policy == "mixed_float16")
-    backup = Backup(state, 1, 0, 4, 0, {}, {"loss": [1.0]}, [0], {"0:EarlyStopping": {"best": np.arange(3)}})
+    backup = Backup(state, 1, 0, 4, 0, {}, {"loss": [1.0]}, [0], {"EarlyStopping": {"best": np.arange(3)}})
     tree, meta = BACKUP.tree_and_meta(backup)
     same_leaves(tree["train"], state)
     np.testing.assert_array_equal(tree["arrays"]["a0"], np.arange(3))
-    assert meta["callbacks"] == {"0:EarlyStopping": {"best": {"__array__": "a0"}}}
-    assert meta["format"] == checkpoint_schema.BACKUP_FORMAT == 1
+    assert meta["callbacks"] == {"EarlyStopping": {"best": {"__array__": "a0"}}}
+    assert meta["format"] == checkpoint_schema.BACKUP_FORMAT == 2
 
 
 def test_a_restored_tree_goes_back_into_the_state():
@@ -118,12 +118,45 @@ def test_saved_weights_models_and_checkpoints_in_the_old_layouts_load(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
-def test_the_weights_of_a_backup_in_the_old_layout_load(tmp_path):
+class Tagged(mf.callbacks.Callback):
+    """A callback whose state is a tag and an array (a numpy array goes with a backup's arrays)."""
+
+    def __init__(self, tag=None):
+        super().__init__()
+        self.tag, self.loaded = tag, None
+
+    def state_dict(self):
+        return {"tag": self.tag, "values": np.full(3, ord(self.tag), np.float32)} if self.tag else {}
+
+    def load_state_dict(self, state):
+        self.loaded = state
+
+
+class Other(Tagged):
+    pass
+
+
+def test_an_old_backup_restores_callbacks_reordered_and_its_weights_load(tmp_path):
+    """A backup of format 1 (callbacks by position and class) restores each callback's state by class and order,
+    even with callbacks of different classes reordered, which the positional keys alone would have dropped."""
     model = trained()
     state = model.session.state
+    saved_with = [Tagged("a"), Other("o"), Tagged("b")]
     arrays = {}
-    meta = old_backup_meta([], {"loss": [1.0]}, epoch=1, arrays=arrays)
-    write(tmp_path / "b", "backup", {"train": state, "arrays": arrays}, meta, 4)
+    meta = old_backup_meta(saved_with, {"loss": [1.0]}, epoch=1, arrays=arrays)
+    write(tmp_path / "b", "backup", {"train": state, "arrays": {k: np.asarray(v) for k, v in arrays.items()}}, meta, 4)
+
     other = mf.Model(MLP(din=4, hidden=16, dout=3, seed=5))
     other.load_weights(tmp_path / "b")  # the weights alone, out of the training state
     assert weights_equal(model, other)
+
+    resumed = mf.Model(MLP(din=4, hidden=16, dout=3, seed=5))
+    resumed.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    now = [Other(), Tagged(), Tagged()]  # Other moved first
+    x, y = classification_data(n=64)
+    history = resumed.fit(
+        x, y, batch_size=16, epochs=1, verbose=0, callbacks=[*now, mf.callbacks.BackupAndRestore(tmp_path / "b")]
+    )
+    assert [cb.loaded["tag"] for cb in now] == ["o", "a", "b"]
+    np.testing.assert_array_equal(now[1].loaded["values"], np.full(3, ord("a"), np.float32))
+    assert weights_equal(model, resumed) and history.history == {"loss": [1.0]}

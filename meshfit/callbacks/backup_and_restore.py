@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 from meshfit import integrity
-from meshfit.callbacks.base import Callback
+from meshfit.callbacks.base import Callback, state_keys
 from meshfit.checkpoint import CheckpointDir, NonFiniteState
 from meshfit.checkpoint_schema import BACKUP, Backup
 from meshfit.save_policy import (
@@ -20,6 +21,31 @@ from meshfit.save_policy import (
 )
 from meshfit.session import Position
 
+#: How backups of format 1 filed a callback's state: its index among the fit's other callbacks, and its class.
+_POSITIONAL_KEY = re.compile(r"^(\d+):(.+)$")
+
+
+def _from_positional_keys(saved: dict[str, dict], callbacks: list[Callback], keys: list[str]) -> dict[str, dict]:
+    """The state of a format-1 backup ("<index>:<class name>") filed by today's keys.
+
+    The k-th saved callback of a class goes to the k-th callback of that class
+    now, so callbacks of different classes may have moved. Saved states with no
+    such callback keep their old key (`_check_every_state_has_a_callback` names it).
+    """
+    now: dict[str, list[str]] = {}
+    for cb, key in zip(callbacks, keys, strict=True):
+        now.setdefault(type(cb).__name__, []).append(key)
+    found, seen = {}, {}
+    positional = sorted(
+        ((int(m.group(1)), m.group(2), key) for key in saved if (m := _POSITIONAL_KEY.match(key))),
+        key=lambda entry: entry[0],
+    )
+    for _, class_name, old_key in positional:
+        k = seen[class_name] = seen.get(class_name, -1) + 1
+        same_class = now.get(class_name, [])
+        found[same_class[k] if k < len(same_class) else old_key] = saved[old_key]
+    return found
+
 
 class BackupAndRestore(Callback):
     """Backs up training so a restarted `fit` continues from the exact step.
@@ -30,8 +56,11 @@ class BackupAndRestore(Callback):
     shuffled order; re-iterable datasets are advanced to the same batch; a
     one-shot generator cannot be rewound, with a warning), the History so
     far and the state of every callback that has one (EarlyStopping,
-    ReduceLROnPlateau, ...). Resumed runs end bitwise equal to uninterrupted
-    ones on the same machine.
+    ReduceLROnPlateau, ...), filed under its `state_key` (its class name by
+    default), so callbacks of different classes may be reordered; a backup
+    holding state for a callback the fit lacks is refused (a `ValueError`)
+    before any step. Resumed runs end bitwise equal to uninterrupted ones on
+    the same machine.
 
     Backups are written asynchronously with Orbax; the previous backup is
     deleted only after a newer one is complete. A backup that cannot be read
@@ -74,11 +103,14 @@ class BackupAndRestore(Callback):
         self._dir: CheckpointDir | None = None
         self._saved_step = 0  # the step of the last save (or of the fit's start): what `save_freq` counts from
         self._refused_step: int | None = None  # a step whose state was not finite, so not saved
+        self._others: dict[str, Callback] = {}  # the fit's other callbacks, by state key
 
     # -- what goes into a backup ---------------------------------------------------
 
-    def _siblings(self) -> list[Callback]:
-        return [cb for cb in self.model.session.callbacks if cb is not self]
+    def _keyed_others(self) -> dict[str, Callback]:
+        """The fit's other callbacks by the key their state is filed under (`state_keys`)."""
+        others = [cb for cb in self.model.session.callbacks if cb is not self]
+        return dict(zip(state_keys(others), others, strict=True))
 
     def _save(self, logs=None, *, wait: bool = False) -> None:
         """Backs up the session's state at its position; `logs` are an ending epoch's (History records them later)."""
@@ -93,7 +125,7 @@ class BackupAndRestore(Callback):
             history_epochs.append(position.epoch - 1)
             for k, v in logs.items():
                 history_dict.setdefault(k, []).append(v)
-        callbacks = {f"{i}:{type(cb).__name__}": cb.state_dict() for i, cb in enumerate(self._siblings())}
+        callbacks = {key: cb.state_dict() for key, cb in self._others.items()}
         backup = Backup(
             state=session.state,
             epoch=position.epoch,
@@ -124,18 +156,23 @@ class BackupAndRestore(Callback):
         return steps[-1] if steps else "none"
 
     def _restore(self) -> None:
+        """Continues from the newest readable backup, if any; checks first that every saved callback state
+        has its callback in this fit, so a refusal changes nothing."""
         model = self.model
         found = self._dir.restore_latest(lambda meta: BACKUP.target(model.session.latest, meta))
         if found is None:
             return
         step, tree, meta = found
         backup = BACKUP.restored(step, tree, meta)
+        saved = backup.callbacks
+        if backup.format < 2:
+            saved = _from_positional_keys(saved, list(self._others.values()), list(self._others))
+        self._check_every_state_has_a_callback(saved, step)
         model.history.history.update(backup.history)
         model.history.epoch[:] = backup.history_epochs
-        for i, cb in enumerate(self._siblings()):
-            saved = backup.callbacks.get(f"{i}:{type(cb).__name__}")
-            if saved:
-                cb.load_state_dict(saved)
+        for key, cb in self._others.items():
+            if saved.get(key):
+                cb.load_state_dict(saved[key])
         position = Position(backup.epoch, backup.step_in_epoch, step, backup.data_origin, backup.data)
         model.session.restore(backup.state, position)
         if model.strategy.is_chief:
@@ -145,10 +182,25 @@ class BackupAndRestore(Callback):
                 flush=True,
             )
 
+    def _check_every_state_has_a_callback(self, saved: dict[str, dict], step: int) -> None:
+        """Refuses a backup holding state for callbacks this fit lacks: resuming would silently drop it."""
+        orphans = sorted(key for key, state in saved.items() if state and key not in self._others)
+        if not orphans:
+            return
+        raise ValueError(
+            f"BackupAndRestore: the backup at step {step} in {self._dir.directory} holds the state of "
+            f"callback(s) {', '.join(map(repr, orphans))}, expected among this fit's callbacks, which are "
+            f"{', '.join(map(repr, self._others)) or 'none'} (a callback's `state_key`, or its class name with _1, "
+            "_2, ... for later callbacks of one class). Nothing was restored or changed. Pass those callbacks to "
+            "fit again (with the same `state_key` if one was set) to resume them, or start afresh with a new or "
+            "empty backup_dir."
+        )
+
     # -- hooks ---------------------------------------------------------------------
 
     def on_train_begin(self, logs=None):
         self._refused_step = None
+        self._others = self._keyed_others()
         self._dir = CheckpointDir(self.backup_dir, "backup", max_to_keep=self.max_to_keep, async_save=self.async_save)
         self._restore()
         self._saved_step = self.model.session.step
