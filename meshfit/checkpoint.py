@@ -554,3 +554,33 @@ class CheckpointDir:
         else:
             os.rmdir(self.directory)
         return sorted(kept)
+
+
+#: What a directory of one saved model or set of weights is called in messages.
+_SINGLE_LABELS = {"model": "a saved model", "weights": "saved weights"}
+
+
+def open_for_saving(
+    path: str | os.PathLike, kind: str, *, overwrite: bool, async_save: bool = False
+) -> tuple[CheckpointDir, int]:
+    """Opens `path` to save one model or set of weights into; returns the directory and the number to save as.
+
+    A directory meshfit wrote for the same `kind` is overwritten (unless
+    `overwrite=False`: a FileExistsError), crash-safely: the new checkpoint
+    gets the next number and the old one is deleted only once the new one is
+    complete (`max_to_keep=1`), so a crash mid-save leaves the old or the new
+    copy, whole. A directory of another kind, or holding files meshfit did not
+    write, is refused (`check_directory`).
+    """
+    ckpt = CheckpointDir(os.fspath(path), kind, max_to_keep=1, async_save=async_save)
+    try:
+        steps = ckpt.steps()
+        if steps and not overwrite:
+            raise FileExistsError(
+                f"{ckpt.directory!r} already holds {_SINGLE_LABELS[kind]}. Pass overwrite=True (the default) to "
+                "replace it."
+            )
+    except BaseException:
+        ckpt.close()
+        raise
+    return ckpt, max(steps) + 1 if steps else 0

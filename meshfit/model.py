@@ -322,6 +322,15 @@ class Model:
         """What `compile` was given (None before `compile`)."""
         return self._compiled
 
+    def get_compile_config(self) -> dict | None:
+        """How the model was compiled, as the JSON `save` writes (None before `compile`), as in Keras.
+
+        Names, meshfit's built-in losses and metrics, and optimizers from
+        `meshfit.optimizers.get` are written down; anything else is recorded as
+        `{"__custom__": description}`, for `load_model` to ask for again.
+        """
+        return saving.compile_record(self)
+
     def _check_strategy(self, what: str) -> None:
         current = get_strategy()
         if has_strategy() and current is not self.strategy:
@@ -884,7 +893,8 @@ class Model:
         saving.save_weights(self, path, overwrite=overwrite)
 
     def load_weights(self, path: str | os.PathLike) -> None:
-        """Loads weights saved by `save_weights`, `save` or `ModelCheckpoint`, onto this model's layout."""
+        """Loads weights saved by `save_weights`, `save`, `ModelCheckpoint` or `BackupAndRestore`, onto this
+        model's layout."""
         saving.load_weights(self, path)
 
     def count_params(self) -> int:

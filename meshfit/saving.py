@@ -15,44 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 from meshfit import serialization
-from meshfit.checkpoint import CheckpointDamaged, CheckpointDir, read_marker, readable_path
-
-#: The format of the JSON record written beside saved arrays. 2: compile settings as
-#: `meshfit.serialization` records (1: names only, objects left out).
-FORMAT = 2
-_LABELS = {"model": "a saved model", "weights": "saved weights"}
-
-
-def weights_tree(model) -> dict:
-    """The part of a model's state that `get_weights` covers, as saved on disk."""
-    state = model.session.state
-    return {"params": state.params, "model_state": state.model_state}
-
-
-def training_tree(model) -> dict:
-    """Weights plus optimizer state and step: enough to continue training."""
-    state = model.session.state
-    tree = {"weights": weights_tree(model), "step": state.step}
-    if state.opt_state is not None:
-        tree["opt_state"] = state.opt_state
-    if state.loss_scale is not None:  # mixed_float16: the dynamic loss scale continues where it was
-        tree["loss_scale"] = state.loss_scale
-    return tree
-
-
-def set_from_tree(model, tree: dict) -> None:
-    """Puts restored values (already laid out for this model) into its state."""
-    state = model.session.latest._replace(params=tree["weights"]["params"], model_state=tree["weights"]["model_state"])
-    if "step" in tree:
-        state = state._replace(step=tree["step"])
-    if "opt_state" in tree:
-        state = state._replace(opt_state=tree["opt_state"])
-    if "loss_scale" in tree:
-        saved = tree["loss_scale"]
-        scale = type(state.loss_scale)(**saved) if isinstance(saved, dict) else type(state.loss_scale)(*saved)
-        state = state._replace(loss_scale=scale)
-    model.session.state = state
-
+from meshfit.checkpoint import CheckpointDamaged, CheckpointDir, open_for_saving, read_marker, readable_path
+from meshfit.checkpoint_schema import TRAINING, WEIGHTS, for_kind
 
 #: The compile arguments a saved model's record holds (format 2), in `Model.compile`'s order.
 COMPILE_ENTRIES = (
@@ -142,12 +106,6 @@ def _unsaved_message(missing: dict[str, list[str]]) -> str:
     )
 
 
-def model_meta(model) -> dict:
-    """The JSON record `load_model` reads beside a saved model's arrays."""
-    has_optimizer = model.session.latest.opt_state is not None
-    return {"format": FORMAT, "compile": compile_record(model), "has_optimizer": has_optimizer}
-
-
 def _open_for_reading(path, kinds: tuple[str, ...]) -> CheckpointDir:
     """Opens a saved model, weights or checkpoints without writing anything there (not even a marker)."""
     path = readable_path(os.fspath(path))  # also a copy a crash left mid-replacement
@@ -164,30 +122,7 @@ def _open_for_reading(path, kinds: tuple[str, ...]) -> CheckpointDir:
     return CheckpointDir(path, marker["kind"], read_only=True)
 
 
-def open_for_saving(path, kind: str, *, overwrite: bool, async_save: bool = False) -> tuple[CheckpointDir, int]:
-    """Opens `path` to save one model or set of weights into; returns the directory and the number to save as.
-
-    A directory meshfit wrote for the same `kind` is overwritten (unless
-    `overwrite=False`: a FileExistsError), crash-safely: the new checkpoint
-    gets the next number and the old one is deleted only once the new one is
-    complete (`max_to_keep=1`), so a crash mid-save leaves the old or the new
-    copy, whole. A directory of another kind, or holding files meshfit did not
-    write, is refused (`meshfit.checkpoint.check_directory`).
-    """
-    ckpt = CheckpointDir(os.fspath(path), kind, max_to_keep=1, async_save=async_save)
-    try:
-        steps = ckpt.steps()
-        if steps and not overwrite:
-            raise FileExistsError(
-                f"{ckpt.directory!r} already holds {_LABELS[kind]}. Pass overwrite=True (the default) to replace it."
-            )
-    except BaseException:
-        ckpt.close()
-        raise
-    return ckpt, max(steps) + 1 if steps else 0
-
-
-def _write(path, kind: str, tree, meta: dict, overwrite: bool) -> None:
+def _write(path: str | os.PathLike, kind: str, tree: dict, meta: dict, overwrite: bool) -> None:
     ckpt, number = open_for_saving(path, kind, overwrite=overwrite)
     try:
         ckpt.save(number, tree, meta, wait=True)
@@ -195,37 +130,33 @@ def _write(path, kind: str, tree, meta: dict, overwrite: bool) -> None:
         ckpt.close()
 
 
-def save_model(model, path, overwrite: bool = True) -> None:
-    """Writes weights, optimizer state, step and compile settings to `path` (see `open_for_saving`)."""
-    _write(path, "model", training_tree(model), model_meta(model), overwrite)
+def save_model(model, path: str | os.PathLike, overwrite: bool = True) -> None:
+    """Writes weights, optimizer state, step and compile settings to `path` (see `checkpoint.open_for_saving`)."""
+    state = model.session.state
+    _write(path, "model", TRAINING.tree(state), TRAINING.record(state, compile_record(model)), overwrite)
 
 
-def save_weights(model, path, overwrite: bool = True) -> None:
-    """Writes the weights (trainable and non-trainable) to `path` (see `open_for_saving`)."""
-    _write(path, "weights", {"weights": weights_tree(model)}, {"format": FORMAT}, overwrite)
+def save_weights(model, path: str | os.PathLike, overwrite: bool = True) -> None:
+    """Writes the weights (trainable and non-trainable) to `path` (see `checkpoint.open_for_saving`)."""
+    state = model.session.state
+    _write(path, "weights", WEIGHTS.tree(state), WEIGHTS.record(state), overwrite)
 
 
-def load_weights(model, path) -> None:
-    """Loads weights saved by `save_weights`, `save` or `ModelCheckpoint` (its newest checkpoint).
+def load_weights(model, path: str | os.PathLike) -> None:
+    """Loads weights saved by `save_weights`, `save`, `ModelCheckpoint` (its newest checkpoint) or
+    `BackupAndRestore` (its newest backup).
 
     Arrays are laid out by the model's strategy, whatever layout saved them.
     """
     ckpt = _open_for_reading(path, ("weights", "model", "checkpoint", "backup"))
+    schema = for_kind(ckpt.kind)
     try:
-        template = {"weights": weights_tree(model)}
-        if ckpt.kind == "backup":  # a backup's weights live in its training state
-            template = {
-                "train": {"params": template["weights"]["params"], "model_state": template["weights"]["model_state"]}
-            }
-        found = ckpt.restore_latest(template, partial=True)
+        found = ckpt.restore_latest(schema.weights_target(model.session.state), partial=True)
     finally:
         ckpt.close()
     if found is None:
         raise FileNotFoundError(f"{os.fspath(path)!r} holds no complete checkpoint.")
-    tree = found[1]
-    if "train" in tree:
-        tree = {"weights": tree["train"]}
-    set_from_tree(model, tree)
+    model.session.state = schema.restored_weights(model.session.latest, found[1])
 
 
 def load_saved_model(path, build: Callable[[], Any], *, compile: bool = True, **compile_kwargs):
@@ -250,11 +181,11 @@ def load_saved_model(path, build: Callable[[], Any], *, compile: bool = True, **
         if arguments is not None:
             model.compile(**arguments)
         with_optimizer = model.session.latest.opt_state is not None and meta.get("has_optimizer")
-        template = training_tree(model) if with_optimizer else {"weights": weights_tree(model)}
-        found = ckpt.restore_latest(template, partial=True)
+        schema = TRAINING if with_optimizer else WEIGHTS
+        found = ckpt.restore_latest(schema.target(model.session.state), partial=True)
     finally:
         ckpt.close()
     if found is None:
         raise FileNotFoundError(f"{ckpt.directory!r} holds no readable saved model (see the warnings above).")
-    set_from_tree(model, found[1])
+    model.session.state = schema.restored(model.session.latest, found[1])
     return model

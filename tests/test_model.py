@@ -425,7 +425,12 @@ def test_scalar_loss_on_a_generator_of_ragged_batches(monkeypatch, prefetch):
 
     per_sample, scalar = fit_both(run)
     assert_same_training(per_sample, scalar)
-    assert scalar[0].session.executables.partial_batch_steps == [("evaluate", 3), ("evaluate", 5), ("train", 3), ("train", 5)]
+    assert scalar[0].session.executables.partial_batch_steps == [
+        ("evaluate", 3),
+        ("evaluate", 5),
+        ("train", 3),
+        ("train", 5),
+    ]
 
 
 def test_scalar_loss_on_batch_methods_under_mirrored():

@@ -4,39 +4,47 @@ from __future__ import annotations
 
 import math
 import os
-
-import numpy as np
+import re
 
 from meshfit import integrity
-from meshfit.callbacks.base import Callback
+from meshfit.callbacks.base import Callback, state_keys
 from meshfit.checkpoint import CheckpointDir, NonFiniteState
+from meshfit.checkpoint_schema import BACKUP, Backup
 from meshfit.fit_cursor import Position
+from meshfit.save_policy import (
+    AFTER_BATCH,
+    AT_EPOCH_END,
+    AT_PREEMPTION,
+    AnySavePolicy,
+    DecisionContext,
+    PreemptionPolicy,
+    from_save_freq,
+)
+
+#: How backups of format 1 filed a callback's state: its index among the fit's other callbacks, and its class.
+_POSITIONAL_KEY = re.compile(r"^(\d+):(.+)$")
 
 
-def split_arrays(value, arrays: dict, prefix: str = "a"):
-    """Replaces numpy arrays in a JSON-like value by references; fills `arrays`."""
-    if isinstance(value, np.ndarray):
-        key = f"{prefix}{len(arrays)}"
-        arrays[key] = value
-        return {"__array__": key}
-    if isinstance(value, dict):
-        return {k: split_arrays(v, arrays, prefix) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [split_arrays(v, arrays, prefix) for v in value]
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
+def _from_positional_keys(saved: dict[str, dict], callbacks: list[Callback], keys: list[str]) -> dict[str, dict]:
+    """The state of a format-1 backup ("<index>:<class name>") filed by today's keys.
 
-
-def join_arrays(value, arrays: dict):
-    """Inverse of `split_arrays`."""
-    if isinstance(value, dict):
-        if set(value) == {"__array__"}:
-            return np.asarray(arrays[value["__array__"]])
-        return {k: join_arrays(v, arrays) for k, v in value.items()}
-    if isinstance(value, list):
-        return [join_arrays(v, arrays) for v in value]
-    return value
+    The k-th saved callback of a class goes to the k-th callback of that class
+    now, so callbacks of different classes may have moved. Saved states with no
+    such callback keep their old key (`_check_every_state_has_a_callback` names it).
+    """
+    now: dict[str, list[str]] = {}
+    for cb, key in zip(callbacks, keys, strict=True):
+        now.setdefault(type(cb).__name__, []).append(key)
+    found, seen = {}, {}
+    positional = sorted(
+        ((int(m.group(1)), m.group(2), key) for key in saved if (m := _POSITIONAL_KEY.match(key))),
+        key=lambda entry: entry[0],
+    )
+    for _, class_name, old_key in positional:
+        k = seen[class_name] = seen.get(class_name, -1) + 1
+        same_class = now.get(class_name, [])
+        found[same_class[k] if k < len(same_class) else old_key] = saved[old_key]
+    return found
 
 
 class BackupAndRestore(Callback):
@@ -48,8 +56,11 @@ class BackupAndRestore(Callback):
     shuffled order; re-iterable datasets are advanced to the same batch; a
     one-shot generator cannot be rewound, with a warning), the History so
     far and the state of every callback that has one (EarlyStopping,
-    ReduceLROnPlateau, ...). Resumed runs end bitwise equal to uninterrupted
-    ones on the same machine.
+    ReduceLROnPlateau, ...), filed under its `state_key` (its class name by
+    default), so callbacks of different classes may be reordered; a backup
+    holding state for a callback the fit lacks is refused (a `ValueError`)
+    before any step. Resumed runs end bitwise equal to uninterrupted ones on
+    the same machine.
 
     Backups are written asynchronously with Orbax; the previous backup is
     deleted only after a newer one is complete. A backup that cannot be read
@@ -83,21 +94,23 @@ class BackupAndRestore(Callback):
         async_save: bool = True,
     ):
         super().__init__()
-        if save_freq != "epoch" and (not isinstance(save_freq, int) or save_freq < 1):
-            raise ValueError(f"`save_freq` must be 'epoch' or a positive int. Received: save_freq={save_freq!r}.")
+        self.save_policy = AnySavePolicy((from_save_freq(save_freq), PreemptionPolicy()))
         self.backup_dir = os.fspath(backup_dir)
         self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint
         self.max_to_keep = max_to_keep
         self.async_save = async_save
         self._dir: CheckpointDir | None = None
-        self._saved_step = 0
+        self._saved_step = 0  # the step of the last save (or of the fit's start): what `save_freq` counts from
         self._refused_step: int | None = None  # a step whose state was not finite, so not saved
+        self._others: dict[str, Callback] = {}  # the fit's other callbacks, by state key
 
     # -- what goes into a backup ---------------------------------------------------
 
-    def _siblings(self):
-        return [cb for cb in self.context.callbacks if cb is not self]
+    def _keyed_others(self) -> dict[str, Callback]:
+        """The fit's other callbacks by the key their state is filed under (`state_keys`)."""
+        others = [cb for cb in self.context.callbacks if cb is not self]
+        return dict(zip(state_keys(others), others, strict=True))
 
     def _save(self, logs=None, *, wait: bool = False) -> None:
         """Backs up the fit's state at its position; `logs` are an ending epoch's (History records them later)."""
@@ -111,33 +124,23 @@ class BackupAndRestore(Callback):
             history_epochs.append(position.epoch - 1)
             for k, v in logs.items():
                 history_dict.setdefault(k, []).append(v)
-        arrays: dict = {}
-        callbacks = {
-            f"{i}:{type(cb).__name__}": split_arrays(cb.state_dict(), arrays) for i, cb in enumerate(self._siblings())
-        }
-        arrays = {k: np.asarray(v) for k, v in arrays.items()}
-        data = split_arrays(position.data, arrays)
-        meta = {
-            "epoch": position.epoch,
-            "step_in_epoch": position.step_in_epoch,
-            "data_origin": position.data_origin,
-            "history": history_dict,
-            "history_epochs": history_epochs,
-            "callbacks": callbacks,
-            "data": data,
-            "format": 1,
-            "array_specs": {k: [list(v.shape), str(v.dtype)] for k, v in arrays.items()},
-        }
+        callbacks = {key: cb.state_dict() for key, cb in self._others.items()}
+        backup = Backup(
+            state=context.state,
+            epoch=position.epoch,
+            step_in_epoch=position.step_in_epoch,
+            step=position.step,
+            data_origin=position.data_origin,
+            data=position.data,
+            history=history_dict,
+            history_epochs=history_epochs,
+            callbacks=callbacks,
+        )
+        tree, meta = BACKUP.tree_and_meta(backup)
         step = position.step
         self._saved_step = step
         try:
-            self._dir.save(
-                step,
-                {"train": context.state, "arrays": arrays},
-                meta,
-                wait=wait or not self.async_save,
-                finite_only=True,
-            )
+            self._dir.save(step, tree, meta, wait=wait or not self.async_save, finite_only=True)
         except NonFiniteState as error:
             if self._refused_step is None and self.model.strategy.is_chief:
                 print(
@@ -152,56 +155,69 @@ class BackupAndRestore(Callback):
         return steps[-1] if steps else "none"
 
     def _restore(self) -> None:
+        """Continues from the newest readable backup, if any; checks first that every saved callback state
+        has its callback in this fit, so a refusal changes nothing."""
         model = self.model
-
-        def template(meta):  # array shapes are in the meta, so the restore has a full target
-            arrays = {k: np.zeros(shape, dtype) for k, (shape, dtype) in meta["array_specs"].items()}
-            return {"train": self.context.latest, "arrays": arrays}
-
-        found = self._dir.restore_latest(template)
+        found = self._dir.restore_latest(lambda meta: BACKUP.target(self.context.latest, meta))
         if found is None:
             return
-        step, state, meta = found
-        arrays = {k: np.asarray(v) for k, v in state["arrays"].items()}
-        model.history.history.update(meta["history"])
-        model.history.epoch[:] = meta["history_epochs"]
-        for i, cb in enumerate(self._siblings()):
-            saved = meta["callbacks"].get(f"{i}:{type(cb).__name__}")
-            if saved:
-                cb.load_state_dict(join_arrays(saved, arrays))
-        position = Position(
-            epoch=meta["epoch"],
-            step_in_epoch=meta["step_in_epoch"],
-            step=step,
-            data_origin=meta.get("data_origin", 0),  # backups from before it was saved: passes began at 0
-            data=join_arrays(meta["data"], arrays),
-        )
-        self.context.restore(state["train"], position)
+        step, tree, meta = found
+        backup = BACKUP.restored(step, tree, meta)
+        saved = backup.callbacks
+        if backup.format < 2:
+            saved = _from_positional_keys(saved, list(self._others.values()), list(self._others))
+        self._check_every_state_has_a_callback(saved, step)
+        model.history.history.update(backup.history)
+        model.history.epoch[:] = backup.history_epochs
+        for key, cb in self._others.items():
+            if saved.get(key):
+                cb.load_state_dict(saved[key])
+        position = Position(backup.epoch, backup.step_in_epoch, step, backup.data_origin, backup.data)
+        self.context.restore(backup.state, position)
         if model.strategy.is_chief:
             print(
-                f"BackupAndRestore: resumed from {self._dir.directory} at epoch {meta['epoch'] + 1}, "
-                f"batch {meta['step_in_epoch']} (step {step}).",
+                f"BackupAndRestore: resumed from {self._dir.directory} at epoch {backup.epoch + 1}, "
+                f"batch {backup.step_in_epoch} (step {step}).",
                 flush=True,
             )
+
+    def _check_every_state_has_a_callback(self, saved: dict[str, dict], step: int) -> None:
+        """Refuses a backup holding state for callbacks this fit lacks: resuming would silently drop it."""
+        orphans = sorted(key for key, state in saved.items() if state and key not in self._others)
+        if not orphans:
+            return
+        raise ValueError(
+            f"BackupAndRestore: the backup at step {step} in {self._dir.directory} holds the state of "
+            f"callback(s) {', '.join(map(repr, orphans))}, expected among this fit's callbacks, which are "
+            f"{', '.join(map(repr, self._others)) or 'none'} (a callback's `state_key`, or its class name with _1, "
+            "_2, ... for later callbacks of one class). Nothing was restored or changed. Pass those callbacks to "
+            "fit again (with the same `state_key` if one was set) to resume them, or start afresh with a new or "
+            "empty backup_dir."
+        )
 
     # -- hooks ---------------------------------------------------------------------
 
     def on_train_begin(self, logs=None):
         self._refused_step = None
+        self._others = self._keyed_others()
         self._dir = CheckpointDir(self.backup_dir, "backup", max_to_keep=self.max_to_keep, async_save=self.async_save)
         self._restore()
         self._saved_step = self.context.step
 
+    def _should_save(self, context: DecisionContext) -> bool:
+        return self.save_policy.should_save(self.context.step, (self._saved_step,), context=context)
+
     def on_train_batch_end(self, batch, logs=None):
-        if self.save_freq != "epoch" and self.context.step // self.save_freq > self._saved_step // self.save_freq:
+        if self._should_save(AFTER_BATCH):
             self._save()
 
     def on_epoch_end(self, epoch, logs=None):
-        if self.save_freq == "epoch":
+        if self._should_save(AT_EPOCH_END):
             self._save(logs)
 
     def on_preemption(self, epoch, step_in_epoch):
-        self._save(wait=True)
+        if self._should_save(AT_PREEMPTION):
+            self._save(wait=True)
 
     def on_train_end(self, logs=None):
         directory = self._dir

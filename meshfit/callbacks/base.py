@@ -10,7 +10,7 @@ does): then the epoch ends without waiting for the devices.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 
@@ -35,6 +35,10 @@ class Callback:
     #: True for callbacks that add entries to the epoch logs (Throughput): they run before
     #: the others, which then see and record those entries.
     adds_epoch_logs = False
+    #: The name a backup files this callback's `state_dict` under; None: its class name, with
+    #: `_1`, `_2`, ... for the later callbacks of one class, in order (see `state_keys`). Set it
+    #: to tell apart callbacks of one class whose order may change between runs.
+    state_key: str | None = None
 
     def close(self) -> None:
         """Finishes background work (an asynchronous save); called when `fit` ends, also by an error."""
@@ -55,11 +59,13 @@ class Callback:
     def set_params(self, params: dict[str, Any]) -> None:
         self.params = params
 
-    # State carried across a backup and restore (see BackupAndRestore).
+    # State carried across a backup and restore (see BackupAndRestore), filed under `state_key`.
     def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to continue this callback (JSON values and numpy arrays); {} for none."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Takes back what `state_dict` returned, before the resumed fit's first step."""
         del state
 
     # Training.
@@ -193,6 +199,37 @@ class Callback:
 
     def on_batch_end(self, batch, logs=None):
         """Keras 2 alias of `on_train_batch_end` (called by its default)."""
+
+
+def state_keys(callbacks: Sequence[Callback]) -> list[str]:
+    """The names under which a backup files each callback's state, in the order of `callbacks`.
+
+    A callback's `state_key` if set, else its class name, with `_1`, `_2`, ...
+    for the second, third, ... callback of that class (Keras names layers so):
+    reordering callbacks of different classes keeps each one's name.
+
+    Raises:
+        ValueError: two callbacks get the same name (a `state_key` set twice,
+            or one that equals another callback's default name).
+    """
+    seen: dict[str, int] = {}
+    keys = []
+    for cb in callbacks:
+        if cb.state_key is not None:
+            keys.append(cb.state_key)
+            continue
+        name = type(cb).__name__
+        count = seen.get(name, 0)
+        seen[name] = count + 1
+        keys.append(name if count == 0 else f"{name}_{count}")
+    repeated = sorted({key for key in keys if keys.count(key) > 1})
+    if repeated:
+        raise ValueError(
+            "Expected each callback of a fit to have its own state key (its `state_key`, or its class name with "
+            f"_1, _2, ... for later callbacks of one class). Received: {', '.join(map(repr, repeated))} more than "
+            "once. Set a distinct `state_key` on each of those callbacks."
+        )
+    return keys
 
 
 _HOOKS = [

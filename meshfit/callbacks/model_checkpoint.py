@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 import string
 
-from meshfit import saving
 from meshfit.callbacks.early_stopping import MonitorCallback
 from meshfit.callbacks.progbar_logger import print_msg
-from meshfit.checkpoint import CheckpointDir, finish_replacement, replace_directory, staging_path
+from meshfit.checkpoint import CheckpointDir, finish_replacement, open_for_saving, replace_directory, staging_path
+from meshfit.checkpoint_schema import TRAINING, WEIGHTS, WeightsSchema
+from meshfit.save_policy import AFTER_BATCH, AT_EPOCH_END, from_save_freq
+from meshfit.state import TrainState
 
 
 def _has_fields(path: str) -> bool:
@@ -75,8 +77,7 @@ class ModelCheckpoint(MonitorCallback):
         overwrite: bool = True,
     ):
         super().__init__(monitor=monitor, mode=mode, baseline=initial_value_threshold)
-        if save_freq != "epoch" and (not isinstance(save_freq, int) or save_freq < 1):
-            raise ValueError(f"`save_freq` must be 'epoch' or a positive int. Received: save_freq={save_freq!r}.")
+        self.save_policy = from_save_freq(save_freq)
         self.directory = os.fspath(directory)
         self.verbose = verbose
         self.save_best_only = save_best_only
@@ -89,7 +90,7 @@ class ModelCheckpoint(MonitorCallback):
         self._dir: CheckpointDir | None = None
         self._earlier = False  # the directory held an earlier run's checkpoints when this run opened it
         self._epoch = 0
-        self._last_step = 0
+        self._last_step = 0  # the step of the last save point (or of the fit's start): what `save_freq` counts from
 
     def on_train_begin(self, logs=None):
         if self._dir is None and not self.formatted:
@@ -107,12 +108,12 @@ class ModelCheckpoint(MonitorCallback):
 
     def on_train_batch_end(self, batch, logs=None):
         step = self.context.step
-        if self.save_freq != "epoch" and step // self.save_freq > self._last_step // self.save_freq:
-            self._last_step = step
+        if self.save_policy.should_save(step, (self._last_step,), context=AFTER_BATCH):
+            self._last_step = step  # a save point, also when `save_best_only` then saves nothing
             self._maybe_save(step, logs, batch=batch)
 
     def on_epoch_end(self, epoch, logs=None):
-        if self.save_freq == "epoch":
+        if self.save_policy.should_save(self.context.step, (self._last_step,), context=AT_EPOCH_END):
             self._maybe_save(epoch + 1, logs)
 
     def path_for(self, logs: dict, batch: int | None = None) -> str:
@@ -153,9 +154,8 @@ class ModelCheckpoint(MonitorCallback):
             self.best = current
         elif self.verbose:
             print_msg(f"Epoch {self._epoch + 1}: saving model to {target}")
-        tree = (
-            {"weights": saving.weights_tree(self.model)} if self.save_weights_only else saving.training_tree(self.model)
-        )
+        state = self.context.state
+        tree = self._schema.tree(state)
         meta = {
             "epoch": self._epoch,
             "step": int(self.context.step),
@@ -163,19 +163,29 @@ class ModelCheckpoint(MonitorCallback):
             "logs": logs,
         }
         if self.formatted:
-            self._save_formatted(target, tree, meta)
+            self._save_formatted(target, tree, {**self._single_save_record(state), **meta})
         elif self._earlier and self.overwrite and not self.context.resumed:
             self._replace_earlier_run(number, tree, meta)
         else:
             # A run resumed by BackupAndRestore may save a step it saved before (same values).
             self._dir.save(number, tree, meta, if_exists="skip" if self.context.resumed else "error")
 
-    def _save_formatted(self, path: str, tree, meta: dict) -> None:
+    @property
+    def _schema(self) -> WeightsSchema:
+        """What each save holds: the weights, or (unless `save_weights_only`) what continues training too."""
+        return WEIGHTS if self.save_weights_only else TRAINING
+
+    def _single_save_record(self, state: TrainState) -> dict:
+        """The JSON record `model.save` (or `save_weights`) writes, for `load_model` to read."""
+        compile_config = self.model.get_compile_config() if self._schema is TRAINING else None
+        return self._schema.record(state, compile_config)
+
+    def _save_formatted(self, path: str, tree: dict, meta: dict) -> None:
         """One model (or weights) in its own directory, as `model.save` writes it; written in the background."""
         self.close()  # the previous save is complete first (it may be the same directory)
-        kind = "weights" if self.save_weights_only else "model"
-        meta = {**(saving.model_meta(self.model) if kind == "model" else {"format": saving.FORMAT}), **meta}
-        self._dir, number = saving.open_for_saving(path, kind, overwrite=self.overwrite, async_save=self.async_save)
+        self._dir, number = open_for_saving(
+            path, self._schema.kind, overwrite=self.overwrite, async_save=self.async_save
+        )
         self._dir.save(number, tree, meta)
 
     def _replace_earlier_run(self, number: int, tree, meta: dict) -> None:

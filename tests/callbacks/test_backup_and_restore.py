@@ -604,3 +604,69 @@ def test_a_launcher_killed_outright_takes_its_ranks_along(tmp_path):
         left = [pid for pid in ranks if alive(pid)]
         job.kill()
     assert not left, "ranks outlived a SIGKILLed launcher"
+
+
+# -- other callbacks' state, filed by a stable key ------------------------------------------------
+
+
+class Tagged(mf.callbacks.Callback):
+    """A callback with state: a tag it was made with, or the one a backup gave it back."""
+
+    def __init__(self, tag=None, state_key=None):
+        super().__init__()
+        self.tag, self.loaded, self.batches = tag, None, 0
+        if state_key is not None:
+            self.state_key = state_key
+
+    def state_dict(self):
+        return {"tag": self.tag} if self.tag else {}
+
+    def load_state_dict(self, state):
+        self.loaded = state["tag"]
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.batches += 1
+
+
+class Counted(Tagged):
+    pass
+
+
+def fit_tagged(backup, callbacks, epochs=1):
+    x, y = classification_data(n=64)
+    model = mf.Model(MLP(), seed=3)
+    model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    backup_cb = mf.callbacks.BackupAndRestore(backup, delete_checkpoint=False)
+    model.fit(x, y, batch_size=16, epochs=epochs, verbose=0, callbacks=[*callbacks, backup_cb])
+    return model
+
+
+def test_callbacks_reordered_keep_their_state_by_class_and_order(tmp_path):
+    fit_tagged(tmp_path / "b", [Tagged("t0"), Counted("c0"), Tagged("t1"), Tagged("n", state_key="named")])
+    meta = json.loads((tmp_path / "b" / "4" / "meta" / "metadata").read_text())
+    assert {"Tagged": {"tag": "t0"}, "Counted": {"tag": "c0"}, "Tagged_1": {"tag": "t1"}}.items() <= meta[
+        "callbacks"
+    ].items()
+    assert meta["callbacks"]["named"] == {"tag": "n"}
+    now = [Tagged(state_key="named"), Counted(), Tagged(), Tagged()]  # another order of classes
+    fit_tagged(tmp_path / "b", now)
+    assert [cb.loaded for cb in now] == ["n", "c0", "t0", "t1"]
+
+
+def test_a_backup_with_state_for_a_callback_not_in_the_fit_is_refused_before_any_step(tmp_path):
+    fit_tagged(tmp_path / "b", [Tagged("t0"), Counted("c0")])
+    before = snapshot(tmp_path / "b")
+    sentinel = Counted()  # its state is empty, so it may come and go
+    sentinel.state_key = "sentinel"
+    with pytest.raises(ValueError, match=r"holds the state of callback\(s\) 'Tagged', expected among") as error:
+        fit_tagged(tmp_path / "b", [sentinel, Counted()], epochs=2)
+    assert "Pass those callbacks to fit again" in str(error.value) and "new or empty backup_dir" in str(error.value)
+    assert sentinel.batches == 0 and snapshot(tmp_path / "b") == before
+    again = [Counted(), Tagged()]
+    fit_tagged(tmp_path / "b", again, epochs=2)  # with the callback back, it resumes
+    assert [cb.loaded for cb in again] == ["c0", "t0"]
+
+
+def test_two_callbacks_with_one_state_key_are_refused():
+    with pytest.raises(ValueError, match="Received: 'Tagged_1' more than once. Set a distinct `state_key`"):
+        mf.callbacks.base.state_keys([Tagged(), Tagged(), Counted(state_key="Tagged_1")])
