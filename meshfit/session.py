@@ -248,7 +248,7 @@ class Session:
         self._evaluate = compile_(steps.multi_eval_step if multi else steps.eval_step, donate_argnums=(1,))
         self._predict = compile_(steps.multi_predict_step if multi else steps.predict_step)
         self._train_staged = None
-        if not multi and self.strategy.stages_batches:
+        if not multi and self.strategy.capabilities.stages_batches:
             self._train_staged = compile_(steps.staged_train_step, donate_argnums=(0,))
         self._indices: list = []  # device scalars 0, 1, ... picking a batch of a stage
         self._prefetched = None  # (data, epoch, start step, per_step, executions) read ahead by `prefetch`

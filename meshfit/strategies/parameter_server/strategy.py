@@ -12,17 +12,23 @@ partitioned over the servers (`partition`, `follower`).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 from meshfit import cluster, job_env
-from meshfit.strategies.base import Strategy
+from meshfit.strategies.base import Capabilities, Strategy, TrainFunction
 from meshfit.strategies.parameter_server import partition, transport
 from meshfit.strategies.parameter_server.coordinator import Coordinator, RemoteWorkers
 from meshfit.strategies.parameter_server.engines import AsyncEngine, SyncEngine
 from meshfit.strategies.parameter_server.follower import FollowerEngine, FollowerLink
 from meshfit.strategies.parameter_server.server import ServerLayout
 from meshfit.strategies.parameter_server.threads import LocalWorkers
+
+if TYPE_CHECKING:
+    from meshfit.state import TrainState
+    from meshfit.steps import StepFunctions
 
 MODES = ("async", "sync")
 
@@ -76,14 +82,18 @@ class ParameterServerStrategy(Strategy):
             batch redone elsewhere. Worker processes only.
     """
 
-    stages_batches = False  # each batch goes whole to one worker, from the host
-    supports_loss_scaling = False  # workers compute gradients, the server applies them
+    capabilities = Capabilities(
+        stages_batches=False,  # each batch goes whole to one worker, from the host
+        loss_scaling=False,  # workers compute gradients, the server applies them
+        scalar_loss_refusal="its workers compute gradients apart from the server (on parts of each batch in "
+        "sync mode), with one gradient program for every batch",
+    )
 
     def __init__(
         self,
         mode: str = "async",
-        workers=None,
-        server_device=None,
+        workers: Sequence[jax.Device] | None = None,
+        server_device: jax.Device | Sequence[jax.Device] | None = None,
         max_staleness: int | None = None,
         worker_delays: dict[int, float] | None = None,
         worker_timeout: float = 60.0,
@@ -144,29 +154,20 @@ class ParameterServerStrategy(Strategy):
             else:
                 self._link = FollowerLink()
 
-    def scalar_loss_refusal(self) -> str | None:
-        return (
-            "its workers compute gradients apart from the server (on parts of each batch in sync mode), "
-            "with one gradient program for every batch"
-        )
-
     @property
     def batch_block(self) -> tuple[int, int]:
         return 0, 1  # every server process reads whole batches; only rank 0 hands them out
 
-    def place_state(self, state, param_hints=None):
+    def place_state(self, state: TrainState, param_hints: Any = None) -> TrainState:
         return self.servers.place_state(state)
 
-    def replicate(self, tree):
+    def replicate(self, tree: Any) -> Any:
         return self.servers.replicate(tree)
 
-    def distribute_batch(self, host_batch, stacked: bool = False):
+    def distribute_batch(self, host_batch: Any, stacked: bool = False) -> Any:
         return host_batch  # workers (or the server, for evaluation) take their rows themselves
 
-    def compile(self, fn, *, donate_argnums=()):
-        return jax.jit(fn, donate_argnums=donate_argnums)
-
-    def train_function(self, steps, stacked: bool):
+    def train_function(self, steps: StepFunctions, stacked: bool) -> TrainFunction:
         if stacked:
             raise ValueError("ParameterServerStrategy runs one batch per step; compile with steps_per_execution=1.")
         if self._link is not None:
@@ -177,5 +178,5 @@ class ParameterServerStrategy(Strategy):
             workers = LocalWorkers(self, steps, threads=self.mode == "async")
         return (AsyncEngine if self.mode == "async" else SyncEngine)(self, steps, workers)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"ParameterServerStrategy(mode={self.mode!r}, workers={len(self.workers)})"
