@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from meshfit import cluster, job_env
+from meshfit import cluster
 from meshfit.strategies.base import Capabilities, Strategy, TrainFunction
-from meshfit.strategies.parameter_server import partition, transport
+from meshfit.strategies.parameter_server import launcher, partition, transport
 from meshfit.strategies.parameter_server.coordinator import Coordinator, RemoteWorkers
 from meshfit.strategies.parameter_server.engines import AsyncEngine, SyncEngine
 from meshfit.strategies.parameter_server.follower import FollowerEngine, FollowerLink
@@ -102,10 +102,10 @@ class ParameterServerStrategy(Strategy):
         role = transport.role()
         if role == "worker":
             raise RuntimeError(
-                f"This process has {job_env.ENV_PS_ROLE}=worker: it was meant to be a parameter-server worker, "
-                f"which runs `python -m {job_env.PS_WORKER_MODULE}` and none of the training script. Start "
+                f"This process has {launcher.ENV_PS_ROLE}=worker: it was meant to be a parameter-server worker, "
+                f"which runs `python -m {launcher.PS_WORKER_MODULE}` and none of the training script. Start "
                 "the script with `meshfit launch --ps S --workers N script.py` (the worker ranks then run the "
-                f"worker process), or unset {job_env.ENV_PS_ROLE} to train with this host's devices as workers."
+                f"worker process), or unset {launcher.ENV_PS_ROLE} to train with this host's devices as workers."
             )
         if mode not in MODES:
             raise ValueError(f"`mode` must be one of {MODES}. Received: mode={mode!r}.")
@@ -147,7 +147,7 @@ class ParameterServerStrategy(Strategy):
         self.num_replicas_in_sync = len(self.workers) if mode == "sync" else 1
         self._coordinator = self._link = None
         if role is not None:
-            worker_processes = int(os.environ[job_env.ENV_PS_WORKERS])
+            worker_processes = int(os.environ[launcher.ENV_PS_WORKERS])
             self.num_replicas_in_sync = worker_processes if mode == "sync" else 1
             if role == "coordinator":
                 self._coordinator = Coordinator(worker_processes, servers)
