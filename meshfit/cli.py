@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from types import ModuleType
 
 from meshfit import __version__
+from meshfit.job_layout import LAUNCHERS, DistributedJob, JobLayout
 from meshfit.launch import GRACE_SECONDS, PREEMPTION_GRACE_SECONDS, LaunchConfig, launch
+
+
+def _launchers() -> list[ModuleType]:
+    """The modules that add a kind of job to `meshfit launch` (`job_layout.LAUNCHERS`), each free of JAX."""
+    return [importlib.import_module(name) for name in LAUNCHERS]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -20,13 +28,6 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     run.add_argument("--nprocs", type=int, default=None, help="number of processes")
-    run.add_argument(
-        "--ps",
-        type=int,
-        default=None,
-        help="parameter-server processes (with --workers); the state is partitioned over them",
-    )
-    run.add_argument("--workers", type=int, default=None, help="worker processes of a parameter-server job")
     run.add_argument(
         "--devices-per-proc",
         type=int,
@@ -53,22 +54,18 @@ def _parser() -> argparse.ArgumentParser:
         "--stop-grace",
         type=float,
         default=GRACE_SECONDS,
-        help="seconds the other ranks get to end once a rank failed (or the parameter servers finished) "
+        help="seconds the other ranks get to end once a rank failed (or the ranks the job needs finished) "
         "before they are killed",
     )
-    run.add_argument(
-        "--server-timeout",
-        type=float,
-        default=60.0,
-        help="seconds a parameter-server worker waits on a silent server before ending the job",
-    )
+    for launcher in _launchers():
+        launcher.add_arguments(run)
     run.add_argument("-m", dest="module", default=None, help="run a module (like python -m)")
     run.add_argument("script", nargs="?", help="the Python script to run")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "launch":
         if args.module:
@@ -77,28 +74,13 @@ def main(argv=None) -> int:
             command = [args.script] + args.args
         else:
             _parser().error("launch needs a script (or -m module) to run")
-        servers = 0
-        if args.ps is not None or args.workers is not None:
-            servers = 1 if args.ps is None else args.ps
-            if servers < 1 or not args.workers or args.workers < 1 or args.nprocs is not None:
-                _parser().error(
-                    "a parameter-server job takes --ps S --workers N (S, N >= 1) and no --nprocs; "
-                    f"received --ps {args.ps} --workers {args.workers} --nprocs {args.nprocs}"
-                )
-            nprocs = servers + args.workers
-        elif args.nprocs is None:
-            _parser().error("launch needs --nprocs N, or --ps S --workers N")
-        else:
-            nprocs = args.nprocs
         config = LaunchConfig(
             command=command,
-            nprocs=nprocs,
+            layout=_layout(args),
             devices_per_proc=args.devices_per_proc,
             max_restarts=args.max_restarts,
             heartbeat_timeout=args.heartbeat_timeout,
-            servers=servers,
             grace_period=args.grace_period,
-            server_timeout=args.server_timeout,
             stop_grace=args.stop_grace,
         )
         try:
@@ -106,6 +88,21 @@ def main(argv=None) -> int:
         except ValueError as error:  # a misconfiguration found before any process started
             _parser().error(str(error))
     return 2
+
+
+def _layout(args: argparse.Namespace) -> JobLayout:
+    """The job the arguments ask for: the first launcher's whose arguments were given, else `--nprocs N`."""
+    launchers = _launchers()
+    for launcher in launchers:
+        try:
+            layout = launcher.layout(args)
+        except ValueError as error:
+            _parser().error(str(error))
+        if layout is not None:
+            return layout
+    if args.nprocs is None:
+        _parser().error("launch needs --nprocs N" + "".join(f", or {launcher.USAGE}" for launcher in launchers))
+    return DistributedJob(args.nprocs)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from meshfit.job_env import (
     ENV_INIT_TIMEOUT,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
-    ENV_PS_ROLE,
 )
 
 logger = logging.getLogger("meshfit")
@@ -225,9 +224,10 @@ def warn_if_launched_but_alone(strategy) -> None:
     """Warns once when `meshfit launch --nprocs N` (N > 1) started this process but it is in no job.
 
     Each process would then train its own copy of the model and write the same
-    files. Parameter-server jobs (`--ps`), whose workers never join a job, are exempt.
+    files. Ranks meant to join no job are told no process count (a parameter-server job's workers, its
+    only server), so they are never warned.
     """
-    if _warned_alone or os.environ.get(ENV_PS_ROLE) or (_int_env(ENV_NUM_PROCESSES) or 1) <= 1:
+    if _warned_alone or (_int_env(ENV_NUM_PROCESSES) or 1) <= 1:
         return
     if jax.process_count() > 1:
         return

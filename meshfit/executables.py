@@ -52,7 +52,7 @@ class Executables:
         # A short last group of an epoch runs step by step (compiled on first use).
         single = strategy.train_function(steps, False) if stacked else self._train
         staged = None
-        if not stacked and strategy.stages_batches:
+        if not stacked and strategy.capabilities.stages_batches:
             staged = strategy.compile(steps.staged_train_step, donate_argnums=(0,))
         self._trains = {"execution": self._train, "single": single, "staged": staged}
         self._evaluate = strategy.compile(steps.multi_eval_step if stacked else steps.eval_step, donate_argnums=(1,))

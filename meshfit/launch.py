@@ -5,9 +5,11 @@ each with `--devices-per-proc` simulated CPU devices (or a slice of the GPUs),
 prefixes every output line with the process's rank, and when any process
 fails stops the others and exits with the status of the first to fail. With
 `--max-restarts`, a failed job is started again from scratch (use
-BackupAndRestore to resume). In a parameter-server job (`--ps S --workers N`)
-ranks 0 to S - 1 run the script and the other ranks run the worker process
-(`python -m meshfit.strategies.parameter_server.worker`).
+BackupAndRestore to resume). What each rank runs, its environment and what
+its exit means come from the job's layout (`meshfit.job_layout`): every rank
+the script in one `jax.distributed` job by default; a strategy that starts
+processes of its own kinds (the parameter server's `--ps S --workers N`)
+brings its own layout.
 
 No rank outlives the launcher: SIGTERM, SIGINT or SIGHUP to the launcher (a
 scheduler preempting the job) is passed on to every rank as SIGTERM, the
@@ -32,8 +34,10 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TextIO
 
 from meshfit import job_env
+from meshfit.job_layout import JobLayout, JobStart, status_text
 
 GRACE_SECONDS = 5.0  # after a rank failed: the others get this long to end before SIGKILL
 PREEMPTION_GRACE_SECONDS = 60.0  # after a signal to the launcher: time for the ranks' preemption backups
@@ -91,81 +95,41 @@ def _visible_gpus(env: dict[str, str]) -> int:
 
 @dataclass
 class LaunchConfig:
-    """What to start: `command` (argv after the interpreter) on `nprocs` processes."""
+    """What to start: `command` (argv after the interpreter) on the ranks of `layout`."""
 
     command: list[str]
-    nprocs: int
+    #: The job's ranks: what each runs, its environment, what its exit means (`job_layout.DistributedJob(N)`
+    #: for `--nprocs N`).
+    layout: JobLayout
     devices_per_proc: int | None = None
     max_restarts: int = 0
     heartbeat_timeout: int = 10
     env: dict[str, str] = field(default_factory=dict)
     #: Seconds the ranks get to save and exit after the launcher is sent SIGTERM/SIGINT/SIGHUP.
     grace_period: float = PREEMPTION_GRACE_SECONDS
-    #: Seconds a parameter-server worker waits on a silent server before giving up.
-    server_timeout: float = 60.0
-    #: Seconds the other ranks get to end once the job is over (a rank failed, or in a parameter-server
-    #: job the servers finished) before what is left is killed.
+    #: Seconds the other ranks get to end once the job is over (a rank failed, or the ranks the job needs
+    #: finished) before what is left is killed.
     stop_grace: float = GRACE_SECONDS
-    #: Parameter-server processes (ranks 0 to servers - 1); 0 for a plain job. In a
-    #: parameter-server job the other ranks are workers, which may die without
-    #: stopping the job: they are never part of a jax.distributed job. Servers
-    #: form one of their own when there are several.
-    servers: int = 0
+
+    @property
+    def nprocs(self) -> int:
+        return self.layout.nprocs
 
 
-def process_env(
-    config: LaunchConfig, rank: int, ports: tuple[int, int], attempt: int, gpus: int, authkey: str = ""
-) -> dict[str, str]:
-    """The environment of process `rank`: coordinator, rank, devices.
-
-    `ports`: the `jax.distributed` coordinator's, and the parameter-server
-    control listener's.
-    """
+def process_env(config: LaunchConfig, rank: int, start: JobStart, attempt: int, gpus: int) -> dict[str, str]:
+    """The environment of process `rank`: the launcher's own variables, the layout's, and its devices."""
     env = dict(os.environ, **config.env, MESHFIT_RESTART_COUNT=str(attempt), PYTHONUNBUFFERED="1")
-    if not config.servers:
-        env.update(_distributed_env(ports[0], config.nprocs, rank, config.heartbeat_timeout))
-    else:
-        server = rank < config.servers
-        env.update(
-            {
-                job_env.ENV_PS_ROLE: "coordinator" if rank == 0 else "server" if server else "worker",
-                job_env.ENV_PS_ADDRESS: f"127.0.0.1:{ports[1]}",
-                job_env.ENV_PS_AUTHKEY: authkey,
-                job_env.ENV_PS_WORKERS: str(config.nprocs - config.servers),
-                job_env.ENV_PS_SERVERS: str(config.servers),
-                job_env.ENV_PS_SERVER_TIMEOUT: str(config.server_timeout),
-                job_env.ENV_PROCESS_ID: str(rank),
-            }
-        )
-        if server:
-            env[job_env.ENV_PS_SERVER_RANK] = str(rank)
-            if config.servers > 1:
-                env.update(_distributed_env(ports[0], config.servers, rank, config.heartbeat_timeout))
+    env.update(config.layout.env(rank, start))
     _set_devices(env, config, rank, gpus)
     return env
 
 
 def process_command(config: LaunchConfig, rank: int) -> list[str]:
-    """The command line of process `rank`: the script, or on the worker ranks of a parameter-server job the
-    worker process (which gets its program from the server and runs none of the script)."""
-    if config.servers and rank >= config.servers:
-        return [sys.executable, "-u", "-m", job_env.PS_WORKER_MODULE]
-    return [sys.executable, "-u", *config.command]
+    """The command line of process `rank`: the interpreter, unbuffered, running what the layout says."""
+    return [sys.executable, "-u", *config.layout.command(rank, config.command)]
 
 
-def _distributed_env(port: int, processes: int, rank: int, heartbeat_timeout: int) -> dict[str, str]:
-    """What `cluster.initialize` reads to join a `jax.distributed` job of `processes` processes."""
-    address = f"127.0.0.1:{port}"
-    return {
-        job_env.ENV_COORDINATOR: address,
-        job_env.ENV_NUM_PROCESSES: str(processes),
-        job_env.ENV_PROCESS_ID: str(rank),
-        job_env.ENV_HEARTBEAT: str(heartbeat_timeout),
-        "JAX_COORDINATOR_BIND_ADDRESS": address,  # loopback only
-    }
-
-
-def _set_devices(env: dict, config: LaunchConfig, rank: int, gpus: int) -> None:
+def _set_devices(env: dict[str, str], config: LaunchConfig, rank: int, gpus: int) -> None:
     k = config.devices_per_proc
     if k:
         if gpus:
@@ -272,9 +236,11 @@ def _stop(procs: list[subprocess.Popen], grace: float = GRACE_SECONDS) -> list[i
     return killed
 
 
-def _watch(config: LaunchConfig, procs: list[subprocess.Popen], exits: _Exits, signals: _Signals, log) -> int:
+def _watch(config: LaunchConfig, procs: list[subprocess.Popen], exits: _Exits, signals: _Signals, log: TextIO) -> int:
     """Waits until the job ends, fails, or the launcher is signalled; returns the job's status."""
-    lost: set[int] = set()
+    layout = config.layout
+    needed = set(layout.needed_ranks)
+    judged: set[int] = set()
     stopped_since: dict[int, float] = {}
     while True:
         order = exits.wait(0.05)
@@ -287,74 +253,49 @@ def _watch(config: LaunchConfig, procs: list[subprocess.Popen], exits: _Exits, s
             return -signals.received
         statuses = dict(order)
         now = time.monotonic()
-        # A rank stopped by a signal never fails by itself; a parameter-server worker may
-        # (the server drops it after worker_timeout), so only ranks the job needs are watched.
-        for rank, proc in enumerate(procs[: config.servers or len(procs)]):
-            if rank not in statuses and _stopped(proc.pid):
+        # A rank stopped by a signal never fails by itself; one the job can lose may be dropped
+        # by the others (a parameter-server worker), so only ranks the job needs are watched.
+        for rank, proc in enumerate(procs):
+            if rank in needed and rank not in statuses and _stopped(proc.pid):
                 since = stopped_since.setdefault(rank, now)
                 if now - since > config.heartbeat_timeout:
+                    role = layout.role(rank)
                     log.write(
-                        f"[launch] rank {rank}{_role(config, rank)} (pid {proc.pid}) is stopped (SIGSTOP?) "
+                        f"[launch] rank {rank}{f' ({role})' if role else ''} (pid {proc.pid}) is stopped (SIGSTOP?) "
                         f"and has not run for {config.heartbeat_timeout} s; stopping the job.\n"
                     )
                     return 1
             else:
                 stopped_since.pop(rank, None)
-        failed = [(rank, code) for rank, code in order if code != 0]
-        if config.servers:
-            for rank, code in failed:
-                if rank >= config.servers and rank not in lost:
-                    lost.add(rank)
-                    if code == job_env.EXIT_SERVER_SILENT:
-                        log.write(
-                            f"[launch] worker rank {rank} found the parameter server silent (see its "
-                            "output); stopping the job.\n"
-                        )
-                        return code
-                    log.write(
-                        f"[launch] worker rank {rank} exited with status {code}{_signal_name(code)}; "
-                        "the job goes on without it.\n"
-                    )
-            servers = [(rank, code) for rank, code in failed if rank < config.servers]
-            if servers:  # a server failed: the job is over
-                rank, status = servers[0]
-                log.write(
-                    f"[launch] the parameter server (rank {rank}) exited with status {status}"
-                    f"{_signal_name(status)}; stopping the job.\n"
-                )
-                return status
-            if all(statuses.get(rank) == 0 for rank in range(config.servers)):  # the workers are done too
-                return 0
-            continue
-        if failed:
-            rank, status = failed[0]
-            log.write(
-                f"[launch] rank {rank} exited with status {status}{_signal_name(status)}; "
-                f"stopping the other {config.nprocs - 1} process(es).\n"
-            )
-            return status
-        if len(order) == len(procs):
+        # The failures not judged yet, in the order the ranks ended, those of ranks the job can lose first.
+        failed = [(rank, code) for rank, code in order if code != 0 and rank not in judged]
+        for rank, code in sorted(failed, key=lambda exit: exit[0] in needed):
+            judged.add(rank)
+            verdict = layout.judge_exit(rank, code)
+            log.write(f"[launch] {verdict.message}\n")
+            if verdict.ends_job:
+                return code
+        if layout.is_complete(statuses):
             return 0
 
 
-def _role(config: LaunchConfig, rank: int) -> str:
-    if not config.servers:
-        return ""
-    return " (the parameter server)" if rank < config.servers else " (a worker)"
-
-
-def run_once(config: LaunchConfig, attempt: int, log=sys.stderr) -> int:
+def run_once(config: LaunchConfig, attempt: int, log: TextIO = sys.stderr) -> int:
     """Runs the job once; returns 0, the status of the first process that failed, or -signal if the
     launcher was signalled."""
-    ports, gpus = (free_port(), free_port()), _gpus_to_assign(config)
-    authkey = job_env.new_authkey() if config.servers else ""
+    gpus = _gpus_to_assign(config)
+    start = JobStart(
+        coordinator_port=free_port(),
+        control_port=free_port(),
+        heartbeat_timeout=config.heartbeat_timeout,
+        authkey=job_env.new_authkey() if config.layout.needs_authkey else "",
+    )
     procs, pumps = [], []
     with _Signals() as signals:
         try:
             for rank in range(config.nprocs):
                 proc = subprocess.Popen(
                     process_command(config, rank),
-                    env=process_env(config, rank, ports, attempt, gpus, authkey),
+                    env=process_env(config, rank, start, attempt, gpus),
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     text=True,
@@ -379,21 +320,12 @@ def run_once(config: LaunchConfig, attempt: int, log=sys.stderr) -> int:
         failures = [(rank, code) for rank, code in before_stop if code != 0]
         for rank, code in failures[1:] if not signalled else []:
             log.write(
-                f"[launch] rank {rank} then exited with status {code}{_signal_name(code)}, a consequence "
+                f"[launch] rank {rank} then exited with status {status_text(code)}, a consequence "
                 f"of rank {failures[0][0]}'s exit.\n"
             )
         if killed:
             log.write(f"[launch] rank(s) {killed} did not end within the grace period and were killed.\n")
     return status
-
-
-def _signal_name(status: int) -> str:
-    if status < 0:
-        try:
-            return f" (killed by {signal.Signals(-status).name})"
-        except ValueError:
-            return ""
-    return ""
 
 
 def _gpus_to_assign(config: LaunchConfig) -> int:
@@ -411,7 +343,7 @@ def _gpus_to_assign(config: LaunchConfig) -> int:
     return gpus
 
 
-def launch(config: LaunchConfig, log=sys.stderr) -> int:
+def launch(config: LaunchConfig, log: TextIO = sys.stderr) -> int:
     """Runs the job, restarting it up to `max_restarts` times after a failure (not after a signal)."""
     if config.nprocs < 1:
         raise ValueError(f"--nprocs must be at least 1. Received: {config.nprocs}.")

@@ -255,7 +255,7 @@ class Model:
         """
         self._check_strategy("compile")
         policy = precision.get(dtype_policy)
-        if policy.loss_scaling and not self.strategy.supports_loss_scaling:
+        if policy.loss_scaling and not self.strategy.capabilities.loss_scaling:
             raise ValueError(
                 f"dtype_policy={policy.name!r} scales the loss inside the training step, which {self.strategy!r} "
                 "splits between workers and a server. Use dtype_policy='mixed_bfloat16', which needs no loss scale."
@@ -417,7 +417,7 @@ class Model:
             return terms
         terms = outputs_lib.find_scalar_losses(terms, y_true, y_pred)
         scalar = [term.output.name or "output" for term in terms if term.scalar]
-        reason = self.strategy.scalar_loss_refusal() if scalar else None
+        reason = self.strategy.capabilities.scalar_loss_refusal if scalar else None
         if reason:
             raise ValueError(
                 f"Expected a loss that returns one value per sample under {self.strategy!r}: {reason}. "

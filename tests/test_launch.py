@@ -95,32 +95,36 @@ def test_launch_requires_a_script():
 
 
 def test_parameter_server_job_gives_each_rank_its_role():
-    from meshfit import cluster, job_env
+    from meshfit import cluster
+    from meshfit.job_layout import JobStart
     from meshfit.launch import LaunchConfig, process_command, process_env
+    from meshfit.strategies.parameter_server import launcher as ps
 
-    config = LaunchConfig(command=["train.py"], nprocs=5, servers=2)
-    envs = [process_env(config, rank, (1111, 2222), attempt=0, gpus=0, authkey="ab") for rank in range(5)]
-    assert [env[job_env.ENV_PS_ROLE] for env in envs] == ["coordinator", "server", "worker", "worker", "worker"]
+    start = JobStart(coordinator_port=1111, control_port=2222, heartbeat_timeout=10, authkey="ab")
+    config = LaunchConfig(command=["train.py"], layout=ps.ParameterServerJob(servers=2, workers=3))
+    envs = [process_env(config, rank, start, attempt=0, gpus=0) for rank in range(5)]
+    assert [env[ps.ENV_PS_ROLE] for env in envs] == ["coordinator", "server", "worker", "worker", "worker"]
     assert all(
-        env[job_env.ENV_PS_ADDRESS] == "127.0.0.1:2222"
-        and env[job_env.ENV_PS_WORKERS] == "3"
-        and env[job_env.ENV_PS_SERVERS] == "2"
+        env[ps.ENV_PS_ADDRESS] == "127.0.0.1:2222"
+        and env[ps.ENV_PS_AUTHKEY] == "ab"
+        and env[ps.ENV_PS_WORKERS] == "3"
+        and env[ps.ENV_PS_SERVERS] == "2"
         for env in envs
     )
     # The servers form a jax.distributed job of their own; workers stay out of it.
     assert [
         (env[cluster.ENV_PROCESS_ID], env[cluster.ENV_NUM_PROCESSES], env[cluster.ENV_COORDINATOR]) for env in envs[:2]
     ] == [("0", "2", "127.0.0.1:1111"), ("1", "2", "127.0.0.1:1111")]
-    assert [env[job_env.ENV_PS_SERVER_RANK] for env in envs[:2]] == ["0", "1"]
-    assert not any(cluster.ENV_COORDINATOR in env or job_env.ENV_PS_SERVER_RANK in env for env in envs[2:])
+    assert [env[ps.ENV_PS_SERVER_RANK] for env in envs[:2]] == ["0", "1"]
+    assert not any(cluster.ENV_COORDINATOR in env or ps.ENV_PS_SERVER_RANK in env for env in envs[2:])
     # Servers run the script; workers run the worker process, which needs nothing of it.
     commands = [process_command(config, rank)[1:] for rank in range(5)]
     assert commands == [["-u", "train.py"]] * 2 + [["-u", "-m", "meshfit.strategies.parameter_server.worker"]] * 3
 
-    one_server = LaunchConfig(command=["train.py"], nprocs=3, servers=1)
-    envs = [process_env(one_server, rank, (1111, 2222), attempt=0, gpus=0, authkey="ab") for rank in range(3)]
+    one_server = LaunchConfig(command=["train.py"], layout=ps.ParameterServerJob(servers=1, workers=2))
+    envs = [process_env(one_server, rank, start, attempt=0, gpus=0) for rank in range(3)]
     assert not any(cluster.ENV_COORDINATOR in env for env in envs)  # one server: no jax.distributed at all
-    assert [env[job_env.ENV_PS_ROLE] for env in envs] == ["coordinator", "worker", "worker"]
+    assert [env[ps.ENV_PS_ROLE] for env in envs] == ["coordinator", "worker", "worker"]
 
 
 def test_launch_rejects_a_parameter_server_job_without_servers_or_workers():

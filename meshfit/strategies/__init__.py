@@ -4,33 +4,62 @@ Change only the strategy line to move a model from one device to many:
 
     with meshfit.strategies.OneDeviceStrategy().scope():
         model = meshfit.Model(module)
+
+The names below load on first use (PEP 562), as `meshfit`'s do: `meshfit launch` reads a
+strategy's launcher module (`parameter_server/launcher.py`) without importing JAX, and
+`import meshfit` loads no parameter-server module until `ParameterServerStrategy` is used.
 """
 
+from __future__ import annotations
+
+import importlib
 from typing import TYPE_CHECKING
 
-from meshfit.strategies.base import Strategy
-from meshfit.strategies.current import get_strategy, has_strategy
-from meshfit.strategies.mesh import MeshStrategy, constrain
-from meshfit.strategies.mirrored import MirroredStrategy
-from meshfit.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
-from meshfit.strategies.one_device import OneDeviceStrategy
+# Each public name, by the module that defines it.
+_NAMES = {
+    "Capabilities": "meshfit.strategies.base",
+    "Strategy": "meshfit.strategies.base",
+    "get_strategy": "meshfit.strategies.current",
+    "has_strategy": "meshfit.strategies.current",
+    "MeshStrategy": "meshfit.strategies.mesh",
+    "constrain": "meshfit.strategies.mesh",
+    "MirroredStrategy": "meshfit.strategies.mirrored",
+    "MultiWorkerMirroredStrategy": "meshfit.strategies.multi_worker_mirrored",
+    "OneDeviceStrategy": "meshfit.strategies.one_device",
+    "ParameterServerStrategy": "meshfit.strategies.parameter_server.strategy",
+}
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # what type checkers and the API docs see
+    from meshfit.strategies.base import Capabilities, Strategy
+    from meshfit.strategies.current import get_strategy, has_strategy
+    from meshfit.strategies.mesh import MeshStrategy, constrain
+    from meshfit.strategies.mirrored import MirroredStrategy
+    from meshfit.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
+    from meshfit.strategies.one_device import OneDeviceStrategy
     from meshfit.strategies.parameter_server import ParameterServerStrategy
 
 
 def __getattr__(name: str):
-    # The parameter-server modules (transport, servers, workers) load on first use:
-    # `import meshfit` stays free of them.
-    if name == "ParameterServerStrategy":
-        from meshfit.strategies.parameter_server import ParameterServerStrategy
-
-        return ParameterServerStrategy
+    if name in _NAMES:
+        value = getattr(importlib.import_module(_NAMES[name]), name)
+        globals()[name] = value
+        return value
+    if not name.startswith("_"):  # any submodule, as if the package had imported them all
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as error:
+            if error.name != f"{__name__}.{name}":
+                raise
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
 
 
 __all__ = [
     "Strategy",
+    "Capabilities",
     "OneDeviceStrategy",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",

@@ -9,7 +9,9 @@ A strategy decides four things and nothing else:
     (`compile`);
   * reduction of results — how device values come back to the host
     (`to_host`).
-The training loop calls only these and never asks which strategy it runs.
+What a strategy can and cannot do beyond that is one declared object,
+`Capabilities`, which the model and the session read. The training loop calls
+only these and never asks which strategy it runs.
 """
 
 from __future__ import annotations
@@ -17,12 +19,17 @@ from __future__ import annotations
 import contextlib
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 
 from meshfit.strategies import placement
+
+if TYPE_CHECKING:
+    from meshfit.state import TrainState
+    from meshfit.steps import StepFunctions
 
 _local = threading.local()
 
@@ -34,13 +41,53 @@ def scope_stack() -> list[Strategy]:
     return _local.stack
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a strategy can do beyond placing, splitting, compiling and fetching, declared in one place.
+
+    A strategy states these once (`Strategy.capabilities`); `Model.compile`,
+    the model's first batch and the session read them instead of asking which
+    strategy they run.
+
+    Args:
+        stages_batches: whether single-step training may place a block of
+            batches on the devices at once (`Strategy.place_stage`) and pick
+            one batch per step inside the compiled step.
+        loss_scaling: whether the loss and its gradients are computed in one
+            step, as a `mixed_float16` loss scale needs.
+        scalar_loss_refusal: why a loss that returns a scalar for the batch
+            cannot be trained; None when it can. Such a loss cannot be masked,
+            so a partial batch's step computes it on the batch's first real
+            rows (`StepFunctions.with_rows`), picked on the host from the
+            batch's mask: that takes the whole global batch in one synchronous
+            step and a host that knows its real rows.
+    """
+
+    stages_batches: bool = True
+    loss_scaling: bool = True
+    scalar_loss_refusal: str | None = None
+
+
+def multi_process_refusal(process_count: int) -> str | None:
+    """Why a job of `process_count` processes cannot train a scalar loss (None for one process).
+
+    Across processes, a process knows only its own rows of a generator's batch.
+    """
+    if process_count > 1:
+        return (
+            f"a job of {process_count} processes feeds each batch in per-process parts, "
+            "so no process knows how many rows of a partial batch are real"
+        )
+    return None
+
+
 class TrainFunction(Protocol):
     """What `Strategy.train_function` returns: the loop's call for one execution of training steps."""
 
-    def __call__(self, state: Any, batch: Any) -> tuple[Any, dict]:
+    def __call__(self, state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
         """Runs the execution on `state` (donated) and returns the new state and the logs (device scalars)."""
 
-    def drain(self) -> tuple[Any, dict] | None:
+    def drain(self) -> tuple[Any, dict[str, Any]] | None:
         """Applies every batch handed out but not applied yet and returns `(state, logs)`; None when
         nothing is ever left in flight (synchronous training)."""
 
@@ -50,10 +97,10 @@ class CompiledTrainFunction:
 
     __slots__ = ("step",)
 
-    def __init__(self, step: Callable):
+    def __init__(self, step: Callable[[Any, Any], tuple[Any, dict[str, Any]]]):
         self.step = step
 
-    def __call__(self, state, batch):
+    def __call__(self, state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
         return self.step(state, batch)
 
     def drain(self) -> None:
@@ -61,25 +108,25 @@ class CompiledTrainFunction:
 
 
 class Strategy(ABC):
-    """What a strategy must implement: `replicate`, `distribute_batch` and `compile`; the rest has defaults.
+    """What a strategy must implement: `replicate` and `distribute_batch`; the rest has defaults.
 
     Subclasses live one per file in `meshfit/strategies/`. A strategy that
-    shards overrides `place_state`; one that splits a step between workers
-    and a server overrides `train_function`.
+    shards overrides `state_shardings` (or `place_state`); one that splits a
+    step between workers and a server overrides `train_function`; one that
+    cannot do all a synchronous step over the whole batch allows says so in
+    `capabilities`.
     """
 
     #: Number of model replicas a global batch is split over.
     num_replicas_in_sync: int = 1
 
-    #: Whether single-step training may place a block of batches on the devices
-    #: at once (`place_stage`) and pick one batch per step inside the compiled step.
-    stages_batches: bool = True
-
-    #: Whether the loss and its gradients are computed in one step (a `mixed_float16` loss scale needs it).
-    supports_loss_scaling: bool = True
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this strategy can do (`Capabilities`): by default all of it, but a scalar loss across processes."""
+        return Capabilities(scalar_loss_refusal=multi_process_refusal(self.process_count))
 
     @contextlib.contextmanager
-    def scope(self):
+    def scope(self) -> Iterator[Strategy]:
         """Makes this the current strategy: models created inside belong to it."""
         scope_stack().append(self)
         try:
@@ -94,30 +141,12 @@ class Strategy(ABC):
         """A global batch is padded to a multiple of this many rows."""
         return self.num_replicas_in_sync
 
-    def step_functions(self, steps):
+    def step_functions(self, steps: StepFunctions) -> StepFunctions:
         """The step functions this strategy compiles: `steps` as they are, unless it computes
         gradients its own way (the explicit data-parallel step swaps in its per-replica gradients)."""
         return steps
 
-    def scalar_loss_refusal(self) -> str | None:
-        """Why this strategy cannot train with a loss that returns a scalar for the batch (None: it can).
-
-        Such a loss cannot be masked, so a partial batch's step computes it on
-        the batch's first real rows (`StepFunctions.with_rows`), picked on the
-        host from the batch's mask. That takes the whole global batch in one
-        synchronous step and a host that knows its real rows: a strategy whose
-        steps see only part of a batch, or run apart from the host, says why
-        not here. Across processes, a process knows only its own rows of a
-        generator's batch.
-        """
-        if self.process_count > 1:
-            return (
-                f"a job of {self.process_count} processes feeds each batch in per-process parts, "
-                "so no process knows how many rows of a partial batch are real"
-            )
-        return None
-
-    def state_shardings(self, state, param_hints=None):
+    def state_shardings(self, state: TrainState, param_hints: Any = None) -> Any | None:
         """Where `place_state` puts each leaf of a `TrainState`: a matching pytree of shardings.
 
         `state` may hold arrays or `jax.ShapeDtypeStruct`s: state that does not
@@ -129,7 +158,7 @@ class Strategy(ABC):
         del state, param_hints
         return None
 
-    def place_state(self, state, param_hints=None):
+    def place_state(self, state: TrainState, param_hints: Any = None) -> TrainState:
         """Lays out a `TrainState` on this strategy's devices (as `state_shardings` says).
 
         `param_hints` are PartitionSpecs from the module's sharding metadata,
@@ -139,7 +168,7 @@ class Strategy(ABC):
         return self.replicate(state) if shardings is None else placement.put(state, shardings)
 
     @abstractmethod
-    def replicate(self, tree):
+    def replicate(self, tree: Any) -> Any:
         """Puts a full copy of a pytree on every device of this strategy."""
 
     @property
@@ -153,14 +182,14 @@ class Strategy(ABC):
         return self.batch_multiple // self.batch_block[1]
 
     @abstractmethod
-    def distribute_batch(self, host_batch, stacked: bool = False):
+    def distribute_batch(self, host_batch: Any, stacked: bool = False) -> Any:
         """Turns this process's rows of a batch (numpy pytree) into global device arrays.
 
         `stacked` batches carry a leading steps axis (`steps_per_execution > 1`);
         their batch dimension is the second.
         """
 
-    def place_batch(self, host_batch, stacked: bool = False):
+    def place_batch(self, host_batch: Any, stacked: bool = False) -> Any:
         """Lays out a batch on the devices ahead of its step (from an input's reading thread).
 
         The same layout as `distribute_batch`; a strategy whose `distribute_batch`
@@ -168,18 +197,27 @@ class Strategy(ABC):
         """
         return self.distribute_batch(host_batch, stacked)
 
-    def place_stage(self, host_batches):
+    def place_stage(self, host_batches: Any) -> Any:
         """Places batches stacked on a leading axis (a stage) as device arrays, for several steps to read.
 
         Laid out as `distribute_batch(host_batches, stacked=True)` lays them out.
         """
         return self.distribute_batch(host_batches, True)
 
-    @abstractmethod
     def compile(self, fn: Callable, *, donate_argnums: tuple[int, ...] = ()) -> Callable:
-        """Compiles a pure step function for this strategy's devices."""
+        """Compiles a pure step function for this strategy's devices: `jax.jit`, the arguments' layouts
+        deciding where it runs."""
+        return jax.jit(fn, donate_argnums=donate_argnums)
 
-    def train_function(self, steps, stacked: bool) -> TrainFunction:
+    def constrain(self, x: jax.Array, *spec: Any) -> jax.Array:
+        """Pins the layout of an activation while this strategy traces a step (`meshfit.strategies.constrain`).
+
+        `x` as it is, unless the strategy lays activations out over named mesh axes.
+        """
+        del spec
+        return x
+
+    def train_function(self, steps: StepFunctions, stacked: bool) -> TrainFunction:
         """The `TrainFunction` the loop calls for each execution.
 
         By default the compiled `steps.train_step` (or its K-step scan). A
@@ -190,7 +228,7 @@ class Strategy(ABC):
         fn = steps.multi_train_step if stacked else steps.train_step
         return CompiledTrainFunction(self.compile(fn, donate_argnums=(0,)))
 
-    def to_host(self, tree):
+    def to_host(self, tree: Any) -> Any:
         """Fetches a pytree of device arrays as numpy (a host sync)."""
         return placement.fetch(tree)
 

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshfit import cluster
-from meshfit.strategies import layout, placement
+from meshfit.strategies import layout
 from meshfit.strategies.base import Strategy
 from meshfit.strategies.current import get_strategy
+from meshfit.strategies.device_mesh import DeviceMeshStrategy, build_mesh
 
 DEFAULT_AXES = {"data": -1, "fsdp": 1, "tensor": 1}
 
@@ -38,7 +40,7 @@ def _axis_sizes(axes: Mapping[str, int], n_devices: int) -> dict[str, int]:
     return sizes
 
 
-class MeshStrategy(Strategy):
+class MeshStrategy(DeviceMeshStrategy):
     """Shards parameters, optimizer state and batches over a named device mesh.
 
     The batch is split over the data-like axes (`batch_axes`); each parameter is
@@ -71,34 +73,26 @@ class MeshStrategy(Strategy):
         self,
         axes: Mapping[str, int] = DEFAULT_AXES,
         rules: layout.Rules = (),
-        logical_axis_rules=None,
-        batch_axes=("data", "fsdp"),
+        logical_axis_rules: Mapping[str, Any] | Sequence[tuple[str, Any]] | None = None,
+        batch_axes: Sequence[str] = ("data", "fsdp"),
         fsdp_axis: str = "fsdp",
         min_shard_size: int = 2**12,
-        devices=None,
+        devices: Sequence[jax.Device] | None = None,
     ):
         if devices is None:
             cluster.initialize()
             devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         sizes = _axis_sizes(axes, len(devices))
-        self.mesh = Mesh(
-            np.array(devices).reshape(tuple(sizes.values())), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes)
-        )
+        super().__init__(build_mesh(devices, sizes), tuple(a for a in batch_axes if a in sizes))
         self.rules = [(pattern, layout.as_spec(spec)) for pattern, spec in rules]
         if isinstance(logical_axis_rules, Mapping):
             logical_axis_rules = list(logical_axis_rules.items())
         self.logical_axis_rules = list(logical_axis_rules or [])
-        self.batch_axes = tuple(a for a in batch_axes if a in sizes)
         self.fsdp_axis = fsdp_axis
         self.min_shard_size = min_shard_size
-        self.num_replicas_in_sync = int(np.prod([sizes[a] for a in self.batch_axes])) if self.batch_axes else 1
-        self._replicated = NamedSharding(self.mesh, P())
-        batch_entry = self.batch_axes if len(self.batch_axes) != 1 else self.batch_axes[0]
-        self._batch = NamedSharding(self.mesh, P(batch_entry or None))
-        self._stacked_batch = NamedSharding(self.mesh, P(None, batch_entry or None))
 
     @contextlib.contextmanager
-    def scope(self):
+    def scope(self) -> Iterator[MeshStrategy]:
         from flax.core import spmd
 
         with super().scope(), jax.set_mesh(self.mesh), spmd.logical_axis_rules(self.logical_axis_rules):
@@ -106,7 +100,7 @@ class MeshStrategy(Strategy):
 
     # -- layout ------------------------------------------------------------------
 
-    def param_specs(self, params, hints=None):
+    def param_specs(self, params: Any, hints: Any = None) -> Any:
         """One PartitionSpec per parameter (rules, then metadata, then the default)."""
         return layout.resolve_specs(
             params,
@@ -118,7 +112,7 @@ class MeshStrategy(Strategy):
             min_shard_size=self.min_shard_size,
         )
 
-    def state_specs(self, state, param_hints=None):
+    def state_specs(self, state: Any, param_hints: Any = None) -> Any:
         """Specs for a whole TrainState: parameters by rule, the rest following them."""
         params = self.param_specs(state.params, param_hints)
         model_state = layout.resolve_specs(
@@ -130,12 +124,9 @@ class MeshStrategy(Strategy):
         loss_scale = replicated(state.loss_scale)
         return type(state)(params, model_state, opt_state, replicated(state.metrics), P(), rng, loss_scale)
 
-    def state_shardings(self, state, param_hints=None):
+    def state_shardings(self, state: Any, param_hints: Any = None) -> Any:
         specs = self.state_specs(state, param_hints)
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
-
-    def replicate(self, tree):
-        return placement.put(tree, self._replicated)
 
     # -- batches, compilation, results ----------------------------------------
 
@@ -143,7 +134,7 @@ class MeshStrategy(Strategy):
     def batch_block(self) -> tuple[int, int]:
         rows, shard = self.batch_multiple, self.batch_multiple // self.num_replicas_in_sync
         starts = sorted(
-            {index[0].start or 0 for index in self._batch.addressable_devices_indices_map((rows,)).values()}
+            {index[0].start or 0 for index in self.batch_sharding().addressable_devices_indices_map((rows,)).values()}
         )
         if starts != list(range(starts[0], starts[0] + shard * len(starts), shard)):
             raise ValueError(
@@ -153,10 +144,7 @@ class MeshStrategy(Strategy):
         local = shard * len(starts)
         return starts[0] // local, rows // local
 
-    def distribute_batch(self, host_batch, stacked: bool = False):
-        return placement.put_local_rows(host_batch, self._stacked_batch if stacked else self._batch)
-
-    def compile(self, fn, *, donate_argnums=()):
+    def compile(self, fn: Callable, *, donate_argnums: tuple[int, ...] = ()) -> Callable:
         """`jax.jit` whose first output keeps the layout of the first donated argument."""
 
         def in_scope(*args):
@@ -167,21 +155,18 @@ class MeshStrategy(Strategy):
             in_scope, donate_argnums[0] if donate_argnums else None, donate_argnums=donate_argnums
         )
 
-    def to_host(self, tree):
-        return placement.fetch(tree)
+    def constrain(self, x: jax.Array, *spec: Any) -> jax.Array:
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(*spec)))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         axes = ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
         return f"MeshStrategy({axes})"
 
 
-def constrain(x, *spec):
+def constrain(x: jax.Array, *spec: Any) -> jax.Array:
     """Pins the layout of an activation inside a model, e.g. `constrain(h, ("data", "fsdp"), None, "tensor")`.
 
-    A no-op unless a MeshStrategy is tracing the step, so model code runs
-    unchanged on any strategy.
+    The current strategy answers (`Strategy.constrain`): a no-op unless a
+    MeshStrategy is tracing the step, so model code runs unchanged on any strategy.
     """
-    strategy = get_strategy()
-    if not isinstance(strategy, MeshStrategy):
-        return x
-    return jax.lax.with_sharding_constraint(x, NamedSharding(strategy.mesh, P(*spec)))
+    return get_strategy().constrain(x, *spec)

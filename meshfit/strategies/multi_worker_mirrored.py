@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 
 from meshfit import cluster
+from meshfit.strategies import data_parallel
 from meshfit.strategies.mirrored import MirroredStrategy
 
 
@@ -40,17 +41,17 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
 
     def __init__(
         self,
-        coordinator_address=None,
-        num_processes=None,
-        process_id=None,
-        local_device_ids=None,
+        coordinator_address: str | None = None,
+        num_processes: int | None = None,
+        process_id: int | None = None,
+        local_device_ids: list[int] | None = None,
         heartbeat_timeout_seconds: int | None = None,
         initialization_timeout: int | None = None,
         *,
         reduction: str | None = None,
         gradient_compression: str | None = None,
     ):
-        self._init_reduction(reduction, gradient_compression)
+        data_parallel.check_options(reduction, gradient_compression)  # refused before any network wait
         cluster.initialize(
             coordinator_address,
             num_processes,
@@ -60,4 +61,4 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             initialization_timeout=initialization_timeout,
         )
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-        self._init_mesh(devices)
+        super().__init__(devices, reduction=reduction, gradient_compression=gradient_compression)

@@ -8,12 +8,28 @@
     partition    how a state is split over several server processes
     follower     server ranks 1..: replay rank 0's decisions on their part of the state
     worker       a worker process (`python -m meshfit.strategies.parameter_server.worker`)
-    transport    the job's environment, control connections, wire format
+    transport    control connections, wire format, transfer servers
+    launcher     what `meshfit launch --ps S --workers N` starts on each rank, and its MESHFIT_PS_* variables
 
 `import meshfit` loads none of this; `meshfit.strategies.ParameterServerStrategy`
-does, on first use.
+does, on first use. `ParameterServerStrategy` loads on first use from here too,
+so `meshfit launch` reads `launcher` (free of JAX) without the rest.
 """
 
-from meshfit.strategies.parameter_server.strategy import ParameterServerStrategy
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from meshfit.strategies.parameter_server.strategy import ParameterServerStrategy
+
+
+def __getattr__(name: str):
+    if name == "ParameterServerStrategy":
+        from meshfit.strategies.parameter_server.strategy import ParameterServerStrategy
+
+        return ParameterServerStrategy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["ParameterServerStrategy"]

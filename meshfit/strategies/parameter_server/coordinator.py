@@ -23,9 +23,8 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from meshfit import job_env
 from meshfit.checkpoint import decode, encode
-from meshfit.strategies.parameter_server import transport
+from meshfit.strategies.parameter_server import launcher, transport
 from meshfit.strategies.parameter_server.partition import TransferPlan
 from meshfit.strategies.parameter_server.server import Task, salted
 from meshfit.strategies.parameter_server.transport import HOLD_TIMEOUT, Channel, deadline, specs
@@ -81,7 +80,7 @@ class Coordinator:
             raise TimeoutError(
                 f"Only {len(self.workers)} of {expected_workers} parameter-server workers and "
                 f"{len(self.followers)} of {expected_servers - 1} other servers connected within "
-                f"{accept_timeout:.0f} s to {os.environ.get(job_env.ENV_PS_ADDRESS)}."
+                f"{accept_timeout:.0f} s to {os.environ.get(launcher.ENV_PS_ADDRESS)}."
             )
 
     def _ping(self, every: float) -> None:

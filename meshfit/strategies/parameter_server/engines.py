@@ -11,7 +11,7 @@ decisions instead (`follower`).
 from __future__ import annotations
 
 import itertools
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import numpy as np
@@ -27,6 +27,13 @@ from meshfit.strategies.parameter_server.server import (
     weighted_mean,
 )
 
+if TYPE_CHECKING:
+    from meshfit.data import Batch
+    from meshfit.state import TrainState
+
+#: What a gradient job computes: `(gradients, module state, metric increments)`, pytrees like the state's.
+GradientResult = tuple[Any, Any, Any]
+
 
 class Workers(Protocol):
     """Where an engine's gradient jobs run. Called from the training thread only."""
@@ -38,21 +45,21 @@ class Workers(Protocol):
     def count(self) -> int:
         """How many workers can take jobs now."""
 
-    def prepare(self, state, task: Task) -> None:
+    def prepare(self, state: TrainState, task: Task) -> None:
         """Gets ready for jobs like `task` on states like `state` (once, before the first job)."""
 
-    def publish(self, state, version: int) -> None:
+    def publish(self, state: TrainState, version: int) -> None:
         """The state, parameter version `version`, that jobs handed out from now on compute on."""
 
     def submit(self, task: Task) -> None:
         """Queues a job."""
 
-    def collect(self, timeout: float) -> list[tuple[Task, int, tuple]]:
+    def collect(self, timeout: float) -> list[tuple[Task, int, GradientResult]]:
         """Hands queued jobs to idle workers and returns the results that arrived within `timeout` seconds
         (0: those already there), as `(task, version computed on, (grads, model_state, increments))` on the
         server. A job whose worker was lost is queued again."""
 
-    def take(self, state, result: tuple, staleness: int | None) -> tuple:
+    def take(self, state: TrainState, result: GradientResult, staleness: int | None) -> GradientResult:
         """A result (or a sync round's combined result) as server arrays, given to every server process."""
 
     def end_call(self) -> None:
@@ -97,7 +104,7 @@ class AsyncEngine(_Engine):
         self.outstanding = 0  # batches queued or computing, not applied yet
         self._jobs = itertools.count()
 
-    def __call__(self, state, batch):
+    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
         if state is not self.state:
             self._adopt(state)
         self._submit(self._task(batch))
@@ -108,7 +115,7 @@ class AsyncEngine(_Engine):
         self.workers.end_call()
         return self.state, self.current_logs()
 
-    def drain(self):
+    def drain(self) -> tuple[TrainState, dict[str, Any]] | None:
         if self.state is None:  # nothing handed out yet
             return None
         while self.outstanding:
@@ -155,7 +162,7 @@ class SyncEngine(_Engine):
         self.combine = jax.jit(weighted_mean)
         self._round = 0  # state.step of the next round, counted on the host
 
-    def __call__(self, state, batch):
+    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
         step = self._round_step(state)
         self.state = state
         parts = split_rows(batch, self.parts)

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import os
 
-from meshfit import job_env
-from meshfit.strategies.parameter_server import transport
+from meshfit.strategies.parameter_server import launcher, transport
 from meshfit.strategies.parameter_server.partition import TransferPlan
 from meshfit.strategies.parameter_server.server import ServerTrainFunction
 from meshfit.strategies.parameter_server.transport import HOLD_TIMEOUT, deadline
@@ -27,7 +26,7 @@ class FollowerLink:
     """A server of rank 1.. and its channel to rank 0: decisions in, result parts pulled from rank 0."""
 
     def __init__(self):
-        self.rank = int(os.environ[job_env.ENV_PS_SERVER_RANK])
+        self.rank = int(os.environ[launcher.ENV_PS_SERVER_RANK])
         self.count = transport.server_count()
         self.transfer = transport.transfer_server()
         self.timeout = transport.server_timeout()

@@ -12,17 +12,23 @@ partitioned over the servers (`partition`, `follower`).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 
-from meshfit import cluster, job_env
-from meshfit.strategies.base import Strategy
-from meshfit.strategies.parameter_server import partition, transport
+from meshfit import cluster
+from meshfit.strategies.base import Capabilities, Strategy, TrainFunction
+from meshfit.strategies.parameter_server import launcher, partition, transport
 from meshfit.strategies.parameter_server.coordinator import Coordinator, RemoteWorkers
 from meshfit.strategies.parameter_server.engines import AsyncEngine, SyncEngine
 from meshfit.strategies.parameter_server.follower import FollowerEngine, FollowerLink
 from meshfit.strategies.parameter_server.server import ServerLayout
 from meshfit.strategies.parameter_server.threads import LocalWorkers
+
+if TYPE_CHECKING:
+    from meshfit.state import TrainState
+    from meshfit.steps import StepFunctions
 
 MODES = ("async", "sync")
 
@@ -76,14 +82,18 @@ class ParameterServerStrategy(Strategy):
             batch redone elsewhere. Worker processes only.
     """
 
-    stages_batches = False  # each batch goes whole to one worker, from the host
-    supports_loss_scaling = False  # workers compute gradients, the server applies them
+    capabilities = Capabilities(
+        stages_batches=False,  # each batch goes whole to one worker, from the host
+        loss_scaling=False,  # workers compute gradients, the server applies them
+        scalar_loss_refusal="its workers compute gradients apart from the server (on parts of each batch in "
+        "sync mode), with one gradient program for every batch",
+    )
 
     def __init__(
         self,
         mode: str = "async",
-        workers=None,
-        server_device=None,
+        workers: Sequence[jax.Device] | None = None,
+        server_device: jax.Device | Sequence[jax.Device] | None = None,
         max_staleness: int | None = None,
         worker_delays: dict[int, float] | None = None,
         worker_timeout: float = 60.0,
@@ -92,10 +102,10 @@ class ParameterServerStrategy(Strategy):
         role = transport.role()
         if role == "worker":
             raise RuntimeError(
-                f"This process has {job_env.ENV_PS_ROLE}=worker: it was meant to be a parameter-server worker, "
-                f"which runs `python -m {job_env.PS_WORKER_MODULE}` and none of the training script. Start "
+                f"This process has {launcher.ENV_PS_ROLE}=worker: it was meant to be a parameter-server worker, "
+                f"which runs `python -m {launcher.PS_WORKER_MODULE}` and none of the training script. Start "
                 "the script with `meshfit launch --ps S --workers N script.py` (the worker ranks then run the "
-                f"worker process), or unset {job_env.ENV_PS_ROLE} to train with this host's devices as workers."
+                f"worker process), or unset {launcher.ENV_PS_ROLE} to train with this host's devices as workers."
             )
         if mode not in MODES:
             raise ValueError(f"`mode` must be one of {MODES}. Received: mode={mode!r}.")
@@ -137,36 +147,27 @@ class ParameterServerStrategy(Strategy):
         self.num_replicas_in_sync = len(self.workers) if mode == "sync" else 1
         self._coordinator = self._link = None
         if role is not None:
-            worker_processes = int(os.environ[job_env.ENV_PS_WORKERS])
+            worker_processes = int(os.environ[launcher.ENV_PS_WORKERS])
             self.num_replicas_in_sync = worker_processes if mode == "sync" else 1
             if role == "coordinator":
                 self._coordinator = Coordinator(worker_processes, servers)
             else:
                 self._link = FollowerLink()
 
-    def scalar_loss_refusal(self) -> str | None:
-        return (
-            "its workers compute gradients apart from the server (on parts of each batch in sync mode), "
-            "with one gradient program for every batch"
-        )
-
     @property
     def batch_block(self) -> tuple[int, int]:
         return 0, 1  # every server process reads whole batches; only rank 0 hands them out
 
-    def place_state(self, state, param_hints=None):
+    def place_state(self, state: TrainState, param_hints: Any = None) -> TrainState:
         return self.servers.place_state(state)
 
-    def replicate(self, tree):
+    def replicate(self, tree: Any) -> Any:
         return self.servers.replicate(tree)
 
-    def distribute_batch(self, host_batch, stacked: bool = False):
+    def distribute_batch(self, host_batch: Any, stacked: bool = False) -> Any:
         return host_batch  # workers (or the server, for evaluation) take their rows themselves
 
-    def compile(self, fn, *, donate_argnums=()):
-        return jax.jit(fn, donate_argnums=donate_argnums)
-
-    def train_function(self, steps, stacked: bool):
+    def train_function(self, steps: StepFunctions, stacked: bool) -> TrainFunction:
         if stacked:
             raise ValueError("ParameterServerStrategy runs one batch per step; compile with steps_per_execution=1.")
         if self._link is not None:
@@ -177,5 +178,5 @@ class ParameterServerStrategy(Strategy):
             workers = LocalWorkers(self, steps, threads=self.mode == "async")
         return (AsyncEngine if self.mode == "async" else SyncEngine)(self, steps, workers)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"ParameterServerStrategy(mode={self.mode!r}, workers={len(self.workers)})"

@@ -1,7 +1,7 @@
 """How the processes of a parameter-server job find and talk to each other.
 
 `meshfit launch --ps S --workers N` gives every process its role and the
-job's address and secret in `MESHFIT_PS_*` variables (named in `meshfit.job_env`).
+job's address and secret in `MESHFIT_PS_*` variables (named in `launcher`).
 
 Control plane: `multiprocessing.connection` with an authkey (HMAC challenge on
 connect), loopback by default. Messages are small tuples of ints and strings;
@@ -26,13 +26,11 @@ from multiprocessing.connection import Client
 import jax
 import numpy as np
 
-from meshfit import job_env
 from meshfit.data import Batch
+from meshfit.strategies.parameter_server import launcher
 
 # The exported gradient program takes a Batch; both ends must know its name.
 jax.export.register_namedtuple_serialization(Batch, serialized_name="meshfit.data.Batch")
-
-DEFAULT_SERVER_TIMEOUT = 60.0
 
 #: How long an offered array waits to be pulled before its transfer server lets it go.
 HOLD_TIMEOUT = datetime.timedelta(seconds=120)
@@ -41,20 +39,20 @@ PULL_TIMEOUT = datetime.timedelta(seconds=30)
 
 def role() -> str | None:
     """This process's role in a parameter-server job; None outside one."""
-    return os.environ.get(job_env.ENV_PS_ROLE)
+    return os.environ.get(launcher.ENV_PS_ROLE)
 
 
 def server_count() -> int:
     """How many server processes the job has (1 outside a `meshfit launch --ps` job)."""
-    return int(os.environ.get(job_env.ENV_PS_SERVERS, "1"))
+    return int(os.environ.get(launcher.ENV_PS_SERVERS, "1"))
 
 
 def address() -> tuple[str, int]:
     """The coordinator's control address (host, port)."""
-    value = os.environ.get(job_env.ENV_PS_ADDRESS)
+    value = os.environ.get(launcher.ENV_PS_ADDRESS)
     if not value:
         raise RuntimeError(
-            f"{job_env.ENV_PS_ADDRESS} is not set; start parameter-server jobs with `meshfit launch --ps`."
+            f"{launcher.ENV_PS_ADDRESS} is not set; start parameter-server jobs with `meshfit launch --ps`."
         )
     host, port = value.rsplit(":", 1)
     return host, int(port)
@@ -62,30 +60,32 @@ def address() -> tuple[str, int]:
 
 def authkey() -> bytes:
     """The job's shared secret: every control connection proves it knows it."""
-    key = os.environ.get(job_env.ENV_PS_AUTHKEY)
+    key = os.environ.get(launcher.ENV_PS_AUTHKEY)
     if not key:
         raise RuntimeError(
-            f"{job_env.ENV_PS_AUTHKEY} is not set; start parameter-server jobs with `meshfit launch --ps`."
+            f"{launcher.ENV_PS_AUTHKEY} is not set; start parameter-server jobs with `meshfit launch --ps`."
         )
     return bytes.fromhex(key)
 
 
 def server_timeout() -> float:
     """Seconds a worker or a server of rank 1.. waits without any message from rank 0 (pings included)."""
-    value = os.environ.get(job_env.ENV_PS_SERVER_TIMEOUT)
+    value = os.environ.get(launcher.ENV_PS_SERVER_TIMEOUT)
     try:
-        timeout = float(value) if value else DEFAULT_SERVER_TIMEOUT
+        timeout = float(value) if value else launcher.DEFAULT_SERVER_TIMEOUT
     except ValueError:
-        raise ValueError(f"{job_env.ENV_PS_SERVER_TIMEOUT} must be a number of seconds. Received: {value!r}.") from None
+        raise ValueError(
+            f"{launcher.ENV_PS_SERVER_TIMEOUT} must be a number of seconds. Received: {value!r}."
+        ) from None
     if timeout <= 0:
-        raise ValueError(f"{job_env.ENV_PS_SERVER_TIMEOUT} must be positive. Received: {value!r}.")
+        raise ValueError(f"{launcher.ENV_PS_SERVER_TIMEOUT} must be positive. Received: {value!r}.")
     return timeout
 
 
 def silent_server(timeout: float) -> str:
     return (
-        f"the parameter server (rank 0, which coordinates the job, at {os.environ.get(job_env.ENV_PS_ADDRESS)}) sent "
-        f"nothing for {timeout:g} s ({job_env.ENV_PS_SERVER_TIMEOUT}); it is stopped or hung"
+        f"the parameter server (rank 0, which coordinates the job, at {os.environ.get(launcher.ENV_PS_ADDRESS)}) sent "
+        f"nothing for {timeout:g} s ({launcher.ENV_PS_SERVER_TIMEOUT}); it is stopped or hung"
     )
 
 
@@ -106,11 +106,11 @@ def watch_for_silence(channel: Channel, timeout: float, describe) -> None:
                 unread, changed = pending, now
             if now - max(changed, channel.last_heard) > timeout:
                 print(
-                    f"{describe()}: {silent_server(timeout)}. Exiting with status {job_env.EXIT_SERVER_SILENT}.",
+                    f"{describe()}: {silent_server(timeout)}. Exiting with status {launcher.EXIT_SERVER_SILENT}.",
                     file=sys.stderr,
                     flush=True,
                 )
-                os._exit(job_env.EXIT_SERVER_SILENT)
+                os._exit(launcher.EXIT_SERVER_SILENT)
 
     threading.Thread(target=run, daemon=True, name="ps-silence-watch").start()
 

@@ -8,7 +8,7 @@ servers, computes and offers the gradients back, until told to stop.
 
 A worker is never part of a `jax.distributed` job, so its death takes no one
 down: the coordinator drops it and redoes its batch. It ends with status
-`job_env.EXIT_SERVER_SILENT` when rank 0 says nothing for the job's server timeout.
+`launcher.EXIT_SERVER_SILENT` when rank 0 says nothing for the job's server timeout.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import sys
 
 import jax
 
-from meshfit import job_env
-from meshfit.strategies.parameter_server import transport
+from meshfit.strategies.parameter_server import launcher, transport
 from meshfit.strategies.parameter_server.partition import Partition
 from meshfit.strategies.parameter_server.transport import HOLD_TIMEOUT, deadline, specs
 
@@ -50,7 +49,7 @@ def main() -> int:
     if transport.role() != "worker":
         print(
             "This is the worker process of a parameter-server job: `meshfit launch --ps S --workers N script.py` "
-            f"starts it on the worker ranks, with {job_env.ENV_PS_ROLE}=worker and the job's other MESHFIT_PS_* "
+            f"starts it on the worker ranks, with {launcher.ENV_PS_ROLE}=worker and the job's other MESHFIT_PS_* "
             "variables (copy them from a running worker to add one by hand).",
             file=sys.stderr,
         )
@@ -69,11 +68,11 @@ def main() -> int:
         except TimeoutError as error:
             print(
                 f"parameter-server worker pid {os.getpid()}: {error}. "
-                f"Exiting with status {job_env.EXIT_SERVER_SILENT}.",
+                f"Exiting with status {launcher.EXIT_SERVER_SILENT}.",
                 file=sys.stderr,
                 flush=True,
             )
-            return job_env.EXIT_SERVER_SILENT
+            return launcher.EXIT_SERVER_SILENT
         except (EOFError, OSError):
             return 0  # rank 0 is gone: the job is over
         kind = message[0]
