@@ -20,23 +20,12 @@ import threading
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
 
-
-class Batch(NamedTuple):
-    """One batch: inputs, targets, per-sample weights and the padding mask."""
-
-    x: Any
-    y: Any = None
-    sample_weight: Any = None
-    mask: Any = None
-
-    @property
-    def num_real(self) -> int:
-        return int(np.sum(self.mask))
+from meshfit.batch import Batch
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -25,6 +25,7 @@ from meshfit import losses as losses_lib
 from meshfit import metrics as metrics_lib
 from meshfit import optimizers as optimizers_lib
 from meshfit import outputs as outputs_lib
+from meshfit.batch import Batch
 from meshfit.fit_context import FitContext
 from meshfit.loop import evaluate_loop, fit_loop, host_logs, predict_loop
 from meshfit.modules import adapt
@@ -35,6 +36,7 @@ from meshfit.step_report import StepReport
 from meshfit.steps import StepFunctions
 from meshfit.strategies import get_strategy, has_strategy, placement
 from meshfit.summary import format_step_report, format_summary
+from meshfit.terms import LossTerm, Output
 from meshfit.trees import path_name
 
 _DEFAULT_BATCH_SIZE = 32
@@ -120,8 +122,8 @@ class Model:
         self.stop_training = False
         self.history: callbacks_lib.History | None = None
         self._shuffle_orders = data_lib.ShuffleOrders()  # computed ahead by one fit for the next
-        self._example_batch: data_lib.Batch | None = None
-        self._outputs: list[outputs_lib.Output] = []  # the module's outputs, known from the first batch
+        self._example_batch: Batch | None = None
+        self._outputs: list[Output] = []  # the module's outputs, known from the first batch
         self._built_with_targets = False  # the steps were built from a batch with targets
 
     def _initial_state(self, params, model_state) -> TrainState:
@@ -349,7 +351,7 @@ class Model:
 
     # -- building on the first batch -------------------------------------------------------
 
-    def _check_input(self, batch: data_lib.Batch) -> None:
+    def _check_input(self, batch: Batch) -> None:
         spec = jax.tree.map(lambda a: (tuple(a.shape[1:]), np.dtype(a.dtype).kind), batch.x)
         if self._input_spec is None:
             self._output_spec(batch)  # a clear error here if the model rejects these inputs
@@ -362,7 +364,7 @@ class Model:
                 f"{_describe(self._input_spec)} (after the batch dimension), received {_describe(spec)}."
             )
 
-    def _output_spec(self, batch: data_lib.Batch):
+    def _output_spec(self, batch: Batch):
         state = self.session.latest
         try:
             return jax.eval_shape(
@@ -375,7 +377,7 @@ class Model:
             shapes = jax.tree.map(lambda a: tuple(a.shape), batch.x)
             raise ValueError(f"The model could not be called on inputs of shape {shapes}: {error}") from error
 
-    def _build(self, batch: data_lib.Batch) -> None:
+    def _build(self, batch: Batch) -> None:
         """Resolves losses and metrics per output from the first batch's shapes and compiles the steps once.
 
         Every batch's targets are checked against what the losses and metrics read. Steps built by
@@ -403,14 +405,14 @@ class Model:
         self._built_with_targets = y_true is not None
         self.session.build(steps, c.steps_per_execution)
 
-    def _check_targets(self, batch: data_lib.Batch, loss_terms, metric_terms) -> None:
+    def _check_targets(self, batch: Batch, loss_terms, metric_terms) -> None:
         if batch.y is None:
             return
         outputs_lib.check_targets(batch.y, [*loss_terms, *metric_terms], self._outputs)
         if outputs_lib.is_structure(batch.sample_weight):
             outputs_lib.check_targets(batch.sample_weight, loss_terms, self._outputs, "sample_weight")
 
-    def _find_scalar_losses(self, terms, y_true, y_pred) -> list[outputs_lib.LossTerm]:
+    def _find_scalar_losses(self, terms, y_true, y_pred) -> list[LossTerm]:
         """The loss terms, with targets those returning a scalar marked, and refused (before any state
         changes) under a strategy that cannot compute them on a partial batch's real rows."""
         if y_true is None:
@@ -428,7 +430,7 @@ class Model:
             )
         return terms
 
-    def _scalar_loss_found_late(self, batch: data_lib.Batch) -> bool:
+    def _scalar_loss_found_late(self, batch: Batch) -> bool:
         """Whether steps built without targets (by `predict`) must be built again for `batch`'s: only
         when a loss returns a scalar. Checked once, at the first batch with targets."""
         if self._built_with_targets or batch.y is None or self._compiled.loss is None:
@@ -499,7 +501,7 @@ class Model:
             )
         return data_lib.IterableData(x, steps_per_epoch=steps, batch_multiple=strategy.local_batch_multiple)
 
-    def _first_batch(self, data) -> data_lib.Batch:
+    def _first_batch(self, data) -> Batch:
         return data.peek()
 
     def _callback_list(self, callbacks, *, verbose: int, epochs: int, steps, add_history: bool):

@@ -5,8 +5,8 @@ A module returns one array, or a dict, list or tuple of them (nested too).
 per output, as Keras does: one loss for every output, a dict keyed by output
 name, or a list in output order. They are resolved once, on the first batch,
 when the outputs' structure is known, into flat lists of terms that each
-address one output by its path; the steps in `meshfit.steps` only loop over
-those lists.
+address one output by its path (`meshfit.terms`); the steps in `meshfit.steps`
+only loop over those lists.
 
 Output names: a dict output's keys (nested keys joined with "/"), a
 NamedTuple's or dataclass's field names, and `output_0`, `output_1`, ... for
@@ -19,50 +19,12 @@ than one output, a metric is logged as `<output>_<metric>`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
 
 import jax
 
 from meshfit import losses as losses_lib
 from meshfit import metrics as metrics_lib
-
-LOSS_KEY = "loss"
-
-
-class Output(NamedTuple):
-    """One output of the model: its log name and its path (dict keys, list indices) from the root."""
-
-    name: str
-    path: tuple
-
-    def of(self, tree):
-        """This output's part of `tree` (predictions, targets or per-output sample weights)."""
-        for key in self.path:
-            tree = getattr(tree, key) if _is_field(tree, key) else tree[key]
-        return tree
-
-
-class LossTerm(NamedTuple):
-    """One output's loss and its weight in the total (None: unweighted).
-
-    `scalar`: the loss returns one value for the batch, not one per sample
-    (`find_scalar_losses`), so the steps compute it on the real rows of a
-    partial batch rather than masking its padding.
-    """
-
-    output: Output
-    loss: losses_lib.Loss
-    weight: float | None
-    scalar: bool = False
-
-
-class MetricTerm(NamedTuple):
-    """One metric of one output, with the key it is logged under; `weighted` ones use `sample_weight`."""
-
-    output: Output
-    metric: Any
-    weighted: bool
-    log_name: str
+from meshfit.terms import LossTerm, MetricTerm, Output
 
 
 def outputs_of(y_pred) -> list[Output]:
@@ -90,11 +52,6 @@ def outputs_of(y_pred) -> list[Output]:
                 )
         outputs.append(Output("/".join(names), tuple(path)))
     return outputs
-
-
-def _is_field(tree, key) -> bool:
-    """Whether `key` names a field of a NamedTuple or dataclass (read with getattr), not a dict key."""
-    return isinstance(key, str) and not isinstance(tree, dict)
 
 
 def is_structure(value) -> bool:

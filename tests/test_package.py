@@ -156,3 +156,45 @@ def test_no_test_or_callback_reads_a_private_attribute_of_the_session():
     assert {path: hits for path, hits in found.items() if hits} == {}
     callbacks = [path for name, path in modules().items() if name.startswith("meshfit.callbacks")]
     assert [path for path in callbacks if ".session" in open(path).read()] == []
+
+
+#: The layers of docs/architecture.md, top down; each calls only the layers below it.
+FACADE = {"meshfit.model", "meshfit.outputs", "meshfit.saving", "meshfit.serialization", "meshfit.summary"}
+LOOP = {
+    "meshfit.loop",
+    "meshfit.session",
+    "meshfit.state_store",
+    "meshfit.fit_cursor",
+    "meshfit.executables",
+    "meshfit.feeder",
+    "meshfit.fit_context",
+    "meshfit.data",
+    "meshfit.callbacks",
+}
+STEPS = {
+    "meshfit.steps",
+    "meshfit.state",
+    "meshfit.terms",
+    "meshfit.losses",
+    "meshfit.metrics",
+    "meshfit.optimizers",
+    "meshfit.modules",
+}
+
+
+def in_layer(name: str, layer: set[str]) -> bool:
+    return any(name == top or name.startswith(top + ".") for top in layer)
+
+
+def test_steps_and_strategies_import_nothing_from_the_loop_or_the_facade():
+    """The steps and the strategies are below the loop: they take batches and terms, not data sources or compile
+    arguments (`meshfit.batch`, `meshfit.terms`)."""
+    found = modules()
+    graph = {name: imports(path, set(found), name) for name, path in found.items()}
+    assert in_layer("meshfit.callbacks.history", LOOP) and "meshfit.batch" in graph["meshfit.steps"]  # edges are seen
+    upward = {
+        name: sorted(m for m in imported if in_layer(m, FACADE | LOOP))
+        for name, imported in graph.items()
+        if in_layer(name, STEPS) or name.startswith("meshfit.strategies")
+    }
+    assert {name: hits for name, hits in upward.items() if hits} == {}

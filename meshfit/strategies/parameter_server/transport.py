@@ -27,10 +27,10 @@ import jax
 import numpy as np
 
 from meshfit import job_env
-from meshfit.data import Batch
+from meshfit.batch import Batch
 
 # The exported gradient program takes a Batch; both ends must know its name.
-jax.export.register_namedtuple_serialization(Batch, serialized_name="meshfit.data.Batch")
+jax.export.register_namedtuple_serialization(Batch, serialized_name="meshfit.batch.Batch")
 
 DEFAULT_SERVER_TIMEOUT = 60.0
 
