@@ -313,7 +313,7 @@ class Model:
             gradient_accumulation_steps=accumulate,
             loss_weights=loss_weights,
         )
-        self.optimizer = optimizers_lib.Optimizer(tx, self.session, schedule)
+        self.optimizer = optimizers_lib.Optimizer(tx, _optimizer_state_access(self.session), schedule)
 
     @property
     def compiled(self) -> bool:
@@ -963,6 +963,20 @@ def load_model(
 
 
 # -- helpers ------------------------------------------------------------------------------------
+
+
+def _optimizer_state_access(session: Session) -> optimizers_lib.OptimizerStateAccess:
+    """The optimizer's view of the session: the optimizer state as the last step left it, and a host read."""
+
+    def replace_opt_state(opt_state: Any) -> None:
+        session.state = session.latest._replace(opt_state=opt_state)
+
+    return optimizers_lib.OptimizerStateAccess(
+        opt_state=lambda: session.latest.opt_state,
+        replace_opt_state=replace_opt_state,
+        step=lambda: session.latest.step,
+        to_host=lambda value: session.strategy.to_host(value),
+    )
 
 
 def _handles_preemption(callback) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -169,6 +169,24 @@ def _clip_each_by_norm(max_norm: float) -> optax.GradientTransformation:
     return optax.stateless(lambda updates, params: jax.tree.map(clip, updates))
 
 
+class OptimizerStateAccess(NamedTuple):
+    """What an `Optimizer` reads and writes of the training state, without knowing who holds it.
+
+    `Model.compile` builds one over the model's session.
+
+    Attributes:
+        opt_state: returns the optimizer state as the last step left it (device arrays; nothing waits).
+        replace_opt_state: writes a new optimizer state, of the same structure and placement, between steps.
+        step: returns the number of optimizer steps taken, as a device scalar.
+        to_host: pulls a device value to the host (a host sync).
+    """
+
+    opt_state: Callable[[], Any]
+    replace_opt_state: Callable[[Any], None]
+    step: Callable[[], Any]
+    to_host: Callable[[Any], Any]
+
+
 class Optimizer:
     """The model's optimizer as Keras callbacks see it: `model.optimizer.learning_rate`.
 
@@ -181,17 +199,19 @@ class Optimizer:
 
     Args:
         transform: the optax transformation.
-        session: the model's `meshfit.session.Session` (holds the optimizer state).
+        state: how to read and replace the optimizer state (`OptimizerStateAccess`).
         schedule: the learning-rate schedule `transform` was built with (`schedule_of`), if any.
     """
 
-    def __init__(self, transform: optax.GradientTransformation, session, schedule: Callable | None = None):
+    def __init__(
+        self, transform: optax.GradientTransformation, state: OptimizerStateAccess, schedule: Callable | None = None
+    ) -> None:
         self.transform = transform
-        self._session = session
+        self._state = state
         self.schedule = schedule
 
     def _lr_leaves(self) -> list[tuple[tuple, Any]]:
-        found = otu.tree_get_all_with_path(self._session.latest.opt_state, "learning_rate")
+        found = otu.tree_get_all_with_path(self._state.opt_state(), "learning_rate")
         if not found:
             raise AttributeError(
                 "The optimizer has no learning rate held in its state, so it cannot be read "
@@ -221,8 +241,8 @@ class Optimizer:
         values = [leaf for path, leaf in leaves if not self._is_schedule_state(path)]
         counts = [leaf.count for path, leaf in leaves if self._is_schedule_state(path) and hasattr(leaf, "count")]
         if self.schedule is not None and counts:
-            return float(self.schedule(int(self._session.strategy.to_host(counts[0]))))
-        return float(self._session.strategy.to_host(values[0]))
+            return float(self.schedule(int(self._state.to_host(counts[0]))))
+        return float(self._state.to_host(values[0]))
 
     @learning_rate.setter
     def learning_rate(self, value) -> None:
@@ -230,8 +250,7 @@ class Optimizer:
             raise self.schedule_error(f"set to {value!r}")
         old = self._lr_leaves()[0][1]
         new = placement.put(np.asarray(value, dtype=old.dtype), old.sharding)
-        state = self._session.latest
-        self._session.state = state._replace(opt_state=otu.tree_set(state.opt_state, learning_rate=new))
+        self._state.replace_opt_state(otu.tree_set(self._state.opt_state(), learning_rate=new))
 
     @staticmethod
     def schedule_error(what: str) -> LearningRateIsSchedule:
@@ -245,7 +264,7 @@ class Optimizer:
     @property
     def iterations(self) -> int:
         """Number of optimizer steps taken (reads one value from the device)."""
-        return int(self._session.strategy.to_host(self._session.latest.step))
+        return int(self._state.to_host(self._state.step()))
 
     def __repr__(self):
         return f"Optimizer({self.transform!r})"
