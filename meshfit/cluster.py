@@ -26,6 +26,13 @@ from meshfit.job_env import (
     ENV_PS_ROLE,
 )
 
+__all__ = [
+    "initialize",
+    "detected_cluster",
+    "DEFAULT_INIT_TIMEOUT",
+    "DEFAULT_HEARTBEAT_TIMEOUT",
+]
+
 logger = logging.getLogger("meshfit")
 
 #: Seconds `initialize` waits for every process to join, unless told otherwise.

@@ -27,6 +27,16 @@ import numpy as np
 
 from meshfit.batch import Batch
 
+__all__ = [
+    "DataSource",
+    "ArrayData",
+    "IterableData",
+    "Replay",
+    "REPLAY_BYTES",
+    "make_batch",
+    "stack_batches",
+]
+
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple

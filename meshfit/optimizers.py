@@ -22,6 +22,17 @@ from optax import tree_utils as otu
 
 from meshfit.strategies import placement
 
+__all__ = [
+    "get",
+    "names",
+    "Optimizer",
+    "OptimizerStateAccess",
+    "LearningRateIsSchedule",
+    "Recipe",
+    "recipe_of",
+    "schedule_of",
+]
+
 # name -> (optax factory, Keras's default keyword arguments)
 _FACTORIES: dict[str, tuple[Callable[..., optax.GradientTransformation], dict[str, Any]]] = {
     "adam": (optax.adam, dict(learning_rate=1e-3, b1=0.9, b2=0.999, eps=1e-7)),

@@ -26,6 +26,11 @@ from meshfit import losses as losses_lib
 from meshfit import metrics as metrics_lib
 from meshfit.terms import LossTerm, MetricTerm, Output
 
+__all__ = [
+    "outputs_of",
+    "Output",
+]
+
 
 def outputs_of(y_pred) -> list[Output]:
     """The model's outputs, in `jax.tree` order (dict keys sorted), named as the module docstring says."""

@@ -5,6 +5,7 @@ import ast
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -122,6 +123,20 @@ def test_names_load_on_first_use_as_if_imported():
     assert meshfit.checkpoint.CheckpointDir  # any submodule, as before
     with pytest.raises(AttributeError, match="no attribute 'Modle'"):
         _ = meshfit.Modle
+
+
+def test_every_module_the_package_exports_lists_its_public_names_and_each_resolves():
+    """`meshfit.data`, `meshfit.outputs`, ...: `__all__` says what is API, not whatever they happen to import."""
+    import meshfit
+
+    exported = {name: getattr(meshfit, name) for name in meshfit.__all__}
+    modules_ = {name: value for name, value in exported.items() if isinstance(value, types.ModuleType)}
+    assert {"data", "outputs", "cluster", "strategies"} <= set(modules_)
+    for name, module in modules_.items():
+        assert isinstance(getattr(module, "__all__", None), list), f"meshfit.{name} defines no __all__"
+        assert len(set(module.__all__)) == len(module.__all__), f"meshfit.{name}.__all__ repeats a name"
+        missing = [public for public in module.__all__ if getattr(module, public, None) is None]
+        assert missing == [], f"meshfit.{name}.__all__ names what it does not define: {missing}"
 
 
 def private_accesses(path: str, owners: tuple[str, ...]) -> list[str]:
