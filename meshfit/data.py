@@ -158,13 +158,49 @@ def make_batch(x, y, sample_weight, padded_rows: int) -> Batch:
 class DataSource(ABC):
     """Where a fit's batches come from: the contract the loop and the session rely on.
 
-    Batches are fixed-shape host `Batch`es: every batch has the rows of the
-    first (rounded up to the strategy's `batch_multiple`; an iterable's may
-    grow, see `IterableData`), and a partial batch is padded with rows whose
-    `mask` is 0, so the step compiles once per size and the padding counts
-    for nothing. An epoch is `steps_per_epoch` batches (None:
+    Batches are fixed-shape host `meshfit.batch.Batch`es: every batch has the
+    rows of the first (rounded up to the strategy's `batch_multiple`; an
+    iterable's may grow, see `IterableData`), and a partial batch is padded
+    with rows whose `mask` is 0, so the step compiles once per size and the
+    padding counts for nothing. An epoch is `steps_per_epoch` batches (None:
     until the input runs out). `get_state` / `set_state` save and restore the
     position in the input for BackupAndRestore.
+
+    `fit`, `evaluate` and `predict` take a subclass as `x` as it is (with
+    `y`, `sample_weight` and `batch_size` left None), as Keras takes its own
+    `DataAdapter`. Under a strategy over several processes, a source yields
+    this process's rows of each batch. `make_batch` pads one batch and
+    `stack_batches` stacks a group of them.
+
+    Example:
+        >>> class Rows(meshfit.data.DataSource):
+        ...     def __init__(self, x, y, rows):
+        ...         self.x, self.y, self.rows = x, y, rows
+        ...         self.steps_per_epoch = -(-len(x) // rows)
+        ...
+        ...     def _batch(self, i):
+        ...         part = slice(i * self.rows, (i + 1) * self.rows)
+        ...         return meshfit.data.make_batch(self.x[part], self.y[part], None, self.rows)
+        ...
+        ...     def peek(self):
+        ...         return self._batch(0)
+        ...
+        ...     def executions(self, epoch, size, start_step=0, pad_last=True, place=None):
+        ...         for first in range(start_step, self.steps_per_epoch, size):
+        ...             group = [self._batch(i) for i in range(first, min(first + size, self.steps_per_epoch))]
+        ...             if size == 1:
+        ...                 yield 1, group[0]
+        ...             elif len(group) < size and not pad_last:
+        ...                 yield len(group), group
+        ...             else:
+        ...                 yield len(group), meshfit.data.stack_batches(group, size)
+        ...
+        ...     def get_state(self):
+        ...         return {}
+        ...
+        ...     def set_state(self, state):
+        ...         pass
+        >>> model.fit(Rows(x, y, rows=32), epochs=3)
     """
 
     #: Whether any batch can be produced at any time from its position alone (in-memory
@@ -198,6 +234,12 @@ class DataSource(ABC):
         """Work for epoch `epoch` that can be done ahead, while the devices finish the last one."""
         del epoch
 
+    @property
+    def batch_nbytes(self) -> int:
+        """Bytes of one batch (those of `peek()`); with `random_access`, it sizes how many batches are staged
+        on the devices at once."""
+        return sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(self.peek()))
+
     @abstractmethod
     def get_state(self) -> dict:
         """The position in the input, as JSON-like values and numpy arrays."""
@@ -205,6 +247,36 @@ class DataSource(ABC):
     @abstractmethod
     def set_state(self, state: dict) -> None:
         """Returns to a position `get_state` gave."""
+
+
+def check_batch(batch: Any, rows_multiple: int, origin: str) -> Batch:
+    """Returns `batch` if the steps can take it: a `Batch` whose `mask` has one value per row of `x`, and rows
+    a multiple of `rows_multiple` (this process's share of the strategy's `batch_multiple`); else raises a
+    TypeError or ValueError naming `origin` (e.g. "Rows.peek()", for a user's own `DataSource`)."""
+    if not isinstance(batch, Batch):
+        raise TypeError(
+            f"`{origin}` must return a meshfit.batch.Batch(x, y, sample_weight, mask). "
+            f"Received: {type(batch).__name__}. Build one with meshfit.data.make_batch(x, y, sample_weight, rows)."
+        )
+    if batch.mask is None or np.ndim(batch.mask) != 1:
+        received = "None" if batch.mask is None else f"an array of shape {np.shape(batch.mask)}"
+        raise ValueError(
+            f"`{origin}` must return a Batch whose `mask` is a 1-D array: 1.0 for each real row, 0.0 for each "
+            f"padding row. Received: mask={received}. meshfit.data.make_batch builds it."
+        )
+    rows = len(batch.mask)
+    if _num_rows(batch.x, "x") != rows:
+        raise ValueError(
+            f"`{origin}` returned a Batch whose `mask` has {rows} rows and whose `x` has "
+            f"{_num_rows(batch.x, 'x')}; they must match (meshfit.data.make_batch pads both)."
+        )
+    if rows % rows_multiple:
+        raise ValueError(
+            f"`{origin}` returned a batch of {rows} rows; under this strategy each process's batch must have a "
+            f"multiple of {rows_multiple} rows. Pad each batch to a multiple of {rows_multiple} with "
+            "meshfit.data.make_batch(x, y, sample_weight, rows): the added rows get mask 0."
+        )
+    return batch
 
 
 class ShuffleOrders:

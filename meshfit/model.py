@@ -463,6 +463,9 @@ class Model:
             raise ValueError(f"`batch_size` must be a positive int. Received: batch_size={batch_size!r}.")
         if steps is not None and (not isinstance(steps, int) or steps < 1):
             raise ValueError(f"The number of steps must be a positive int or None. Received: {steps!r}.")
+        if isinstance(x, data_lib.DataSource):  # the user's own, taken as it is (as Keras takes a DataAdapter)
+            _check_own_source(x, y, sample_weight, batch_size, steps)
+            return x
         strategy = self.strategy
         if data_lib.is_array_tree(x):
             return data_lib.ArrayData(
@@ -495,14 +498,22 @@ class Model:
                 f"Received: batch_size={batch_size}."
             )
         if isinstance(x, (str, bytes)) or not hasattr(x, "__iter__"):
+            hint = (
+                " It has `peek` and `executions`: make it a subclass of meshfit.data.DataSource."
+                if hasattr(x, "peek") and hasattr(x, "executions")
+                else ""
+            )
             raise TypeError(
-                "`x` must be a numpy/JAX array, a dict/tuple/list of arrays, or an iterable of batches "
-                f"(generator, grain dataset). Received: {type(x).__name__}."
+                "`x` must be a numpy/JAX array, a dict/tuple/list of arrays, an iterable of batches "
+                f"(generator, grain dataset) or a meshfit.data.DataSource. Received: {type(x).__name__}.{hint}"
             )
         return data_lib.IterableData(x, steps_per_epoch=steps, batch_multiple=strategy.local_batch_multiple)
 
-    def _first_batch(self, data) -> Batch:
-        return data.peek()
+    def _first_batch(self, data: data_lib.DataSource) -> Batch:
+        batch = data.peek()
+        if not isinstance(data, (data_lib.ArrayData, data_lib.IterableData)):  # the user's own source
+            data_lib.check_batch(batch, max(1, self.strategy.local_batch_multiple), f"{type(data).__name__}.peek()")
+        return batch
 
     def _callback_list(self, callbacks, *, verbose: int, epochs: int, steps, add_history: bool):
         user = list(callbacks or [])
@@ -963,6 +974,27 @@ def load_model(
 
 
 # -- helpers ------------------------------------------------------------------------------------
+
+
+def _check_own_source(source: data_lib.DataSource, y: Any, sample_weight: Any, batch_size: Any, steps: Any) -> None:
+    """Raises a ValueError if arguments that only array inputs take come with a user's own `DataSource`."""
+    name = type(source).__name__
+    if y is not None or sample_weight is not None:
+        raise ValueError(
+            f"When `x` is a meshfit.data.DataSource, `y` and `sample_weight` must be None (its batches hold them). "
+            f"Received: x={name} with y or sample_weight set."
+        )
+    if batch_size is not None:
+        raise ValueError(
+            f"`batch_size` must be None when `x` is a meshfit.data.DataSource, which makes its own batches. "
+            f"Received: x={name}, batch_size={batch_size}."
+        )
+    if steps is not None and steps != source.steps_per_epoch:
+        raise ValueError(
+            f"A meshfit.data.DataSource sets its own epoch length: `steps_per_epoch` must be None or equal to "
+            f"its `steps_per_epoch` ({source.steps_per_epoch}). Received: steps_per_epoch={steps}. Set "
+            f"`steps_per_epoch` on the {name} instead."
+        )
 
 
 def _optimizer_state_access(session: Session) -> optimizers_lib.OptimizerStateAccess:
