@@ -42,13 +42,13 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def is_array_like(value) -> bool:
+def is_array_like(value: Any) -> bool:
     return isinstance(value, (np.ndarray, jax.Array)) or (
         hasattr(value, "__array__") and hasattr(value, "shape") and hasattr(value, "dtype")
     )
 
 
-def is_array_tree(value) -> bool:
+def is_array_tree(value: Any) -> bool:
     """True for an array or a dict/tuple/list whose leaves are all arrays."""
     if is_array_like(value):
         return True
@@ -58,7 +58,7 @@ def is_array_tree(value) -> bool:
     return bool(leaves) and all(is_array_like(leaf) for leaf in leaves)
 
 
-def _to_numpy(tree):
+def _to_numpy(tree: Any) -> Any:
     return jax.tree.map(np.asarray, tree)
 
 
@@ -66,7 +66,7 @@ def _to_numpy(tree):
 _NOT_NUMERIC = {"U": "strings", "S": "bytes", "O": "Python objects", "M": "dates", "m": "time deltas"}
 
 
-def check_numeric(tree, name: str) -> None:
+def check_numeric(tree: Any, name: str) -> None:
     """Raises a TypeError naming `name` if an array in `tree` holds strings, objects or dates, not numbers.
 
     Such arrays cannot go to a device; without this check the strategy fails
@@ -87,7 +87,7 @@ def check_numeric(tree, name: str) -> None:
             )
 
 
-def _num_rows(tree, name: str) -> int:
+def _num_rows(tree: Any, name: str) -> int:
     sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in jax.tree.leaves(tree)}
     if None in sizes:
         raise ValueError(f"Every array in `{name}` needs a leading batch dimension. Received a scalar in `{name}`.")
@@ -99,7 +99,7 @@ def _num_rows(tree, name: str) -> int:
     return sizes.pop()
 
 
-def _take(tree, index):
+def _take(tree: Any, index: slice | np.ndarray) -> Any:
     """The rows `index` (a slice, or an integer array) of each leaf."""
     if tree is None:
         return None
@@ -110,7 +110,7 @@ def _take(tree, index):
     return take(tree) if isinstance(tree, np.ndarray) else jax.tree.map(take, tree)
 
 
-def _stack_rows(tree, size: int):
+def _stack_rows(tree: Any, size: int) -> Any:
     """Reshapes each leaf's rows into `size` stacked batches: (size * rows, ...) -> (size, rows, ...)."""
     if tree is None:
         return None
@@ -119,12 +119,12 @@ def _stack_rows(tree, size: int):
     return jax.tree.map(lambda a: a.reshape((size, -1) + a.shape[1:]), tree)
 
 
-def _pad_rows(tree, padded_rows: int):
+def _pad_rows(tree: Any, padded_rows: int) -> Any:
     """Pads each leaf along axis 0 to `padded_rows` by repeating its rows."""
     if tree is None:
         return None
 
-    def pad(a):
+    def pad(a: np.ndarray) -> np.ndarray:
         n = a.shape[0]
         if n == padded_rows:
             return a
@@ -133,7 +133,7 @@ def _pad_rows(tree, padded_rows: int):
     return jax.tree.map(pad, tree)
 
 
-def as_weights(sample_weight):
+def as_weights(sample_weight: Any) -> Any:
     """Sample weights as float32 numpy: one array (a list of numbers too), or a dict/list of arrays per output."""
     per_output = isinstance(sample_weight, dict) or (
         isinstance(sample_weight, (list, tuple)) and any(is_array_like(w) for w in sample_weight)
@@ -143,7 +143,7 @@ def as_weights(sample_weight):
     return np.asarray(sample_weight, np.float32)
 
 
-def make_batch(x, y, sample_weight, padded_rows: int) -> Batch:
+def make_batch(x: Any, y: Any, sample_weight: Any, padded_rows: int) -> Batch:
     """Builds a padded `Batch` from the real rows of one batch."""
     n = _num_rows(x, "x")
     mask = (np.arange(padded_rows) < n).astype(np.float32)
@@ -289,7 +289,7 @@ class ShuffleOrders:
     path. Only the most recent orders are kept.
     """
 
-    def __init__(self, keep: int = 2):
+    def __init__(self, keep: int = 2) -> None:
         self.keep = keep
         self._orders: dict[tuple[int, int, int], np.ndarray] = {}
 
@@ -318,9 +318,9 @@ class ArrayData(DataSource):
 
     def __init__(
         self,
-        x,
-        y=None,
-        sample_weight=None,
+        x: Any,
+        y: Any = None,
+        sample_weight: Any = None,
         *,
         batch_size: int,
         shuffle: bool = False,
@@ -329,7 +329,7 @@ class ArrayData(DataSource):
         steps_per_epoch: int | None = None,
         block: tuple[int, int] = (0, 1),
         orders: ShuffleOrders | None = None,
-    ):
+    ) -> None:
         self.x = _to_numpy(x)
         self.y = None if y is None else _to_numpy(y)
         check_numeric(self.x, "x")
@@ -388,12 +388,12 @@ class ArrayData(DataSource):
         """Computes the shuffle order `epoch` starts with, ahead of need (it does not read the arrays)."""
         self._position(epoch * self.steps_per_epoch)
 
-    def _position(self, global_step: int):
+    def _position(self, global_step: int) -> tuple[np.ndarray | None, int]:
         """(order, within): the pass order and the batch within the pass of global batch `global_step`."""
         pass_index, within = divmod(global_step, self.steps_per_pass)
         return self._order(pass_index), within
 
-    def _rows(self, order: np.ndarray | None, within: int):
+    def _rows(self, order: np.ndarray | None, within: int) -> tuple[slice | np.ndarray, np.ndarray]:
         """(index, mask) of this process's rows of batch `within` of a pass.
 
         A partial batch repeats its own rows up to the padded size; the mask
@@ -410,7 +410,7 @@ class ArrayData(DataSource):
         index = rows[np.arange(self.padded_batch_size) % len(rows)][mine]
         return index, (np.arange(self.padded_batch_size) < len(rows)).astype(np.float32)[mine]
 
-    def _positions(self, epoch: int, start_step: int):
+    def _positions(self, epoch: int, start_step: int) -> Iterator[tuple[np.ndarray | None, int]]:
         """(order, within) for each step of an epoch; one shuffle per pass."""
         first = epoch * self.steps_per_epoch
         for step in range(start_step, self.steps_per_epoch):
@@ -420,7 +420,7 @@ class ArrayData(DataSource):
         """A batch with the shapes of every batch (the first rows, unshuffled), to build the model."""
         return self._take_all(*self._rows(None, 0))
 
-    def _take_all(self, index, mask) -> Batch:
+    def _take_all(self, index: slice | np.ndarray, mask: np.ndarray) -> Batch:
         return Batch(_take(self.x, index), _take(self.y, index), _take(self.sample_weight, index), mask)
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
@@ -473,7 +473,7 @@ class ArrayData(DataSource):
             self._stacked_mask = np.ones((size, self.local_rows), np.float32)
         return self._stacked_mask
 
-    def _contiguous_rows(self, global_step: int, count: int, size: int):
+    def _contiguous_rows(self, global_step: int, count: int, size: int) -> slice | np.ndarray | None:
         """The rows of `size` full, consecutive batches of one pass as one index, else None."""
         if count != size or self.block[1] != 1 or self.padded_batch_size != self.batch_size:
             return None
@@ -503,7 +503,7 @@ class ArrayData(DataSource):
                 f"out of {self.num_samples}; both must be non-empty."
             )
 
-        def part(rows, shuffle, steps_per_epoch):
+        def part(rows: np.ndarray, shuffle: bool, steps_per_epoch: int | None) -> ArrayData:
             return ArrayData(
                 _take(self.x, rows),
                 _take(self.y, rows),
@@ -520,7 +520,7 @@ class ArrayData(DataSource):
         return part(slice(0, n_train), self.shuffle, self._steps_arg), part(slice(n_train, None), False, None)
 
 
-def unpack_element(element) -> tuple[Any, Any, Any]:
+def unpack_element(element: Any) -> tuple[Any, Any, Any]:
     """Keras's convention for a dataset element: `x`, `(x,)`, `(x, y)` or `(x, y, sample_weight)`."""
     if isinstance(element, tuple) and not hasattr(element, "_fields"):
         if len(element) == 1:
@@ -577,7 +577,7 @@ class IterableData(DataSource):
         steps_per_epoch: int | None = None,
         batch_multiple: int = 1,
         prefetch: int = 2,
-    ):
+    ) -> None:
         if not hasattr(data, "__iter__"):
             raise TypeError(f"Expected arrays or an iterable of batches. Received: {type(data).__name__}.")
         self.data = data
@@ -649,7 +649,7 @@ class IterableData(DataSource):
             next(self._iterator)
         self._consumed = state.get("consumed", 0)
 
-    def _to_batch(self, element) -> Batch:
+    def _to_batch(self, element: Any) -> Batch:
         x, y, sw = unpack_element(element)
         x, y = _to_numpy(x), None if y is None else _to_numpy(y)
         check_numeric(x, "x (a batch the dataset yielded)")
@@ -702,7 +702,7 @@ class IterableData(DataSource):
             self._position = position
             yield batch
 
-    def _groups(self, epoch: int, size: int, start_step: int, pad_last: bool):
+    def _groups(self, epoch: int, size: int, start_step: int, pad_last: bool) -> Iterator[tuple[int, Any, list]]:
         """`(count, execution, reads)` of one epoch: `reads` are the `(element, position)` pairs it holds."""
         items = self._epoch_items(epoch, start_step)
         if size == 1:
@@ -738,7 +738,7 @@ class IterableData(DataSource):
         stop = threading.Event()
         untaken: list = []  # reads of an execution the thread made but could not hand over
 
-        def offer(item) -> bool:
+        def offer(item: tuple) -> bool:
             """Hands `item` to the loop; False once the loop has stopped taking."""
             while not stop.is_set():
                 try:
@@ -807,7 +807,7 @@ def pad_batch(batch: Batch, rows: int) -> Batch:
 REPLAY_BYTES = 256 * 2**20
 
 
-def _nbytes(element) -> int:
+def _nbytes(element: Any) -> int:
     return sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(element))
 
 
@@ -822,7 +822,7 @@ class Replay:
     later passes yield nothing, with a warning saying what to pass instead.
     """
 
-    def __init__(self, source: Iterator, max_bytes: int | None = None, what: str = "validation_data"):
+    def __init__(self, source: Iterator, max_bytes: int | None = None, what: str = "validation_data") -> None:
         self.source = source
         self.max_bytes = REPLAY_BYTES if max_bytes is None else max_bytes
         self.what = what

@@ -36,7 +36,7 @@ from meshfit.step_report import StepReport
 from meshfit.steps import StepFunctions
 from meshfit.strategies import get_strategy, has_strategy, placement
 from meshfit.summary import format_step_report, format_summary
-from meshfit.terms import LossTerm, Output
+from meshfit.terms import LossTerm, MetricTerm, Output
 from meshfit.trees import path_name
 
 _DEFAULT_BATCH_SIZE = 32
@@ -126,7 +126,7 @@ class Model:
         self._outputs: list[Output] = []  # the module's outputs, known from the first batch
         self._built_with_targets = False  # the steps were built from a batch with targets
 
-    def _initial_state(self, params, model_state) -> TrainState:
+    def _initial_state(self, params: Any, model_state: Any) -> TrainState:
         return TrainState(
             params=params,
             model_state=model_state,
@@ -150,17 +150,17 @@ class Model:
         return self.session.context
 
     @property
-    def params(self):
+    def params(self) -> Any:
         """The trainable parameters as a nested dict of `jax.Array` (live, on device)."""
         return self.session.latest.params
 
     @property
-    def module(self):
+    def module(self) -> Any:
         """The user's module, holding the current weights."""
         state = self.session.latest
         return self._adapter.sync_module(state.params, state.model_state)
 
-    def _weight_trees(self):
+    def _weight_trees(self) -> tuple[Any, Any]:
         state = self.session.state
         return state.params, self._adapter.non_trainable_weights(state.model_state)
 
@@ -364,7 +364,7 @@ class Model:
                 f"{_describe(self._input_spec)} (after the batch dimension), received {_describe(spec)}."
             )
 
-    def _output_spec(self, batch: Batch):
+    def _output_spec(self, batch: Batch) -> Any:
         state = self.session.latest
         try:
             return jax.eval_shape(
@@ -405,14 +405,14 @@ class Model:
         self._built_with_targets = y_true is not None
         self.session.build(steps, c.steps_per_execution)
 
-    def _check_targets(self, batch: Batch, loss_terms, metric_terms) -> None:
+    def _check_targets(self, batch: Batch, loss_terms: Sequence[LossTerm], metric_terms: Sequence[MetricTerm]) -> None:
         if batch.y is None:
             return
         outputs_lib.check_targets(batch.y, [*loss_terms, *metric_terms], self._outputs)
         if outputs_lib.is_structure(batch.sample_weight):
             outputs_lib.check_targets(batch.sample_weight, loss_terms, self._outputs, "sample_weight")
 
-    def _find_scalar_losses(self, terms, y_true, y_pred) -> list[LossTerm]:
+    def _find_scalar_losses(self, terms: Sequence[LossTerm], y_true: Any, y_pred: Any) -> list[LossTerm]:
         """The loss terms, with targets those returning a scalar marked, and refused (before any state
         changes) under a strategy that cannot compute them on a partial batch's real rows."""
         if y_true is None:
@@ -456,7 +456,17 @@ class Model:
 
     # -- data --------------------------------------------------------------------------------
 
-    def _make_data(self, x, y, sample_weight, batch_size, *, shuffle=False, steps=None, what="fit"):
+    def _make_data(
+        self,
+        x: Any,
+        y: Any,
+        sample_weight: Any,
+        batch_size: int | None,
+        *,
+        shuffle: bool = False,
+        steps: int | None = None,
+        what: str = "fit",
+    ) -> data_lib.DataSource:
         if x is None:
             raise ValueError(f"`{what}()` needs input data `x`. Received: x=None.")
         if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
@@ -515,7 +525,15 @@ class Model:
             data_lib.check_batch(batch, max(1, self.strategy.local_batch_multiple), f"{type(data).__name__}.peek()")
         return batch
 
-    def _callback_list(self, callbacks, *, verbose: int, epochs: int, steps, add_history: bool):
+    def _callback_list(
+        self,
+        callbacks: Sequence[callbacks_lib.Callback] | None,
+        *,
+        verbose: int,
+        epochs: int,
+        steps: int | None,
+        add_history: bool,
+    ) -> tuple[callbacks_lib.CallbackList, callbacks_lib.History | None]:
         user = list(callbacks or [])
         for cb in user:
             if not isinstance(cb, callbacks_lib.Callback):
@@ -534,7 +552,9 @@ class Model:
         all_callbacks = callbacks_lib.CallbackList(ordered, model=self, epochs=epochs, steps=steps, verbose=verbose)
         return all_callbacks, history
 
-    def _one_pass_callbacks(self, callbacks, verbose: int, steps):
+    def _one_pass_callbacks(
+        self, callbacks: Sequence[callbacks_lib.Callback] | None, verbose: int, steps: int | None
+    ) -> callbacks_lib.CallbackList:
         """The callback list of one pass over data (`evaluate`, `predict`): no History."""
         return self._callback_list(callbacks, verbose=verbose, epochs=1, steps=steps, add_history=False)[0]
 
@@ -827,7 +847,7 @@ class Model:
         """
         return self.predict(x, batch_size=_rows(x, "predict_on_batch"), verbose=0)
 
-    def _ordered(self, logs: dict, return_dict: bool):
+    def _ordered(self, logs: dict, return_dict: bool) -> float | list[float] | dict[str, float]:
         if return_dict:
             return logs
         values = [logs[name] for name in self.metrics_names]
@@ -1011,14 +1031,14 @@ def _optimizer_state_access(session: Session) -> optimizers_lib.OptimizerStateAc
     )
 
 
-def _handles_preemption(callback) -> bool:
+def _handles_preemption(callback: callbacks_lib.Callback) -> bool:
     """Whether a (not yet validated) callback saves on preemption, so SIGTERM must be caught for it."""
     return isinstance(callback, callbacks_lib.Callback) and (
         callback.handles_preemption or type(callback).on_preemption is not callbacks_lib.Callback.on_preemption
     )
 
 
-def _describe(spec) -> str:
+def _describe(spec: Any) -> str:
     return str(
         jax.tree.map(
             lambda s: "(None, " + ", ".join(map(str, s[0])) + ")" if s[0] else "(None,)",
@@ -1028,7 +1048,7 @@ def _describe(spec) -> str:
     )
 
 
-def _as_metrics(value, name: str):
+def _as_metrics(value: Any, name: str) -> Any:
     """Metrics as given: a list (a lone metric becomes one), or a dict/list per output."""
     if value is None:
         return []
@@ -1039,7 +1059,7 @@ def _as_metrics(value, name: str):
     return [value]
 
 
-def _check_each(value, name: str, check: Callable):
+def _check_each(value: Any, name: str, check: Callable) -> Any:
     """`check` applied to each identifier of a `compile` argument given once or per output (dict/list);
     returns the same structure of results (None stays None)."""
     if value is None:
@@ -1051,7 +1071,7 @@ def _check_each(value, name: str, check: Callable):
     return check(value)
 
 
-def _check_loss_weights(loss_weights) -> None:
+def _check_loss_weights(loss_weights: Any) -> None:
     bad = [
         w
         for w in jax.tree.leaves(loss_weights)
@@ -1064,7 +1084,7 @@ def _check_loss_weights(loss_weights) -> None:
         )
 
 
-def _type_description(value) -> str:
+def _type_description(value: Any) -> str:
     """A value's type, with the types inside a container (`list of float`), for error messages."""
     name = type(value).__name__
     if isinstance(value, dict) and value:
@@ -1076,11 +1096,11 @@ def _type_description(value) -> str:
     return name
 
 
-def _needs_shapes(identifier) -> bool:
+def _needs_shapes(identifier: Any) -> bool:
     return isinstance(identifier, str) and identifier.lower() in ("accuracy", "acc")
 
 
-def _verbose(verbose) -> int:
+def _verbose(verbose: int | str) -> int:
     if verbose == "auto":
         return 1
     if verbose not in (0, 1, 2) or isinstance(verbose, bool):
@@ -1088,12 +1108,12 @@ def _verbose(verbose) -> int:
     return int(verbose)
 
 
-def _check_positive_int(value, name: str) -> None:
+def _check_positive_int(value: Any, name: str) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"`{name}` must be a positive int. Received: {name}={value!r}.")
 
 
-def _unpack_validation(validation_data):
+def _unpack_validation(validation_data: Any) -> tuple[Any, Any, Any]:
     if (
         isinstance(validation_data, tuple)
         and len(validation_data) in (2, 3)
@@ -1108,7 +1128,7 @@ def _unpack_validation(validation_data):
     return validation_data, None, None
 
 
-def _rows(x, what: str) -> int:
+def _rows(x: Any, what: str) -> int:
     """The rows of one batch of array input `x` (a `*_on_batch` call takes exactly one batch)."""
     leaves = jax.tree.leaves(x) if data_lib.is_array_tree(x) else []
     if not leaves:
@@ -1119,7 +1139,7 @@ def _rows(x, what: str) -> int:
     return len(leaves[0])
 
 
-def _class_weights(y, class_weight: dict, sample_weight):
+def _class_weights(y: Any, class_weight: dict, sample_weight: Any) -> np.ndarray:
     if y is None or not data_lib.is_array_like(y):
         raise ValueError(
             "`class_weight` needs `y` as a single array of class labels (a model with one output). "

@@ -75,12 +75,12 @@ class LearningRateIsSchedule(TypeError):
     """The learning rate follows an optax schedule, so it cannot be set."""
 
 
-def recipe_of(transform) -> Recipe | None:
+def recipe_of(transform: optax.GradientTransformation) -> Recipe | None:
     """How `get` built `transform` from a name, or None (a transform built another way)."""
     return _RECIPES.get(getattr(transform, "update", None))
 
 
-def schedule_of(transform) -> Callable | None:
+def schedule_of(transform: optax.GradientTransformation) -> Callable | None:
     """The learning-rate schedule `get` built `transform` with, or None."""
     recipe = recipe_of(transform)
     learning_rate = None if recipe is None else recipe.config["learning_rate"]
@@ -93,12 +93,12 @@ def names() -> list[str]:
 
 
 def get(
-    identifier,
+    identifier: str | optax.GradientTransformation | optax.MultiSteps,
     *,
     clipnorm: float | None = None,
     clipvalue: float | None = None,
     global_clipnorm: float | None = None,
-    **overrides,
+    **overrides: Any,
 ) -> optax.GradientTransformation:
     """Returns an optax transform for a Keras optimizer name or passes one through.
 
@@ -149,7 +149,9 @@ def get(
     )
 
 
-def _clipping(clipnorm, clipvalue, global_clipnorm) -> list[optax.GradientTransformation]:
+def _clipping(
+    clipnorm: float | None, clipvalue: float | None, global_clipnorm: float | None
+) -> list[optax.GradientTransformation]:
     """Keras's gradient clipping as optax transforms, applied before the optimizer's own."""
     for name, value in (("clipnorm", clipnorm), ("clipvalue", clipvalue), ("global_clipnorm", global_clipnorm)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
@@ -173,7 +175,7 @@ def _clipping(clipnorm, clipvalue, global_clipnorm) -> list[optax.GradientTransf
 def _clip_each_by_norm(max_norm: float) -> optax.GradientTransformation:
     """Scales each gradient array whose L2 norm exceeds `max_norm` down to it (Keras's `clipnorm`)."""
 
-    def clip(g):
+    def clip(g: jax.Array) -> jax.Array:
         norm = jnp.sqrt(jnp.sum(jnp.square(g.astype(jnp.float32))))
         return g * (max_norm / jnp.maximum(norm, max_norm)).astype(g.dtype)
 
@@ -232,7 +234,7 @@ class Optimizer:
         return found
 
     @staticmethod
-    def _is_schedule_state(path) -> bool:
+    def _is_schedule_state(path: tuple) -> bool:
         return any(getattr(key, "name", None) == "hyperparams_states" for key in path)
 
     @property
@@ -256,7 +258,7 @@ class Optimizer:
         return float(self._state.to_host(values[0]))
 
     @learning_rate.setter
-    def learning_rate(self, value) -> None:
+    def learning_rate(self, value: float) -> None:
         if self.learning_rate_is_schedule:
             raise self.schedule_error(f"set to {value!r}")
         old = self._lr_leaves()[0][1]
@@ -277,5 +279,5 @@ class Optimizer:
         """Number of optimizer steps taken (reads one value from the device)."""
         return int(self._state.to_host(self._state.step()))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"Optimizer({self.transform!r})"

@@ -18,7 +18,8 @@ than one output, a metric is logged as `<output>_<metric>`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 
@@ -32,7 +33,7 @@ __all__ = [
 ]
 
 
-def outputs_of(y_pred) -> list[Output]:
+def outputs_of(y_pred: Any) -> list[Output]:
     """The model's outputs, in `jax.tree` order (dict keys sorted), named as the module docstring says."""
     leaves = jax.tree_util.tree_flatten_with_path(y_pred)[0]
     if len(leaves) == 1 and not leaves[0][0]:
@@ -59,12 +60,14 @@ def outputs_of(y_pred) -> list[Output]:
     return outputs
 
 
-def is_structure(value) -> bool:
+def is_structure(value: Any) -> bool:
     """Whether a `compile` argument is given per output (a dict, list or tuple) rather than for all."""
     return isinstance(value, (dict, list, tuple))
 
 
-def per_output(spec, outputs: Sequence[Output], argument: str, entry=lambda value: True) -> list:
+def per_output(
+    spec: Any, outputs: Sequence[Output], argument: str, entry: Callable[[Any], bool] = lambda value: True
+) -> list:
     """`spec` given per output (a dict keyed by output name, or a list in output order), as one entry per output.
 
     Outputs the spec leaves out get None. `entry(value)` says whether a list
@@ -87,7 +90,7 @@ def per_output(spec, outputs: Sequence[Output], argument: str, entry=lambda valu
     )
 
 
-def _lookup(spec: dict, output: Output):
+def _lookup(spec: dict, output: Output) -> Any:
     """An output's entry in a dict spec: by its full name, or by walking its path through nested dicts."""
     if output.name in spec:
         return spec[output.name]
@@ -99,11 +102,11 @@ def _lookup(spec: dict, output: Output):
     return node
 
 
-def _is_nested_key(key, spec: dict, outputs: Sequence[Output]) -> bool:
+def _is_nested_key(key: Any, spec: dict, outputs: Sequence[Output]) -> bool:
     return isinstance(spec[key], dict) and any(o.path[:1] == (key,) for o in outputs)
 
 
-def resolve_losses(loss, loss_weights, outputs: Sequence[Output]) -> list[LossTerm]:
+def resolve_losses(loss: Any, loss_weights: Any, outputs: Sequence[Output]) -> list[LossTerm]:
     """The loss terms: `loss` for every output, or per output; `loss_weights` likewise (None: unweighted)."""
     if loss is None:
         return []
@@ -129,7 +132,7 @@ def resolve_losses(loss, loss_weights, outputs: Sequence[Output]) -> list[LossTe
     return terms
 
 
-def find_scalar_losses(terms: Sequence[LossTerm], y_true, y_pred) -> list[LossTerm]:
+def find_scalar_losses(terms: Sequence[LossTerm], y_true: Any, y_pred: Any) -> list[LossTerm]:
     """The terms, each marked `scalar` if its loss returns a scalar on these (abstract) targets and outputs.
 
     Traced with `jax.eval_shape`: nothing runs. Per-sample losses cost
@@ -143,7 +146,9 @@ def find_scalar_losses(terms: Sequence[LossTerm], y_true, y_pred) -> list[LossTe
     return marked
 
 
-def resolve_metrics(metrics, weighted_metrics, outputs: Sequence[Output], y_true, y_pred, loss) -> list[MetricTerm]:
+def resolve_metrics(
+    metrics: Any, weighted_metrics: Any, outputs: Sequence[Output], y_true: Any, y_pred: Any, loss: Any
+) -> list[MetricTerm]:
     """The metric terms, with Keras's log names (prefixed by the output with several outputs, made unique)."""
     unweighted = _metric_entries(metrics, outputs, "metrics", loss)
     weighted = _metric_entries(weighted_metrics, outputs, "weighted_metrics", loss)
@@ -160,7 +165,7 @@ def resolve_metrics(metrics, weighted_metrics, outputs: Sequence[Output], y_true
     return terms
 
 
-def _metric_entries(spec, outputs: Sequence[Output], argument: str, loss) -> list[tuple]:
+def _metric_entries(spec: Any, outputs: Sequence[Output], argument: str, loss: Any) -> list[tuple]:
     """`(output, metric identifier, that output's loss identifier)` for each metric in `spec`."""
     if not spec:
         return []
@@ -179,7 +184,7 @@ def _metric_entries(spec, outputs: Sequence[Output], argument: str, loss) -> lis
     return entries
 
 
-def _shape_of(y_true, output: Output):
+def _shape_of(y_true: Any, output: Output) -> Any:
     try:
         return output.of(y_true)
     except (KeyError, IndexError, TypeError):
@@ -199,7 +204,9 @@ def _log_name(name: str, prefix: str, weighted: bool, taken: dict[str, int]) -> 
     return f"{key}_{index}"
 
 
-def check_targets(y_true, terms: Sequence[LossTerm | MetricTerm], outputs: Sequence[Output], argument: str = "y"):
+def check_targets(
+    y_true: Any, terms: Sequence[LossTerm | MetricTerm], outputs: Sequence[Output], argument: str = "y"
+) -> None:
     """Raises a ValueError unless `y_true` has a target for every output a loss or metric reads."""
     for term in terms:
         try:
