@@ -6,9 +6,9 @@ partial batch is padded (by repeating its own rows) up to the full size and
 carries a `mask` of 1s for real rows and 0s for padding; losses and metrics
 weight by the mask, so results equal those of the unpadded batch exactly.
 
-Inputs: numpy/JAX arrays and dicts/tuples/lists of them (`ArrayData`), and any
+Inputs: numpy/JAX arrays and dicts/tuples/lists of them (`ArrayData`), any
 other iterable of batches — Python generators, grain datasets and loaders
-(`IterableData`).
+(`IterableData`) — and a user's own `DataSource` subclass, taken as it is.
 """
 
 from __future__ import annotations
