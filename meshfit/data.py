@@ -186,14 +186,14 @@ class DataSource(ABC):
         ...         return self._batch(0)
         ...
         ...     def executions(self, epoch, size, start_step=0, pad_last=True, place=None):
+        ...         place = place or (lambda batches: batches)
         ...         for first in range(start_step, self.steps_per_epoch, size):
         ...             group = [self._batch(i) for i in range(first, min(first + size, self.steps_per_epoch))]
         ...             if size == 1:
-        ...                 yield 1, group[0]
-        ...             elif len(group) < size and not pad_last:
-        ...                 yield len(group), group
+        ...                 yield 1, place(group[0])
         ...             else:
-        ...                 yield len(group), meshfit.data.stack_batches(group, size)
+        ...                 stacked = size if pad_last else len(group)
+        ...                 yield len(group), place(meshfit.data.stack_batches(group, stacked))
         ...
         ...     def get_state(self):
         ...         return {}

@@ -147,14 +147,13 @@ class Rows(mf.data.DataSource):
         return self._batch(0)
 
     def executions(self, epoch, size, start_step=0, pad_last=True, place=None):
+        place = place or (lambda batches: batches)
         for first in range(start_step, self.steps_per_epoch, size):
             group = [self._batch(i) for i in range(first, min(first + size, self.steps_per_epoch))]
             if size == 1:
-                yield 1, group[0]
-            elif len(group) < size and not pad_last:
-                yield len(group), group
+                yield 1, place(group[0])
             else:
-                yield len(group), mf.data.stack_batches(group, size)
+                yield len(group), place(mf.data.stack_batches(group, size if pad_last else len(group)))
 
     def get_state(self):
         return {}
