@@ -25,6 +25,13 @@ from meshfit.job_env import (
     ENV_PROCESS_ID,
 )
 
+__all__ = [
+    "initialize",
+    "detected_cluster",
+    "DEFAULT_INIT_TIMEOUT",
+    "DEFAULT_HEARTBEAT_TIMEOUT",
+]
+
 logger = logging.getLogger("meshfit")
 
 #: Seconds `initialize` waits for every process to join, unless told otherwise.

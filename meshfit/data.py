@@ -6,9 +6,9 @@ partial batch is padded (by repeating its own rows) up to the full size and
 carries a `mask` of 1s for real rows and 0s for padding; losses and metrics
 weight by the mask, so results equal those of the unpadded batch exactly.
 
-Inputs: numpy/JAX arrays and dicts/tuples/lists of them (`ArrayData`), and any
+Inputs: numpy/JAX arrays and dicts/tuples/lists of them (`ArrayData`), any
 other iterable of batches — Python generators, grain datasets and loaders
-(`IterableData`).
+(`IterableData`) — and a user's own `DataSource` subclass, taken as it is.
 """
 
 from __future__ import annotations
@@ -20,36 +20,35 @@ import threading
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
 
+from meshfit.batch import Batch
 
-class Batch(NamedTuple):
-    """One batch: inputs, targets, per-sample weights and the padding mask."""
-
-    x: Any
-    y: Any = None
-    sample_weight: Any = None
-    mask: Any = None
-
-    @property
-    def num_real(self) -> int:
-        return int(np.sum(self.mask))
+__all__ = [
+    "DataSource",
+    "ArrayData",
+    "IterableData",
+    "Replay",
+    "REPLAY_BYTES",
+    "make_batch",
+    "stack_batches",
+]
 
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def is_array_like(value) -> bool:
+def is_array_like(value: Any) -> bool:
     return isinstance(value, (np.ndarray, jax.Array)) or (
         hasattr(value, "__array__") and hasattr(value, "shape") and hasattr(value, "dtype")
     )
 
 
-def is_array_tree(value) -> bool:
+def is_array_tree(value: Any) -> bool:
     """True for an array or a dict/tuple/list whose leaves are all arrays."""
     if is_array_like(value):
         return True
@@ -59,7 +58,7 @@ def is_array_tree(value) -> bool:
     return bool(leaves) and all(is_array_like(leaf) for leaf in leaves)
 
 
-def _to_numpy(tree):
+def _to_numpy(tree: Any) -> Any:
     return jax.tree.map(np.asarray, tree)
 
 
@@ -67,7 +66,7 @@ def _to_numpy(tree):
 _NOT_NUMERIC = {"U": "strings", "S": "bytes", "O": "Python objects", "M": "dates", "m": "time deltas"}
 
 
-def check_numeric(tree, name: str) -> None:
+def check_numeric(tree: Any, name: str) -> None:
     """Raises a TypeError naming `name` if an array in `tree` holds strings, objects or dates, not numbers.
 
     Such arrays cannot go to a device; without this check the strategy fails
@@ -88,7 +87,7 @@ def check_numeric(tree, name: str) -> None:
             )
 
 
-def _num_rows(tree, name: str) -> int:
+def _num_rows(tree: Any, name: str) -> int:
     sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in jax.tree.leaves(tree)}
     if None in sizes:
         raise ValueError(f"Every array in `{name}` needs a leading batch dimension. Received a scalar in `{name}`.")
@@ -100,7 +99,7 @@ def _num_rows(tree, name: str) -> int:
     return sizes.pop()
 
 
-def _take(tree, index):
+def _take(tree: Any, index: slice | np.ndarray) -> Any:
     """The rows `index` (a slice, or an integer array) of each leaf."""
     if tree is None:
         return None
@@ -111,7 +110,7 @@ def _take(tree, index):
     return take(tree) if isinstance(tree, np.ndarray) else jax.tree.map(take, tree)
 
 
-def _stack_rows(tree, size: int):
+def _stack_rows(tree: Any, size: int) -> Any:
     """Reshapes each leaf's rows into `size` stacked batches: (size * rows, ...) -> (size, rows, ...)."""
     if tree is None:
         return None
@@ -120,12 +119,12 @@ def _stack_rows(tree, size: int):
     return jax.tree.map(lambda a: a.reshape((size, -1) + a.shape[1:]), tree)
 
 
-def _pad_rows(tree, padded_rows: int):
+def _pad_rows(tree: Any, padded_rows: int) -> Any:
     """Pads each leaf along axis 0 to `padded_rows` by repeating its rows."""
     if tree is None:
         return None
 
-    def pad(a):
+    def pad(a: np.ndarray) -> np.ndarray:
         n = a.shape[0]
         if n == padded_rows:
             return a
@@ -134,7 +133,7 @@ def _pad_rows(tree, padded_rows: int):
     return jax.tree.map(pad, tree)
 
 
-def as_weights(sample_weight):
+def as_weights(sample_weight: Any) -> Any:
     """Sample weights as float32 numpy: one array (a list of numbers too), or a dict/list of arrays per output."""
     per_output = isinstance(sample_weight, dict) or (
         isinstance(sample_weight, (list, tuple)) and any(is_array_like(w) for w in sample_weight)
@@ -144,7 +143,7 @@ def as_weights(sample_weight):
     return np.asarray(sample_weight, np.float32)
 
 
-def make_batch(x, y, sample_weight, padded_rows: int) -> Batch:
+def make_batch(x: Any, y: Any, sample_weight: Any, padded_rows: int) -> Batch:
     """Builds a padded `Batch` from the real rows of one batch."""
     n = _num_rows(x, "x")
     mask = (np.arange(padded_rows) < n).astype(np.float32)
@@ -159,13 +158,49 @@ def make_batch(x, y, sample_weight, padded_rows: int) -> Batch:
 class DataSource(ABC):
     """Where a fit's batches come from: the contract the loop and the session rely on.
 
-    Batches are fixed-shape host `Batch`es: every batch has the rows of the
-    first (rounded up to the strategy's `batch_multiple`; an iterable's may
-    grow, see `IterableData`), and a partial batch is padded with rows whose
-    `mask` is 0, so the step compiles once per size and the padding counts
-    for nothing. An epoch is `steps_per_epoch` batches (None:
+    Batches are fixed-shape host `meshfit.batch.Batch`es: every batch has the
+    rows of the first (rounded up to the strategy's `batch_multiple`; an
+    iterable's may grow, see `IterableData`), and a partial batch is padded
+    with rows whose `mask` is 0, so the step compiles once per size and the
+    padding counts for nothing. An epoch is `steps_per_epoch` batches (None:
     until the input runs out). `get_state` / `set_state` save and restore the
     position in the input for BackupAndRestore.
+
+    `fit`, `evaluate` and `predict` take a subclass as `x` as it is (with
+    `y`, `sample_weight` and `batch_size` left None), as Keras takes its own
+    `DataAdapter`. Under a strategy over several processes, a source yields
+    this process's rows of each batch. `make_batch` pads one batch and
+    `stack_batches` stacks a group of them.
+
+    Example:
+        >>> class Rows(meshfit.data.DataSource):
+        ...     def __init__(self, x, y, rows):
+        ...         self.x, self.y, self.rows = x, y, rows
+        ...         self.steps_per_epoch = -(-len(x) // rows)
+        ...
+        ...     def _batch(self, i):
+        ...         part = slice(i * self.rows, (i + 1) * self.rows)
+        ...         return meshfit.data.make_batch(self.x[part], self.y[part], None, self.rows)
+        ...
+        ...     def peek(self):
+        ...         return self._batch(0)
+        ...
+        ...     def executions(self, epoch, size, start_step=0, pad_last=True, place=None):
+        ...         place = place or (lambda batches: batches)
+        ...         for first in range(start_step, self.steps_per_epoch, size):
+        ...             group = [self._batch(i) for i in range(first, min(first + size, self.steps_per_epoch))]
+        ...             if size == 1:
+        ...                 yield 1, place(group[0])
+        ...             else:
+        ...                 stacked = size if pad_last else len(group)
+        ...                 yield len(group), place(meshfit.data.stack_batches(group, stacked))
+        ...
+        ...     def get_state(self):
+        ...         return {}
+        ...
+        ...     def set_state(self, state):
+        ...         pass
+        >>> model.fit(Rows(x, y, rows=32), epochs=3)
     """
 
     #: Whether any batch can be produced at any time from its position alone (in-memory
@@ -199,6 +234,12 @@ class DataSource(ABC):
         """Work for epoch `epoch` that can be done ahead, while the devices finish the last one."""
         del epoch
 
+    @property
+    def batch_nbytes(self) -> int:
+        """Bytes of one batch (those of `peek()`); with `random_access`, it sizes how many batches are staged
+        on the devices at once."""
+        return sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(self.peek()))
+
     @abstractmethod
     def get_state(self) -> dict:
         """The position in the input, as JSON-like values and numpy arrays."""
@@ -206,6 +247,36 @@ class DataSource(ABC):
     @abstractmethod
     def set_state(self, state: dict) -> None:
         """Returns to a position `get_state` gave."""
+
+
+def check_batch(batch: Any, rows_multiple: int, origin: str) -> Batch:
+    """Returns `batch` if the steps can take it: a `Batch` whose `mask` has one value per row of `x`, and rows
+    a multiple of `rows_multiple` (this process's share of the strategy's `batch_multiple`); else raises a
+    TypeError or ValueError naming `origin` (e.g. "Rows.peek()", for a user's own `DataSource`)."""
+    if not isinstance(batch, Batch):
+        raise TypeError(
+            f"`{origin}` must return a meshfit.batch.Batch(x, y, sample_weight, mask). "
+            f"Received: {type(batch).__name__}. Build one with meshfit.data.make_batch(x, y, sample_weight, rows)."
+        )
+    if batch.mask is None or np.ndim(batch.mask) != 1:
+        received = "None" if batch.mask is None else f"an array of shape {np.shape(batch.mask)}"
+        raise ValueError(
+            f"`{origin}` must return a Batch whose `mask` is a 1-D array: 1.0 for each real row, 0.0 for each "
+            f"padding row. Received: mask={received}. meshfit.data.make_batch builds it."
+        )
+    rows = len(batch.mask)
+    if _num_rows(batch.x, "x") != rows:
+        raise ValueError(
+            f"`{origin}` returned a Batch whose `mask` has {rows} rows and whose `x` has "
+            f"{_num_rows(batch.x, 'x')}; they must match (meshfit.data.make_batch pads both)."
+        )
+    if rows % rows_multiple:
+        raise ValueError(
+            f"`{origin}` returned a batch of {rows} rows; under this strategy each process's batch must have a "
+            f"multiple of {rows_multiple} rows. Pad each batch to a multiple of {rows_multiple} with "
+            "meshfit.data.make_batch(x, y, sample_weight, rows): the added rows get mask 0."
+        )
+    return batch
 
 
 class ShuffleOrders:
@@ -218,7 +289,7 @@ class ShuffleOrders:
     path. Only the most recent orders are kept.
     """
 
-    def __init__(self, keep: int = 2):
+    def __init__(self, keep: int = 2) -> None:
         self.keep = keep
         self._orders: dict[tuple[int, int, int], np.ndarray] = {}
 
@@ -247,9 +318,9 @@ class ArrayData(DataSource):
 
     def __init__(
         self,
-        x,
-        y=None,
-        sample_weight=None,
+        x: Any,
+        y: Any = None,
+        sample_weight: Any = None,
         *,
         batch_size: int,
         shuffle: bool = False,
@@ -258,7 +329,7 @@ class ArrayData(DataSource):
         steps_per_epoch: int | None = None,
         block: tuple[int, int] = (0, 1),
         orders: ShuffleOrders | None = None,
-    ):
+    ) -> None:
         self.x = _to_numpy(x)
         self.y = None if y is None else _to_numpy(y)
         check_numeric(self.x, "x")
@@ -317,12 +388,12 @@ class ArrayData(DataSource):
         """Computes the shuffle order `epoch` starts with, ahead of need (it does not read the arrays)."""
         self._position(epoch * self.steps_per_epoch)
 
-    def _position(self, global_step: int):
+    def _position(self, global_step: int) -> tuple[np.ndarray | None, int]:
         """(order, within): the pass order and the batch within the pass of global batch `global_step`."""
         pass_index, within = divmod(global_step, self.steps_per_pass)
         return self._order(pass_index), within
 
-    def _rows(self, order: np.ndarray | None, within: int):
+    def _rows(self, order: np.ndarray | None, within: int) -> tuple[slice | np.ndarray, np.ndarray]:
         """(index, mask) of this process's rows of batch `within` of a pass.
 
         A partial batch repeats its own rows up to the padded size; the mask
@@ -339,7 +410,7 @@ class ArrayData(DataSource):
         index = rows[np.arange(self.padded_batch_size) % len(rows)][mine]
         return index, (np.arange(self.padded_batch_size) < len(rows)).astype(np.float32)[mine]
 
-    def _positions(self, epoch: int, start_step: int):
+    def _positions(self, epoch: int, start_step: int) -> Iterator[tuple[np.ndarray | None, int]]:
         """(order, within) for each step of an epoch; one shuffle per pass."""
         first = epoch * self.steps_per_epoch
         for step in range(start_step, self.steps_per_epoch):
@@ -349,7 +420,7 @@ class ArrayData(DataSource):
         """A batch with the shapes of every batch (the first rows, unshuffled), to build the model."""
         return self._take_all(*self._rows(None, 0))
 
-    def _take_all(self, index, mask) -> Batch:
+    def _take_all(self, index: slice | np.ndarray, mask: np.ndarray) -> Batch:
         return Batch(_take(self.x, index), _take(self.y, index), _take(self.sample_weight, index), mask)
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
@@ -402,7 +473,7 @@ class ArrayData(DataSource):
             self._stacked_mask = np.ones((size, self.local_rows), np.float32)
         return self._stacked_mask
 
-    def _contiguous_rows(self, global_step: int, count: int, size: int):
+    def _contiguous_rows(self, global_step: int, count: int, size: int) -> slice | np.ndarray | None:
         """The rows of `size` full, consecutive batches of one pass as one index, else None."""
         if count != size or self.block[1] != 1 or self.padded_batch_size != self.batch_size:
             return None
@@ -432,7 +503,7 @@ class ArrayData(DataSource):
                 f"out of {self.num_samples}; both must be non-empty."
             )
 
-        def part(rows, shuffle, steps_per_epoch):
+        def part(rows: np.ndarray, shuffle: bool, steps_per_epoch: int | None) -> ArrayData:
             return ArrayData(
                 _take(self.x, rows),
                 _take(self.y, rows),
@@ -449,7 +520,7 @@ class ArrayData(DataSource):
         return part(slice(0, n_train), self.shuffle, self._steps_arg), part(slice(n_train, None), False, None)
 
 
-def unpack_element(element) -> tuple[Any, Any, Any]:
+def unpack_element(element: Any) -> tuple[Any, Any, Any]:
     """Keras's convention for a dataset element: `x`, `(x,)`, `(x, y)` or `(x, y, sample_weight)`."""
     if isinstance(element, tuple) and not hasattr(element, "_fields"):
         if len(element) == 1:
@@ -506,7 +577,7 @@ class IterableData(DataSource):
         steps_per_epoch: int | None = None,
         batch_multiple: int = 1,
         prefetch: int = 2,
-    ):
+    ) -> None:
         if not hasattr(data, "__iter__"):
             raise TypeError(f"Expected arrays or an iterable of batches. Received: {type(data).__name__}.")
         self.data = data
@@ -578,7 +649,7 @@ class IterableData(DataSource):
             next(self._iterator)
         self._consumed = state.get("consumed", 0)
 
-    def _to_batch(self, element) -> Batch:
+    def _to_batch(self, element: Any) -> Batch:
         x, y, sw = unpack_element(element)
         x, y = _to_numpy(x), None if y is None else _to_numpy(y)
         check_numeric(x, "x (a batch the dataset yielded)")
@@ -631,7 +702,7 @@ class IterableData(DataSource):
             self._position = position
             yield batch
 
-    def _groups(self, epoch: int, size: int, start_step: int, pad_last: bool):
+    def _groups(self, epoch: int, size: int, start_step: int, pad_last: bool) -> Iterator[tuple[int, Any, list]]:
         """`(count, execution, reads)` of one epoch: `reads` are the `(element, position)` pairs it holds."""
         items = self._epoch_items(epoch, start_step)
         if size == 1:
@@ -667,7 +738,7 @@ class IterableData(DataSource):
         stop = threading.Event()
         untaken: list = []  # reads of an execution the thread made but could not hand over
 
-        def offer(item) -> bool:
+        def offer(item: tuple) -> bool:
             """Hands `item` to the loop; False once the loop has stopped taking."""
             while not stop.is_set():
                 try:
@@ -736,7 +807,7 @@ def pad_batch(batch: Batch, rows: int) -> Batch:
 REPLAY_BYTES = 256 * 2**20
 
 
-def _nbytes(element) -> int:
+def _nbytes(element: Any) -> int:
     return sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(element))
 
 
@@ -751,7 +822,7 @@ class Replay:
     later passes yield nothing, with a warning saying what to pass instead.
     """
 
-    def __init__(self, source: Iterator, max_bytes: int | None = None, what: str = "validation_data"):
+    def __init__(self, source: Iterator, max_bytes: int | None = None, what: str = "validation_data") -> None:
         self.source = source
         self.max_bytes = REPLAY_BYTES if max_bytes is None else max_bytes
         self.what = what

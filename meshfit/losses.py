@@ -20,9 +20,64 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike, DTypeLike
+
+__all__ = [
+    "Loss",
+    "LossFunctionWrapper",
+    "MeanSquaredError",
+    "MeanAbsoluteError",
+    "MeanAbsolutePercentageError",
+    "MeanSquaredLogarithmicError",
+    "CosineSimilarity",
+    "Huber",
+    "LogCosh",
+    "Hinge",
+    "SquaredHinge",
+    "CategoricalHinge",
+    "KLDivergence",
+    "Poisson",
+    "BinaryCrossentropy",
+    "BinaryFocalCrossentropy",
+    "CategoricalCrossentropy",
+    "CategoricalFocalCrossentropy",
+    "SparseCategoricalCrossentropy",
+    "mean_squared_error",
+    "mean_absolute_error",
+    "mean_absolute_percentage_error",
+    "mean_squared_logarithmic_error",
+    "cosine_similarity",
+    "huber",
+    "log_cosh",
+    "hinge",
+    "squared_hinge",
+    "categorical_hinge",
+    "kl_divergence",
+    "poisson",
+    "categorical_crossentropy",
+    "categorical_focal_crossentropy",
+    "sparse_categorical_crossentropy",
+    "binary_crossentropy",
+    "binary_focal_crossentropy",
+    "mse",
+    "MSE",
+    "mae",
+    "MAE",
+    "mape",
+    "MAPE",
+    "msle",
+    "MSLE",
+    "kld",
+    "KLD",
+    "logcosh",
+    "bce",
+    "BCE",
+    "get",
+]
 
 EPSILON = 1e-7  # keras.backend.epsilon()
 
@@ -36,7 +91,7 @@ REDUCTIONS = (
 )
 
 
-def standardize_reduction(reduction):
+def standardize_reduction(reduction: Any) -> str | None:
     """Returns `reduction` if it is one Keras accepts, else raises ValueError."""
     if reduction not in REDUCTIONS:
         raise ValueError(
@@ -47,7 +102,9 @@ def standardize_reduction(reduction):
     return reduction
 
 
-def squeeze_or_expand_to_same_rank(x1, x2, expand_rank_1=True):
+def squeeze_or_expand_to_same_rank(
+    x1: jax.Array, x2: jax.Array, expand_rank_1: bool = True
+) -> tuple[jax.Array, jax.Array]:
     """Squeezes or expands the last axis when the ranks differ by exactly 1.
 
     Same rule as Keras: a trailing axis of size 1 is squeezed, except that a
@@ -67,13 +124,13 @@ def squeeze_or_expand_to_same_rank(x1, x2, expand_rank_1=True):
     return x1, x2
 
 
-def divide_no_nan(x, y):
+def divide_no_nan(x: ArrayLike, y: ArrayLike) -> jax.Array:
     """`x / y`, with 0 where `y == 0` (Keras's `ops.divide_no_nan`)."""
     safe = jnp.where(y == 0, jnp.ones_like(y), y)
     return jnp.where(y == 0, jnp.zeros_like(x), x / safe)
 
 
-def _align_to(w, values):
+def _align_to(w: jax.Array, values: jax.Array) -> jax.Array:
     """Gives a per-row weight or mask the rank of `values`, aligned on axis 0.
 
     A `(batch, 1)` weight for `(batch,)` values is squeezed; a `(batch,)` weight
@@ -87,12 +144,17 @@ def _align_to(w, values):
     return w
 
 
-def combine_masks(value_mask, row_mask):
+def combine_masks(value_mask: jax.Array, row_mask: ArrayLike) -> jax.Array:
     """The entries that count: those a loss marks (`value_mask`, values-shaped) in the rows `row_mask` keeps."""
     return value_mask & _align_to(jnp.asarray(row_mask).astype(bool), value_mask)
 
 
-def reduce_values(values, sample_weight=None, mask=None, reduction="sum_over_batch_size"):
+def reduce_values(
+    values: ArrayLike,
+    sample_weight: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    reduction: str | None = "sum_over_batch_size",
+) -> jax.Array:
     """Weights, masks and reduces per-sample loss values like Keras 3.
 
     Args:
@@ -126,7 +188,9 @@ def reduce_values(values, sample_weight=None, mask=None, reduction="sum_over_bat
     return divide_no_nan(total, divisor)
 
 
-def _weight_and_mask(values, sample_weight, mask):
+def _weight_and_mask(
+    values: ArrayLike, sample_weight: ArrayLike | None, mask: ArrayLike | None
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """Per-sample values weighted and with masked entries zeroed; also the aligned weights and mask."""
     values = jnp.asarray(values)
     if not jnp.issubdtype(values.dtype, jnp.floating):
@@ -147,7 +211,12 @@ def _weight_and_mask(values, sample_weight, mask):
     return values, sw, m
 
 
-def reduce_parts(values, sample_weight=None, mask=None, reduction="sum_over_batch_size"):
+def reduce_parts(
+    values: ArrayLike,
+    sample_weight: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    reduction: str | None = "sum_over_batch_size",
+) -> tuple[jax.Array, jax.Array]:
     """`(total, divisor)` such that `reduce_values(...) == divide_no_nan(total, divisor)`.
 
     For a training step: differentiating `total` and dividing the gradients
@@ -162,7 +231,9 @@ def reduce_parts(values, sample_weight=None, mask=None, reduction="sum_over_batc
     return _total_and_divisor(values, sw, m, reduction)
 
 
-def _total_and_divisor(values, sw, m, reduction):
+def _total_and_divisor(
+    values: jax.Array, sw: jax.Array | None, m: jax.Array | None, reduction: str | None
+) -> tuple[jax.Array, jax.Array]:
     if values.ndim == 0:  # a scalar loss (weighted by a one-row weight): Keras returns it as it is
         return values, jnp.ones((), values.dtype)
     total = jnp.sum(values)
@@ -178,14 +249,14 @@ def _total_and_divisor(values, sw, m, reduction):
     return total, divisor.astype(values.dtype)
 
 
-def _to_snake_case(name):
+def _to_snake_case(name: str) -> str:
     """Keras's `to_snake_case` ("MeanSquaredError" -> "mean_squared_error")."""
     name = re.sub(r"\W+", "", name)
     name = re.sub("(.)([A-Z][a-z]+)", r"\1_\2", name)
     return re.sub("([a-z])([A-Z])", r"\1_\2", name).lower()
 
 
-def _float(x):
+def _float(x: ArrayLike) -> jax.Array:
     x = jnp.asarray(x)
     return x if jnp.issubdtype(x.dtype, jnp.floating) else x.astype(jnp.float32)
 
@@ -195,21 +266,21 @@ def _float(x):
 # ---------------------------------------------------------------------------
 
 
-def mean_squared_error(y_true, y_pred):
+def mean_squared_error(y_true: ArrayLike, y_pred: ArrayLike) -> jax.Array:
     """Mean of `(y_true - y_pred) ** 2` over the last axis."""
     y_pred = _float(y_pred)
     y_true, y_pred = squeeze_or_expand_to_same_rank(jnp.asarray(y_true, y_pred.dtype), y_pred)
     return jnp.mean(jnp.square(y_true - y_pred), axis=-1)
 
 
-def mean_absolute_error(y_true, y_pred):
+def mean_absolute_error(y_true: ArrayLike, y_pred: ArrayLike) -> jax.Array:
     """Mean of `|y_true - y_pred|` over the last axis."""
     y_pred = _float(y_pred)
     y_true, y_pred = squeeze_or_expand_to_same_rank(jnp.asarray(y_true, y_pred.dtype), y_pred)
     return jnp.mean(jnp.abs(y_true - y_pred), axis=-1)
 
 
-def mean_absolute_percentage_error(y_true, y_pred):
+def mean_absolute_percentage_error(y_true: ArrayLike, y_pred: ArrayLike) -> jax.Array:
     """`100 * mean(|y_true - y_pred| / max(|y_true|, eps))` over the last axis."""
     y_pred = _float(y_pred)
     y_true, y_pred = squeeze_or_expand_to_same_rank(jnp.asarray(y_true, y_pred.dtype), y_pred)
@@ -217,7 +288,7 @@ def mean_absolute_percentage_error(y_true, y_pred):
     return 100.0 * jnp.mean(diff, axis=-1)
 
 
-def mean_squared_logarithmic_error(y_true, y_pred):
+def mean_squared_logarithmic_error(y_true: ArrayLike, y_pred: ArrayLike) -> jax.Array:
     """Mean of `(log(max(y_pred, eps) + 1) - log(max(y_true, eps) + 1)) ** 2`."""
     y_pred = _float(y_pred)
     y_true, y_pred = squeeze_or_expand_to_same_rank(jnp.asarray(y_true, y_pred.dtype), y_pred)
@@ -226,20 +297,20 @@ def mean_squared_logarithmic_error(y_true, y_pred):
     return jnp.mean(jnp.square(first_log - second_log), axis=-1)
 
 
-def _l2_normalize(x, axis):
+def _l2_normalize(x: ArrayLike, axis: int) -> jax.Array:
     """Keras's `ops.normalize`: `x * min(rsqrt(sum(x ** 2)), 1 / eps)`."""
     square_sum = jnp.sum(jnp.square(x), axis=axis, keepdims=True)
     return x * jnp.minimum(jax.lax.rsqrt(square_sum), 1.0 / EPSILON)
 
 
-def cosine_similarity(y_true, y_pred, axis=-1):
+def cosine_similarity(y_true: ArrayLike, y_pred: ArrayLike, axis: int = -1) -> jax.Array:
     """Negative cosine similarity along `axis` (-1 is most similar)."""
     y_pred = _float(y_pred)
     y_true, y_pred = squeeze_or_expand_to_same_rank(jnp.asarray(y_true, y_pred.dtype), y_pred)
     return -jnp.sum(_l2_normalize(y_true, axis) * _l2_normalize(y_pred, axis), axis=axis)
 
 
-def huber(y_true, y_pred, delta=1.0):
+def huber(y_true: ArrayLike, y_pred: ArrayLike, delta: float = 1.0) -> jax.Array:
     """Huber loss: quadratic for `|error| <= delta`, linear beyond."""
     y_pred = _float(y_pred)
     y_true, y_pred = squeeze_or_expand_to_same_rank(jnp.asarray(y_true, y_pred.dtype), y_pred)
@@ -256,7 +327,7 @@ def huber(y_true, y_pred, delta=1.0):
     )
 
 
-def log_cosh(y_true, y_pred):
+def log_cosh(y_true: ArrayLike, y_pred: ArrayLike) -> jax.Array:
     """Mean of `log(cosh(y_pred - y_true))`, computed without overflow."""
     y_pred = _float(y_pred)
     y_true, y_pred = squeeze_or_expand_to_same_rank(jnp.asarray(y_true, y_pred.dtype), y_pred)
@@ -264,7 +335,7 @@ def log_cosh(y_true, y_pred):
     return jnp.mean(x + jax.nn.softplus(-2.0 * x) - jnp.log(2.0).astype(x.dtype), axis=-1)
 
 
-def _to_hinge_labels(y_true):
+def _to_hinge_labels(y_true: ArrayLike) -> jax.Array:
     """Maps {0, 1} labels to {-1, 1}; other labels are left as they are.
 
     As in Keras, the test looks at the whole batch, so padding rows should
@@ -274,21 +345,21 @@ def _to_hinge_labels(y_true):
     return jnp.where(is_binary, 2.0 * y_true - 1.0, y_true)
 
 
-def hinge(y_true, y_pred):
+def hinge(y_true: ArrayLike, y_pred: ArrayLike) -> jax.Array:
     """Mean of `max(1 - y_true * y_pred, 0)`; labels in {-1, 1} or {0, 1}."""
     y_pred = _float(y_pred)
     y_true = _to_hinge_labels(jnp.asarray(y_true, y_pred.dtype))
     return jnp.mean(jnp.maximum(1.0 - y_true * y_pred, 0.0), axis=-1)
 
 
-def squared_hinge(y_true, y_pred):
+def squared_hinge(y_true: ArrayLike, y_pred: ArrayLike) -> jax.Array:
     """Mean of `max(1 - y_true * y_pred, 0) ** 2`; labels in {-1, 1} or {0, 1}."""
     y_pred = _float(y_pred)
     y_true = _to_hinge_labels(jnp.asarray(y_true, y_pred.dtype))
     return jnp.mean(jnp.square(jnp.maximum(1.0 - y_true * y_pred, 0.0)), axis=-1)
 
 
-def categorical_hinge(y_true, y_pred):
+def categorical_hinge(y_true: ArrayLike, y_pred: ArrayLike) -> jax.Array:
     """`max(max((1 - y_true) * y_pred) - sum(y_true * y_pred) + 1, 0)`."""
     y_pred = _float(y_pred)
     y_true = jnp.asarray(y_true, y_pred.dtype)
@@ -297,7 +368,7 @@ def categorical_hinge(y_true, y_pred):
     return jnp.maximum(neg - pos + 1.0, 0.0)
 
 
-def kl_divergence(y_true, y_pred):
+def kl_divergence(y_true: ArrayLike, y_pred: ArrayLike) -> jax.Array:
     """`sum(y_true * log(y_true / y_pred))`, both clipped to `[eps, 1]`."""
     y_pred = _float(y_pred)
     y_true = jnp.clip(jnp.asarray(y_true, y_pred.dtype), EPSILON, 1)
@@ -305,14 +376,14 @@ def kl_divergence(y_true, y_pred):
     return jnp.sum(y_true * jnp.log(y_true / y_pred), axis=-1)
 
 
-def poisson(y_true, y_pred):
+def poisson(y_true: ArrayLike, y_pred: ArrayLike) -> jax.Array:
     """Mean of `y_pred - y_true * log(y_pred + eps)`."""
     y_pred = _float(y_pred)
     y_true = jnp.asarray(y_true, y_pred.dtype)
     return jnp.mean(y_pred - y_true * jnp.log(y_pred + EPSILON), axis=-1)
 
 
-def _log_probs(y_pred, from_logits, axis):
+def _log_probs(y_pred: ArrayLike, from_logits: bool, axis: int) -> jax.Array:
     """Log-probabilities: `log_softmax` of logits, or Keras's clipped log."""
     if from_logits:
         return jax.nn.log_softmax(y_pred, axis=axis)
@@ -320,19 +391,21 @@ def _log_probs(y_pred, from_logits, axis):
     return jnp.log(jnp.clip(y_pred, EPSILON, 1.0 - EPSILON))
 
 
-def _smooth_categorical(y_true, label_smoothing):
+def _smooth_categorical(y_true: ArrayLike, label_smoothing: float) -> jax.Array:
     if not label_smoothing:
         return y_true
     num_classes = y_true.shape[-1]
     return y_true * (1.0 - label_smoothing) + label_smoothing / num_classes
 
 
-def _check_axis(axis):
+def _check_axis(axis: Any) -> None:
     if isinstance(axis, bool) or not isinstance(axis, int):
         raise ValueError(f"Expected `axis` to be an int. Received: axis={axis!r}; pass the class axis, e.g. -1.")
 
 
-def categorical_crossentropy(y_true, y_pred, from_logits=False, label_smoothing=0.0, axis=-1):
+def categorical_crossentropy(
+    y_true: ArrayLike, y_pred: ArrayLike, from_logits: bool = False, label_smoothing: float = 0.0, axis: int = -1
+) -> jax.Array:
     """Cross-entropy between one-hot (or soft) labels and predictions.
 
     Args:
@@ -356,14 +429,14 @@ def categorical_crossentropy(y_true, y_pred, from_logits=False, label_smoothing=
 
 
 def categorical_focal_crossentropy(
-    y_true,
-    y_pred,
-    alpha=0.25,
-    gamma=2.0,
-    from_logits=False,
-    label_smoothing=0.0,
-    axis=-1,
-):
+    y_true: ArrayLike,
+    y_pred: ArrayLike,
+    alpha: float = 0.25,
+    gamma: float = 2.0,
+    from_logits: bool = False,
+    label_smoothing: float = 0.0,
+    axis: int = -1,
+) -> jax.Array:
     """Focal cross-entropy: `alpha * (1 - p) ** gamma * CE`, summed over classes."""
     _check_axis(axis)
     y_pred = _float(y_pred)
@@ -377,7 +450,9 @@ def categorical_focal_crossentropy(
     return jnp.sum(weighting * cce, axis=axis)
 
 
-def _sparse_ce_and_mask(y_true, y_pred, from_logits, ignore_class, axis):
+def _sparse_ce_and_mask(
+    y_true: ArrayLike, y_pred: ArrayLike, from_logits: bool, ignore_class: int | None, axis: int
+) -> tuple[jax.Array, jax.Array | None]:
     """Sparse cross-entropy values and, with `ignore_class`, the valid mask."""
     y_pred = _float(y_pred)
     y_true = jnp.asarray(y_true)
@@ -406,7 +481,9 @@ def _sparse_ce_and_mask(y_true, y_pred, from_logits, ignore_class, axis):
     return res, valid
 
 
-def sparse_categorical_crossentropy(y_true, y_pred, from_logits=False, ignore_class=None, axis=-1):
+def sparse_categorical_crossentropy(
+    y_true: ArrayLike, y_pred: ArrayLike, from_logits: bool = False, ignore_class: int | None = None, axis: int = -1
+) -> jax.Array:
     """Cross-entropy between integer labels and predictions.
 
     Args:
@@ -423,7 +500,7 @@ def sparse_categorical_crossentropy(y_true, y_pred, from_logits=False, ignore_cl
     return _sparse_ce_and_mask(y_true, y_pred, from_logits, ignore_class, axis)[0]
 
 
-def _binary_ce_elementwise(y_true, y_pred, from_logits):
+def _binary_ce_elementwise(y_true: ArrayLike, y_pred: ArrayLike, from_logits: bool) -> jax.Array:
     if from_logits:
         return -y_true * jax.nn.log_sigmoid(y_pred) - (1.0 - y_true) * (jax.nn.log_sigmoid(-y_pred))
     y_pred = jnp.clip(y_pred, EPSILON, 1.0 - EPSILON)
@@ -432,7 +509,9 @@ def _binary_ce_elementwise(y_true, y_pred, from_logits):
     return -bce
 
 
-def binary_crossentropy(y_true, y_pred, from_logits=False, label_smoothing=0.0, axis=-1):
+def binary_crossentropy(
+    y_true: ArrayLike, y_pred: ArrayLike, from_logits: bool = False, label_smoothing: float = 0.0, axis: int = -1
+) -> jax.Array:
     """Binary cross-entropy, averaged over `axis`.
 
     Args:
@@ -450,15 +529,15 @@ def binary_crossentropy(y_true, y_pred, from_logits=False, label_smoothing=0.0, 
 
 
 def binary_focal_crossentropy(
-    y_true,
-    y_pred,
-    apply_class_balancing=False,
-    alpha=0.25,
-    gamma=2.0,
-    from_logits=False,
-    label_smoothing=0.0,
-    axis=-1,
-):
+    y_true: ArrayLike,
+    y_pred: ArrayLike,
+    apply_class_balancing: bool = False,
+    alpha: float = 0.25,
+    gamma: float = 2.0,
+    from_logits: bool = False,
+    label_smoothing: float = 0.0,
+    axis: int = -1,
+) -> jax.Array:
     """Binary cross-entropy scaled by the focal factor `(1 - p_t) ** gamma`."""
     y_pred = _float(y_pred)
     y_true = jnp.asarray(y_true, y_pred.dtype)
@@ -503,15 +582,17 @@ class Loss:
         dtype: dtype the inputs are cast to; defaults to `"float32"`.
     """
 
-    def __init__(self, name=None, reduction="sum_over_batch_size", dtype=None):
+    def __init__(
+        self, name: str | None = None, reduction: str | None = "sum_over_batch_size", dtype: DTypeLike | None = None
+    ) -> None:
         self.name = name or _to_snake_case(type(self).__name__)
         self.reduction = standardize_reduction(reduction)
         self.dtype = jnp.dtype(dtype or "float32")
 
-    def call(self, y_true, y_pred) -> jax.Array:
+    def call(self, y_true: ArrayLike, y_pred: ArrayLike) -> jax.Array:
         raise NotImplementedError(f"{type(self).__name__} must implement `call(y_true, y_pred)`.")
 
-    def values_and_mask(self, y_true, y_pred):
+    def values_and_mask(self, y_true: ArrayLike, y_pred: ArrayLike) -> tuple[jax.Array, jax.Array | None]:
         """Per-sample values and an optional mask of the entries that count (None: all of them).
 
         `SparseCategoricalCrossentropy(ignore_class=...)` leaves the ignored
@@ -520,7 +601,13 @@ class Loss:
         """
         return self.call(y_true, y_pred), None
 
-    def __call__(self, y_true, y_pred, sample_weight=None, mask=None) -> jax.Array:
+    def __call__(
+        self,
+        y_true: ArrayLike,
+        y_pred: ArrayLike,
+        sample_weight: ArrayLike | None = None,
+        mask: ArrayLike | None = None,
+    ) -> jax.Array:
         """Returns the reduced loss.
 
         Args:
@@ -543,7 +630,7 @@ class Loss:
             mask = value_mask if mask is None else combine_masks(value_mask, mask)
         return reduce_values(values, sample_weight, mask, self.reduction)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         """The constructor's arguments: `type(self)(**self.get_config())` is an equal loss.
 
         A subclass with arguments of its own adds them (`model.save` writes
@@ -551,7 +638,7 @@ class Loss:
         """
         return {"name": self.name, "reduction": self.reduction, "dtype": self.dtype.name}
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"<{type(self).__name__} name={self.name}>"
 
 
@@ -570,11 +657,11 @@ class LossFunctionWrapper(Loss):
     def __init__(
         self,
         fn: Callable,
-        name=None,
-        reduction="sum_over_batch_size",
-        dtype=None,
-        **kwargs,
-    ):
+        name: str | None = None,
+        reduction: str | None = "sum_over_batch_size",
+        dtype: DTypeLike | None = None,
+        **kwargs: Any,
+    ) -> None:
         if not callable(fn):
             raise TypeError(
                 f"Expected a callable loss function. Received: fn={fn!r} of "
@@ -587,12 +674,12 @@ class LossFunctionWrapper(Loss):
         for key, value in kwargs.items():  # Keras exposes these as attributes
             setattr(self, key, value)
 
-    def call(self, y_true, y_pred):
+    def call(self, y_true: ArrayLike, y_pred: ArrayLike) -> jax.Array:
         if hasattr(y_true, "ndim") and hasattr(y_pred, "ndim"):
             y_true, y_pred = squeeze_or_expand_to_same_rank(jnp.asarray(y_true), jnp.asarray(y_pred))
         return self.fn(y_true, y_pred, **self._fn_kwargs)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         """`Loss.get_config` plus the keyword arguments of `fn`, and `fn` itself where `__init__` takes it.
 
         The built-in subclasses take `fn`'s arguments (`delta`, `from_logits`,
@@ -603,21 +690,31 @@ class LossFunctionWrapper(Loss):
             config["fn"] = self.fn
         return config
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"<LossFunctionWrapper({self.fn}, kwargs={self._fn_kwargs})>"
 
 
 class MeanSquaredError(LossFunctionWrapper):
     """Mean of squares of errors between labels and predictions."""
 
-    def __init__(self, reduction="sum_over_batch_size", name="mean_squared_error", dtype=None):
+    def __init__(
+        self,
+        reduction: str | None = "sum_over_batch_size",
+        name: str | None = "mean_squared_error",
+        dtype: DTypeLike | None = None,
+    ) -> None:
         super().__init__(mean_squared_error, name=name, reduction=reduction, dtype=dtype)
 
 
 class MeanAbsoluteError(LossFunctionWrapper):
     """Mean of absolute differences between labels and predictions."""
 
-    def __init__(self, reduction="sum_over_batch_size", name="mean_absolute_error", dtype=None):
+    def __init__(
+        self,
+        reduction: str | None = "sum_over_batch_size",
+        name: str | None = "mean_absolute_error",
+        dtype: DTypeLike | None = None,
+    ) -> None:
         super().__init__(mean_absolute_error, name=name, reduction=reduction, dtype=dtype)
 
 
@@ -626,10 +723,10 @@ class MeanAbsolutePercentageError(LossFunctionWrapper):
 
     def __init__(
         self,
-        reduction="sum_over_batch_size",
-        name="mean_absolute_percentage_error",
-        dtype=None,
-    ):
+        reduction: str | None = "sum_over_batch_size",
+        name: str | None = "mean_absolute_percentage_error",
+        dtype: DTypeLike | None = None,
+    ) -> None:
         super().__init__(mean_absolute_percentage_error, name=name, reduction=reduction, dtype=dtype)
 
 
@@ -638,10 +735,10 @@ class MeanSquaredLogarithmicError(LossFunctionWrapper):
 
     def __init__(
         self,
-        reduction="sum_over_batch_size",
-        name="mean_squared_logarithmic_error",
-        dtype=None,
-    ):
+        reduction: str | None = "sum_over_batch_size",
+        name: str | None = "mean_squared_logarithmic_error",
+        dtype: DTypeLike | None = None,
+    ) -> None:
         super().__init__(mean_squared_logarithmic_error, name=name, reduction=reduction, dtype=dtype)
 
 
@@ -654,11 +751,11 @@ class CosineSimilarity(LossFunctionWrapper):
 
     def __init__(
         self,
-        axis=-1,
-        reduction="sum_over_batch_size",
-        name="cosine_similarity",
-        dtype=None,
-    ):
+        axis: int = -1,
+        reduction: str | None = "sum_over_batch_size",
+        name: str | None = "cosine_similarity",
+        dtype: DTypeLike | None = None,
+    ) -> None:
         super().__init__(cosine_similarity, name=name, reduction=reduction, dtype=dtype, axis=axis)
 
 
@@ -669,49 +766,82 @@ class Huber(LossFunctionWrapper):
         delta: the error size where the loss turns linear.
     """
 
-    def __init__(self, delta=1.0, reduction="sum_over_batch_size", name="huber_loss", dtype=None):
+    def __init__(
+        self,
+        delta: float = 1.0,
+        reduction: str | None = "sum_over_batch_size",
+        name: str | None = "huber_loss",
+        dtype: DTypeLike | None = None,
+    ) -> None:
         super().__init__(huber, name=name, reduction=reduction, dtype=dtype, delta=delta)
 
 
 class LogCosh(LossFunctionWrapper):
     """Logarithm of the hyperbolic cosine of the prediction error."""
 
-    def __init__(self, reduction="sum_over_batch_size", name="log_cosh", dtype=None):
+    def __init__(
+        self,
+        reduction: str | None = "sum_over_batch_size",
+        name: str | None = "log_cosh",
+        dtype: DTypeLike | None = None,
+    ) -> None:
         super().__init__(log_cosh, name=name, reduction=reduction, dtype=dtype)
 
 
 class Hinge(LossFunctionWrapper):
     """Hinge loss; {0, 1} labels are mapped to {-1, 1}."""
 
-    def __init__(self, reduction="sum_over_batch_size", name="hinge", dtype=None):
+    def __init__(
+        self, reduction: str | None = "sum_over_batch_size", name: str | None = "hinge", dtype: DTypeLike | None = None
+    ) -> None:
         super().__init__(hinge, name=name, reduction=reduction, dtype=dtype)
 
 
 class SquaredHinge(LossFunctionWrapper):
     """Squared hinge loss; {0, 1} labels are mapped to {-1, 1}."""
 
-    def __init__(self, reduction="sum_over_batch_size", name="squared_hinge", dtype=None):
+    def __init__(
+        self,
+        reduction: str | None = "sum_over_batch_size",
+        name: str | None = "squared_hinge",
+        dtype: DTypeLike | None = None,
+    ) -> None:
         super().__init__(squared_hinge, name=name, reduction=reduction, dtype=dtype)
 
 
 class CategoricalHinge(LossFunctionWrapper):
     """Categorical hinge loss for one-hot labels."""
 
-    def __init__(self, reduction="sum_over_batch_size", name="categorical_hinge", dtype=None):
+    def __init__(
+        self,
+        reduction: str | None = "sum_over_batch_size",
+        name: str | None = "categorical_hinge",
+        dtype: DTypeLike | None = None,
+    ) -> None:
         super().__init__(categorical_hinge, name=name, reduction=reduction, dtype=dtype)
 
 
 class KLDivergence(LossFunctionWrapper):
     """Kullback-Leibler divergence `sum(y_true * log(y_true / y_pred))`."""
 
-    def __init__(self, reduction="sum_over_batch_size", name="kl_divergence", dtype=None):
+    def __init__(
+        self,
+        reduction: str | None = "sum_over_batch_size",
+        name: str | None = "kl_divergence",
+        dtype: DTypeLike | None = None,
+    ) -> None:
         super().__init__(kl_divergence, name=name, reduction=reduction, dtype=dtype)
 
 
 class Poisson(LossFunctionWrapper):
     """Poisson loss `mean(y_pred - y_true * log(y_pred))`."""
 
-    def __init__(self, reduction="sum_over_batch_size", name="poisson", dtype=None):
+    def __init__(
+        self,
+        reduction: str | None = "sum_over_batch_size",
+        name: str | None = "poisson",
+        dtype: DTypeLike | None = None,
+    ) -> None:
         super().__init__(poisson, name=name, reduction=reduction, dtype=dtype)
 
 
@@ -726,13 +856,13 @@ class BinaryCrossentropy(LossFunctionWrapper):
 
     def __init__(
         self,
-        from_logits=False,
-        label_smoothing=0.0,
-        axis=-1,
-        reduction="sum_over_batch_size",
-        name="binary_crossentropy",
-        dtype=None,
-    ):
+        from_logits: bool = False,
+        label_smoothing: float = 0.0,
+        axis: int = -1,
+        reduction: str | None = "sum_over_batch_size",
+        name: str | None = "binary_crossentropy",
+        dtype: DTypeLike | None = None,
+    ) -> None:
         super().__init__(
             binary_crossentropy,
             name=name,
@@ -759,16 +889,16 @@ class BinaryFocalCrossentropy(LossFunctionWrapper):
 
     def __init__(
         self,
-        apply_class_balancing=False,
-        alpha=0.25,
-        gamma=2.0,
-        from_logits=False,
-        label_smoothing=0.0,
-        axis=-1,
-        reduction="sum_over_batch_size",
-        name="binary_focal_crossentropy",
-        dtype=None,
-    ):
+        apply_class_balancing: bool = False,
+        alpha: float = 0.25,
+        gamma: float = 2.0,
+        from_logits: bool = False,
+        label_smoothing: float = 0.0,
+        axis: int = -1,
+        reduction: str | None = "sum_over_batch_size",
+        name: str | None = "binary_focal_crossentropy",
+        dtype: DTypeLike | None = None,
+    ) -> None:
         super().__init__(
             binary_focal_crossentropy,
             name=name,
@@ -795,13 +925,13 @@ class CategoricalCrossentropy(LossFunctionWrapper):
 
     def __init__(
         self,
-        from_logits=False,
-        label_smoothing=0.0,
-        axis=-1,
-        reduction="sum_over_batch_size",
-        name="categorical_crossentropy",
-        dtype=None,
-    ):
+        from_logits: bool = False,
+        label_smoothing: float = 0.0,
+        axis: int = -1,
+        reduction: str | None = "sum_over_batch_size",
+        name: str | None = "categorical_crossentropy",
+        dtype: DTypeLike | None = None,
+    ) -> None:
         _check_axis(axis)
         super().__init__(
             categorical_crossentropy,
@@ -827,15 +957,15 @@ class CategoricalFocalCrossentropy(LossFunctionWrapper):
 
     def __init__(
         self,
-        alpha=0.25,
-        gamma=2.0,
-        from_logits=False,
-        label_smoothing=0.0,
-        axis=-1,
-        reduction="sum_over_batch_size",
-        name="categorical_focal_crossentropy",
-        dtype=None,
-    ):
+        alpha: float = 0.25,
+        gamma: float = 2.0,
+        from_logits: bool = False,
+        label_smoothing: float = 0.0,
+        axis: int = -1,
+        reduction: str | None = "sum_over_batch_size",
+        name: str | None = "categorical_focal_crossentropy",
+        dtype: DTypeLike | None = None,
+    ) -> None:
         _check_axis(axis)
         super().__init__(
             categorical_focal_crossentropy,
@@ -862,13 +992,13 @@ class SparseCategoricalCrossentropy(LossFunctionWrapper):
 
     def __init__(
         self,
-        from_logits=False,
-        ignore_class=None,
-        reduction="sum_over_batch_size",
-        axis=-1,
-        name="sparse_categorical_crossentropy",
-        dtype=None,
-    ):
+        from_logits: bool = False,
+        ignore_class: int | None = None,
+        reduction: str | None = "sum_over_batch_size",
+        axis: int = -1,
+        name: str | None = "sparse_categorical_crossentropy",
+        dtype: DTypeLike | None = None,
+    ) -> None:
         super().__init__(
             sparse_categorical_crossentropy,
             name=name,
@@ -879,7 +1009,7 @@ class SparseCategoricalCrossentropy(LossFunctionWrapper):
             axis=axis,
         )
 
-    def values_and_mask(self, y_true, y_pred):
+    def values_and_mask(self, y_true: ArrayLike, y_pred: ArrayLike) -> tuple[jax.Array, jax.Array | None]:
         y_true, y_pred = squeeze_or_expand_to_same_rank(jnp.asarray(y_true), jnp.asarray(y_pred))
         return _sparse_ce_and_mask(y_true, y_pred, self.from_logits, self.ignore_class, self.axis)
 
@@ -946,7 +1076,7 @@ _FUNCTION_NAMES = {
 _CLASS_NAMES = {cls.__name__: cls for cls in _CLASSES}
 
 
-def get(identifier) -> Loss:
+def get(identifier: Any) -> Loss:
     """Returns a `Loss` for a name, a `Loss` instance or a callable.
 
     Strings are Keras function names and aliases (`"mse"`, `"mae"`, `"mape"`,

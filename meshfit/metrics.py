@@ -13,11 +13,13 @@ internal state, for use outside a jitted step.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike, DTypeLike
 
 from meshfit import losses as losses_lib
 from meshfit.losses import (
@@ -28,14 +30,56 @@ from meshfit.losses import (
     squeeze_or_expand_to_same_rank,
 )
 
+__all__ = [
+    "Metric",
+    "Sum",
+    "Mean",
+    "MeanMetricWrapper",
+    "Accuracy",
+    "BinaryAccuracy",
+    "CategoricalAccuracy",
+    "SparseCategoricalAccuracy",
+    "TopKCategoricalAccuracy",
+    "SparseTopKCategoricalAccuracy",
+    "MeanSquaredError",
+    "MeanAbsoluteError",
+    "MeanAbsolutePercentageError",
+    "MeanSquaredLogarithmicError",
+    "RootMeanSquaredError",
+    "CosineSimilarity",
+    "LogCoshError",
+    "Hinge",
+    "SquaredHinge",
+    "CategoricalHinge",
+    "KLDivergence",
+    "Poisson",
+    "BinaryCrossentropy",
+    "CategoricalCrossentropy",
+    "SparseCategoricalCrossentropy",
+    "TruePositives",
+    "FalsePositives",
+    "TrueNegatives",
+    "FalseNegatives",
+    "Precision",
+    "Recall",
+    "AUC",
+    "accuracy",
+    "binary_accuracy",
+    "categorical_accuracy",
+    "sparse_categorical_accuracy",
+    "top_k_categorical_accuracy",
+    "sparse_top_k_categorical_accuracy",
+    "get",
+]
+
 NEG_INF = -1e10  # Keras's metrics_utils.NEG_INF, used by top_k filtering.
 
 
-def _zeros(shape=()):
+def _zeros(shape: tuple[int, ...] = ()) -> jax.Array:
     return jnp.zeros(shape, jnp.float32)
 
 
-def _weigh(values, weights):
+def _weigh(values: jax.Array, weights: jax.Array) -> jax.Array:
     """`values * weights`, with 0 (not NaN) where the weight is 0."""
     return jnp.where(weights == 0, jnp.zeros((), values.dtype), values * weights)
 
@@ -52,7 +96,7 @@ class Metric:
             `"float32"`. Accumulators are float32 whatever it is.
     """
 
-    def __init__(self, name=None, dtype=None):
+    def __init__(self, name: str | None = None, dtype: DTypeLike | None = None) -> None:
         self.name = name or _to_snake_case(type(self).__name__)
         self.dtype = jnp.dtype(dtype or "float32")
         self._state = None
@@ -60,38 +104,40 @@ class Metric:
     def init(self) -> dict[str, jax.Array]:
         raise NotImplementedError(f"{type(self).__name__} must implement `init()`.")
 
-    def update(self, state, y_true, y_pred, sample_weight=None):
+    def update(
+        self, state: dict[str, jax.Array], y_true: ArrayLike, y_pred: ArrayLike, sample_weight: ArrayLike | None = None
+    ) -> dict[str, jax.Array]:
         raise NotImplementedError(
             f"{type(self).__name__} must implement `update(state, y_true, y_pred, sample_weight=None)`."
         )
 
-    def compute(self, state) -> jax.Array:
+    def compute(self, state: dict[str, jax.Array]) -> jax.Array:
         raise NotImplementedError(f"{type(self).__name__} must implement `compute(state)`.")
 
     @staticmethod
-    def merge(state_a, state_b):
+    def merge(state_a: dict[str, jax.Array], state_b: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """Combines two states (e.g. from two replicas) by summing them."""
         return jax.tree.map(jnp.add, state_a, state_b)
 
     # Eager Keras-style interface on one internal state.
-    def reset_state(self):
+    def reset_state(self) -> None:
         self._state = self.init()
 
-    def update_state(self, *args, **kwargs):
+    def update_state(self, *args: Any, **kwargs: Any) -> None:
         if self._state is None:
             self.reset_state()
         self._state = self.update(self._state, *args, **kwargs)
 
-    def result(self):
+    def result(self) -> jax.Array:
         if self._state is None:
             self.reset_state()
         return self.compute(self._state)
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> jax.Array:
         self.update_state(*args, **kwargs)
         return self.result()
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         """The constructor's arguments: `type(self)(**self.get_config())` is an equal metric.
 
         A subclass with arguments of its own adds them (`model.save` writes
@@ -99,7 +145,7 @@ class Metric:
         """
         return {"name": self.name, "dtype": self.dtype.name}
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"<{type(self).__name__} name={self.name}>"
 
 
@@ -108,7 +154,9 @@ class Metric:
 # ---------------------------------------------------------------------------
 
 
-def _reduce_to_samplewise(values, sample_weight, reduce_fn, dtype):
+def _reduce_to_samplewise(
+    values: ArrayLike, sample_weight: ArrayLike | None, reduce_fn: Callable[..., jax.Array], dtype: DTypeLike | None
+) -> tuple[jax.Array, jax.Array | None]:
     """Keras's `reduce_to_samplewise_values`: per-row values and weights.
 
     Values are reduced to the rank of the weights, weighted, then reduced to
@@ -136,20 +184,22 @@ class Sum(Metric):
     Use `update(state, values, sample_weight=None)`.
     """
 
-    def __init__(self, name="sum", dtype=None):
+    def __init__(self, name: str | None = "sum", dtype: DTypeLike | None = None) -> None:
         super().__init__(name=name, dtype=dtype)
 
-    def init(self):
+    def init(self) -> dict[str, jax.Array]:
         return {"total": _zeros()}
 
-    def update(self, state, values, sample_weight=None):
+    def update(
+        self, state: dict[str, jax.Array], values: ArrayLike, sample_weight: ArrayLike | None = None
+    ) -> dict[str, jax.Array]:
         values, _ = _reduce_to_samplewise(values, sample_weight, jnp.sum, self.dtype)
         return {"total": state["total"] + jnp.sum(values)}
 
-    def compute(self, state):
+    def compute(self, state: dict[str, jax.Array]) -> jax.Array:
         return state["total"]
 
-    def update_state(self, values, sample_weight=None):
+    def update_state(self, values: ArrayLike, sample_weight: ArrayLike | None = None) -> None:
         super().update_state(values, sample_weight=sample_weight)
 
 
@@ -162,13 +212,15 @@ class Mean(Metric):
     or the sum of the row weights.
     """
 
-    def __init__(self, name="mean", dtype=None):
+    def __init__(self, name: str | None = "mean", dtype: DTypeLike | None = None) -> None:
         super().__init__(name=name, dtype=dtype)
 
-    def init(self):
+    def init(self) -> dict[str, jax.Array]:
         return {"total": _zeros(), "count": _zeros()}
 
-    def update(self, state, values, sample_weight=None):
+    def update(
+        self, state: dict[str, jax.Array], values: ArrayLike, sample_weight: ArrayLike | None = None
+    ) -> dict[str, jax.Array]:
         values, sample_weight = _reduce_to_samplewise(values, sample_weight, jnp.mean, self.dtype)
         if sample_weight is not None:
             count = jnp.sum(sample_weight)
@@ -179,10 +231,10 @@ class Mean(Metric):
             "count": state["count"] + jnp.asarray(count, self.dtype),
         }
 
-    def compute(self, state):
+    def compute(self, state: dict[str, jax.Array]) -> jax.Array:
         return divide_no_nan(state["total"], state["count"])
 
-    def update_state(self, values, sample_weight=None):
+    def update_state(self, values: ArrayLike, sample_weight: ArrayLike | None = None) -> None:
         super().update_state(values, sample_weight=sample_weight)
 
 
@@ -198,7 +250,7 @@ class MeanMetricWrapper(Mean):
         **kwargs: extra keyword arguments passed to `fn`.
     """
 
-    def __init__(self, fn: Callable, name=None, dtype=None, **kwargs):
+    def __init__(self, fn: Callable, name: str | None = None, dtype: DTypeLike | None = None, **kwargs: Any) -> None:
         if not callable(fn):
             raise TypeError(
                 f"Expected a callable metric function. Received: fn={fn!r} of "
@@ -211,17 +263,19 @@ class MeanMetricWrapper(Mean):
         for key, value in kwargs.items():  # Keras exposes these as attributes
             setattr(self, key, value)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         """`Metric.get_config` plus the keyword arguments of `fn`, and `fn` itself where `__init__` takes it."""
         config = {**super().get_config(), **self._fn_kwargs}
         if type(self).__init__ is MeanMetricWrapper.__init__:
             config["fn"] = self._fn
         return config
 
-    def _values_and_mask(self, y_true, y_pred):
+    def _values_and_mask(self, y_true: ArrayLike, y_pred: ArrayLike) -> tuple[jax.Array, jax.Array | None]:
         return self._fn(y_true, y_pred, **self._fn_kwargs), None
 
-    def update(self, state, y_true, y_pred, sample_weight=None):
+    def update(
+        self, state: dict[str, jax.Array], y_true: ArrayLike, y_pred: ArrayLike, sample_weight: ArrayLike | None = None
+    ) -> dict[str, jax.Array]:
         values, mask = self._values_and_mask(y_true, y_pred)
         values = jnp.asarray(values)
         if values.ndim == 0:
@@ -240,7 +294,7 @@ class MeanMetricWrapper(Mean):
                 sample_weight = mask * _align_to(jnp.asarray(sample_weight, self.dtype), mask)
         return super().update(state, values, sample_weight)
 
-    def update_state(self, y_true, y_pred, sample_weight=None):
+    def update_state(self, y_true: ArrayLike, y_pred: ArrayLike, sample_weight: ArrayLike | None = None) -> None:
         Metric.update_state(self, y_true, y_pred, sample_weight=sample_weight)
 
 
@@ -249,26 +303,26 @@ class MeanMetricWrapper(Mean):
 # ---------------------------------------------------------------------------
 
 
-def accuracy(y_true, y_pred):
+def accuracy(y_true: ArrayLike, y_pred: ArrayLike) -> jax.Array:
     """1.0 where `y_true == y_pred`, else 0.0."""
     y_pred = jnp.asarray(y_pred)
     y_true, y_pred = squeeze_or_expand_to_same_rank(jnp.asarray(y_true, y_pred.dtype), y_pred)
     return (y_true == y_pred).astype(jnp.float32)
 
 
-def binary_accuracy(y_true, y_pred, threshold=0.5):
+def binary_accuracy(y_true: ArrayLike, y_pred: ArrayLike, threshold: float = 0.5) -> jax.Array:
     """1.0 where `y_true == (y_pred > threshold)`, else 0.0."""
     y_true, y_pred = squeeze_or_expand_to_same_rank(jnp.asarray(y_true), jnp.asarray(y_pred))
     y_pred = (y_pred > threshold).astype(y_true.dtype)
     return (y_true == y_pred).astype(jnp.float32)
 
 
-def categorical_accuracy(y_true, y_pred):
+def categorical_accuracy(y_true: ArrayLike, y_pred: ArrayLike) -> jax.Array:
     """1.0 where `argmax(y_true) == argmax(y_pred)` on the last axis."""
     return (jnp.argmax(jnp.asarray(y_true), axis=-1) == jnp.argmax(jnp.asarray(y_pred), axis=-1)).astype(jnp.float32)
 
 
-def sparse_categorical_accuracy(y_true, y_pred):
+def sparse_categorical_accuracy(y_true: ArrayLike, y_pred: ArrayLike) -> jax.Array:
     """1.0 where the integer label equals `argmax(y_pred)` on the last axis."""
     y_pred = jnp.asarray(y_pred)
     y_true = jnp.asarray(y_true, y_pred.dtype)
@@ -278,7 +332,7 @@ def sparse_categorical_accuracy(y_true, y_pred):
     return (y_true == y_pred).astype(jnp.float32)
 
 
-def _in_top_k(targets, predictions, k):
+def _in_top_k(targets: jax.Array, predictions: jax.Array, k: int) -> jax.Array:
     """Keras's `in_top_k`: rank of the target's score among all scores <= k."""
     at_label = jnp.take_along_axis(predictions, jnp.expand_dims(targets, -1), axis=-1)
     at_label = jnp.where(jnp.isnan(at_label), -jnp.inf, at_label)
@@ -286,7 +340,7 @@ def _in_top_k(targets, predictions, k):
     return rank <= k
 
 
-def sparse_top_k_categorical_accuracy(y_true, y_pred, k=5):
+def sparse_top_k_categorical_accuracy(y_true: ArrayLike, y_pred: ArrayLike, k: int = 5) -> jax.Array:
     """1.0 where the integer label is among the `k` highest scores."""
     y_pred = jnp.asarray(y_pred)
     y_true = jnp.asarray(y_true).astype(jnp.int32)
@@ -296,14 +350,14 @@ def sparse_top_k_categorical_accuracy(y_true, y_pred, k=5):
     return jnp.reshape(matches.astype(jnp.float32), shape)
 
 
-def top_k_categorical_accuracy(y_true, y_pred, k=5):
+def top_k_categorical_accuracy(y_true: ArrayLike, y_pred: ArrayLike, k: int = 5) -> jax.Array:
     """1.0 where `argmax(y_true)` is among the `k` highest scores."""
     y_pred = jnp.asarray(y_pred)
     y_true = jnp.argmax(jnp.asarray(y_true, y_pred.dtype), axis=-1)
     return sparse_top_k_categorical_accuracy(y_true, y_pred, k)
 
 
-def _cosine_similarity(y_true, y_pred, axis=-1):
+def _cosine_similarity(y_true: ArrayLike, y_pred: ArrayLike, axis: int = -1) -> jax.Array:
     return -losses_lib.cosine_similarity(y_true, y_pred, axis=axis)
 
 
@@ -315,7 +369,7 @@ def _cosine_similarity(y_true, y_pred, axis=-1):
 class Accuracy(MeanMetricWrapper):
     """How often predictions equal labels exactly."""
 
-    def __init__(self, name="accuracy", dtype=None):
+    def __init__(self, name: str | None = "accuracy", dtype: DTypeLike | None = None) -> None:
         super().__init__(accuracy, name=name, dtype=dtype)
 
 
@@ -327,7 +381,9 @@ class BinaryAccuracy(MeanMetricWrapper):
             probabilities; use 0.0 for logits).
     """
 
-    def __init__(self, name="binary_accuracy", dtype=None, threshold=0.5):
+    def __init__(
+        self, name: str | None = "binary_accuracy", dtype: DTypeLike | None = None, threshold: float = 0.5
+    ) -> None:
         super().__init__(binary_accuracy, name=name, dtype=dtype, threshold=threshold)
         self.threshold = threshold
 
@@ -335,14 +391,14 @@ class BinaryAccuracy(MeanMetricWrapper):
 class CategoricalAccuracy(MeanMetricWrapper):
     """How often `argmax(y_pred)` equals `argmax` of the one-hot label."""
 
-    def __init__(self, name="categorical_accuracy", dtype=None):
+    def __init__(self, name: str | None = "categorical_accuracy", dtype: DTypeLike | None = None) -> None:
         super().__init__(categorical_accuracy, name=name, dtype=dtype)
 
 
 class SparseCategoricalAccuracy(MeanMetricWrapper):
     """How often `argmax(y_pred)` equals the integer label."""
 
-    def __init__(self, name="sparse_categorical_accuracy", dtype=None):
+    def __init__(self, name: str | None = "sparse_categorical_accuracy", dtype: DTypeLike | None = None) -> None:
         super().__init__(sparse_categorical_accuracy, name=name, dtype=dtype)
 
 
@@ -353,7 +409,9 @@ class TopKCategoricalAccuracy(MeanMetricWrapper):
         k: number of top predictions considered.
     """
 
-    def __init__(self, k=5, name="top_k_categorical_accuracy", dtype=None):
+    def __init__(
+        self, k: int = 5, name: str | None = "top_k_categorical_accuracy", dtype: DTypeLike | None = None
+    ) -> None:
         super().__init__(top_k_categorical_accuracy, name=name, dtype=dtype, k=k)
         self.k = k
 
@@ -365,35 +423,37 @@ class SparseTopKCategoricalAccuracy(MeanMetricWrapper):
         k: number of top predictions considered.
     """
 
-    def __init__(self, k=5, name="sparse_top_k_categorical_accuracy", dtype=None):
+    def __init__(
+        self, k: int = 5, name: str | None = "sparse_top_k_categorical_accuracy", dtype: DTypeLike | None = None
+    ) -> None:
         super().__init__(sparse_top_k_categorical_accuracy, name=name, dtype=dtype, k=k)
 
 
 class MeanSquaredError(MeanMetricWrapper):
     """Mean of `(y_true - y_pred) ** 2`."""
 
-    def __init__(self, name="mean_squared_error", dtype=None):
+    def __init__(self, name: str | None = "mean_squared_error", dtype: DTypeLike | None = None) -> None:
         super().__init__(losses_lib.mean_squared_error, name=name, dtype=dtype)
 
 
 class MeanAbsoluteError(MeanMetricWrapper):
     """Mean of `|y_true - y_pred|`."""
 
-    def __init__(self, name="mean_absolute_error", dtype=None):
+    def __init__(self, name: str | None = "mean_absolute_error", dtype: DTypeLike | None = None) -> None:
         super().__init__(losses_lib.mean_absolute_error, name=name, dtype=dtype)
 
 
 class MeanAbsolutePercentageError(MeanMetricWrapper):
     """Mean of `100 * |y_true - y_pred| / |y_true|`."""
 
-    def __init__(self, name="mean_absolute_percentage_error", dtype=None):
+    def __init__(self, name: str | None = "mean_absolute_percentage_error", dtype: DTypeLike | None = None) -> None:
         super().__init__(losses_lib.mean_absolute_percentage_error, name=name, dtype=dtype)
 
 
 class MeanSquaredLogarithmicError(MeanMetricWrapper):
     """Mean of `(log(y_pred + 1) - log(y_true + 1)) ** 2`."""
 
-    def __init__(self, name="mean_squared_logarithmic_error", dtype=None):
+    def __init__(self, name: str | None = "mean_squared_logarithmic_error", dtype: DTypeLike | None = None) -> None:
         super().__init__(losses_lib.mean_squared_logarithmic_error, name=name, dtype=dtype)
 
 
@@ -404,7 +464,7 @@ class CosineSimilarity(MeanMetricWrapper):
         axis: the feature axis.
     """
 
-    def __init__(self, name="cosine_similarity", dtype=None, axis=-1):
+    def __init__(self, name: str | None = "cosine_similarity", dtype: DTypeLike | None = None, axis: int = -1) -> None:
         super().__init__(_cosine_similarity, name=name, dtype=dtype, axis=axis)
         self.axis = axis
 
@@ -412,42 +472,42 @@ class CosineSimilarity(MeanMetricWrapper):
 class LogCoshError(MeanMetricWrapper):
     """Mean of `log(cosh(y_pred - y_true))`."""
 
-    def __init__(self, name="logcosh", dtype=None):
+    def __init__(self, name: str | None = "logcosh", dtype: DTypeLike | None = None) -> None:
         super().__init__(losses_lib.log_cosh, name=name, dtype=dtype)
 
 
 class Hinge(MeanMetricWrapper):
     """Mean hinge loss."""
 
-    def __init__(self, name="hinge", dtype=None):
+    def __init__(self, name: str | None = "hinge", dtype: DTypeLike | None = None) -> None:
         super().__init__(losses_lib.hinge, name=name, dtype=dtype)
 
 
 class SquaredHinge(MeanMetricWrapper):
     """Mean squared hinge loss."""
 
-    def __init__(self, name="squared_hinge", dtype=None):
+    def __init__(self, name: str | None = "squared_hinge", dtype: DTypeLike | None = None) -> None:
         super().__init__(losses_lib.squared_hinge, name=name, dtype=dtype)
 
 
 class CategoricalHinge(MeanMetricWrapper):
     """Mean categorical hinge loss."""
 
-    def __init__(self, name="categorical_hinge", dtype=None):
+    def __init__(self, name: str | None = "categorical_hinge", dtype: DTypeLike | None = None) -> None:
         super().__init__(losses_lib.categorical_hinge, name=name, dtype=dtype)
 
 
 class KLDivergence(MeanMetricWrapper):
     """Mean Kullback-Leibler divergence."""
 
-    def __init__(self, name="kl_divergence", dtype=None):
+    def __init__(self, name: str | None = "kl_divergence", dtype: DTypeLike | None = None) -> None:
         super().__init__(losses_lib.kl_divergence, name=name, dtype=dtype)
 
 
 class Poisson(MeanMetricWrapper):
     """Mean Poisson loss."""
 
-    def __init__(self, name="poisson", dtype=None):
+    def __init__(self, name: str | None = "poisson", dtype: DTypeLike | None = None) -> None:
         super().__init__(losses_lib.poisson, name=name, dtype=dtype)
 
 
@@ -461,11 +521,11 @@ class BinaryCrossentropy(MeanMetricWrapper):
 
     def __init__(
         self,
-        name="binary_crossentropy",
-        dtype=None,
-        from_logits=False,
-        label_smoothing=0,
-    ):
+        name: str | None = "binary_crossentropy",
+        dtype: DTypeLike | None = None,
+        from_logits: bool = False,
+        label_smoothing: float = 0,
+    ) -> None:
         super().__init__(
             losses_lib.binary_crossentropy,
             name=name,
@@ -486,12 +546,12 @@ class CategoricalCrossentropy(MeanMetricWrapper):
 
     def __init__(
         self,
-        name="categorical_crossentropy",
-        dtype=None,
-        from_logits=False,
-        label_smoothing=0,
-        axis=-1,
-    ):
+        name: str | None = "categorical_crossentropy",
+        dtype: DTypeLike | None = None,
+        from_logits: bool = False,
+        label_smoothing: float = 0,
+        axis: int = -1,
+    ) -> None:
         super().__init__(
             losses_lib.categorical_crossentropy,
             name=name,
@@ -513,12 +573,12 @@ class SparseCategoricalCrossentropy(MeanMetricWrapper):
 
     def __init__(
         self,
-        name="sparse_categorical_crossentropy",
-        dtype=None,
-        from_logits=False,
-        ignore_class=None,
-        axis=-1,
-    ):
+        name: str | None = "sparse_categorical_crossentropy",
+        dtype: DTypeLike | None = None,
+        from_logits: bool = False,
+        ignore_class: int | None = None,
+        axis: int = -1,
+    ) -> None:
         super().__init__(
             losses_lib.sparse_categorical_crossentropy,
             name=name,
@@ -528,7 +588,7 @@ class SparseCategoricalCrossentropy(MeanMetricWrapper):
             axis=axis,
         )
 
-    def _values_and_mask(self, y_true, y_pred):
+    def _values_and_mask(self, y_true: ArrayLike, y_pred: ArrayLike) -> tuple[jax.Array, jax.Array | None]:
         return losses_lib._sparse_ce_and_mask(y_true, y_pred, self.from_logits, self.ignore_class, self.axis)
 
 
@@ -538,19 +598,21 @@ class RootMeanSquaredError(Mean):
     Takes `update(state, y_true, y_pred, sample_weight=None)`.
     """
 
-    def __init__(self, name="root_mean_squared_error", dtype=None):
+    def __init__(self, name: str | None = "root_mean_squared_error", dtype: DTypeLike | None = None) -> None:
         super().__init__(name=name, dtype=dtype)
 
-    def update(self, state, y_true, y_pred, sample_weight=None):
+    def update(
+        self, state: dict[str, jax.Array], y_true: ArrayLike, y_pred: ArrayLike, sample_weight: ArrayLike | None = None
+    ) -> dict[str, jax.Array]:
         y_true, y_pred = squeeze_or_expand_to_same_rank(
             jnp.asarray(y_true, self.dtype), jnp.asarray(y_pred, self.dtype)
         )
         return super().update(state, jnp.square(y_pred - y_true), sample_weight)
 
-    def compute(self, state):
+    def compute(self, state: dict[str, jax.Array]) -> jax.Array:
         return jnp.sqrt(super().compute(state))
 
-    def update_state(self, y_true, y_pred, sample_weight=None):
+    def update_state(self, y_true: ArrayLike, y_pred: ArrayLike, sample_weight: ArrayLike | None = None) -> None:
         Metric.update_state(self, y_true, y_pred, sample_weight=sample_weight)
 
 
@@ -561,7 +623,13 @@ class RootMeanSquaredError(Mean):
 _CONFUSION_KEYS = ("true_positives", "false_positives", "true_negatives", "false_negatives")
 
 
-def _prepare_confusion_inputs(y_true, y_pred, sample_weight, top_k=None, class_id=None):
+def _prepare_confusion_inputs(
+    y_true: ArrayLike,
+    y_pred: ArrayLike,
+    sample_weight: ArrayLike | None,
+    top_k: int | None = None,
+    class_id: int | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Shapes labels, predictions and weights as Keras's confusion update does."""
     y_true = jnp.asarray(y_true, jnp.float32)
     y_pred = jnp.asarray(y_pred, jnp.float32)
@@ -589,7 +657,9 @@ def _prepare_confusion_inputs(y_true, y_pred, sample_weight, top_k=None, class_i
     return y_true, y_pred, weights
 
 
-def _confusion_counts(y_true, y_pred, weights, thresholds):
+def _confusion_counts(
+    y_true: jax.Array, y_pred: jax.Array, weights: jax.Array, thresholds: ArrayLike
+) -> dict[str, jax.Array]:
     """Weighted tp/fp/tn/fn entries per threshold, not yet summed.
 
     `y_pred > threshold` counts as positive, a nonzero label as positive. Each
@@ -602,7 +672,7 @@ def _confusion_counts(y_true, y_pred, weights, thresholds):
     w = weights[None]
     zero = jnp.zeros((), jnp.float32)
 
-    def count(cond):
+    def count(cond: jax.Array) -> jax.Array:
         return jnp.where(cond, w, zero)
 
     return {
@@ -613,7 +683,7 @@ def _confusion_counts(y_true, y_pred, weights, thresholds):
     }
 
 
-def _check_single_threshold(thresholds, default):
+def _check_single_threshold(thresholds: float | Sequence[float] | None, default: float) -> float:
     if thresholds is None:
         return float(default)
     value = thresholds
@@ -633,22 +703,31 @@ class _ConfusionMetric(Metric):
 
     _keys: tuple[str, ...] = ()
 
-    def __init__(self, thresholds=None, top_k=None, class_id=None, name=None, dtype=None):
+    def __init__(
+        self,
+        thresholds: float | Sequence[float] | None = None,
+        top_k: int | None = None,
+        class_id: int | None = None,
+        name: str | None = None,
+        dtype: DTypeLike | None = None,
+    ) -> None:
         super().__init__(name=name, dtype=dtype)
         self.thresholds = _check_single_threshold(thresholds, 0.5 if top_k is None else NEG_INF)
         self.top_k = top_k
         self.class_id = class_id
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         # With `top_k` and no threshold, `thresholds` holds NEG_INF, which the constructor takes as None.
         default = self.top_k is not None and self.thresholds == NEG_INF
         thresholds = None if default else self.thresholds
         return {**super().get_config(), "thresholds": thresholds, "top_k": self.top_k, "class_id": self.class_id}
 
-    def init(self):
+    def init(self) -> dict[str, jax.Array]:
         return {k: _zeros() for k in self._keys}
 
-    def update(self, state, y_true, y_pred, sample_weight=None):
+    def update(
+        self, state: dict[str, jax.Array], y_true: ArrayLike, y_pred: ArrayLike, sample_weight: ArrayLike | None = None
+    ) -> dict[str, jax.Array]:
         y_true, y_pred, weights = _prepare_confusion_inputs(y_true, y_pred, sample_weight, self.top_k, self.class_id)
         counts = _confusion_counts(y_true, y_pred, weights, [self.thresholds])
         return {k: state[k] + jnp.sum(counts[k]) for k in self._keys}
@@ -657,13 +736,15 @@ class _ConfusionMetric(Metric):
 class _ConfusionCount(_ConfusionMetric):
     """One weighted count (`_keys[0]`) at one threshold; no `top_k` or `class_id`, as in Keras."""
 
-    def __init__(self, thresholds=None, name=None, dtype=None):
+    def __init__(
+        self, thresholds: float | Sequence[float] | None = None, name: str | None = None, dtype: DTypeLike | None = None
+    ) -> None:
         super().__init__(thresholds=thresholds, name=name, dtype=dtype)
 
-    def compute(self, state):
+    def compute(self, state: dict[str, jax.Array]) -> jax.Array:
         return state[self._keys[0]]
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         config = super().get_config()
         del config["top_k"], config["class_id"]
         return config
@@ -705,7 +786,7 @@ class Precision(_ConfusionMetric):
 
     _keys = ("true_positives", "false_positives")
 
-    def compute(self, state):
+    def compute(self, state: dict[str, jax.Array]) -> jax.Array:
         tp = state["true_positives"]
         return divide_no_nan(tp, tp + state["false_positives"])
 
@@ -722,12 +803,12 @@ class Recall(_ConfusionMetric):
 
     _keys = ("true_positives", "false_negatives")
 
-    def compute(self, state):
+    def compute(self, state: dict[str, jax.Array]) -> jax.Array:
         tp = state["true_positives"]
         return divide_no_nan(tp, tp + state["false_negatives"])
 
 
-def _is_evenly_distributed(thresholds):
+def _is_evenly_distributed(thresholds: np.ndarray) -> bool:
     n = len(thresholds)
     if n < 3:
         return False
@@ -758,17 +839,17 @@ class AUC(Metric):
 
     def __init__(
         self,
-        num_thresholds=200,
-        curve="ROC",
-        summation_method="interpolation",
-        name=None,
-        dtype=None,
-        thresholds=None,
-        multi_label=False,
-        num_labels=None,
-        label_weights=None,
-        from_logits=False,
-    ):
+        num_thresholds: int = 200,
+        curve: str = "ROC",
+        summation_method: str = "interpolation",
+        name: str | None = None,
+        dtype: DTypeLike | None = None,
+        thresholds: float | Sequence[float] | None = None,
+        multi_label: bool = False,
+        num_labels: int | None = None,
+        label_weights: ArrayLike | None = None,
+        from_logits: bool = False,
+    ) -> None:
         super().__init__(name=name, dtype=dtype)
         curves = {"roc": "ROC", "pr": "PR"}
         if str(curve).lower() not in curves:
@@ -818,10 +899,10 @@ class AUC(Metric):
         self.from_logits = from_logits
 
     @property
-    def thresholds(self):
+    def thresholds(self) -> list[float]:
         return list(self._thresholds)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         label_weights = None if self.label_weights is None else np.asarray(self.label_weights).tolist()
         return {
             **super().get_config(),
@@ -835,13 +916,15 @@ class AUC(Metric):
             "from_logits": self.from_logits,
         }
 
-    def init(self):
+    def init(self) -> dict[str, jax.Array]:
         shape = (self.num_thresholds,)
         if self.multi_label:
             shape += (self.num_labels,)
         return {k: _zeros(shape) for k in _CONFUSION_KEYS}
 
-    def update(self, state, y_true, y_pred, sample_weight=None):
+    def update(
+        self, state: dict[str, jax.Array], y_true: ArrayLike, y_pred: ArrayLike, sample_weight: ArrayLike | None = None
+    ) -> dict[str, jax.Array]:
         if self.from_logits:
             y_pred = jax.nn.sigmoid(jnp.asarray(y_pred, jnp.float32))
         y_true, y_pred, weights = _prepare_confusion_inputs(y_true, y_pred, sample_weight)
@@ -861,7 +944,7 @@ class AUC(Metric):
             counts = {k: jnp.sum(v, axis=1) for k, v in counts.items()}
         return {k: state[k] + counts[k] for k in _CONFUSION_KEYS}
 
-    def _bucket_counts(self, y_true, y_pred, weights):
+    def _bucket_counts(self, y_true: jax.Array, y_pred: jax.Array, weights: jax.Array) -> dict[str, jax.Array]:
         """Keras's optimized path for evenly spaced thresholds (O(n) buckets)."""
         n = self.num_thresholds
         y_pred = jnp.clip(y_pred, 0.0, 1.0)
@@ -873,8 +956,8 @@ class AUC(Metric):
             buckets = jnp.maximum(buckets, 0)
         buckets = buckets.astype(jnp.int32)
 
-        def cumulative(labels):
-            def one(lab, ids):
+        def cumulative(labels: jax.Array) -> jax.Array:
+            def one(lab: jax.Array, ids: jax.Array) -> jax.Array:
                 per_bucket = jax.ops.segment_sum(lab, ids, num_segments=n)
                 return jnp.flip(jnp.cumsum(jnp.flip(per_bucket)))
 
@@ -890,7 +973,7 @@ class AUC(Metric):
             "false_negatives": jnp.sum(true_labels, axis=0) - tp,
         }
 
-    def _average(self, by_threshold):
+    def _average(self, by_threshold: jax.Array) -> jax.Array:
         if not self.multi_label:
             return jnp.sum(by_threshold)
         by_label = jnp.sum(by_threshold, axis=0)
@@ -898,7 +981,7 @@ class AUC(Metric):
             return jnp.mean(by_label)
         return divide_no_nan(jnp.sum(by_label * self.label_weights), jnp.sum(self.label_weights))
 
-    def _interpolate_pr_auc(self, s):
+    def _interpolate_pr_auc(self, s: dict[str, jax.Array]) -> jax.Array:
         tp, fp, fn = s["true_positives"], s["false_positives"], s["false_negatives"]
         dtp = tp[:-1] - tp[1:]
         p = tp + fp
@@ -916,7 +999,7 @@ class AUC(Metric):
         )
         return self._average(increment)
 
-    def compute(self, state):
+    def compute(self, state: dict[str, jax.Array]) -> jax.Array:
         if self.curve == "PR" and self.summation_method == "interpolation":
             return self._interpolate_pr_auc(state)
         tp, fp = state["true_positives"], state["false_positives"]
@@ -990,7 +1073,7 @@ _NAMES.update(
 )
 
 
-def _accuracy_from_loss(loss):
+def _accuracy_from_loss(loss: Any) -> type[Metric] | None:
     """The accuracy that fits a loss, for when no shapes are known."""
     if loss is None:
         return None
@@ -1020,21 +1103,21 @@ def _accuracy_from_loss(loss):
 class _LossMean(MeanMetricWrapper):
     """Mean of a `Loss`'s per-sample values (its own reduction is not used)."""
 
-    def __init__(self, loss: losses_lib.Loss):
+    def __init__(self, loss: losses_lib.Loss) -> None:
         super().__init__(loss.call, name=loss.name)
         self._loss = loss
 
-    def _values_and_mask(self, y_true, y_pred):
+    def _values_and_mask(self, y_true: ArrayLike, y_pred: ArrayLike) -> tuple[jax.Array, jax.Array | None]:
         cast = lambda x: jnp.asarray(x, self._loss.dtype)  # noqa: E731
         return self._loss.values_and_mask(jax.tree.map(cast, y_true), jax.tree.map(cast, y_pred))
 
 
-def _shape(x):
+def _shape(x: Any) -> tuple[int, ...]:
     """The shape of an array, a `jax.ShapeDtypeStruct` or a nested list."""
     return tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
 
 
-def _resolve_accuracy(identifier, y_true, y_pred, loss):
+def _resolve_accuracy(identifier: Any, y_true: ArrayLike, y_pred: ArrayLike, loss: Any) -> Metric:
     """Keras 3's `compile_utils.get_metric` rule for "accuracy" / "acc".
 
     From the shapes: `y_pred.shape[-1] == 1` -> binary; else labels of lower
@@ -1068,7 +1151,7 @@ def _resolve_accuracy(identifier, y_true, y_pred, loss):
     return cls(name=identifier)
 
 
-def get(identifier, *, y_true=None, y_pred=None, loss=None) -> Metric:
+def get(identifier: Any, *, y_true: ArrayLike = None, y_pred: ArrayLike = None, loss: Any = None) -> Metric:
     """Returns a `Metric` for a name, a `Metric` instance or a callable.
 
     Names follow Keras 3's `compile`: the returned metric is named by the

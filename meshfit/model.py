@@ -25,6 +25,7 @@ from meshfit import losses as losses_lib
 from meshfit import metrics as metrics_lib
 from meshfit import optimizers as optimizers_lib
 from meshfit import outputs as outputs_lib
+from meshfit.batch import Batch
 from meshfit.fit_context import FitContext
 from meshfit.loop import evaluate_loop, fit_loop, host_logs, predict_loop
 from meshfit.modules import adapt
@@ -35,6 +36,7 @@ from meshfit.step_report import StepReport
 from meshfit.steps import StepFunctions
 from meshfit.strategies import get_strategy, has_strategy, placement
 from meshfit.summary import format_step_report, format_summary
+from meshfit.terms import LossTerm, MetricTerm, Output
 from meshfit.trees import path_name
 
 _DEFAULT_BATCH_SIZE = 32
@@ -120,11 +122,11 @@ class Model:
         self.stop_training = False
         self.history: callbacks_lib.History | None = None
         self._shuffle_orders = data_lib.ShuffleOrders()  # computed ahead by one fit for the next
-        self._example_batch: data_lib.Batch | None = None
-        self._outputs: list[outputs_lib.Output] = []  # the module's outputs, known from the first batch
+        self._example_batch: Batch | None = None
+        self._outputs: list[Output] = []  # the module's outputs, known from the first batch
         self._built_with_targets = False  # the steps were built from a batch with targets
 
-    def _initial_state(self, params, model_state) -> TrainState:
+    def _initial_state(self, params: Any, model_state: Any) -> TrainState:
         return TrainState(
             params=params,
             model_state=model_state,
@@ -148,17 +150,17 @@ class Model:
         return self.session.context
 
     @property
-    def params(self):
+    def params(self) -> Any:
         """The trainable parameters as a nested dict of `jax.Array` (live, on device)."""
         return self.session.latest.params
 
     @property
-    def module(self):
+    def module(self) -> Any:
         """The user's module, holding the current weights."""
         state = self.session.latest
         return self._adapter.sync_module(state.params, state.model_state)
 
-    def _weight_trees(self):
+    def _weight_trees(self) -> tuple[Any, Any]:
         state = self.session.state
         return state.params, self._adapter.non_trainable_weights(state.model_state)
 
@@ -311,7 +313,7 @@ class Model:
             gradient_accumulation_steps=accumulate,
             loss_weights=loss_weights,
         )
-        self.optimizer = optimizers_lib.Optimizer(tx, self.session, schedule)
+        self.optimizer = optimizers_lib.Optimizer(tx, _optimizer_state_access(self.session), schedule)
 
     @property
     def compiled(self) -> bool:
@@ -349,7 +351,7 @@ class Model:
 
     # -- building on the first batch -------------------------------------------------------
 
-    def _check_input(self, batch: data_lib.Batch) -> None:
+    def _check_input(self, batch: Batch) -> None:
         spec = jax.tree.map(lambda a: (tuple(a.shape[1:]), np.dtype(a.dtype).kind), batch.x)
         if self._input_spec is None:
             self._output_spec(batch)  # a clear error here if the model rejects these inputs
@@ -362,7 +364,7 @@ class Model:
                 f"{_describe(self._input_spec)} (after the batch dimension), received {_describe(spec)}."
             )
 
-    def _output_spec(self, batch: data_lib.Batch):
+    def _output_spec(self, batch: Batch) -> Any:
         state = self.session.latest
         try:
             return jax.eval_shape(
@@ -375,7 +377,7 @@ class Model:
             shapes = jax.tree.map(lambda a: tuple(a.shape), batch.x)
             raise ValueError(f"The model could not be called on inputs of shape {shapes}: {error}") from error
 
-    def _build(self, batch: data_lib.Batch) -> None:
+    def _build(self, batch: Batch) -> None:
         """Resolves losses and metrics per output from the first batch's shapes and compiles the steps once.
 
         Every batch's targets are checked against what the losses and metrics read. Steps built by
@@ -403,14 +405,14 @@ class Model:
         self._built_with_targets = y_true is not None
         self.session.build(steps, c.steps_per_execution)
 
-    def _check_targets(self, batch: data_lib.Batch, loss_terms, metric_terms) -> None:
+    def _check_targets(self, batch: Batch, loss_terms: Sequence[LossTerm], metric_terms: Sequence[MetricTerm]) -> None:
         if batch.y is None:
             return
         outputs_lib.check_targets(batch.y, [*loss_terms, *metric_terms], self._outputs)
         if outputs_lib.is_structure(batch.sample_weight):
             outputs_lib.check_targets(batch.sample_weight, loss_terms, self._outputs, "sample_weight")
 
-    def _find_scalar_losses(self, terms, y_true, y_pred) -> list[outputs_lib.LossTerm]:
+    def _find_scalar_losses(self, terms: Sequence[LossTerm], y_true: Any, y_pred: Any) -> list[LossTerm]:
         """The loss terms, with targets those returning a scalar marked, and refused (before any state
         changes) under a strategy that cannot compute them on a partial batch's real rows."""
         if y_true is None:
@@ -428,7 +430,7 @@ class Model:
             )
         return terms
 
-    def _scalar_loss_found_late(self, batch: data_lib.Batch) -> bool:
+    def _scalar_loss_found_late(self, batch: Batch) -> bool:
         """Whether steps built without targets (by `predict`) must be built again for `batch`'s: only
         when a loss returns a scalar. Checked once, at the first batch with targets."""
         if self._built_with_targets or batch.y is None or self._compiled.loss is None:
@@ -454,13 +456,26 @@ class Model:
 
     # -- data --------------------------------------------------------------------------------
 
-    def _make_data(self, x, y, sample_weight, batch_size, *, shuffle=False, steps=None, what="fit"):
+    def _make_data(
+        self,
+        x: Any,
+        y: Any,
+        sample_weight: Any,
+        batch_size: int | None,
+        *,
+        shuffle: bool = False,
+        steps: int | None = None,
+        what: str = "fit",
+    ) -> data_lib.DataSource:
         if x is None:
             raise ValueError(f"`{what}()` needs input data `x`. Received: x=None.")
         if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"`batch_size` must be a positive int. Received: batch_size={batch_size!r}.")
         if steps is not None and (not isinstance(steps, int) or steps < 1):
             raise ValueError(f"The number of steps must be a positive int or None. Received: {steps!r}.")
+        if isinstance(x, data_lib.DataSource):  # the user's own, taken as it is (as Keras takes a DataAdapter)
+            _check_own_source(x, y, sample_weight, batch_size, steps)
+            return x
         strategy = self.strategy
         if data_lib.is_array_tree(x):
             return data_lib.ArrayData(
@@ -493,16 +508,32 @@ class Model:
                 f"Received: batch_size={batch_size}."
             )
         if isinstance(x, (str, bytes)) or not hasattr(x, "__iter__"):
+            hint = (
+                " It has `peek` and `executions`: make it a subclass of meshfit.data.DataSource."
+                if hasattr(x, "peek") and hasattr(x, "executions")
+                else ""
+            )
             raise TypeError(
-                "`x` must be a numpy/JAX array, a dict/tuple/list of arrays, or an iterable of batches "
-                f"(generator, grain dataset). Received: {type(x).__name__}."
+                "`x` must be a numpy/JAX array, a dict/tuple/list of arrays, an iterable of batches "
+                f"(generator, grain dataset) or a meshfit.data.DataSource. Received: {type(x).__name__}.{hint}"
             )
         return data_lib.IterableData(x, steps_per_epoch=steps, batch_multiple=strategy.local_batch_multiple)
 
-    def _first_batch(self, data) -> data_lib.Batch:
-        return data.peek()
+    def _first_batch(self, data: data_lib.DataSource) -> Batch:
+        batch = data.peek()
+        if not isinstance(data, (data_lib.ArrayData, data_lib.IterableData)):  # the user's own source
+            data_lib.check_batch(batch, max(1, self.strategy.local_batch_multiple), f"{type(data).__name__}.peek()")
+        return batch
 
-    def _callback_list(self, callbacks, *, verbose: int, epochs: int, steps, add_history: bool):
+    def _callback_list(
+        self,
+        callbacks: Sequence[callbacks_lib.Callback] | None,
+        *,
+        verbose: int,
+        epochs: int,
+        steps: int | None,
+        add_history: bool,
+    ) -> tuple[callbacks_lib.CallbackList, callbacks_lib.History | None]:
         user = list(callbacks or [])
         for cb in user:
             if not isinstance(cb, callbacks_lib.Callback):
@@ -521,7 +552,9 @@ class Model:
         all_callbacks = callbacks_lib.CallbackList(ordered, model=self, epochs=epochs, steps=steps, verbose=verbose)
         return all_callbacks, history
 
-    def _one_pass_callbacks(self, callbacks, verbose: int, steps):
+    def _one_pass_callbacks(
+        self, callbacks: Sequence[callbacks_lib.Callback] | None, verbose: int, steps: int | None
+    ) -> callbacks_lib.CallbackList:
         """The callback list of one pass over data (`evaluate`, `predict`): no History."""
         return self._callback_list(callbacks, verbose=verbose, epochs=1, steps=steps, add_history=False)[0]
 
@@ -814,7 +847,7 @@ class Model:
         """
         return self.predict(x, batch_size=_rows(x, "predict_on_batch"), verbose=0)
 
-    def _ordered(self, logs: dict, return_dict: bool):
+    def _ordered(self, logs: dict, return_dict: bool) -> float | list[float] | dict[str, float]:
         if return_dict:
             return logs
         values = [logs[name] for name in self.metrics_names]
@@ -963,14 +996,49 @@ def load_model(
 # -- helpers ------------------------------------------------------------------------------------
 
 
-def _handles_preemption(callback) -> bool:
+def _check_own_source(source: data_lib.DataSource, y: Any, sample_weight: Any, batch_size: Any, steps: Any) -> None:
+    """Raises a ValueError if arguments that only array inputs take come with a user's own `DataSource`."""
+    name = type(source).__name__
+    if y is not None or sample_weight is not None:
+        raise ValueError(
+            f"When `x` is a meshfit.data.DataSource, `y` and `sample_weight` must be None (its batches hold them). "
+            f"Received: x={name} with y or sample_weight set."
+        )
+    if batch_size is not None:
+        raise ValueError(
+            f"`batch_size` must be None when `x` is a meshfit.data.DataSource, which makes its own batches. "
+            f"Received: x={name}, batch_size={batch_size}."
+        )
+    if steps is not None and steps != source.steps_per_epoch:
+        raise ValueError(
+            f"A meshfit.data.DataSource sets its own epoch length: `steps_per_epoch` must be None or equal to "
+            f"its `steps_per_epoch` ({source.steps_per_epoch}). Received: steps_per_epoch={steps}. Set "
+            f"`steps_per_epoch` on the {name} instead."
+        )
+
+
+def _optimizer_state_access(session: Session) -> optimizers_lib.OptimizerStateAccess:
+    """The optimizer's view of the session: the optimizer state as the last step left it, and a host read."""
+
+    def replace_opt_state(opt_state: Any) -> None:
+        session.state = session.latest._replace(opt_state=opt_state)
+
+    return optimizers_lib.OptimizerStateAccess(
+        opt_state=lambda: session.latest.opt_state,
+        replace_opt_state=replace_opt_state,
+        step=lambda: session.latest.step,
+        to_host=lambda value: session.strategy.to_host(value),
+    )
+
+
+def _handles_preemption(callback: callbacks_lib.Callback) -> bool:
     """Whether a (not yet validated) callback saves on preemption, so SIGTERM must be caught for it."""
     return isinstance(callback, callbacks_lib.Callback) and (
         callback.handles_preemption or type(callback).on_preemption is not callbacks_lib.Callback.on_preemption
     )
 
 
-def _describe(spec) -> str:
+def _describe(spec: Any) -> str:
     return str(
         jax.tree.map(
             lambda s: "(None, " + ", ".join(map(str, s[0])) + ")" if s[0] else "(None,)",
@@ -980,7 +1048,7 @@ def _describe(spec) -> str:
     )
 
 
-def _as_metrics(value, name: str):
+def _as_metrics(value: Any, name: str) -> Any:
     """Metrics as given: a list (a lone metric becomes one), or a dict/list per output."""
     if value is None:
         return []
@@ -991,7 +1059,7 @@ def _as_metrics(value, name: str):
     return [value]
 
 
-def _check_each(value, name: str, check: Callable):
+def _check_each(value: Any, name: str, check: Callable) -> Any:
     """`check` applied to each identifier of a `compile` argument given once or per output (dict/list);
     returns the same structure of results (None stays None)."""
     if value is None:
@@ -1003,7 +1071,7 @@ def _check_each(value, name: str, check: Callable):
     return check(value)
 
 
-def _check_loss_weights(loss_weights) -> None:
+def _check_loss_weights(loss_weights: Any) -> None:
     bad = [
         w
         for w in jax.tree.leaves(loss_weights)
@@ -1016,7 +1084,7 @@ def _check_loss_weights(loss_weights) -> None:
         )
 
 
-def _type_description(value) -> str:
+def _type_description(value: Any) -> str:
     """A value's type, with the types inside a container (`list of float`), for error messages."""
     name = type(value).__name__
     if isinstance(value, dict) and value:
@@ -1028,11 +1096,11 @@ def _type_description(value) -> str:
     return name
 
 
-def _needs_shapes(identifier) -> bool:
+def _needs_shapes(identifier: Any) -> bool:
     return isinstance(identifier, str) and identifier.lower() in ("accuracy", "acc")
 
 
-def _verbose(verbose) -> int:
+def _verbose(verbose: int | str) -> int:
     if verbose == "auto":
         return 1
     if verbose not in (0, 1, 2) or isinstance(verbose, bool):
@@ -1040,12 +1108,12 @@ def _verbose(verbose) -> int:
     return int(verbose)
 
 
-def _check_positive_int(value, name: str) -> None:
+def _check_positive_int(value: Any, name: str) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"`{name}` must be a positive int. Received: {name}={value!r}.")
 
 
-def _unpack_validation(validation_data):
+def _unpack_validation(validation_data: Any) -> tuple[Any, Any, Any]:
     if (
         isinstance(validation_data, tuple)
         and len(validation_data) in (2, 3)
@@ -1060,7 +1128,7 @@ def _unpack_validation(validation_data):
     return validation_data, None, None
 
 
-def _rows(x, what: str) -> int:
+def _rows(x: Any, what: str) -> int:
     """The rows of one batch of array input `x` (a `*_on_batch` call takes exactly one batch)."""
     leaves = jax.tree.leaves(x) if data_lib.is_array_tree(x) else []
     if not leaves:
@@ -1071,7 +1139,7 @@ def _rows(x, what: str) -> int:
     return len(leaves[0])
 
 
-def _class_weights(y, class_weight: dict, sample_weight):
+def _class_weights(y: Any, class_weight: dict, sample_weight: Any) -> np.ndarray:
     if y is None or not data_lib.is_array_like(y):
         raise ValueError(
             "`class_weight` needs `y` as a single array of class labels (a model with one output). "

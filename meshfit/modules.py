@@ -9,6 +9,7 @@ forward pass reads or updates (BatchNorm statistics, NNX RNG counters).
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -31,7 +32,7 @@ class ModuleAdapter:
         """`(params, model_state)` as `jax.ShapeDtypeStruct`s: what `init` returns, without creating it."""
         return jax.eval_shape(self.init)
 
-    def init(self, shardings=None) -> tuple[Pytree, Pytree]:
+    def init(self, shardings: tuple[Pytree, Pytree] | None = None) -> tuple[Pytree, Pytree]:
         """Returns `(params, model_state)` as pure pytrees.
 
         Variables not created yet are created in one compiled function whose
@@ -41,7 +42,9 @@ class ModuleAdapter:
         """
         raise NotImplementedError
 
-    def apply(self, params, model_state, x, *, training: bool, rng) -> tuple[Any, Pytree]:
+    def apply(
+        self, params: Pytree, model_state: Pytree, x: Any, *, training: bool, rng: jax.Array | None
+    ) -> tuple[Any, Pytree]:
         """Runs the forward pass; returns `(y_pred, new_model_state)`."""
         raise NotImplementedError
 
@@ -49,15 +52,15 @@ class ModuleAdapter:
         """PartitionSpecs from the module's sharding metadata, shaped like `params` (or None)."""
         return None
 
-    def non_trainable_weights(self, model_state) -> Pytree:
+    def non_trainable_weights(self, model_state: Pytree) -> Pytree:
         """The part of `model_state` that counts as weights (no RNG state)."""
         return model_state
 
-    def sync_module(self, params, model_state) -> Any:
+    def sync_module(self, params: Pytree, model_state: Pytree) -> Any:
         """Returns the user's module object holding the given values."""
         raise NotImplementedError
 
-    def with_compute_dtype(self, dtype) -> ModuleAdapter:
+    def with_compute_dtype(self, dtype: Any) -> ModuleAdapter:
         """This adapter with the forward pass computing in `dtype` where the module lets it choose.
 
         By default the same adapter: the step casts the parameters and floating
@@ -67,12 +70,12 @@ class ModuleAdapter:
         return self
 
 
-def _groups(trainable) -> tuple:
+def _groups(trainable: Any) -> tuple:
     """Trainable parameters, RNG streams, then every other variable (BatchNorm statistics, frozen parameters)."""
     return (nnx.All(nnx.Param, trainable), nnx.RngState, ...)
 
 
-def call_arguments(module, x) -> tuple[tuple, dict]:
+def call_arguments(module: Any, x: Any) -> tuple[tuple, dict]:
     """How a batch's inputs are passed to `module(...)`, as Keras passes them.
 
     A list or tuple of arrays: as positional arguments. A dict whose keys all
@@ -106,7 +109,13 @@ class NNXAdapter(ModuleAdapter):
     The user's module is left as it is: the change is made on views.
     """
 
-    def __init__(self, module: nnx.Module, compute_dtype=None, factory=None, trainable=nnx.Param):
+    def __init__(
+        self,
+        module: nnx.Module,
+        compute_dtype: Any = None,
+        factory: Callable[[], nnx.Module] | None = None,
+        trainable: Any = nnx.Param,
+    ) -> None:
         self.module = module
         self.compute_dtype = compute_dtype
         self.trainable = trainable
@@ -123,7 +132,7 @@ class NNXAdapter(ModuleAdapter):
         self._eval_graphdef = nnx.split(eval_view, *self._groups)[0]
 
     @classmethod
-    def from_factory(cls, factory, trainable=nnx.Param) -> NNXAdapter:
+    def from_factory(cls, factory: Callable[[], nnx.Module], trainable: Any = nnx.Param) -> NNXAdapter:
         """An adapter for the module `factory()` returns, whose variables `init` creates (under `jax.jit`).
 
         Until then the module is abstract (`nnx.eval_shape`): its structure and
@@ -132,13 +141,13 @@ class NNXAdapter(ModuleAdapter):
         abstract = nnx.eval_shape(lambda: _checked_module(factory()))
         return cls(abstract, factory=factory, trainable=trainable)
 
-    def with_compute_dtype(self, dtype) -> NNXAdapter:
+    def with_compute_dtype(self, dtype: Any) -> NNXAdapter:
         return NNXAdapter(self.module, dtype, trainable=self.trainable)
 
-    def abstract_init(self):
+    def abstract_init(self) -> tuple[Pytree, Pytree]:
         return jax.eval_shape(lambda: _nnx_state(self.module, self._groups))
 
-    def init(self, shardings=None):
+    def init(self, shardings: tuple[Pytree, Pytree] | None = None) -> tuple[Pytree, Pytree]:
         if self._factory is None:
             return _nnx_state(self.module, self._groups)
         factory, self._factory = self._factory, None
@@ -147,7 +156,9 @@ class NNXAdapter(ModuleAdapter):
         self.sync_module(params, model_state)  # the abstract module now holds the created arrays
         return params, model_state
 
-    def apply(self, params, model_state, x, *, training, rng):
+    def apply(
+        self, params: Pytree, model_state: Pytree, x: Any, *, training: bool, rng: jax.Array | None
+    ) -> tuple[Any, Pytree]:
         del rng  # NNX modules carry their own RNG streams in model_state["rngs"].
         graphdef = self._train_graphdef if training else self._eval_graphdef
         module = nnx.merge(graphdef, params, model_state["rngs"], model_state["weights"])
@@ -158,14 +169,14 @@ class NNXAdapter(ModuleAdapter):
         _, _, rngs, weights = nnx.split(module, *self._groups)
         return y_pred, {"weights": nnx.to_pure_dict(weights), "rngs": nnx.to_pure_dict(rngs)}
 
-    def non_trainable_weights(self, model_state):
+    def non_trainable_weights(self, model_state: Pytree) -> Pytree:
         return model_state["weights"]
 
-    def partition_specs(self):
+    def partition_specs(self) -> Pytree | None:
         _, params, _, _ = nnx.split(self.module, *self._groups)
         return nnx.to_pure_dict(nnx.get_partition_spec(params))
 
-    def sync_module(self, params, model_state):
+    def sync_module(self, params: Pytree, model_state: Pytree) -> Any:
         _, param_state, rng_state, weight_state = nnx.split(self.module, *self._groups)
         nnx.replace_by_pure_dict(param_state, params)
         nnx.replace_by_pure_dict(rng_state, model_state["rngs"])
@@ -174,13 +185,13 @@ class NNXAdapter(ModuleAdapter):
         return self.module
 
 
-def _nnx_state(module: nnx.Module, groups: tuple):
+def _nnx_state(module: nnx.Module, groups: tuple) -> tuple[Pytree, Pytree]:
     """`(params, model_state)` of an NNX module as pure dicts, split by `groups` (see `_groups`)."""
     _, params, rngs, weights = nnx.split(module, *groups)
     return nnx.to_pure_dict(params), {"weights": nnx.to_pure_dict(weights), "rngs": nnx.to_pure_dict(rngs)}
 
 
-def _checked_module(module):
+def _checked_module(module: Any) -> nnx.Module:
     if not isinstance(module, nnx.Module):
         raise TypeError(
             "A model factory must return a flax.nnx.Module (e.g. lambda: MLP(rngs=nnx.Rngs(0))). "
@@ -200,7 +211,7 @@ class LinenAdapter(ModuleAdapter):
     (e.g. `batch_stats`) are mutable during training.
     """
 
-    def __init__(self, module: linen.Module, sample_input, seed: int = 0):
+    def __init__(self, module: linen.Module, sample_input: Any, seed: int = 0) -> None:
         if sample_input is None:
             raise ValueError(
                 "A Linen module needs `sample_input` to create its variables, e.g. "
@@ -219,34 +230,36 @@ class LinenAdapter(ModuleAdapter):
         on = _TRAINING_FLAGS[self._flag]
         return {self._flag: on if training else not on}
 
-    def _call(self, variables, x, **kwargs):
+    def _call(self, variables: Pytree, x: Any, **kwargs: Any) -> Any:
         args, by_name = call_arguments(self.module, x)
         return self.module.apply(variables, *args, **by_name, **kwargs)
 
-    def _variables(self):
+    def _variables(self) -> Pytree:
         """The module's variables from `init`, boxed with their sharding metadata."""
         param_key, dropout_key = jax.random.split(jax.random.key(self.seed))
         args, kwargs = call_arguments(self.module, self.sample_input)
         rngs = {"params": param_key, "dropout": dropout_key}
         return self.module.init(rngs, *args, **kwargs, **self._mode_kwargs(False))
 
-    def _split(self):
+    def _split(self) -> tuple[Pytree, Pytree]:
         variables = dict(meta.unbox(self._variables()))
         params = variables.pop("params", {})
         return dict(params), variables
 
-    def abstract_init(self):
+    def abstract_init(self) -> tuple[Pytree, Pytree]:
         return jax.eval_shape(self._split)
 
-    def init(self, shardings=None):
+    def init(self, shardings: tuple[Pytree, Pytree] | None = None) -> tuple[Pytree, Pytree]:
         return jax.jit(self._split, out_shardings=shardings)()
 
-    def partition_specs(self):
+    def partition_specs(self) -> Pytree | None:
         if not hasattr(self, "_specs"):
             self._specs = linen.get_partition_spec(jax.eval_shape(self._variables)).get("params")
         return self._specs
 
-    def apply(self, params, model_state, x, *, training, rng):
+    def apply(
+        self, params: Pytree, model_state: Pytree, x: Any, *, training: bool, rng: jax.Array | None
+    ) -> tuple[Any, Pytree]:
         variables = {"params": params, **model_state}
         kwargs = self._mode_kwargs(training)
         if not training:
@@ -256,11 +269,11 @@ class LinenAdapter(ModuleAdapter):
         y_pred, updated = self._call(variables, x, rngs=rngs, mutable=mutable, **kwargs)
         return y_pred, {**model_state, **dict(updated)}
 
-    def sync_module(self, params, model_state):
+    def sync_module(self, params: Pytree, model_state: Pytree) -> Any:
         return self.module.bind({"params": params, **model_state})
 
 
-def adapt(module, sample_input=None, seed: int = 0, trainable=None) -> ModuleAdapter:
+def adapt(module: Any, sample_input: Any = None, seed: int = 0, trainable: Any = None) -> ModuleAdapter:
     """Picks the adapter for `module` (a module, or a factory of one), with a clear error for anything else.
 
     `trainable`: an NNX filter of the parameters to train (default all `nnx.Param`s);
@@ -286,7 +299,7 @@ def adapt(module, sample_input=None, seed: int = 0, trainable=None) -> ModuleAda
     )
 
 
-def _check_factory(factory) -> None:
+def _check_factory(factory: Callable[..., Any]) -> None:
     try:
         signature = inspect.signature(factory)
     except (TypeError, ValueError):  # a builtin without a signature: let the call say

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +21,17 @@ import optax
 from optax import tree_utils as otu
 
 from meshfit.strategies import placement
+
+__all__ = [
+    "get",
+    "names",
+    "Optimizer",
+    "OptimizerStateAccess",
+    "LearningRateIsSchedule",
+    "Recipe",
+    "recipe_of",
+    "schedule_of",
+]
 
 # name -> (optax factory, Keras's default keyword arguments)
 _FACTORIES: dict[str, tuple[Callable[..., optax.GradientTransformation], dict[str, Any]]] = {
@@ -64,12 +75,12 @@ class LearningRateIsSchedule(TypeError):
     """The learning rate follows an optax schedule, so it cannot be set."""
 
 
-def recipe_of(transform) -> Recipe | None:
+def recipe_of(transform: optax.GradientTransformation) -> Recipe | None:
     """How `get` built `transform` from a name, or None (a transform built another way)."""
     return _RECIPES.get(getattr(transform, "update", None))
 
 
-def schedule_of(transform) -> Callable | None:
+def schedule_of(transform: optax.GradientTransformation) -> Callable | None:
     """The learning-rate schedule `get` built `transform` with, or None."""
     recipe = recipe_of(transform)
     learning_rate = None if recipe is None else recipe.config["learning_rate"]
@@ -82,12 +93,12 @@ def names() -> list[str]:
 
 
 def get(
-    identifier,
+    identifier: str | optax.GradientTransformation | optax.MultiSteps,
     *,
     clipnorm: float | None = None,
     clipvalue: float | None = None,
     global_clipnorm: float | None = None,
-    **overrides,
+    **overrides: Any,
 ) -> optax.GradientTransformation:
     """Returns an optax transform for a Keras optimizer name or passes one through.
 
@@ -138,7 +149,9 @@ def get(
     )
 
 
-def _clipping(clipnorm, clipvalue, global_clipnorm) -> list[optax.GradientTransformation]:
+def _clipping(
+    clipnorm: float | None, clipvalue: float | None, global_clipnorm: float | None
+) -> list[optax.GradientTransformation]:
     """Keras's gradient clipping as optax transforms, applied before the optimizer's own."""
     for name, value in (("clipnorm", clipnorm), ("clipvalue", clipvalue), ("global_clipnorm", global_clipnorm)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
@@ -162,11 +175,29 @@ def _clipping(clipnorm, clipvalue, global_clipnorm) -> list[optax.GradientTransf
 def _clip_each_by_norm(max_norm: float) -> optax.GradientTransformation:
     """Scales each gradient array whose L2 norm exceeds `max_norm` down to it (Keras's `clipnorm`)."""
 
-    def clip(g):
+    def clip(g: jax.Array) -> jax.Array:
         norm = jnp.sqrt(jnp.sum(jnp.square(g.astype(jnp.float32))))
         return g * (max_norm / jnp.maximum(norm, max_norm)).astype(g.dtype)
 
     return optax.stateless(lambda updates, params: jax.tree.map(clip, updates))
+
+
+class OptimizerStateAccess(NamedTuple):
+    """What an `Optimizer` reads and writes of the training state, without knowing who holds it.
+
+    `Model.compile` builds one over the model's session.
+
+    Attributes:
+        opt_state: returns the optimizer state as the last step left it (device arrays; nothing waits).
+        replace_opt_state: writes a new optimizer state, of the same structure and placement, between steps.
+        step: returns the number of optimizer steps taken, as a device scalar.
+        to_host: pulls a device value to the host (a host sync).
+    """
+
+    opt_state: Callable[[], Any]
+    replace_opt_state: Callable[[Any], None]
+    step: Callable[[], Any]
+    to_host: Callable[[Any], Any]
 
 
 class Optimizer:
@@ -181,17 +212,19 @@ class Optimizer:
 
     Args:
         transform: the optax transformation.
-        session: the model's `meshfit.session.Session` (holds the optimizer state).
+        state: how to read and replace the optimizer state (`OptimizerStateAccess`).
         schedule: the learning-rate schedule `transform` was built with (`schedule_of`), if any.
     """
 
-    def __init__(self, transform: optax.GradientTransformation, session, schedule: Callable | None = None):
+    def __init__(
+        self, transform: optax.GradientTransformation, state: OptimizerStateAccess, schedule: Callable | None = None
+    ) -> None:
         self.transform = transform
-        self._session = session
+        self._state = state
         self.schedule = schedule
 
     def _lr_leaves(self) -> list[tuple[tuple, Any]]:
-        found = otu.tree_get_all_with_path(self._session.latest.opt_state, "learning_rate")
+        found = otu.tree_get_all_with_path(self._state.opt_state(), "learning_rate")
         if not found:
             raise AttributeError(
                 "The optimizer has no learning rate held in its state, so it cannot be read "
@@ -201,7 +234,7 @@ class Optimizer:
         return found
 
     @staticmethod
-    def _is_schedule_state(path) -> bool:
+    def _is_schedule_state(path: tuple) -> bool:
         return any(getattr(key, "name", None) == "hyperparams_states" for key in path)
 
     @property
@@ -221,17 +254,16 @@ class Optimizer:
         values = [leaf for path, leaf in leaves if not self._is_schedule_state(path)]
         counts = [leaf.count for path, leaf in leaves if self._is_schedule_state(path) and hasattr(leaf, "count")]
         if self.schedule is not None and counts:
-            return float(self.schedule(int(self._session.strategy.to_host(counts[0]))))
-        return float(self._session.strategy.to_host(values[0]))
+            return float(self.schedule(int(self._state.to_host(counts[0]))))
+        return float(self._state.to_host(values[0]))
 
     @learning_rate.setter
-    def learning_rate(self, value) -> None:
+    def learning_rate(self, value: float) -> None:
         if self.learning_rate_is_schedule:
             raise self.schedule_error(f"set to {value!r}")
         old = self._lr_leaves()[0][1]
         new = placement.put(np.asarray(value, dtype=old.dtype), old.sharding)
-        state = self._session.latest
-        self._session.state = state._replace(opt_state=otu.tree_set(state.opt_state, learning_rate=new))
+        self._state.replace_opt_state(otu.tree_set(self._state.opt_state(), learning_rate=new))
 
     @staticmethod
     def schedule_error(what: str) -> LearningRateIsSchedule:
@@ -245,7 +277,7 @@ class Optimizer:
     @property
     def iterations(self) -> int:
         """Number of optimizer steps taken (reads one value from the device)."""
-        return int(self._session.strategy.to_host(self._session.latest.step))
+        return int(self._state.to_host(self._state.step()))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"Optimizer({self.transform!r})"

@@ -5,8 +5,8 @@ A module returns one array, or a dict, list or tuple of them (nested too).
 per output, as Keras does: one loss for every output, a dict keyed by output
 name, or a list in output order. They are resolved once, on the first batch,
 when the outputs' structure is known, into flat lists of terms that each
-address one output by its path; the steps in `meshfit.steps` only loop over
-those lists.
+address one output by its path (`meshfit.terms`); the steps in `meshfit.steps`
+only loop over those lists.
 
 Output names: a dict output's keys (nested keys joined with "/"), a
 NamedTuple's or dataclass's field names, and `output_0`, `output_1`, ... for
@@ -18,54 +18,22 @@ than one output, a metric is logged as `<output>_<metric>`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 
 from meshfit import losses as losses_lib
 from meshfit import metrics as metrics_lib
+from meshfit.terms import LossTerm, MetricTerm, Output
 
-LOSS_KEY = "loss"
-
-
-class Output(NamedTuple):
-    """One output of the model: its log name and its path (dict keys, list indices) from the root."""
-
-    name: str
-    path: tuple
-
-    def of(self, tree):
-        """This output's part of `tree` (predictions, targets or per-output sample weights)."""
-        for key in self.path:
-            tree = getattr(tree, key) if _is_field(tree, key) else tree[key]
-        return tree
+__all__ = [
+    "outputs_of",
+    "Output",
+]
 
 
-class LossTerm(NamedTuple):
-    """One output's loss and its weight in the total (None: unweighted).
-
-    `scalar`: the loss returns one value for the batch, not one per sample
-    (`find_scalar_losses`), so the steps compute it on the real rows of a
-    partial batch rather than masking its padding.
-    """
-
-    output: Output
-    loss: losses_lib.Loss
-    weight: float | None
-    scalar: bool = False
-
-
-class MetricTerm(NamedTuple):
-    """One metric of one output, with the key it is logged under; `weighted` ones use `sample_weight`."""
-
-    output: Output
-    metric: Any
-    weighted: bool
-    log_name: str
-
-
-def outputs_of(y_pred) -> list[Output]:
+def outputs_of(y_pred: Any) -> list[Output]:
     """The model's outputs, in `jax.tree` order (dict keys sorted), named as the module docstring says."""
     leaves = jax.tree_util.tree_flatten_with_path(y_pred)[0]
     if len(leaves) == 1 and not leaves[0][0]:
@@ -92,17 +60,14 @@ def outputs_of(y_pred) -> list[Output]:
     return outputs
 
 
-def _is_field(tree, key) -> bool:
-    """Whether `key` names a field of a NamedTuple or dataclass (read with getattr), not a dict key."""
-    return isinstance(key, str) and not isinstance(tree, dict)
-
-
-def is_structure(value) -> bool:
+def is_structure(value: Any) -> bool:
     """Whether a `compile` argument is given per output (a dict, list or tuple) rather than for all."""
     return isinstance(value, (dict, list, tuple))
 
 
-def per_output(spec, outputs: Sequence[Output], argument: str, entry=lambda value: True) -> list:
+def per_output(
+    spec: Any, outputs: Sequence[Output], argument: str, entry: Callable[[Any], bool] = lambda value: True
+) -> list:
     """`spec` given per output (a dict keyed by output name, or a list in output order), as one entry per output.
 
     Outputs the spec leaves out get None. `entry(value)` says whether a list
@@ -125,7 +90,7 @@ def per_output(spec, outputs: Sequence[Output], argument: str, entry=lambda valu
     )
 
 
-def _lookup(spec: dict, output: Output):
+def _lookup(spec: dict, output: Output) -> Any:
     """An output's entry in a dict spec: by its full name, or by walking its path through nested dicts."""
     if output.name in spec:
         return spec[output.name]
@@ -137,11 +102,11 @@ def _lookup(spec: dict, output: Output):
     return node
 
 
-def _is_nested_key(key, spec: dict, outputs: Sequence[Output]) -> bool:
+def _is_nested_key(key: Any, spec: dict, outputs: Sequence[Output]) -> bool:
     return isinstance(spec[key], dict) and any(o.path[:1] == (key,) for o in outputs)
 
 
-def resolve_losses(loss, loss_weights, outputs: Sequence[Output]) -> list[LossTerm]:
+def resolve_losses(loss: Any, loss_weights: Any, outputs: Sequence[Output]) -> list[LossTerm]:
     """The loss terms: `loss` for every output, or per output; `loss_weights` likewise (None: unweighted)."""
     if loss is None:
         return []
@@ -167,7 +132,7 @@ def resolve_losses(loss, loss_weights, outputs: Sequence[Output]) -> list[LossTe
     return terms
 
 
-def find_scalar_losses(terms: Sequence[LossTerm], y_true, y_pred) -> list[LossTerm]:
+def find_scalar_losses(terms: Sequence[LossTerm], y_true: Any, y_pred: Any) -> list[LossTerm]:
     """The terms, each marked `scalar` if its loss returns a scalar on these (abstract) targets and outputs.
 
     Traced with `jax.eval_shape`: nothing runs. Per-sample losses cost
@@ -181,7 +146,9 @@ def find_scalar_losses(terms: Sequence[LossTerm], y_true, y_pred) -> list[LossTe
     return marked
 
 
-def resolve_metrics(metrics, weighted_metrics, outputs: Sequence[Output], y_true, y_pred, loss) -> list[MetricTerm]:
+def resolve_metrics(
+    metrics: Any, weighted_metrics: Any, outputs: Sequence[Output], y_true: Any, y_pred: Any, loss: Any
+) -> list[MetricTerm]:
     """The metric terms, with Keras's log names (prefixed by the output with several outputs, made unique)."""
     unweighted = _metric_entries(metrics, outputs, "metrics", loss)
     weighted = _metric_entries(weighted_metrics, outputs, "weighted_metrics", loss)
@@ -198,7 +165,7 @@ def resolve_metrics(metrics, weighted_metrics, outputs: Sequence[Output], y_true
     return terms
 
 
-def _metric_entries(spec, outputs: Sequence[Output], argument: str, loss) -> list[tuple]:
+def _metric_entries(spec: Any, outputs: Sequence[Output], argument: str, loss: Any) -> list[tuple]:
     """`(output, metric identifier, that output's loss identifier)` for each metric in `spec`."""
     if not spec:
         return []
@@ -217,7 +184,7 @@ def _metric_entries(spec, outputs: Sequence[Output], argument: str, loss) -> lis
     return entries
 
 
-def _shape_of(y_true, output: Output):
+def _shape_of(y_true: Any, output: Output) -> Any:
     try:
         return output.of(y_true)
     except (KeyError, IndexError, TypeError):
@@ -237,7 +204,9 @@ def _log_name(name: str, prefix: str, weighted: bool, taken: dict[str, int]) -> 
     return f"{key}_{index}"
 
 
-def check_targets(y_true, terms: Sequence[LossTerm | MetricTerm], outputs: Sequence[Output], argument: str = "y"):
+def check_targets(
+    y_true: Any, terms: Sequence[LossTerm | MetricTerm], outputs: Sequence[Output], argument: str = "y"
+) -> None:
     """Raises a ValueError unless `y_true` has a target for every output a loss or metric reads."""
     for term in terms:
         try:

@@ -13,7 +13,7 @@ and the loss, metrics and softmax inside the loss (float32).
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,11 +41,11 @@ class DTypePolicy:
         """float16 computation needs a loss scale: small gradients underflow its range."""
         return self.compute_dtype == np.dtype(jnp.float16)
 
-    def cast_to_compute(self, tree):
+    def cast_to_compute(self, tree: Any) -> Any:
         """Floating leaves of `tree` in the compute dtype (others unchanged)."""
         return _cast_floating(tree, self.compute_dtype)
 
-    def cast_to_variable(self, tree):
+    def cast_to_variable(self, tree: Any) -> Any:
         """Floating leaves of `tree` in the variable dtype: the weights as the state keeps them."""
         return _cast_floating(tree, self.variable_dtype)
 
@@ -78,16 +78,16 @@ def get(identifier: str | DTypePolicy | None) -> DTypePolicy:
     raise ValueError(f"Unknown dtype policy {identifier!r}. Expected one of {names()}.")
 
 
-def to_float32(tree):
+def to_float32(tree: Any) -> Any:
     """Floating leaves below float32 (bfloat16, float16) cast up, for the loss and the metrics."""
     return jax.tree.map(lambda a: a.astype(jnp.float32) if _low_precision(a) else a, tree)
 
 
-def _low_precision(a) -> bool:
+def _low_precision(a: jax.Array) -> bool:
     return jnp.issubdtype(a.dtype, jnp.floating) and jnp.finfo(a.dtype).bits < 32
 
 
-def _cast_floating(tree, dtype):
+def _cast_floating(tree: Any, dtype: Any) -> Any:
     return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
@@ -114,7 +114,7 @@ class LossScale(NamedTuple):
         return LossScale(scale.astype(jnp.float32), good_steps.astype(jnp.int32))
 
 
-def all_finite(tree) -> jax.Array:
+def all_finite(tree: Any) -> jax.Array:
     """True if every element of every leaf is finite (a scalar bool)."""
     leaves = [jnp.all(jnp.isfinite(a)) for a in jax.tree.leaves(tree)]
     return jnp.stack(leaves).all() if leaves else jnp.asarray(True)

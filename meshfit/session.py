@@ -25,7 +25,8 @@ from meshfit.in_flight import InFlight
 from meshfit.state import TrainState
 from meshfit.state_store import StateStore
 from meshfit.step_report import StepReport
-from meshfit.steps import LOSS_KEY, StepFunctions
+from meshfit.steps import StepFunctions
+from meshfit.terms import LOSS_KEY
 
 
 class Session:

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable
 
 from meshfit.in_flight import InFlight
 from meshfit.state import TrainState
-from meshfit.steps import LOSS_KEY
+from meshfit.terms import LOSS_KEY
 
 
 class StateStore:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Callable
+from typing import Any
 
 import jax
 from jax.extend import core as jax_core
@@ -73,7 +75,7 @@ class StepReport:
         return [k for k, n in self.lowered_collectives.items() if self.collectives.get(k, 0) > n]
 
 
-def _cost(stage) -> dict:
+def _cost(stage: jax.stages.Lowered | jax.stages.Compiled) -> dict:
     cost = stage.cost_analysis()
     if isinstance(cost, (list, tuple)):  # one dict per program in some JAX versions
         cost = cost[0] if cost else {}
@@ -97,7 +99,11 @@ def memory(compiled: jax.stages.Compiled) -> dict:
 
 
 def analyse(
-    lowered: jax.stages.Lowered, compiled: jax.stages.Compiled, batch_size: int, devices: list, jaxpr=None
+    lowered: jax.stages.Lowered,
+    compiled: jax.stages.Compiled,
+    batch_size: int,
+    devices: list,
+    jaxpr: Callable[[], Any] | None = None,
 ) -> StepReport:
     """A `StepReport` of a train step, from its lowered and compiled forms (and `jaxpr()`, which
     returns its jaxpr, for FLOPs where the backend has no cost analysis of a lowered program)."""
@@ -216,7 +222,7 @@ def lowered_collectives(lowered: jax.stages.Lowered) -> dict:
 
     totals: dict[str, int] = {}
 
-    def visit(op):
+    def visit(op: Any) -> Any:
         kind = _MLIR_COLLECTIVES.get(op.name)
         if kind is not None:
             for operand in op.operands:
@@ -236,7 +242,7 @@ def _tensor_bytes(text: str) -> int:
     return count * _dtype_bytes(dtype)
 
 
-def jaxpr_flops(jaxpr) -> float:
+def jaxpr_flops(jaxpr: jax_core.ClosedJaxpr | jax_core.Jaxpr) -> float:
     """FLOPs of the matrix products and convolutions of a (closed) jaxpr, 2 per multiply-add.
 
     Sub-programs count as often as they run: a `scan` body `length` times, a
@@ -266,7 +272,7 @@ def jaxpr_flops(jaxpr) -> float:
     return total
 
 
-def _sub_flops(value) -> float:
+def _sub_flops(value: Any) -> float:
     if isinstance(value, (jax_core.ClosedJaxpr, jax_core.Jaxpr)):
         return jaxpr_flops(value)
     if isinstance(value, (tuple, list)):

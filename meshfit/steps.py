@@ -18,10 +18,10 @@ import optax
 
 from meshfit import losses as losses_lib
 from meshfit import precision
-from meshfit.data import Batch
+from meshfit.batch import Batch
 from meshfit.modules import ModuleAdapter
-from meshfit.outputs import LOSS_KEY, LossTerm, MetricTerm
 from meshfit.state import TrainState
+from meshfit.terms import LOSS_KEY, LossTerm, MetricTerm
 
 
 class Replicas(Protocol):
@@ -62,11 +62,11 @@ class StepFunctions:
 
     Args:
         adapter: the module adapter (forward pass on pure pytrees).
-        losses: the `meshfit.outputs.LossTerm`s: each output's loss and its
+        losses: the `meshfit.terms.LossTerm`s: each output's loss and its
             weight; the training objective is their weighted sum (none:
             `predict` only).
         tx: the optax optimizer.
-        metrics: the `meshfit.outputs.MetricTerm`s, updated with the padding
+        metrics: the `meshfit.terms.MetricTerm`s, updated with the padding
             mask as sample weight (times the output's `sample_weight` for the
             weighted ones).
         policy: the `meshfit.precision.DTypePolicy` the forward and backward passes run under.

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
+
+if TYPE_CHECKING:
+    from meshfit.step_report import StepReport
+    from meshfit.strategies import Strategy
 
 
 def human_bytes(n: float) -> str:
@@ -15,18 +21,18 @@ def human_bytes(n: float) -> str:
     return f"{n} B"
 
 
-def bytes_per_device(leaf) -> int:
+def bytes_per_device(leaf: jax.Array) -> int:
     """Bytes of the largest shard of `leaf` (read from its sharding, no transfer)."""
     sharding = getattr(leaf, "sharding", None)
     shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
     return int(np.prod(shape)) * leaf.dtype.itemsize
 
 
-def _sharded(tree) -> bool:
+def _sharded(tree: Any) -> bool:
     return any(isinstance(getattr(leaf, "sharding", None), NamedSharding) for leaf in jax.tree.leaves(tree))
 
 
-def format_step_report(report) -> str:
+def format_step_report(report: StepReport) -> str:
     """Lines for `Model.summary()` after the first fit: a step's memory, FLOPs and collectives per device."""
     mem = report.memory
     lines = [
@@ -43,7 +49,9 @@ def format_step_report(report) -> str:
     return "\n".join(lines)
 
 
-def format_summary(name: str, strategy, names: list[str], params, non_trainable, opt_state) -> str:
+def format_summary(
+    name: str, strategy: Strategy, names: list[str], params: Any, non_trainable: Any, opt_state: Any
+) -> str:
     """The text `model.summary()` prints (shapes and shardings only; no device transfer).
 
     `names` are the weight names of `params` then `non_trainable` leaves; `opt_state` adds
@@ -75,12 +83,12 @@ def format_summary(name: str, strategy, names: list[str], params, non_trainable,
     line = "-" * (sum(widths) + 2 * (len(widths) - 1))
     left = {0, 1, 2, 3, 6}
 
-    def fmt(row):
+    def fmt(row: list[str]) -> str:
         return "  ".join(
             c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
         )
 
-    def total(tree_leaves):
+    def total(tree_leaves: list) -> tuple[int, int]:
         return sum(int(np.prod(a.shape)) for a in tree_leaves), sum(a.nbytes for a in tree_leaves)
 
     t_count, t_bytes = total(leaves[:n_params])

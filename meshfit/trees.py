@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 import jax
 
 
-def path_name(path) -> str:
+def path_name(path: Iterable[Any]) -> str:
     """'layers/0/kernel' for a pytree key path: the same for dict keys, attributes and sequence indices."""
     parts = []
     for key in path:
@@ -18,6 +21,6 @@ def path_name(path) -> str:
     return "/".join(parts)
 
 
-def is_key(leaf) -> bool:
+def is_key(leaf: Any) -> bool:
     """Whether `leaf` is a typed PRNG key array."""
     return hasattr(leaf, "dtype") and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)

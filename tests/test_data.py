@@ -130,3 +130,95 @@ def test_a_fit_from_a_generator_trains_the_same_with_and_without_read_ahead(monk
 
     for a, b in zip(weights(0), weights(2), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+class Rows(mf.data.DataSource):
+    """Array rows in order, `rows` at a time: the smallest source a user might write."""
+
+    def __init__(self, x, y, rows):
+        self.x, self.y, self.rows = x, y, rows
+        self.steps_per_epoch = -(-len(x) // rows)
+
+    def _batch(self, i):
+        part = slice(i * self.rows, (i + 1) * self.rows)
+        return mf.data.make_batch(self.x[part], self.y[part], None, self.rows)
+
+    def peek(self):
+        return self._batch(0)
+
+    def executions(self, epoch, size, start_step=0, pad_last=True, place=None):
+        place = place or (lambda batches: batches)
+        for first in range(start_step, self.steps_per_epoch, size):
+            group = [self._batch(i) for i in range(first, min(first + size, self.steps_per_epoch))]
+            if size == 1:
+                yield 1, place(group[0])
+            else:
+                yield len(group), place(mf.data.stack_batches(group, size if pad_last else len(group)))
+
+    def get_state(self):
+        return {}
+
+    def set_state(self, state):
+        del state
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_a_users_own_data_source_trains_evaluates_and_predicts_as_the_same_arrays_do(steps_per_execution):
+    """Keras takes a user's own DataAdapter likewise: fit (validation too), evaluate and predict."""
+    x, y = classification_data(n=36)  # 4 full batches of 8 and a partial one
+    assert Rows(x, y, rows=8).batch_nbytes == 8 * (4 * 4 + 4 + 4)  # x, y and mask of one batch, by the contract
+    results = []
+    for data in (Rows(x, y, rows=8), None):
+        model = mf.Model(MLP())
+        model.compile(
+            optimizer="adam",
+            loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+            steps_per_execution=steps_per_execution,
+        )
+        if data is None:  # the same rows as arrays, in the same order
+            history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, validation_data=(x, y), verbose=0)
+            logs = model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
+            predictions = model.predict(x, batch_size=8, verbose=0)
+        else:
+            history = model.fit(data, epochs=2, validation_data=data, verbose=0)
+            logs = model.evaluate(data, verbose=0, return_dict=True)
+            predictions = model.predict(Rows(x, np.zeros(len(x)), rows=8), verbose=0)
+        results.append((model.get_weights(), history.history, logs, predictions))
+    (weights, history, logs, predictions), (weights_, history_, logs_, predictions_) = results
+    for a, b in zip(weights, weights_, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert history == history_ and logs == logs_
+    np.testing.assert_array_equal(predictions, predictions_)
+
+
+def test_a_users_own_data_source_is_refused_with_what_only_arrays_take_or_with_a_wrong_batch():
+    x, y = classification_data(n=16)
+    model = mf.Model(MLP())
+    model.compile(optimizer="sgd", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match=r"`y` and `sample_weight` must be None .* x=Rows"):
+        model.fit(Rows(x, y, rows=8), y, verbose=0)
+    with pytest.raises(ValueError, match=r"`batch_size` must be None .* batch_size=8"):
+        model.evaluate(Rows(x, y, rows=8), batch_size=8, verbose=0)
+    with pytest.raises(ValueError, match=r"must be None or equal to its `steps_per_epoch` \(2\)"):
+        model.fit(Rows(x, y, rows=8), steps_per_epoch=5, verbose=0)
+
+    class Tuples(Rows):
+        def peek(self):
+            return tuple(self._batch(0))
+
+    with pytest.raises(TypeError, match=r"`Tuples.peek\(\)` must return a meshfit.batch.Batch.* Received: tuple"):
+        model.fit(Tuples(x, y, rows=8), verbose=0)
+
+    class Unmasked(Rows):
+        def peek(self):
+            return self._batch(0)._replace(mask=None)
+
+    with pytest.raises(ValueError, match=r"`mask` is a 1-D array.* Received: mask=None"):
+        model.fit(Unmasked(x, y, rows=8), verbose=0)
+
+    class NotASubclass:
+        peek, executions = Rows.peek, Rows.executions
+
+    with pytest.raises(TypeError, match="or a meshfit.data.DataSource.*make it a subclass of meshfit.data.DataSource"):
+        model.fit(NotASubclass(), verbose=0)

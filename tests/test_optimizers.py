@@ -76,3 +76,20 @@ def test_a_numpy_learning_rate_is_held_in_the_state_as_a_float_is():
     assert model.optimizer.learning_rate == np.float32(0.01)
     model.optimizer.learning_rate = 0.25  # optax would have kept a numpy scalar static, out of reach
     assert model.optimizer.learning_rate == 0.25
+
+
+def test_an_optimizer_reads_and_sets_the_learning_rate_through_its_state_access_alone():
+    """No session: whatever holds the optimizer state hands the `Optimizer` four functions."""
+    tx = mf.optimizers.get("sgd", learning_rate=0.1)
+    held = {"opt_state": tx.init({"w": np.zeros(3, np.float32)})}
+    access = mf.optimizers.OptimizerStateAccess(
+        opt_state=lambda: held["opt_state"],
+        replace_opt_state=lambda opt_state: held.update(opt_state=opt_state),
+        step=lambda: np.int32(7),
+        to_host=np.asarray,
+    )
+    optimizer = mf.optimizers.Optimizer(tx, access)
+    assert optimizer.learning_rate == pytest.approx(0.1)
+    optimizer.learning_rate = 0.025
+    assert float(held["opt_state"].hyperparams["learning_rate"]) == pytest.approx(0.025)
+    assert optimizer.learning_rate == pytest.approx(0.025) and optimizer.iterations == 7

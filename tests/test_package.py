@@ -5,6 +5,7 @@ import ast
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -124,6 +125,20 @@ def test_names_load_on_first_use_as_if_imported():
         _ = meshfit.Modle
 
 
+def test_every_module_the_package_exports_lists_its_public_names_and_each_resolves():
+    """`meshfit.data`, `meshfit.outputs`, ...: `__all__` says what is API, not whatever they happen to import."""
+    import meshfit
+
+    exported = {name: getattr(meshfit, name) for name in meshfit.__all__}
+    modules_ = {name: value for name, value in exported.items() if isinstance(value, types.ModuleType)}
+    assert {"data", "outputs", "cluster", "strategies"} <= set(modules_)
+    for name, module in modules_.items():
+        assert isinstance(getattr(module, "__all__", None), list), f"meshfit.{name} defines no __all__"
+        assert len(set(module.__all__)) == len(module.__all__), f"meshfit.{name}.__all__ repeats a name"
+        missing = [public for public in module.__all__ if getattr(module, public, None) is None]
+        assert missing == [], f"meshfit.{name}.__all__ names what it does not define: {missing}"
+
+
 def private_accesses(path: str, owners: tuple[str, ...]) -> list[str]:
     """`<owner>._x` (read or written) in a file for each name in `owners`, as `line: expression`."""
     found = []
@@ -156,3 +171,45 @@ def test_no_test_or_callback_reads_a_private_attribute_of_the_session():
     assert {path: hits for path, hits in found.items() if hits} == {}
     callbacks = [path for name, path in modules().items() if name.startswith("meshfit.callbacks")]
     assert [path for path in callbacks if ".session" in open(path).read()] == []
+
+
+#: The layers of docs/architecture.md, top down; each calls only the layers below it.
+FACADE = {"meshfit.model", "meshfit.outputs", "meshfit.saving", "meshfit.serialization", "meshfit.summary"}
+LOOP = {
+    "meshfit.loop",
+    "meshfit.session",
+    "meshfit.state_store",
+    "meshfit.fit_cursor",
+    "meshfit.executables",
+    "meshfit.feeder",
+    "meshfit.fit_context",
+    "meshfit.data",
+    "meshfit.callbacks",
+}
+STEPS = {
+    "meshfit.steps",
+    "meshfit.state",
+    "meshfit.terms",
+    "meshfit.losses",
+    "meshfit.metrics",
+    "meshfit.optimizers",
+    "meshfit.modules",
+}
+
+
+def in_layer(name: str, layer: set[str]) -> bool:
+    return any(name == top or name.startswith(top + ".") for top in layer)
+
+
+def test_steps_and_strategies_import_nothing_from_the_loop_or_the_facade():
+    """The steps and the strategies are below the loop: they take batches and terms, not data sources or compile
+    arguments (`meshfit.batch`, `meshfit.terms`)."""
+    found = modules()
+    graph = {name: imports(path, set(found), name) for name, path in found.items()}
+    assert in_layer("meshfit.callbacks.history", LOOP) and "meshfit.batch" in graph["meshfit.steps"]  # edges are seen
+    upward = {
+        name: sorted(m for m in imported if in_layer(m, FACADE | LOOP))
+        for name, imported in graph.items()
+        if in_layer(name, STEPS) or name.startswith("meshfit.strategies")
+    }
+    assert {name: hits for name, hits in upward.items() if hits} == {}

@@ -10,8 +10,12 @@ does): then the epoch ends without waiting for the devices.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from meshfit.fit_context import FitContext
+    from meshfit.model import Model
 
 
 class Callback:
@@ -43,15 +47,15 @@ class Callback:
     def close(self) -> None:
         """Finishes background work (an asynchronous save); called when `fit` ends, also by an error."""
 
-    def __init__(self):
-        self.model = None
+    def __init__(self) -> None:
+        self.model: Model | None = None
         self.params: dict[str, Any] = {}
 
-    def set_model(self, model) -> None:
+    def set_model(self, model: Model) -> None:
         self.model = model
 
     @property
-    def context(self):
+    def context(self) -> FitContext:
         """The running fit as a callback sees it (`meshfit.fit_context.FitContext`): the optimizer
         steps taken, a settled state, the fit's position and `restore`."""
         return self.model.fit_context
@@ -69,21 +73,21 @@ class Callback:
         del state
 
     # Training.
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         """Called once at the start of `fit`, before any step (BackupAndRestore restores here).
 
         Args:
             logs: an empty dict (reserved).
         """
 
-    def on_train_end(self, logs=None):
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         """Called once at the end of `fit`, also after an early stop.
 
         Args:
             logs: the last epoch's logs.
         """
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         """Called at the start of each epoch.
 
         Args:
@@ -91,7 +95,7 @@ class Callback:
             logs: an empty dict (reserved).
         """
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         """Called at the end of each epoch, after validation.
 
         Args:
@@ -101,7 +105,7 @@ class Callback:
                 `accepts_device_logs`).
         """
 
-    def on_train_batch_begin(self, batch, logs=None):
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         """Called before each training step (each execution with `steps_per_execution`).
 
         Args:
@@ -110,7 +114,7 @@ class Callback:
         """
         self.on_batch_begin(batch, logs=logs)
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         """Called after each training step (each execution with `steps_per_execution`).
 
         Args:
@@ -121,21 +125,21 @@ class Callback:
         self.on_batch_end(batch, logs=logs)
 
     # Evaluation.
-    def on_test_begin(self, logs=None):
+    def on_test_begin(self, logs: dict[str, Any] | None = None) -> None:
         """Called at the start of `evaluate` (and of validation within `fit`).
 
         Args:
             logs: an empty dict (reserved).
         """
 
-    def on_test_end(self, logs=None):
+    def on_test_end(self, logs: dict[str, Any] | None = None) -> None:
         """Called at the end of `evaluate` or validation.
 
         Args:
             logs: the evaluation's results, as Python floats.
         """
 
-    def on_test_batch_begin(self, batch, logs=None):
+    def on_test_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         """Called before each evaluation step.
 
         Args:
@@ -143,7 +147,7 @@ class Callback:
             logs: an empty dict (reserved).
         """
 
-    def on_test_batch_end(self, batch, logs=None):
+    def on_test_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         """Called after each evaluation step.
 
         Args:
@@ -152,21 +156,21 @@ class Callback:
         """
 
     # Prediction.
-    def on_predict_begin(self, logs=None):
+    def on_predict_begin(self, logs: dict[str, Any] | None = None) -> None:
         """Called at the start of `predict`.
 
         Args:
             logs: an empty dict (reserved).
         """
 
-    def on_predict_end(self, logs=None):
+    def on_predict_end(self, logs: dict[str, Any] | None = None) -> None:
         """Called at the end of `predict`.
 
         Args:
             logs: an empty dict (reserved).
         """
 
-    def on_predict_batch_begin(self, batch, logs=None):
+    def on_predict_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         """Called before each prediction step.
 
         Args:
@@ -174,7 +178,7 @@ class Callback:
             logs: an empty dict (reserved).
         """
 
-    def on_predict_batch_end(self, batch, logs=None):
+    def on_predict_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         """Called after each prediction step.
 
         Args:
@@ -182,7 +186,7 @@ class Callback:
             logs: `{"outputs": ...}`, the batch's outputs on the devices.
         """
 
-    def on_preemption(self, epoch, batch):
+    def on_preemption(self, epoch: int, batch: int) -> None:
         """meshfit: called when training stops for a preemption (SIGTERM), before `Preempted` is raised.
 
         Every process calls it at the same step. A callback that saves here
@@ -194,10 +198,10 @@ class Callback:
         """
 
     # Keras 2 aliases, still called by much user code.
-    def on_batch_begin(self, batch, logs=None):
+    def on_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         """Keras 2 alias of `on_train_batch_begin` (called by its default)."""
 
-    def on_batch_end(self, batch, logs=None):
+    def on_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         """Keras 2 alias of `on_train_batch_end` (called by its default)."""
 
 
@@ -242,7 +246,7 @@ _HOOKS = [
 class CallbackList(Callback):
     """Calls each hook on every callback in order; the only object the loop talks to."""
 
-    def __init__(self, callbacks: Iterable[Callback] = (), model=None, **params):
+    def __init__(self, callbacks: Iterable[Callback] = (), model: Model | None = None, **params: Any) -> None:
         super().__init__()
         self.callbacks = list(callbacks)
         for cb in self.callbacks:
@@ -259,7 +263,7 @@ class CallbackList(Callback):
     def append(self, callback: Callback) -> None:
         self.callbacks.append(callback)
 
-    def bound_hooks(self, hook: str) -> list:
+    def bound_hooks(self, hook: str) -> list[Callable[..., Any]]:
         """The bound `hook` of each callback that does something in it.
 
         Hooks a callback inherits unchanged from `Callback` are skipped, so a
@@ -282,23 +286,23 @@ class CallbackList(Callback):
         """True if some callback implements `hook` (or its Keras 2 alias)."""
         return bool(self.bound_hooks(hook))
 
-    def set_model(self, model) -> None:
+    def set_model(self, model: Model) -> None:
         super().set_model(model)
         for cb in self.callbacks:
             cb.set_model(model)
 
-    def set_params(self, params) -> None:
+    def set_params(self, params: dict[str, Any]) -> None:
         super().set_params(params)
         for cb in self.callbacks:
             cb.set_params(params)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Callback]:
         return iter(self.callbacks)
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.callbacks)
 
-    def _call(self, hook: str, *args) -> None:
+    def _call(self, hook: str, *args: Any) -> None:
         for bound in self.bound_hooks(hook):
             bound(*args)
 
@@ -314,8 +318,8 @@ def _overrides(callback: Callback, hook: str) -> bool:
     return getattr(type(callback), hook) is not getattr(Callback, hook)
 
 
-def _make_dispatcher(hook: str):
-    def dispatch(self, *args):
+def _make_dispatcher(hook: str) -> Callable[..., None]:
+    def dispatch(self: CallbackList, *args: Any) -> None:
         self._call(hook, *args)
 
     dispatch.__name__ = hook

@@ -28,7 +28,7 @@ from meshfit.strategies.parameter_server.server import (
 )
 
 if TYPE_CHECKING:
-    from meshfit.data import Batch
+    from meshfit.batch import Batch
     from meshfit.state import TrainState
 
 #: What a gradient job computes: `(gradients, module state, metric increments)`, pytrees like the state's.

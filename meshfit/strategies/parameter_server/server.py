@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshfit.batch import Batch
 from meshfit.checkpoint import decode
-from meshfit.data import Batch
 from meshfit.strategies import layout, placement
 from meshfit.trees import is_key
 

@@ -26,11 +26,11 @@ from multiprocessing.connection import Client
 import jax
 import numpy as np
 
-from meshfit.data import Batch
+from meshfit.batch import Batch
 from meshfit.strategies.parameter_server import launcher
 
 # The exported gradient program takes a Batch; both ends must know its name.
-jax.export.register_namedtuple_serialization(Batch, serialized_name="meshfit.data.Batch")
+jax.export.register_namedtuple_serialization(Batch, serialized_name="meshfit.batch.Batch")
 
 #: How long an offered array waits to be pulled before its transfer server lets it go.
 HOLD_TIMEOUT = datetime.timedelta(seconds=120)
