@@ -504,15 +504,17 @@ class Model:
 
     # -- the training logic a subclass may override (Keras 3's JAX contract) -------------------------
 
-    def stateless_call(self, params, model_state, x, training: bool = False, rng=None):
+    def stateless_call(self, params, model_state, x, training: bool = False, rng=None, method: str | None = None):
         """`(y_pred, model_state)`: the module's forward pass on these weights, pure (Keras's name).
 
         Runs under the compiled dtype policy (outputs in float32). `rng` is
         the step's key for modules that take one (Linen dropout: pass
         `state.rng`); NNX modules carry their random streams in `model_state`.
+        `method` names another method of the module to call instead of
+        `__call__` (a GAN's `generate`), as Flax's `apply(..., method=...)`.
         """
         parts = self._require_parts("stateless_call")
-        return forward(parts.adapter, parts.policy, params, model_state, x, rng, training)
+        return forward(parts.adapter, parts.policy, params, model_state, x, rng, training, method)
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training: bool = True):
         """The scalar loss of a batch: the compiled loss (each output's loss times its weight, summed;

@@ -41,7 +41,7 @@ class ModuleAdapter:
         """
         raise NotImplementedError
 
-    def apply(self, params, model_state, x, *, training: bool, rng) -> tuple[Any, Pytree]:
+    def apply(self, params, model_state, x, *, training: bool, rng, method: str | None = None) -> tuple[Any, Pytree]:
         """Runs the forward pass; returns `(y_pred, new_model_state)`."""
         raise NotImplementedError
 
@@ -72,8 +72,8 @@ def _groups(trainable) -> tuple:
     return (nnx.All(nnx.Param, trainable), nnx.RngState, ...)
 
 
-def call_arguments(module, x) -> tuple[tuple, dict]:
-    """How a batch's inputs are passed to `module(...)`, as Keras passes them.
+def call_arguments(module, x, method: str | None = None) -> tuple[tuple, dict]:
+    """How a batch's inputs are passed to `module(...)` (or its `method`), as Keras passes them.
 
     A list or tuple of arrays: as positional arguments. A dict whose keys all
     name parameters of the module's `__call__`: as keyword arguments. Anything
@@ -81,7 +81,7 @@ def call_arguments(module, x) -> tuple[tuple, dict]:
     """
     if isinstance(x, (list, tuple)):
         return tuple(x), {}
-    if isinstance(x, dict) and x and _takes_keywords(type(module), tuple(x)):
+    if isinstance(x, dict) and x and method is None and _takes_keywords(type(module), tuple(x)):
         return (), dict(x)
     return (x,), {}
 
@@ -147,12 +147,12 @@ class NNXAdapter(ModuleAdapter):
         self.sync_module(params, model_state)  # the abstract module now holds the created arrays
         return params, model_state
 
-    def apply(self, params, model_state, x, *, training, rng):
+    def apply(self, params, model_state, x, *, training, rng, method=None):
         del rng  # NNX modules carry their own RNG streams in model_state["rngs"].
         graphdef = self._train_graphdef if training else self._eval_graphdef
         module = nnx.merge(graphdef, params, model_state["rngs"], model_state["weights"])
-        args, kwargs = call_arguments(self.module, x)
-        y_pred = module(*args, **kwargs)
+        args, kwargs = call_arguments(self.module, x, method)
+        y_pred = (module if method is None else getattr(module, method))(*args, **kwargs)
         if not training:
             return y_pred, model_state
         _, _, rngs, weights = nnx.split(module, *self._groups)
@@ -219,9 +219,9 @@ class LinenAdapter(ModuleAdapter):
         on = _TRAINING_FLAGS[self._flag]
         return {self._flag: on if training else not on}
 
-    def _call(self, variables, x, **kwargs):
-        args, by_name = call_arguments(self.module, x)
-        return self.module.apply(variables, *args, **by_name, **kwargs)
+    def _call(self, variables, x, method=None, **kwargs):
+        args, by_name = call_arguments(self.module, x, method)
+        return self.module.apply(variables, *args, **by_name, method=method, **kwargs)
 
     def _variables(self):
         """The module's variables from `init`, boxed with their sharding metadata."""
@@ -246,14 +246,14 @@ class LinenAdapter(ModuleAdapter):
             self._specs = linen.get_partition_spec(jax.eval_shape(self._variables)).get("params")
         return self._specs
 
-    def apply(self, params, model_state, x, *, training, rng):
+    def apply(self, params, model_state, x, *, training, rng, method=None):
         variables = {"params": params, **model_state}
-        kwargs = self._mode_kwargs(training)
+        kwargs = self._mode_kwargs(training) if method is None else {}
         if not training:
-            return self._call(variables, x, **kwargs), model_state
+            return self._call(variables, x, method, **kwargs), model_state
         mutable = list(model_state.keys())
-        rngs = {"dropout": jax.random.wrap_key_data(rng)}
-        y_pred, updated = self._call(variables, x, rngs=rngs, mutable=mutable, **kwargs)
+        rngs = {} if rng is None else {"dropout": jax.random.wrap_key_data(rng)}
+        y_pred, updated = self._call(variables, x, method, rngs=rngs, mutable=mutable, **kwargs)
         return y_pred, {**model_state, **dict(updated)}
 
     def sync_module(self, params, model_state):

@@ -78,14 +78,6 @@ class Steps(Protocol):
     needs_real_rows: bool
     masks_padding: bool
 
-    logs_follow_metrics = True
-    masks_padding = True
-
-    @property
-    def needs_real_rows(self) -> bool:
-        """Whether a partial batch needs its own program: only under a loss returning a scalar."""
-        return bool(self.scalar_losses)
-
     @property
     def scalar_losses(self) -> list[str]: ...
 
@@ -169,7 +161,16 @@ def _last(stacked_logs: dict) -> dict:
     return jax.tree.map(lambda a: a[-1], stacked_logs)
 
 
-def forward(adapter: ModuleAdapter, policy: precision.DTypePolicy, params, model_state, x, rng, training: bool):
+def forward(
+    adapter: ModuleAdapter,
+    policy: precision.DTypePolicy,
+    params,
+    model_state,
+    x,
+    rng,
+    training: bool,
+    method: str | None = None,
+):
     """The module's outputs under the dtype policy (float32 out) and its updated state.
 
     Under a policy other than float32 the parameters and floating inputs are
@@ -178,7 +179,8 @@ def forward(adapter: ModuleAdapter, policy: precision.DTypePolicy, params, model
     """
     if policy.name != "float32":
         params, x = policy.cast_to_compute((params, x))
-    y_pred, new_model_state = adapter.apply(params, model_state, x, training=training, rng=rng)
+    call = {} if method is None else {"method": method}
+    y_pred, new_model_state = adapter.apply(params, model_state, x, training=training, rng=rng, **call)
     if policy.name != "float32":
         y_pred = precision.to_float32(y_pred)
         new_model_state = jax.tree.map(_keep_floating_dtype, new_model_state, model_state)
@@ -251,6 +253,14 @@ class StepFunctions(ScannedSteps):
         steps = copy.copy(self)
         steps.rows = int(rows)
         return steps
+
+    logs_follow_metrics = True
+    masks_padding = True
+
+    @property
+    def needs_real_rows(self) -> bool:
+        """Whether a partial batch needs its own program: only under a loss returning a scalar."""
+        return bool(self.scalar_losses)
 
     @property
     def scalar_losses(self) -> list[str]:
