@@ -263,6 +263,21 @@ def test_custom_step_under_mirrored_on_four_devices_equals_one_device():
     np.testing.assert_allclose(history.history["xent"], one.history.history["xent"], rtol=RTOL)
 
 
+def test_gan_under_a_mesh_strategy_equals_one_device():
+    data = gan_data()
+
+    def fit(strategy):
+        with strategy.scope():
+            model = GAN(TinyGAN(), seed=0)
+            model.compile(optimizer={"generator": optax.adam(2e-3), "discriminator": optax.adam(1e-3)})
+        model.fit(data, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        return model
+
+    one = fit(mf.strategies.OneDeviceStrategy())
+    mesh = fit(mf.strategies.MeshStrategy(axes={"data": 2, "fsdp": 2, "tensor": 2}))
+    assert_close(mesh.params, one.params)
+
+
 def test_what_a_custom_step_cannot_do_is_refused_before_any_step():
     x, y = classification_data(n=32)
     explicit = own_gradients_model(mf.strategies.MirroredStrategy(jax.devices()[:2], reduction="explicit"))
