@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Model",
+    "TrainState",
     "load_model",
     "Preempted",
     "PREEMPTED_EXIT_CODE",
@@ -24,21 +25,24 @@ __all__ = [
     "optimizers",
     "outputs",
     "strategies",
+    "utils",
     "__version__",
 ]
 
 # Names of other modules' objects, by module; every other public name is a submodule.
 _NAMES = {
     "Model": "meshfit.model",
+    "TrainState": "meshfit.state",
     "load_model": "meshfit.model",
     "Preempted": "meshfit.preemption",
     "PREEMPTED_EXIT_CODE": "meshfit.preemption",
 }
 
 if TYPE_CHECKING:  # what type checkers and the API docs see
-    from meshfit import callbacks, cluster, data, losses, metrics, optimizers, outputs, strategies
+    from meshfit import callbacks, cluster, data, losses, metrics, optimizers, outputs, strategies, utils
     from meshfit.model import Model, load_model
     from meshfit.preemption import PREEMPTED_EXIT_CODE, Preempted
+    from meshfit.state import TrainState
 
 
 def __getattr__(name: str):

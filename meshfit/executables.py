@@ -1,18 +1,20 @@
 """The compiled programs of a built model: train, evaluate and predict, built through its strategy.
 
-This is the one place that knows about losses returning a scalar for the
-batch. Such a loss cannot be masked, so a partial batch (padded up to full
-size) must not reach the step every batch uses: its real rows are read from
-its mask on the host before it goes to the devices (`partial_rows`), and a
-batch of `n` real rows runs through a step that computes the scalar on the
-first `n` rows (`StepFunctions.with_rows`), compiled on its first use and kept
-per `n`. In-memory arrays have one partial batch size, so one more compilation
-for training and one for evaluation; an iterable's batches one per distinct
-partial size (as Keras retraces per batch shape). Each costs what the step's
-own compilation costs (for small MLPs on a 2-core CPU, 0.4 to 1 s for
-training, 0.1 s for evaluation: `benchmarks/bench_scalar_loss.py`). Full
-batches run the usual step at the usual speed; only scalar losses make the
-host read masks.
+This is the one place that knows about steps that need a partial batch's
+real rows (`Steps.needs_real_rows`): the built-in steps under a loss that
+returns a scalar for the batch (it cannot be masked), and a `Model`
+subclass's own `train_step` / `test_step` (`meshfit.custom_steps`), which
+sees a partial batch at its real size, as in Keras. Such a batch (padded up to
+full size) must not reach the step every batch uses: its real rows are read
+from its mask on the host before it goes to the devices (`partial_rows`), and
+a batch of `n` real rows runs through a copy of the steps made by
+`with_rows(n)`, compiled on its first use and kept per `n`. In-memory arrays
+have one partial batch size, so one more compilation for training and one
+for evaluation; an iterable's batches one per distinct partial size (as Keras
+retraces per batch shape). Each costs what the step's own compilation costs
+(for small MLPs on a 2-core CPU, 0.4 to 1 s for training, 0.1 s for
+evaluation: `benchmarks/bench_scalar_loss.py`). Full batches run the usual
+step at the usual speed; only such steps make the host read masks.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import numpy as np
 from meshfit import compat, step_report
 from meshfit.state import TrainState
 from meshfit.step_report import StepReport
-from meshfit.steps import StepFunctions
+from meshfit.steps import Steps
 
 #: The kinds of training program: "execution" (one call of the loop: one step, or K in a scan),
 #: "single" (one step, for a short last group of K), "staged" (one step on a batch picked from a stage).
@@ -35,15 +37,15 @@ TRAIN_KINDS = ("execution", "single", "staged")
 
 
 class Executables:
-    """The compiled train, evaluate and predict programs of one `StepFunctions`, through `strategy`.
+    """The compiled train, evaluate and predict programs of one `Steps`, through `strategy`.
 
     Args:
         strategy: compiles each program and decides how training runs (`train_function`).
-        steps: the model's step functions (the strategy may swap in its own gradients).
+        steps: the model's steps (`meshfit.steps.Steps`; the strategy may swap in its own gradients).
         steps_per_execution: steps run by one call of the loop (a `lax.scan` over K stacked batches).
     """
 
-    def __init__(self, strategy, steps: StepFunctions, steps_per_execution: int = 1):
+    def __init__(self, strategy, steps: Steps, steps_per_execution: int = 1):
         self.strategy = strategy
         self.steps = steps = strategy.step_functions(steps)
         self.steps_per_execution = steps_per_execution
@@ -59,8 +61,11 @@ class Executables:
         self._predict = strategy.compile(steps.multi_predict_step if stacked else steps.predict_step)
         self._fresh_metrics = None  # compiled on first use, to lay out fresh accumulators like the first
         self._report: tuple | None = None  # (batch shape, StepReport) of `step_report`
-        # Scalar losses: the programs for partial batches, by kind and real rows (see the module docstring).
-        self.scalar = bool(steps.scalar_losses)
+        # Steps that need real rows: the programs for partial batches, by kind and real rows (module docstring).
+        self.real_rows = bool(steps.needs_real_rows)
+        # Where no process knows a partial batch's real rows (several processes), steps that need them
+        # take full batches only.
+        self._real_rows_refusal = strategy.capabilities.scalar_loss_refusal if self.real_rows else None
         self._by_rows: dict[tuple[str, int], Callable] = {}
         self._by_rows_lock = threading.Lock()  # the input's reading thread asks too
 
@@ -73,7 +78,7 @@ class Executables:
 
     def train(self, kind: str, rows: int | None = None) -> Callable:
         """The training program of `kind` (see `TRAIN_KINDS`), for a partial batch of `rows` real rows
-        under a scalar loss (None: the usual program)."""
+        where the steps need real rows (None: the usual program)."""
         if rows is None:
             return self._trains[kind]
         return self._with_rows("single" if kind == "execution" else kind, rows)
@@ -102,10 +107,12 @@ class Executables:
     def evaluate(self, variables, metrics, host_batch):
         """One evaluation execution of a host batch; returns the new accumulators and logs.
 
-        Under a scalar loss a partial batch runs alone through its own program;
-        in a stacked group, the others run as a group with the partial batch's
-        mask zeroed (it counts for nothing there), so no single-batch program
-        is compiled besides.
+        Where the steps need real rows a partial batch runs alone through its
+        own program; in a stacked group, the others run as a group with the
+        partial batch's mask zeroed (it counts for nothing there), so no
+        single-batch program is compiled besides. Steps that do not mask
+        padding (a custom `test_step`) instead run each batch of such a group
+        alone, at its real rows, and skip the fillers of padding only.
         """
         distribute = self.strategy.distribute_batch
         rows = self.partial_rows_each(host_batch.mask) if self.stacked else [self.partial_rows(host_batch.mask)]
@@ -113,6 +120,8 @@ class Executables:
             return self._evaluate(variables, metrics, distribute(host_batch, self.stacked))
         if not self.stacked:
             return self._with_rows("evaluate", rows[0])(variables, metrics, distribute(host_batch, False))
+        if not self.steps.masks_padding:
+            return self._evaluate_each(variables, metrics, host_batch)
         partial = np.asarray([real is not None for real in rows])
         mask = np.where(partial[:, None], 0, host_batch.mask).astype(host_batch.mask.dtype)
         if mask.any():
@@ -122,30 +131,50 @@ class Executables:
             metrics, logs = self._with_rows("evaluate", rows[i])(variables, metrics, batch)
         return metrics, logs
 
+    def _evaluate_each(self, variables, metrics, host_batch):
+        """A stacked group's batches one by one, each at its real rows; batches of padding only skipped."""
+        logs = None
+        for i, mask in enumerate(np.asarray(host_batch.mask)):
+            real = int(np.count_nonzero(mask))
+            if real == 0:
+                continue
+            batch = self.strategy.distribute_batch(one_of(host_batch, i), False)
+            metrics, logs = self._with_rows("evaluate", real)(variables, metrics, batch)
+        return metrics, logs
+
     def predict(self, variables, host_batch):
         """Outputs of one execution, and the mask of its real rows (of every process)."""
         batch = self.strategy.distribute_batch(host_batch, self.stacked)
         return self._predict(variables, batch), batch.mask
 
-    # -- scalar losses: partial batches by their real rows ------------------------------------
+    # -- steps that need real rows: partial batches by their real rows ----------------------------
 
     def partial_rows(self, mask) -> int | None:
-        """The real rows of a partial batch (from its host mask) under a scalar loss; else None: the
-        usual program (a full batch, a batch of padding only, or no scalar loss: no mask is read)."""
-        if not self.scalar:
+        """The real rows of a partial batch (from its host mask) where the steps need real rows; else
+        None: the usual program (a full batch, a batch of padding only, or steps that mask padding
+        themselves: no mask is read)."""
+        if not self.real_rows:
             return None
         real = int(np.count_nonzero(mask))
+        if real < np.shape(mask)[-1] and self._real_rows_refusal:
+            raise ValueError(
+                "A custom train_step or test_step sees a partial batch at its real rows, which this strategy "
+                f"cannot give it: {self._real_rows_refusal}. Received: a batch with {real} real rows of "
+                f"{np.shape(mask)[-1]} on this process. Use a batch size that divides the number of samples "
+                "(and is a multiple of the number of devices), or an input that drops its last partial batch "
+                "(e.g. drop_remainder=True), so that every batch is full."
+            )
         return real if 0 < real < np.shape(mask)[-1] else None
 
     def partial_rows_each(self, mask) -> list:
         """`partial_rows` of each batch of a stacked group (host mask of shape (K, rows))."""
-        if not self.scalar:
+        if not self.real_rows:
             return [None] * np.shape(mask)[0]
         return [self.partial_rows(row) for row in np.asarray(mask)]
 
     def _with_rows(self, kind: str, rows: int) -> Callable:
         """The program of `kind` ("single", "staged" or "evaluate") for a partial batch of `rows` real
-        rows, compiled on first use and kept (each computes the scalar losses on the first `rows` rows)."""
+        rows, compiled on first use and kept (its steps see the first `rows` rows: see `with_rows`)."""
         key = ("train" if kind == "single" else kind, rows)
         with self._by_rows_lock:
             program = self._by_rows.get(key)
@@ -162,8 +191,8 @@ class Executables:
 
     @property
     def partial_batch_steps(self) -> list[tuple[str, int]]:
-        """`(kind, real rows)` of each program compiled for partial batches under a scalar loss (the extra
-        compilations a scalar loss costs; empty without one)."""
+        """`(kind, real rows)` of each program compiled for partial batches where the steps need real
+        rows (the extra compilations these cost; empty otherwise)."""
         return sorted(self._by_rows)
 
     def compilations(self) -> dict[str, int]:

@@ -137,6 +137,19 @@ class Metric:
         self.update_state(*args, **kwargs)
         return self.result()
 
+    # Keras's stateless names, for a custom `Model.train_step` (pure: the state in, the state out).
+    def stateless_update_state(self, metric_state, *args, **kwargs):
+        """`update(metric_state, *args, **kwargs)`: the accumulators with one more batch (Keras's name)."""
+        return self.update(metric_state, *args, **kwargs)
+
+    def stateless_result(self, metric_state) -> jax.Array:
+        """`compute(metric_state)`: the metric's value for these accumulators (Keras's name)."""
+        return self.compute(metric_state)
+
+    def stateless_reset_state(self):
+        """`init()`: fresh accumulators (Keras's name)."""
+        return self.init()
+
     def get_config(self) -> dict[str, Any]:
         """The constructor's arguments: `type(self)(**self.get_config())` is an equal metric.
 

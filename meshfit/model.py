@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,13 +19,14 @@ import numpy as np
 import optax
 
 from meshfit import callbacks as callbacks_lib
-from meshfit import cluster, precision, saving
+from meshfit import cluster, precision, saving, utils
 from meshfit import data as data_lib
 from meshfit import losses as losses_lib
 from meshfit import metrics as metrics_lib
 from meshfit import optimizers as optimizers_lib
 from meshfit import outputs as outputs_lib
 from meshfit.batch import Batch
+from meshfit.custom_steps import STEP_METHODS, MetricsLayout, ModelSteps
 from meshfit.fit_context import FitContext
 from meshfit.loop import evaluate_loop, fit_loop, host_logs, predict_loop
 from meshfit.modules import adapt
@@ -33,7 +34,7 @@ from meshfit.preemption import PreemptionWatch
 from meshfit.session import Session
 from meshfit.state import TrainState
 from meshfit.step_report import StepReport
-from meshfit.steps import StepFunctions
+from meshfit.steps import StepFunctions, forward
 from meshfit.strategies import get_strategy, has_strategy, placement
 from meshfit.summary import format_step_report, format_summary
 from meshfit.terms import LossTerm, MetricTerm, Output
@@ -47,7 +48,8 @@ class CompileSettings:
     """What `Model.compile` was given, resolved where it can be before the first batch.
 
     Attributes:
-        tx: the optax transformation.
+        tx: the optax transformation (several optimizers: one transform over their parts,
+            `meshfit.optimizers.partitioned`).
         optimizer_id: the optimizer as passed (saved with the model when `meshfit.serialization` can write it).
         loss: the loss as passed (one for every output, or a dict/list per
             output), checked; resolved per output on the first batch (None:
@@ -125,6 +127,9 @@ class Model:
         self._example_batch: Batch | None = None
         self._outputs: list[Output] = []  # the module's outputs, known from the first batch
         self._built_with_targets = False  # the steps were built from a batch with targets
+        # What the step methods below use, set when the steps are built: the adapter and dtype policy of
+        # `stateless_call`, the built-in steps (the compiled loss and metrics), the `state.metrics` layout.
+        self._step_parts: _StepParts | None = None
 
     def _initial_state(self, params: Any, model_state: Any) -> TrainState:
         return TrainState(
@@ -212,7 +217,7 @@ class Model:
 
     def compile(
         self,
-        optimizer: str | optax.GradientTransformation = "rmsprop",
+        optimizer: str | optax.GradientTransformation | dict = "rmsprop",
         loss: Any = None,
         loss_weights: Any = None,
         metrics: Any = None,
@@ -225,7 +230,11 @@ class Model:
 
         Args:
             optimizer: an optimizer name ("adam", "sgd", ...; see
-                `meshfit.optimizers.names()`) or an `optax.GradientTransformation`.
+                `meshfit.optimizers.names()`) or an `optax.GradientTransformation`;
+                or a dict of them keyed by the module's top-level attributes
+                (`{"generator": "adam", "discriminator": "adam"}`): each trains
+                only its part, `state.opt_state` and `model.optimizer` are
+                dicts with the same keys (see "Customizing fit" in the docs).
             loss: a loss name, a `meshfit.losses.Loss`, or a callable
                 `(y_true, y_pred) -> per-sample losses`, or a scalar for the
                 batch (Keras's value; computed on a partial batch's real rows
@@ -268,15 +277,25 @@ class Model:
                 "`gradient_accumulation_steps` must be a positive int (batches per update). "
                 f"Received: {gradient_accumulation_steps!r}."
             )
-        if accumulate > 1 and isinstance(optimizer, optax.MultiSteps):
+        several = isinstance(optimizer, dict)
+        given = dict(optimizer) if several else {None: optimizer}
+        if several and not given:
+            raise ValueError("`optimizer` given as a dict needs one optimizer per top-level part. Received: {}.")
+        if accumulate > 1 and any(isinstance(opt, optax.MultiSteps) for opt in given.values()):
             raise ValueError(
                 "The optimizer is an optax.MultiSteps, which accumulates gradients itself; "
                 f"leave `gradient_accumulation_steps` unset. Received: {gradient_accumulation_steps!r}."
             )
-        tx = optimizers_lib.get(optimizer)
-        schedule = optimizers_lib.schedule_of(tx)
+        if several:
+            optimizers_lib.check_parts(given, self.session.latest.params)
+        transforms = {key: optimizers_lib.get(opt) for key, opt in given.items()}
+        schedules = {key: optimizers_lib.schedule_of(tx) for key, tx in transforms.items()}
         if accumulate > 1:
-            tx = optax.MultiSteps(tx, every_k_schedule=accumulate).gradient_transformation()
+            transforms = {
+                key: optax.MultiSteps(tx, every_k_schedule=accumulate).gradient_transformation()
+                for key, tx in transforms.items()
+            }
+        tx = optimizers_lib.partitioned(transforms) if several else transforms[None]
         loss_obj = _check_each(loss, "loss", losses_lib.get)
         _check_loss_weights(loss_weights)
         metric_ids = _as_metrics(metrics, "metrics")
@@ -313,7 +332,15 @@ class Model:
             gradient_accumulation_steps=accumulate,
             loss_weights=loss_weights,
         )
-        self.optimizer = optimizers_lib.Optimizer(tx, _optimizer_state_access(self.session), schedule)
+        access = _optimizer_state_access(self.session)
+        if several:
+            self.optimizer = optimizers_lib.Optimizers(
+                {key: optimizers_lib.Optimizer(t, access, schedules[key], key) for key, t in transforms.items()},
+                tx,
+                access,
+            )
+        else:
+            self.optimizer = optimizers_lib.Optimizer(tx, access, schedules[None])
 
     @property
     def compiled(self) -> bool:
@@ -346,8 +373,20 @@ class Model:
             raise ValueError(
                 f"You must call `compile()` before `{what}()`. Call model.compile(optimizer=..., loss=...)."
             )
-        if self._compiled.loss is None and what in ("fit", "evaluate"):
-            raise ValueError(f"`{what}()` needs a loss. Call model.compile(..., loss=...).")
+        own_step = {"fit": "train_step", "evaluate": "test_step"}.get(what)
+        if self._compiled.loss is None and own_step and not {own_step, "compute_loss"} & self._custom_methods():
+            raise ValueError(
+                f"`{what}()` needs a loss. Call model.compile(..., loss=...), or override `compute_loss` "
+                f"or `{own_step}` in a subclass of meshfit.Model."
+            )
+
+    def _custom_methods(self) -> set[str]:
+        """The step methods (`meshfit.custom_steps.STEP_METHODS`) this model's class overrides."""
+        return {name for name in STEP_METHODS if getattr(type(self), name) is not getattr(Model, name)}
+
+    def _needs_targets(self, own_step: str) -> bool:
+        """Whether `fit`/`evaluate` need targets: not when the user's own `own_step` reads the batch."""
+        return own_step not in self._custom_methods()
 
     # -- building on the first batch -------------------------------------------------------
 
@@ -385,10 +424,11 @@ class Model:
         a scalar, which the steps must know and only the targets' shapes tell.
         """
         self._check_input(batch)
+        custom = self._custom_methods()
         if self.session.built:
-            steps = self.session.steps
-            self._check_targets(batch, steps.losses, steps.metric_terms)
-            if not self._scalar_loss_found_late(batch):
+            parts = self._step_parts
+            self._check_targets(batch, parts.compiled.losses, parts.compiled.metric_terms)
+            if custom or not self._scalar_loss_found_late(batch):
                 return
         y_pred = self._output_spec(batch)
         y_true = None if batch.y is None else jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch.y)
@@ -397,13 +437,44 @@ class Model:
         loss_terms = outputs_lib.resolve_losses(c.loss, c.loss_weights, outputs)
         metric_terms = outputs_lib.resolve_metrics(c.metrics, c.weighted, outputs, y_true, y_pred, c.loss_id)
         self._check_targets(batch, loss_terms, metric_terms)
-        loss_terms = self._find_scalar_losses(loss_terms, y_true, y_pred)  # after every check of the arguments
         policy = c.dtype_policy
+        if custom:
+            self._check_custom_steps(custom, policy)
+            if y_true is not None:  # (a custom step sees a partial batch's real rows: nothing to refuse)
+                loss_terms = outputs_lib.find_scalar_losses(loss_terms, y_true, y_pred)
+        else:
+            loss_terms = self._find_scalar_losses(loss_terms, y_true, y_pred)  # after every check of the arguments
         adapter = self._adapter if policy.name == "float32" else self._adapter.with_compute_dtype(policy.compute_dtype)
-        steps = StepFunctions(adapter, loss_terms, c.tx, metric_terms, policy)
+        compiled = StepFunctions(adapter, loss_terms, c.tx, metric_terms, policy)
+        steps, parts = compiled, _StepParts(adapter, policy, compiled, None)
+        if custom:
+            keeps_compiled = c.loss is not None or bool(metric_terms) or "compute_loss" in custom
+            trackers = list(self.metrics) if type(self).metrics is not Model.metrics else []
+            trackers = [m for m in trackers if all(m is not known for known in compiled.metrics)]
+            layout = MetricsLayout(compiled if keeps_compiled else None, trackers)
+            parts = parts._replace(layout=layout)
+            steps = ModelSteps(self, layout, adapter.uses_rng, compiled.scalar_losses)
+        self.session.build(steps, c.steps_per_execution)  # raises before it changes anything
+        self._step_parts = parts
         self._example_batch = batch  # the shape `step_report` compiles for
         self._built_with_targets = y_true is not None
-        self.session.build(steps, c.steps_per_execution)
+
+    def _check_custom_steps(self, custom: set[str], policy: precision.DTypePolicy) -> None:
+        """Refuses, before any state changes, what a custom step cannot do under this strategy or policy."""
+        overridden = ", ".join(sorted(custom))
+        if not self.strategy.capabilities.loss_scaling:
+            raise ValueError(
+                f"{type(self).__name__} overrides {overridden}, a step computed in one piece on the global "
+                f"batch; {self.strategy!r} splits each step between workers and a server. Train it under "
+                "OneDeviceStrategy, MirroredStrategy, MultiWorkerMirroredStrategy or MeshStrategy, or use "
+                "the built-in steps (no override) under the parameter server."
+            )
+        if policy.loss_scaling:
+            raise ValueError(
+                f"dtype_policy={policy.name!r} scales the loss inside the built-in step, and "
+                f"{type(self).__name__} overrides {overridden}. Use dtype_policy='mixed_bfloat16' "
+                "(no loss scale needed), or the built-in steps."
+            )
 
     def _check_targets(self, batch: Batch, loss_terms: Sequence[LossTerm], metric_terms: Sequence[MetricTerm]) -> None:
         if batch.y is None:
@@ -442,6 +513,89 @@ class Model:
         terms = self._find_scalar_losses(terms, y_true, y_pred)  # may refuse: then checked again next time
         self._built_with_targets = True
         return any(term.scalar for term in terms)
+
+    # -- the training logic a subclass may override (Keras 3's JAX contract) -------------------------
+
+    def stateless_call(self, params, model_state, x, training: bool = False, rng=None, method: str | None = None):
+        """`(y_pred, model_state)`: the module's forward pass on these weights, pure (Keras's name).
+
+        Runs under the compiled dtype policy (outputs in float32). `rng` is
+        the step's key for modules that take one (Linen dropout: pass
+        `state.rng`); NNX modules carry their random streams in `model_state`.
+        `method` names another method of the module to call instead of
+        `__call__` (a GAN's `generate`), as Flax's `apply(..., method=...)`.
+        """
+        parts = self._require_parts("stateless_call")
+        return forward(parts.adapter, parts.policy, params, model_state, x, rng, training, method)
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training: bool = True):
+        """The scalar loss of a batch: the compiled loss (each output's loss times its weight, summed;
+        0 without one). Override it to add terms; `super().compute_loss(...)` is the compiled loss.
+
+        The default `train_step` and `test_step` differentiate and log it. It
+        sees only real rows (a partial batch at its real size).
+        """
+        del x, training
+        return self._require_parts("compute_loss").compiled.compiled_loss(y, y_pred, sample_weight)[0]
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None, *, metrics_state, loss):
+        """`metrics_state` (a custom step's `state.metrics`) with one batch added to the loss tracker
+        (`loss`, averaged over the epoch) and the compiled metrics; pure. Read the values with
+        `get_metrics_result`."""
+        del x
+        parts = self._require_parts("compute_metrics")
+        return parts.metrics_layout().update_compiled(metrics_state, loss, y, y_pred, sample_weight)
+
+    def get_metrics_result(self, metrics_state) -> dict:
+        """Every metric's value for these accumulators: the loss, the compiled metrics, then each
+        tracker of `self.metrics` by name (`metric.stateless_result`)."""
+        return self._require_parts("get_metrics_result").metrics_layout().result(metrics_state)
+
+    def train_step(self, state: TrainState, data) -> tuple[dict, TrainState]:
+        """One training step on the global batch `data`: `(logs, state)`, pure (Keras 3's JAX contract).
+
+        `data` is `x`, `(x, y)` or `(x, y, sample_weight)` (unpack it with
+        `meshfit.utils.unpack_x_y_sample_weight`); `state` is a
+        `meshfit.TrainState`. Compiled once per batch shape under the model's
+        strategy; meshfit advances `state.step` after it. Overriding it (or
+        `compute_loss`, `test_step`, `predict_step`) makes the model's steps
+        these methods (`meshfit.custom_steps`); otherwise meshfit runs its
+        built-in steps, which compute the same and also train on a padded
+        partial batch without recompiling.
+        """
+        x, y, sample_weight = utils.unpack_x_y_sample_weight(data)
+
+        def loss_fn(params):
+            y_pred, model_state = self.stateless_call(params, state.model_state, x, training=True, rng=state.rng)
+            loss = self.compute_loss(x, y, y_pred, sample_weight, training=True)
+            return loss, (y_pred, model_state)
+
+        (loss, (y_pred, model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        params, opt_state = self.optimizer.stateless_apply(state.opt_state, grads, state.params)
+        metrics = self.compute_metrics(x, y, y_pred, sample_weight, metrics_state=state.metrics, loss=loss)
+        state = state._replace(params=params, model_state=model_state, opt_state=opt_state, metrics=metrics)
+        return self.get_metrics_result(metrics), state
+
+    def test_step(self, state: TrainState, data) -> tuple[dict, TrainState]:
+        """One evaluation step: `(logs, state)` with `state.metrics` updated (no optimizer state)."""
+        x, y, sample_weight = utils.unpack_x_y_sample_weight(data)
+        y_pred, _ = self.stateless_call(state.params, state.model_state, x, training=False)
+        loss = self.compute_loss(x, y, y_pred, sample_weight, training=False)
+        metrics = self.compute_metrics(x, y, y_pred, sample_weight, metrics_state=state.metrics, loss=loss)
+        return self.get_metrics_result(metrics), state._replace(metrics=metrics)
+
+    def predict_step(self, state: TrainState, data):
+        """The outputs for the batch `data` (its `x`)."""
+        x, _, _ = utils.unpack_x_y_sample_weight(data)
+        return self.stateless_call(state.params, state.model_state, x, training=False)[0]
+
+    def _require_parts(self, what: str) -> _StepParts:
+        if self._step_parts is None:
+            raise ValueError(
+                f"`{what}` works once the model is built: call it inside `train_step`, `test_step` or "
+                "`predict_step`, which `fit`, `evaluate` and `predict` compile after `compile()`."
+            )
+        return self._step_parts
 
     @property
     def metrics_names(self) -> list[str]:
@@ -665,7 +819,7 @@ class Model:
                 val_batch_size = (validation_batch_size or batch_size) if data_lib.is_array_tree(vx) else None
                 val_data = self._make_data(vx, vy, vsw, val_batch_size, what="fit")
             first = self._first_batch(data)
-            if first.y is None:
+            if first.y is None and self._needs_targets("train_step"):
                 raise ValueError("`fit()` needs targets: pass `y`, or a dataset yielding (x, y) pairs.")
             self._build(first)
             if val_data is not None:
@@ -740,7 +894,7 @@ class Model:
         verbose = _verbose(verbose)
         data = self._make_data(x, y, sample_weight, batch_size, steps=None, what="evaluate")
         first = self._first_batch(data)
-        if first.y is None:
+        if first.y is None and self._needs_targets("test_step"):
             raise ValueError("`evaluate()` needs targets: pass `y`, or a dataset yielding (x, y) pairs.")
         self._build(first)
         callback_list = self._one_pass_callbacks(callbacks, verbose, steps or data.steps_per_epoch)
@@ -816,7 +970,7 @@ class Model:
             sample_weight = _class_weights(y, class_weight, sample_weight)
         data = self._make_data(x, y, sample_weight, _rows(x, "train_on_batch"), what="train_on_batch")
         batch = self._first_batch(data)
-        if batch.y is None:
+        if batch.y is None and self._needs_targets("train_step"):
             raise ValueError("`train_on_batch()` needs targets: pass `y`.")
         self._build(batch)
         logs = host_logs(self.session.train_batch(batch), self.strategy.to_host)
@@ -850,7 +1004,8 @@ class Model:
     def _ordered(self, logs: dict, return_dict: bool) -> float | list[float] | dict[str, float]:
         if return_dict:
             return logs
-        values = [logs[name] for name in self.metrics_names]
+        names = self.metrics_names
+        values = [logs[name] for name in names] if set(names) == set(logs) else list(logs.values())
         return values[0] if len(values) == 1 else values
 
     def step_report(self, x: Any = None, y: Any = None) -> StepReport:
@@ -1029,6 +1184,26 @@ def _optimizer_state_access(session: Session) -> optimizers_lib.OptimizerStateAc
         step=lambda: session.latest.step,
         to_host=lambda value: session.strategy.to_host(value),
     )
+
+
+class _StepParts(NamedTuple):
+    """What the step methods use, set when the steps are built.
+
+    Attributes:
+        adapter: the module adapter in the policy's compute dtype (`stateless_call`).
+        policy: the dtype policy.
+        compiled: the built-in steps: the compiled loss and metrics.
+        layout: a custom step's `state.metrics` layout (None for the built-in steps).
+    """
+
+    adapter: Any
+    policy: precision.DTypePolicy
+    compiled: StepFunctions
+    layout: MetricsLayout | None
+
+    def metrics_layout(self) -> MetricsLayout:
+        """The layout of a custom step's `state.metrics` (the built-in steps': the compiled accumulators)."""
+        return self.layout if self.layout is not None else MetricsLayout(self.compiled, [])
 
 
 def _handles_preemption(callback: callbacks_lib.Callback) -> bool:

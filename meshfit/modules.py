@@ -43,7 +43,14 @@ class ModuleAdapter:
         raise NotImplementedError
 
     def apply(
-        self, params: Pytree, model_state: Pytree, x: Any, *, training: bool, rng: jax.Array | None
+        self,
+        params: Pytree,
+        model_state: Pytree,
+        x: Any,
+        *,
+        training: bool,
+        rng: jax.Array | None,
+        method: str | None = None,
     ) -> tuple[Any, Pytree]:
         """Runs the forward pass; returns `(y_pred, new_model_state)`."""
         raise NotImplementedError
@@ -75,8 +82,8 @@ def _groups(trainable: Any) -> tuple:
     return (nnx.All(nnx.Param, trainable), nnx.RngState, ...)
 
 
-def call_arguments(module: Any, x: Any) -> tuple[tuple, dict]:
-    """How a batch's inputs are passed to `module(...)`, as Keras passes them.
+def call_arguments(module: Any, x: Any, method: str | None = None) -> tuple[tuple, dict]:
+    """How a batch's inputs are passed to `module(...)` (or its `method`), as Keras passes them.
 
     A list or tuple of arrays: as positional arguments. A dict whose keys all
     name parameters of the module's `__call__`: as keyword arguments. Anything
@@ -84,7 +91,7 @@ def call_arguments(module: Any, x: Any) -> tuple[tuple, dict]:
     """
     if isinstance(x, (list, tuple)):
         return tuple(x), {}
-    if isinstance(x, dict) and x and _takes_keywords(type(module), tuple(x)):
+    if isinstance(x, dict) and x and method is None and _takes_keywords(type(module), tuple(x)):
         return (), dict(x)
     return (x,), {}
 
@@ -157,13 +164,20 @@ class NNXAdapter(ModuleAdapter):
         return params, model_state
 
     def apply(
-        self, params: Pytree, model_state: Pytree, x: Any, *, training: bool, rng: jax.Array | None
+        self,
+        params: Pytree,
+        model_state: Pytree,
+        x: Any,
+        *,
+        training: bool,
+        rng: jax.Array | None,
+        method: str | None = None,
     ) -> tuple[Any, Pytree]:
         del rng  # NNX modules carry their own RNG streams in model_state["rngs"].
         graphdef = self._train_graphdef if training else self._eval_graphdef
         module = nnx.merge(graphdef, params, model_state["rngs"], model_state["weights"])
-        args, kwargs = call_arguments(self.module, x)
-        y_pred = module(*args, **kwargs)
+        args, kwargs = call_arguments(self.module, x, method)
+        y_pred = (module if method is None else getattr(module, method))(*args, **kwargs)
         if not training:
             return y_pred, model_state
         _, _, rngs, weights = nnx.split(module, *self._groups)
@@ -230,9 +244,9 @@ class LinenAdapter(ModuleAdapter):
         on = _TRAINING_FLAGS[self._flag]
         return {self._flag: on if training else not on}
 
-    def _call(self, variables: Pytree, x: Any, **kwargs: Any) -> Any:
-        args, by_name = call_arguments(self.module, x)
-        return self.module.apply(variables, *args, **by_name, **kwargs)
+    def _call(self, variables: Pytree, x: Any, method: str | None = None, **kwargs: Any) -> Any:
+        args, by_name = call_arguments(self.module, x, method)
+        return self.module.apply(variables, *args, **by_name, method=method, **kwargs)
 
     def _variables(self) -> Pytree:
         """The module's variables from `init`, boxed with their sharding metadata."""
@@ -258,15 +272,22 @@ class LinenAdapter(ModuleAdapter):
         return self._specs
 
     def apply(
-        self, params: Pytree, model_state: Pytree, x: Any, *, training: bool, rng: jax.Array | None
+        self,
+        params: Pytree,
+        model_state: Pytree,
+        x: Any,
+        *,
+        training: bool,
+        rng: jax.Array | None,
+        method: str | None = None,
     ) -> tuple[Any, Pytree]:
         variables = {"params": params, **model_state}
-        kwargs = self._mode_kwargs(training)
+        kwargs = self._mode_kwargs(training) if method is None else {}
         if not training:
-            return self._call(variables, x, **kwargs), model_state
+            return self._call(variables, x, method, **kwargs), model_state
         mutable = list(model_state.keys())
-        rngs = {"dropout": jax.random.wrap_key_data(rng)}
-        y_pred, updated = self._call(variables, x, rngs=rngs, mutable=mutable, **kwargs)
+        rngs = {} if rng is None else {"dropout": jax.random.wrap_key_data(rng)}
+        y_pred, updated = self._call(variables, x, method, rngs=rngs, mutable=mutable, **kwargs)
         return y_pred, {**model_state, **dict(updated)}
 
     def sync_module(self, params: Pytree, model_state: Pytree) -> Any:

@@ -200,6 +200,50 @@ class OptimizerStateAccess(NamedTuple):
     to_host: Callable[[Any], Any]
 
 
+def partitioned(transforms: dict[str, optax.GradientTransformation]) -> optax.GradientTransformation:
+    """One transform that trains each top-level part of the parameters with its own transform.
+
+    `transforms` is keyed by the module's top-level attributes (the first
+    keys of the parameter dict); the state is a dict with the same keys, each
+    entry the state of that part's transform (as Keras keeps one optimizer's
+    variables apart from another's). The parameters must have exactly these
+    keys (`check_parts`).
+    """
+    transforms = dict(transforms)
+
+    def init(params):
+        return {key: tx.init(params[key]) for key, tx in transforms.items()}
+
+    def update(updates, state, params=None):
+        new_updates, new_state = {}, {}
+        for key, tx in transforms.items():
+            part = None if params is None else params[key]
+            new_updates[key], new_state[key] = tx.update(updates[key], state[key], part)
+        return new_updates, new_state
+
+    return optax.GradientTransformation(init, update)
+
+
+def check_parts(keys, params) -> None:
+    """Raises a `ValueError` unless `keys` (of a dict of optimizers) are exactly the parameters' top-level parts."""
+    parts = sorted(params) if isinstance(params, dict) else []
+    unknown = sorted(set(keys) - set(parts))
+    missing = sorted(set(parts) - set(keys))
+    if unknown or missing:
+        raise ValueError(
+            "A dict of optimizers must be keyed by the module's top-level attributes that hold parameters, "
+            f"one optimizer each: expected the keys {parts}. Received: {sorted(keys)} "
+            f"(unknown: {unknown}, missing: {missing}). Freeze a part with `Model(..., trainable=...)` "
+            "rather than leaving it out."
+        )
+
+
+def stateless_apply(transform: optax.GradientTransformation, opt_state, grads, params):
+    """`(new params, new optimizer state)` after one update of `params` by `grads` (Keras's name)."""
+    updates, opt_state = transform.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
 class Optimizer:
     """The model's optimizer as Keras callbacks see it: `model.optimizer.learning_rate`.
 
@@ -214,17 +258,35 @@ class Optimizer:
         transform: the optax transformation.
         state: how to read and replace the optimizer state (`OptimizerStateAccess`).
         schedule: the learning-rate schedule `transform` was built with (`schedule_of`), if any.
+        key: for one of several optimizers (`compile(optimizer={...})`), the
+            part it trains: its state is `opt_state[key]`. None: the only one.
     """
 
     def __init__(
-        self, transform: optax.GradientTransformation, state: OptimizerStateAccess, schedule: Callable | None = None
+        self,
+        transform: optax.GradientTransformation,
+        state: OptimizerStateAccess,
+        schedule: Callable | None = None,
+        key: str | None = None,
     ) -> None:
         self.transform = transform
         self._state = state
         self.schedule = schedule
+        self.key = key
+
+    def stateless_apply(self, opt_state, grads, params):
+        """`(new params, new optimizer state)`: one update of `params` by `grads` (Keras's name), pure.
+
+        For one of several optimizers, `opt_state`, `grads` and `params` are
+        its part's (`state.opt_state[key]`, `grads[key]`, `state.params[key]`).
+        """
+        return stateless_apply(self.transform, opt_state, grads, params)
+
+    def _own_state(self, opt_state):
+        return opt_state if self.key is None else opt_state[self.key]
 
     def _lr_leaves(self) -> list[tuple[tuple, Any]]:
-        found = otu.tree_get_all_with_path(self._state.opt_state(), "learning_rate")
+        found = otu.tree_get_all_with_path(self._own_state(self._state.opt_state()), "learning_rate")
         if not found:
             raise AttributeError(
                 "The optimizer has no learning rate held in its state, so it cannot be read "
@@ -263,7 +325,9 @@ class Optimizer:
             raise self.schedule_error(f"set to {value!r}")
         old = self._lr_leaves()[0][1]
         new = placement.put(np.asarray(value, dtype=old.dtype), old.sharding)
-        self._state.replace_opt_state(otu.tree_set(self._state.opt_state(), learning_rate=new))
+        opt_state = self._state.opt_state()
+        own = otu.tree_set(self._own_state(opt_state), learning_rate=new)
+        self._state.replace_opt_state(own if self.key is None else {**opt_state, self.key: own})
 
     @staticmethod
     def schedule_error(what: str) -> LearningRateIsSchedule:
@@ -280,4 +344,53 @@ class Optimizer:
         return int(self._state.to_host(self._state.step()))
 
     def __repr__(self) -> str:
-        return f"Optimizer({self.transform!r})"
+        return f"Optimizer({self.transform!r})" if self.key is None else f"Optimizer({self.key!r}, {self.transform!r})"
+
+
+class Optimizers(dict):
+    """Several optimizers (`compile(optimizer={"generator": ..., "discriminator": ...})`): a dict of
+    `Optimizer`s keyed by the part of the module each trains, as `state.opt_state` is keyed.
+
+    `model.optimizer["generator"].learning_rate` reads one; callbacks that
+    read or set a learning rate take `optimizer="generator"` to say which.
+    """
+
+    def __init__(
+        self, optimizers: dict[str, Optimizer], transform: optax.GradientTransformation, state: OptimizerStateAccess
+    ) -> None:
+        super().__init__(optimizers)
+        self.transform = transform
+        self._state = state
+
+    def stateless_apply(self, opt_state, grads, params):
+        """Every part updated by its own optimizer: `(new params, new optimizer state)`, pure."""
+        return stateless_apply(self.transform, opt_state, grads, params)
+
+    @property
+    def iterations(self) -> int:
+        """Number of training steps taken (reads one value from the device)."""
+        return int(self._state.to_host(self._state.step()))
+
+    def __repr__(self):
+        return f"Optimizers({sorted(self)})"
+
+
+def select(optimizer, key: str | None, who: str):
+    """The `Optimizer` a callback acts on: the model's only one, or `optimizer[key]` of several.
+
+    Raises a `ValueError` naming the keys when a model has several and `key`
+    is None or unknown, or when `key` is given for a model with one.
+    """
+    if isinstance(optimizer, Optimizers):
+        if key in optimizer:
+            return optimizer[key]
+        raise ValueError(
+            f"{who} acts on one optimizer and the model has several: {sorted(optimizer)}. "
+            f"Received: optimizer={key!r}. Pass one of these keys, e.g. {who}(..., optimizer={sorted(optimizer)[0]!r})."
+        )
+    if key is not None:
+        raise ValueError(
+            f"{who} was given optimizer={key!r}, but the model was compiled with one optimizer. "
+            "Leave `optimizer` unset, or compile with a dict of optimizers."
+        )
+    return optimizer

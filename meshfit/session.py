@@ -8,7 +8,7 @@ The session joins four owners and answers the model and the loop:
   where a resumed one continues;
 * `executables` (`meshfit.executables.Executables`): the compiled train,
   evaluate and predict programs, built through the strategy (the one place
-  that knows about losses returning a scalar);
+  that knows about steps needing a partial batch's real rows);
 * `feeder` (`meshfit.feeder.Feeder`): how training batches reach the devices,
   as `Execution`s the session runs without looking at their kind.
 
@@ -23,10 +23,9 @@ from meshfit.fit_context import FitContext
 from meshfit.fit_cursor import FitCursor, Position
 from meshfit.in_flight import InFlight
 from meshfit.state import TrainState
-from meshfit.state_store import StateStore
+from meshfit.state_store import StateStore, wait_token
 from meshfit.step_report import StepReport
-from meshfit.steps import StepFunctions
-from meshfit.terms import LOSS_KEY
+from meshfit.steps import Steps
 
 
 class Session:
@@ -113,7 +112,7 @@ class Session:
         return self.executables is not None
 
     @property
-    def steps(self) -> StepFunctions | None:
+    def steps(self) -> Steps | None:
         """The step functions the programs were compiled from (None before `build`)."""
         return None if self.executables is None else self.executables.steps
 
@@ -121,7 +120,7 @@ class Session:
     def steps_per_execution(self) -> int:
         return self.executables.steps_per_execution
 
-    def build(self, steps: StepFunctions, steps_per_execution: int = 1) -> None:
+    def build(self, steps: Steps, steps_per_execution: int = 1) -> None:
         """Compiles the programs (once per batch shape, on first use) and sets fresh metric accumulators."""
         self.executables = Executables(self.strategy, steps, steps_per_execution)
         self.feeder = Feeder(self.executables)
@@ -182,7 +181,7 @@ class Session:
         """One evaluation execution on the current weights; returns the new accumulators and logs."""
         state = self.store.latest
         metrics, logs = self.executables.evaluate((state.params, state.model_state), metrics, host_batch)
-        self.in_flight.add(logs[LOSS_KEY])
+        self.in_flight.add(wait_token(logs))
         return metrics, logs
 
     def predict(self, host_batch):

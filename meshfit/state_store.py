@@ -89,7 +89,7 @@ class StateStore:
         add = in_flight.add
         for program, args in calls:
             self._state, logs = program(self._state, *args)
-            add(logs[LOSS_KEY])
+            add(wait_token(logs))
         return logs
 
     # -- the host's count of optimizer steps --------------------------------------------------
@@ -112,3 +112,12 @@ class StateStore:
         """After a fit that `finished`, the host count matches the state, so the next need not read it."""
         self._step_known = finished
         self._follow(self._state)
+
+
+def wait_token(logs: dict):
+    """A device value of a step's logs to wait on for the in-flight bound: the loss, else the first
+    value (a custom step's logs may have no "loss"), else None (nothing to wait on)."""
+    token = logs.get(LOSS_KEY)
+    if token is None and logs:
+        token = next(iter(logs.values()))
+    return token

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +57,137 @@ class _OneReplica:
 ONE_REPLICA: Replicas = _OneReplica()
 
 
-class StepFunctions:
+class Steps(Protocol):
+    """What `meshfit.executables.Executables` compiles through a strategy: a model's pure steps.
+
+    `StepFunctions` (the built-in steps) and `meshfit.custom_steps.ModelSteps`
+    (a `Model` subclass's own `train_step`, `test_step`, `predict_step`)
+    satisfy it. `ScannedSteps` writes the staged and K-step programs once,
+    in terms of the single steps.
+
+    Attributes:
+        needs_real_rows: a partial batch must reach the steps as its real rows
+            only: `Executables` reads them from the host mask and compiles
+            `with_rows(n)` per real-row count `n`.
+        masks_padding: a batch's padding rows (mask 0) count for nothing in the
+            steps, so a batch of padding only may run through them.
+        scalar_losses: the outputs whose compiled loss returns a scalar (for messages).
+        metric_names: the keys of the logs, where known before a step runs.
+    """
+
+    needs_real_rows: bool
+    masks_padding: bool
+
+    @property
+    def scalar_losses(self) -> list[str]: ...
+
+    @property
+    def metric_names(self) -> list[str]: ...
+
+    def train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+        """One training step: the new state (the old one donated) and the logs (device scalars)."""
+
+    def staged_train_step(self, state: TrainState, stage: Batch, index) -> tuple[TrainState, dict]:
+        """`train_step` on batch `index` of batches stacked on a leading axis."""
+
+    def multi_train_step(self, state: TrainState, batches: Batch) -> tuple[TrainState, dict]:
+        """K training steps in one `lax.scan` over K stacked batches; the last step's logs."""
+
+    def eval_step(self, variables, metrics, batch: Batch) -> tuple[Any, dict]:
+        """One evaluation step on `(params, model_state)`: new accumulators and logs."""
+
+    def multi_eval_step(self, variables, metrics, batches: Batch) -> tuple[Any, dict]: ...
+
+    def predict_step(self, variables, batch: Batch) -> Any:
+        """The outputs for every row of `batch` (padding rows too: the loop drops them)."""
+
+    def multi_predict_step(self, variables, batches: Batch) -> Any: ...
+
+    def init_metrics(self) -> Any:
+        """Fresh accumulators for `TrainState.metrics` (an epoch's start, an evaluation)."""
+
+    def logs(self, metrics) -> dict[str, jax.Array]:
+        """The logs these accumulators give (when no step ran to return its own)."""
+
+    def with_rows(self, rows: int) -> Steps:
+        """A copy for a partial batch of `rows` real rows (they come first, the padding after)."""
+
+
+class ScannedSteps:
+    """The staged and K-step programs, written once in terms of `train_step`, `eval_step` and `predict_step`.
+
+    With `logs_follow_metrics` the logs are a function of the accumulators
+    alone (`logs(metrics)`), read once after a scan; otherwise the last
+    step's own logs are kept (a custom step's logs may hold plain values).
+    """
+
+    logs_follow_metrics: bool = False
+
+    def staged_train_step(self, state: TrainState, stage: Batch, index) -> tuple[TrainState, dict]:
+        """`train_step` on batch `index` of a stage: batches stacked on a leading axis.
+
+        The stage was placed on the devices once; each step only picks its
+        batch, so no host slicing or transfer happens per step.
+        """
+        batch = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False), stage)
+        return self.train_step(state, batch)
+
+    def multi_train_step(self, state: TrainState, batches: Batch):
+        """K training steps in one `lax.scan`; every batch must hold real rows.
+
+        (A fully padded batch would still move the optimizer state, so a short
+        last group runs through `train_step` instead.)
+        """
+        if self.logs_follow_metrics:
+            state, _ = jax.lax.scan(lambda state, batch: (self.train_step(state, batch)[0], None), state, batches)
+            return state, self.logs(state.metrics)
+        state, logs = jax.lax.scan(self.train_step, state, batches)
+        return state, _last(logs)
+
+    def multi_eval_step(self, variables, metrics, batches: Batch):
+        def body(metrics, batch):
+            metrics, logs = self.eval_step(variables, metrics, batch)
+            return metrics, None if self.logs_follow_metrics else logs
+
+        metrics, logs = jax.lax.scan(body, metrics, batches)
+        return metrics, self.logs(metrics) if self.logs_follow_metrics else _last(logs)
+
+    def multi_predict_step(self, variables, batches: Batch):
+        return jax.lax.map(lambda batch: self.predict_step(variables, batch), batches)
+
+
+def _last(stacked_logs: dict) -> dict:
+    """The last step's entry of logs stacked by a scan."""
+    return jax.tree.map(lambda a: a[-1], stacked_logs)
+
+
+def forward(
+    adapter: ModuleAdapter,
+    policy: precision.DTypePolicy,
+    params,
+    model_state,
+    x,
+    rng,
+    training: bool,
+    method: str | None = None,
+):
+    """The module's outputs under the dtype policy (float32 out) and its updated state.
+
+    Under a policy other than float32 the parameters and floating inputs are
+    cast to the compute dtype (`adapter` computes in it), the outputs back to
+    float32, and the module state keeps the dtypes it had.
+    """
+    if policy.name != "float32":
+        params, x = policy.cast_to_compute((params, x))
+    call = {} if method is None else {"method": method}
+    y_pred, new_model_state = adapter.apply(params, model_state, x, training=training, rng=rng, **call)
+    if policy.name != "float32":
+        y_pred = precision.to_float32(y_pred)
+        new_model_state = jax.tree.map(_keep_floating_dtype, new_model_state, model_state)
+    return y_pred, new_model_state
+
+
+class StepFunctions(ScannedSteps):
     """A compiled model's pure step functions (train, evaluate, predict; one or K per call), built from its pieces.
 
     Args:
@@ -123,6 +253,14 @@ class StepFunctions:
         steps = copy.copy(self)
         steps.rows = int(rows)
         return steps
+
+    logs_follow_metrics = True
+    masks_padding = True
+
+    @property
+    def needs_real_rows(self) -> bool:
+        """Whether a partial batch needs its own program: only under a loss returning a scalar."""
+        return bool(self.scalar_losses)
 
     @property
     def scalar_losses(self) -> list[str]:
@@ -203,13 +341,28 @@ class StepFunctions:
 
     def _apply(self, params, model_state, x, rng, training: bool):
         """The module's outputs under the dtype policy (float32 out) and its updated state."""
-        if self.policy.name != "float32":
-            params, x = self.policy.cast_to_compute((params, x))
-        y_pred, new_model_state = self.adapter.apply(params, model_state, x, training=training, rng=rng)
-        if self.policy.name != "float32":
-            y_pred = precision.to_float32(y_pred)
-            new_model_state = jax.tree.map(_keep_floating_dtype, new_model_state, model_state)
-        return y_pred, new_model_state
+        return forward(self.adapter, self.policy, params, model_state, x, rng, training)
+
+    # -- the compiled loss and metrics on real rows (for `meshfit.custom_steps`) ----------------
+
+    def compiled_loss(self, y, y_pred, sample_weight=None):
+        """`(loss, each output's loss)` of rows that are all real: Keras's compiled loss (0 without one)."""
+        each = []
+        for term in self.losses:
+            value, valid = term.loss.values_and_mask(term.output.of(y), term.output.of(y_pred))
+            weight = _output_weight(sample_weight, term.output)
+            total, divisor = losses_lib.reduce_parts(value, weight, valid, term.loss.reduction)
+            each.append(losses_lib.divide_no_nan(total, divisor))
+        loss = self._weighted_sum(each) if each else jnp.zeros((), jnp.float32)
+        return loss, each
+
+    def update_compiled_metrics(self, states, loss, y, y_pred, sample_weight=None):
+        """The accumulators of `init_metrics` with one batch of real rows: `loss`, each output's loss
+        (several losses) and the compiled metrics."""
+        rows = jax.tree.leaves(y_pred)[0].shape[0]
+        each = self.compiled_loss(y, y_pred, sample_weight)[1] if self._logs_each_loss else []
+        batch = Batch(None, y, sample_weight, jnp.ones((rows,), jnp.float32))
+        return self._update_metrics(states, (jnp.asarray(loss, jnp.float32), each), batch, y_pred)
 
     def _parts(self, values, batch: Batch):
         """`(total, divisor)` of each loss: its value is `total / divisor`.
@@ -341,15 +494,6 @@ class StepFunctions:
         new_state = self.apply_gradients(state, grads, model_state, increments, rng)
         return new_state, self.logs(new_state.metrics)
 
-    def staged_train_step(self, state: TrainState, stage: Batch, index) -> tuple[TrainState, dict]:
-        """`train_step` on batch `index` of a stage: batches stacked on a leading axis.
-
-        The stage was placed on the devices once; each step only picks its
-        batch, so no host slicing or transfer happens per step.
-        """
-        batch = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False), stage)
-        return self.train_step(state, batch)
-
     def eval_step(self, variables, metrics, batch: Batch):
         params, model_state = variables
         losses, (y_pred, _) = self.compute_loss(params, model_state, batch, None, False)
@@ -360,31 +504,6 @@ class StepFunctions:
         params, model_state = variables
         y_pred, _ = self._apply(params, model_state, batch.x, None, False)
         return y_pred
-
-    # -- K steps in one call -------------------------------------------------------
-
-    def multi_train_step(self, state: TrainState, batches: Batch):
-        """K training steps in one `lax.scan`; every batch must hold real rows.
-
-        (A fully padded batch would still move the optimizer state, so a short
-        last group runs through `train_step` instead.)
-        """
-
-        def body(state, batch):
-            return self.train_step(state, batch)[0], None
-
-        state, _ = jax.lax.scan(body, state, batches)
-        return state, self.logs(state.metrics)
-
-    def multi_eval_step(self, variables, metrics, batches: Batch):
-        def body(metrics, batch):
-            return self.eval_step(variables, metrics, batch)[0], None
-
-        metrics, _ = jax.lax.scan(body, metrics, batches)
-        return metrics, self.logs(metrics)
-
-    def multi_predict_step(self, variables, batches: Batch):
-        return jax.lax.map(lambda batch: self.predict_step(variables, batch), batches)
 
 
 def _per_sample(sample_weight):

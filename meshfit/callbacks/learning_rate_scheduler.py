@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from meshfit import optimizers as optimizers_lib
 from meshfit.callbacks.base import Callback
 from meshfit.callbacks.progbar_logger import print_msg
 
@@ -20,15 +21,23 @@ class LearningRateScheduler(Callback):
     Args:
         schedule: function `(epoch, lr) -> float`.
         verbose: 0: quiet, 1: log update messages.
+        optimizer: for a model compiled with several optimizers (a dict), the
+            key of the one whose learning rate this sets; required then.
     """
 
-    def __init__(self, schedule, verbose=0):
+    def __init__(self, schedule, verbose=0, *, optimizer: str | None = None):
         super().__init__()
         self.schedule = schedule
         self.verbose = verbose
+        self.optimizer = optimizer
+
+    @property
+    def _optimizer(self):
+        """The optimizer this acts on (`meshfit.optimizers.select`)."""
+        return optimizers_lib.select(self.model.optimizer, self.optimizer, "LearningRateScheduler")
 
     def on_train_begin(self, logs=None):
-        optimizer = self.model.optimizer
+        optimizer = self._optimizer  # several optimizers and none named: refused before any step
         if getattr(optimizer, "learning_rate_is_schedule", False):  # refused before any step
             raise optimizer.schedule_error("set by LearningRateScheduler")
 
@@ -51,10 +60,10 @@ class LearningRateScheduler(Callback):
         return learning_rate
 
     def on_epoch_begin(self, epoch, logs=None):
-        learning_rate = self._update_optimizer_lr(self.model.optimizer, epoch)
+        learning_rate = self._update_optimizer_lr(self._optimizer, epoch)
         if self.verbose > 0:
             print_msg(f"\nEpoch {epoch + 1}: LearningRateScheduler setting learning rate to {learning_rate}.")
 
     def on_epoch_end(self, epoch, logs=None):
         logs = logs or {}
-        logs["learning_rate"] = float(self.model.optimizer.learning_rate)
+        logs["learning_rate"] = float(self._optimizer.learning_rate)

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from meshfit import optimizers as optimizers_lib
 from meshfit.callbacks.early_stopping import MonitorCallback
 from meshfit.callbacks.progbar_logger import print_msg
 
@@ -33,6 +34,8 @@ class ReduceLROnPlateau(MonitorCallback):
         cooldown: number of epochs to wait before resuming normal operation
             after the learning rate has been reduced.
         min_lr: lower bound on the learning rate.
+        optimizer: for a model compiled with several optimizers (a dict), the
+            key of the one whose learning rate this reduces; required then.
     """
 
     def __init__(
@@ -45,8 +48,11 @@ class ReduceLROnPlateau(MonitorCallback):
         min_delta=1e-4,
         cooldown=0,
         min_lr=0.0,
+        *,
+        optimizer: str | None = None,
     ):
         super().__init__(monitor, mode, min_delta=min_delta)
+        self.optimizer = optimizer
         if factor >= 1.0:
             raise ValueError(f"ReduceLROnPlateau does not support a factor >= 1.0. Received factor={factor}")
 
@@ -75,8 +81,13 @@ class ReduceLROnPlateau(MonitorCallback):
             return True
         return False
 
+    @property
+    def _optimizer(self):
+        """The optimizer this acts on (`meshfit.optimizers.select`)."""
+        return optimizers_lib.select(self.model.optimizer, self.optimizer, "ReduceLROnPlateau")
+
     def on_train_begin(self, logs=None):
-        optimizer = self.model.optimizer
+        optimizer = self._optimizer  # several optimizers and none named: refused before any step
         if getattr(optimizer, "learning_rate_is_schedule", False):  # refused before any step
             raise optimizer.schedule_error("reduced by ReduceLROnPlateau")
         if self._take_loaded_state():
@@ -89,7 +100,7 @@ class ReduceLROnPlateau(MonitorCallback):
             # Delay setup until the model's metrics are all built
             self._set_monitor_op()
         logs = logs or {}
-        logs["learning_rate"] = float(self.model.optimizer.learning_rate)
+        logs["learning_rate"] = float(self._optimizer.learning_rate)
         current = logs.get(self.monitor)
 
         if current is None:
@@ -110,7 +121,7 @@ class ReduceLROnPlateau(MonitorCallback):
             elif not self.in_cooldown():
                 self.wait += 1
                 if self.wait >= self.patience:
-                    if self._reduce_optimizer_lr(self.model.optimizer, epoch):
+                    if self._reduce_optimizer_lr(self._optimizer, epoch):
                         self.cooldown_counter = self.cooldown
                         self.wait = 0
 

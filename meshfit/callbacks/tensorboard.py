@@ -217,10 +217,13 @@ class TensorBoard(Callback):
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is None:
             return logs
-        try:
-            logs["learning_rate"] = float(optimizer.learning_rate)
-        except (AttributeError, TypeError, ValueError):  # No learning rate to read.
-            pass
+        # Several optimizers (a dict): each one's rate, as "<key>_learning_rate".
+        named = optimizer.items() if isinstance(optimizer, dict) else [("", optimizer)]
+        for key, one in named:
+            try:
+                logs[f"{key}_learning_rate" if key else "learning_rate"] = float(one.learning_rate)
+            except (AttributeError, TypeError, ValueError):  # No learning rate to read.
+                pass
         return logs
 
     def _log_epoch_metrics(self, epoch, logs):
