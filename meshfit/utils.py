@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+__all__ = ["pack_x_y_sample_weight", "unpack_x_y_sample_weight"]
+
 
 def unpack_x_y_sample_weight(data: Any) -> tuple[Any, Any, Any]:
     """`(x, y, sample_weight)` of a batch, with None for what it does not hold (Keras's function).
