@@ -235,6 +235,11 @@ class DataSource(ABC):
         del epoch
 
     @property
+    def has_partial_batches(self) -> bool:
+        """Whether some batch is known ahead to hold padding rows (False where it cannot be known ahead)."""
+        return False
+
+    @property
     def batch_nbytes(self) -> int:
         """Bytes of one batch (those of `peek()`); with `random_access`, it sizes how many batches are staged
         on the devices at once."""
@@ -371,6 +376,12 @@ class ArrayData(DataSource):
 
     #: Any batch can be gathered at any time: its rows depend only on its position.
     random_access = True
+
+    @property
+    def has_partial_batches(self) -> bool:
+        """Whether a batch holds padding rows: a short last batch, or a batch size rounded up to the strategy's
+        multiple."""
+        return self.num_samples % self.batch_size != 0 or self.padded_batch_size != self.batch_size
 
     @property
     def batch_nbytes(self) -> int:

@@ -149,6 +149,20 @@ class Executables:
 
     # -- steps that need real rows: partial batches by their real rows ----------------------------
 
+    def check_batches(self, data) -> None:
+        """Refuses, before any step, an input with partial batches that these steps need at their real rows
+        where the strategy cannot give them (several processes; see `partial_rows`)."""
+        if self._real_rows_refusal and data.has_partial_batches:
+            raise ValueError(self._refusal_message("an input whose batches are not all full"))
+
+    def _refusal_message(self, received: str) -> str:
+        return (
+            "A custom train_step or test_step sees a partial batch at its real rows, which this strategy "
+            f"cannot give it: {self._real_rows_refusal}. Received: {received}. Use a batch size that divides "
+            "the number of samples (and is a multiple of the number of devices), or an input that drops its "
+            "last partial batch (e.g. drop_remainder=True), so that every batch is full."
+        )
+
     def partial_rows(self, mask) -> int | None:
         """The real rows of a partial batch (from its host mask) where the steps need real rows; else
         None: the usual program (a full batch, a batch of padding only, or steps that mask padding
@@ -158,11 +172,7 @@ class Executables:
         real = int(np.count_nonzero(mask))
         if real < np.shape(mask)[-1] and self._real_rows_refusal:
             raise ValueError(
-                "A custom train_step or test_step sees a partial batch at its real rows, which this strategy "
-                f"cannot give it: {self._real_rows_refusal}. Received: a batch with {real} real rows of "
-                f"{np.shape(mask)[-1]} on this process. Use a batch size that divides the number of samples "
-                "(and is a multiple of the number of devices), or an input that drops its last partial batch "
-                "(e.g. drop_remainder=True), so that every batch is full."
+                self._refusal_message(f"a batch with {real} real rows of {np.shape(mask)[-1]} on this process")
             )
         return real if 0 < real < np.shape(mask)[-1] else None
 

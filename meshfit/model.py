@@ -822,8 +822,10 @@ class Model:
             if first.y is None and self._needs_targets("train_step"):
                 raise ValueError("`fit()` needs targets: pass `y`, or a dataset yielding (x, y) pairs.")
             self._build(first)
+            self.session.executables.check_batches(data)
             if val_data is not None:
                 self._check_input(self._first_batch(val_data))
+                self.session.executables.check_batches(val_data)
             steps = data.steps_per_epoch
             callback_list, history = self._callback_list(
                 callbacks, verbose=verbose, epochs=epochs, steps=steps, add_history=True
@@ -897,6 +899,7 @@ class Model:
         if first.y is None and self._needs_targets("test_step"):
             raise ValueError("`evaluate()` needs targets: pass `y`, or a dataset yielding (x, y) pairs.")
         self._build(first)
+        self.session.executables.check_batches(data)
         callback_list = self._one_pass_callbacks(callbacks, verbose, steps or data.steps_per_epoch)
         logs = evaluate_loop(self, data, callbacks=callback_list, steps=steps)
         return self._ordered(logs, return_dict)

@@ -248,6 +248,34 @@ def test_learning_rate_callbacks_name_the_optimizer_they_act_on():
     assert model.optimizer["generator"].learning_rate == pytest.approx(5e-4)
     assert model.optimizer["discriminator"].learning_rate == pytest.approx(1e-3)
     assert history.history["learning_rate"] == [pytest.approx(5e-4)]
+    plateau = mf.callbacks.ReduceLROnPlateau(monitor="d_loss", patience=0, factor=0.5, min_delta=10.0)
+    with pytest.raises(ValueError, match=r"optimizer="):
+        model.fit(data, batch_size=16, epochs=1, verbose=0, callbacks=[plateau])
+    plateau = mf.callbacks.ReduceLROnPlateau(
+        monitor="d_loss", patience=0, factor=0.5, min_delta=10.0, optimizer="discriminator"
+    )
+    model.fit(data, batch_size=16, epochs=2, verbose=0, callbacks=[plateau])  # never improves by 10: halves
+    assert model.optimizer["discriminator"].learning_rate < 1e-3
+    assert model.optimizer["generator"].learning_rate == pytest.approx(5e-4)
+
+
+def test_a_dict_of_optimizers_saves_and_loads_with_its_state(tmp_path):
+    data = gan_data()
+    optimizers = {"generator": optax.adam(2e-3), "discriminator": optax.adam(1e-3)}
+    model = GAN(TinyGAN(), seed=0)
+    model.compile(optimizer=optimizers)
+    model.fit(data, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    model.save(tmp_path / "gan")
+    with pytest.raises(ValueError, match="optimizer"):  # optax transforms are code: passed again, as in Keras
+        mf.load_model(tmp_path / "gan", TinyGAN())
+    loaded = mf.load_model(tmp_path / "gan", TinyGAN(seed=1), optimizer=optimizers)
+    assert sorted(loaded.optimizer) == ["discriminator", "generator"]
+    assert_close(loaded.session.state.opt_state, model.session.state.opt_state, rtol=0)
+    assert_close(loaded.params, model.params, rtol=0)
+    again = GAN(TinyGAN(seed=2), seed=0)  # the subclass, compiled afresh, takes the saved weights
+    again.compile(optimizer=optimizers)
+    again.load_weights(tmp_path / "gan")
+    assert_close(again.params, model.params, rtol=0)
 
 
 # -- strategies ---------------------------------------------------------------------------------------
@@ -287,6 +315,10 @@ def test_what_a_custom_step_cannot_do_is_refused_before_any_step():
     scaled = own_gradients_model(dtype_policy="mixed_float16")
     with pytest.raises(ValueError, match="mixed_bfloat16"):
         scaled.fit(x, y, batch_size=16, verbose=0)
+    server = own_gradients_model(mf.strategies.ParameterServerStrategy(workers=jax.devices()[:2]))
+    with pytest.raises(ValueError, match="splits each step between workers and a server"):
+        server.fit(x, y, batch_size=16, verbose=0)
+    assert int(server.session.state.step) == 0
 
 
 def test_unpack_x_y_sample_weight_as_keras():

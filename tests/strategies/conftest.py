@@ -15,6 +15,7 @@ TRAININGS = {
     "spe3": "--steps-per-execution 3",
     "bf16": "--compression bf16 --epochs 1",
     "mesh": "--strategy mesh",
+    "custom": "--custom-step",
 }
 
 

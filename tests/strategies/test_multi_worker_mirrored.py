@@ -77,6 +77,25 @@ def test_two_processes_equal_one_process_with_four_devices(two_process_job, spe)
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_a_custom_train_step_in_two_processes_equals_one_device(two_process_job):
+    """Full batches train as on one device; a partial batch, which no process can give the step at its real
+    rows, is refused before any step."""
+    from custom_models import OwnGradients
+
+    out = two_process_job.folder("custom")
+    x, y = classification_data(n=150)
+    model = OwnGradients(MLP(din=4, hidden=32, dout=3))
+    model.compile(optimizer="adam")
+    history = model.fit(x, y, batch_size=15, epochs=2, validation_split=0.2, verbose=0)
+    saved = np.load(out / "params.npz")
+    for i, weight in enumerate(model.get_weights()):
+        np.testing.assert_allclose(saved[f"arr_{i}"], weight, rtol=1e-5, atol=1e-6)
+    for rank in (0, 1):
+        got = json.loads((out / f"history_{rank}.json").read_text())
+        np.testing.assert_allclose(got["history"]["xent"], history.history["xent"], rtol=1e-5)
+        assert got["refusal"]["steps"] == 0 and "every batch is full" in got["refusal"]["message"]
+
+
 def test_processes_that_never_join_a_job_are_told_which_strategy_to_use(tmp_path):
     """`meshfit launch --nprocs 2` of a MirroredStrategy script: two independent copies. Process 0 warns, once."""
     result = launch(tmp_path, "--strategy", "mirrored", "--epochs", "1")

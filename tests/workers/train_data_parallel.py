@@ -2,7 +2,7 @@
 
     python train_data_parallel.py OUT_DIR [--strategy multi_worker|mirrored|mesh] [--epochs N] [--batch-size B]
                                   [--steps-per-execution K] [--compression bf16|fp16] [--hang]
-                                  [--stall S [--stall-process P]]
+                                  [--stall S [--stall-process P]] [--custom-step]
     python train_data_parallel.py OUT_DIR --each NAME "ARGS" [--each NAME "ARGS" ...]
 Process 0 writes OUT_DIR/params.npz; every process writes OUT_DIR/history_<rank>.json.
 With --each, the processes train one fresh model after the other, each with its own ARGS (the options
@@ -53,6 +53,12 @@ def parser_():
     )
     parser.add_argument("--stall-process", type=int, default=1, help="the process that stalls")
     parser.add_argument(
+        "--custom-step",
+        action="store_true",
+        help="train tests/custom_models.OwnGradients (its own train_step); first try a fit with a partial "
+        "batch, which must be refused before any step, and save the refusal",
+    )
+    parser.add_argument(
         "--each",
         nargs=2,
         action="append",
@@ -87,13 +93,25 @@ def train(args):
 
     x, y = classification_data(n=args.n)
     with strategy.scope():
-        model = mf.Model(MLP(din=4, hidden=32, dout=3))
-        model.compile(
-            optimizer="adam",
-            loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
-            steps_per_execution=args.steps_per_execution,
-        )
+        if args.custom_step:
+            from custom_models import OwnGradients
+
+            model = OwnGradients(MLP(din=4, hidden=32, dout=3))
+            model.compile(optimizer="adam", steps_per_execution=args.steps_per_execution)
+        else:
+            model = mf.Model(MLP(din=4, hidden=32, dout=3))
+            model.compile(
+                optimizer="adam",
+                loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=["accuracy"],
+                steps_per_execution=args.steps_per_execution,
+            )
+    refusal = None
+    if args.custom_step:  # 120 training rows in batches of 16: a partial last batch
+        try:
+            model.fit(x, y, batch_size=16, epochs=1, validation_split=0.2, verbose=0)
+        except ValueError as error:
+            refusal = {"message": str(error), "steps": int(model.session.state.step)}
     print(
         f"pid {os.getpid()} rank {strategy.process_index} of {strategy.process_count} "
         f"replicas {strategy.num_replicas_in_sync}",
@@ -121,7 +139,9 @@ def train(args):
     report = model.step_report()
     collectives = {"compiled": report.collectives, "lowered": report.lowered_collectives}
     with open(os.path.join(args.out, f"history_{rank}.json"), "w") as f:
-        json.dump({"history": history.history, "evaluate": evaluation, "collectives": collectives}, f)
+        json.dump(
+            {"history": history.history, "evaluate": evaluation, "collectives": collectives, "refusal": refusal}, f
+        )
     if rank == 0:
         np.savez(os.path.join(args.out, "params.npz"), *model.get_weights(), predictions=predictions)
 
