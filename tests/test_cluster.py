@@ -14,6 +14,8 @@ from meshfit.launch import free_port
 
 CODE = """
 import warnings, meshfit as mf
+
+pytestmark = pytest.mark.slow  # starts real processes (the fast tier leaves these out)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     multi = mf.cluster.initialize()

@@ -66,6 +66,7 @@ class ActivityPenalty(mf.Model):
         return loss + 0.1 * jnp.mean(jnp.square(y_pred["activity"]))
 
 
+@pytest.mark.slow
 def test_compute_loss_override_adds_a_term_from_extra_outputs_and_equals_a_hand_written_loop():
     x, y = classification_data(n=40)  # batches of 16, 16 and a partial 8
     model = ActivityPenalty(WithActivity(), seed=0)
@@ -151,6 +152,7 @@ def test_train_step_override_equals_a_hand_written_loop_and_logs_by_keras_rule()
     )
 
 
+@pytest.mark.slow
 def test_steps_per_execution_and_gradient_accumulation_apply_to_a_custom_step():
     x, y = classification_data(n=48)
     reference = own_gradients_model()
@@ -181,6 +183,7 @@ def gan_data(n=32):
     return (rng.standard_normal((n, 2)) * 0.5 + np.array([2.0, -1.0])).astype(np.float32)
 
 
+@pytest.mark.slow
 def test_gan_with_a_dict_of_optimizers_equals_a_hand_written_loop():
     data = gan_data()
     model = GAN(TinyGAN(), seed=0)
@@ -291,6 +294,7 @@ def test_custom_step_under_mirrored_on_four_devices_equals_one_device():
     np.testing.assert_allclose(history.history["xent"], one.history.history["xent"], rtol=RTOL)
 
 
+@pytest.mark.slow
 def test_gan_under_a_mesh_strategy_equals_one_device():
     data = gan_data()
 
@@ -352,6 +356,7 @@ def finished_run(out) -> tuple[dict, dict]:
     return history, {key: weights[key] for key in weights.files}
 
 
+@pytest.mark.slow
 def test_sigkilled_custom_step_resumes_bitwise_from_backup_and_restore(tmp_path):
     status, output = run_custom_worker(tmp_path / "reference", tmp_path / "reference-backup")
     assert status == 0, output

@@ -6,6 +6,8 @@ import os
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # trains the examples for seconds each (the fast tier leaves these out)
+
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 
 

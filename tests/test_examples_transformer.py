@@ -7,6 +7,8 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
+pytestmark = pytest.mark.slow  # trains the examples for seconds each (the fast tier leaves these out)
+
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "transformer_lm.py")
 
 TINY = [

@@ -49,6 +49,7 @@ def train_compilations():
         logger.removeHandler(handler)
 
 
+@pytest.mark.slow
 def test_batches_of_any_size_train_exactly_with_a_bounded_number_of_compilations(train_compilations):
     x, y = classification_data(n=sum(SIZES))
     model = compiled(mf.Model(MLP()))

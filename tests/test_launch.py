@@ -12,6 +12,8 @@ from processes import Job, run
 
 from meshfit import launch
 
+pytestmark = pytest.mark.slow  # starts real processes (the fast tier leaves these out)
+
 WORKERS = os.path.join(os.path.dirname(__file__), "workers")
 
 

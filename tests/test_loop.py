@@ -46,6 +46,7 @@ def make_model(spe=1, optimizer="sgd"):
     return model
 
 
+@pytest.mark.slow
 def test_steps_per_execution_matches_single_steps_with_ragged_last_group():
     x, y = classification_data(n=90)  # 10 batches of 9: groups of 4, 4, 2
     one, four = make_model(1, "adam"), make_model(4, "adam")

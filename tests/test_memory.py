@@ -2,12 +2,14 @@
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshfit.memory import live_bytes
 
 
+@pytest.mark.slow
 def test_shards_replicas_and_views_are_counted_once():
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("i",))
     before, before_1 = live_bytes().total, live_bytes(jax.devices()[1]).total

@@ -328,6 +328,7 @@ def keras_parity(keras):
     return evaluate_all(ours), evaluate_all(theirs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case_id", CASE_IDS)
 def test_matches_keras(keras_parity, case_id):
     ours, theirs = keras_parity

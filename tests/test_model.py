@@ -77,6 +77,7 @@ def sgd_reference(x, y, batch_size, lr):
     return nnx.to_pure_dict(params)
 
 
+@pytest.mark.slow
 def test_partial_last_batch_trains_exactly():
     x, y = classification_data(n=10)
     model = make_model(optimizer=optax.sgd(0.1), metrics=None)
@@ -364,6 +365,7 @@ def assert_same_training(per_sample, scalar, rtol=1e-5):
     assert_trees_close(a.params, b.params, rtol=rtol, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["one_device", "mirrored"])
 def test_scalar_loss_trains_and_evaluates_as_the_per_sample_built_in(strategy):
     """70 rows in batches of 16 (a last batch of 6), validation on 37 (one of 5): the scalar is
@@ -391,6 +393,7 @@ def test_scalar_loss_trains_and_evaluates_as_the_per_sample_built_in(strategy):
     assert b.session.executables.partial_batch_steps == [("evaluate", 5), ("evaluate", 13), ("staged", 6)]
 
 
+@pytest.mark.slow
 def test_scalar_loss_with_steps_per_execution_and_a_partial_batch_in_a_full_group():
     """120 rows in batches of 16: 8 batches, the second group of 4 holds the partial one (it runs step
     by step); evaluation's group of 3 real batches runs stacked, its partial batch alone."""
@@ -406,6 +409,7 @@ def test_scalar_loss_with_steps_per_execution_and_a_partial_batch_in_a_full_grou
     assert scalar[0].session.executables.partial_batch_steps == [("evaluate", 13), ("train", 8)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefetch", [0, 2], ids=["host-batches", "placed-ahead"])
 def test_scalar_loss_on_a_generator_of_ragged_batches(monkeypatch, prefetch):
     """Batches of 8, 5, 8, 3, 8, 5 rows (padded to 8): one step per distinct partial size (5 and 3)."""
@@ -477,6 +481,7 @@ class BackendCompiles:
         jax.monitoring.unregister_event_duration_listener(self._event)
 
 
+@pytest.mark.slow
 def test_scalar_loss_costs_one_compilation_per_partial_size_and_data():
     """Against the per-sample built-in: one more XLA compilation for training, one for validation,
     whatever the epochs; a second fit compiles nothing."""

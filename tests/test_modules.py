@@ -31,6 +31,7 @@ STRATEGIES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_a_factory_starts_bitwise_equal_to_the_eager_module(strategy):
     with STRATEGIES[strategy]().scope():
@@ -54,6 +55,7 @@ def test_a_factory_under_fsdp_is_never_whole_on_a_device():
     assert sharded and not sharded & set(whole)
 
 
+@pytest.mark.slow
 def test_a_factory_model_saved_under_fsdp_restores_with_a_factory(tmp_path):
     tokens = np.random.default_rng(0).integers(0, 64, (64, 8)).astype(np.int32)
     with mf.strategies.MeshStrategy(axes={"fsdp": 8}, min_shard_size=1024).scope():

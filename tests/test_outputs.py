@@ -71,6 +71,7 @@ def keras_twin(model):
     return twin
 
 
+@pytest.mark.slow
 def test_two_output_model_matches_keras_through_fit_train_on_batch_and_evaluate():
     keras = pytest.importorskip("keras")
     x, y = data()
@@ -265,6 +266,7 @@ def test_outputs_are_named_from_their_paths():
     assert outputs[1].of({"logits": 0, "value": 1}) == 1  # targets for them may be a dict
 
 
+@pytest.mark.slow
 def test_a_scalar_loss_on_one_output_equals_its_per_sample_twin():
     """A scalar loss for "reg" beside a per-sample one for "cls", with loss weights: on 100 rows in
     batches of 32 and validation on 37 (partial batches of 4 and 5) the same logs and weights as

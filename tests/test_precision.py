@@ -43,6 +43,7 @@ def fit_digits(policy):
     return model, model.evaluate(x_test, y_test, verbose=0, return_dict=True), model.predict(x_test, verbose=0)
 
 
+@pytest.mark.slow
 def test_mixed_bfloat16_keeps_float32_weights_learns_and_computes_in_bfloat16():
     mixed, mixed_logs, mixed_pred = fit_digits("mixed_bfloat16")
     full, _, full_pred = fit_digits("float32")
@@ -68,12 +69,14 @@ def test_predict_and_evaluate_run_under_the_policy_too():
     assert full.evaluate(x_test, y_test, verbose=0) != mixed.evaluate(x_test, y_test, verbose=0)
 
 
+@pytest.mark.slow
 def test_bfloat16_policy_keeps_the_weights_in_bfloat16():
     model, logs, _ = fit_digits("bfloat16")
     assert all(w.dtype == jnp.bfloat16 for w in model.get_weights())
     assert logs["accuracy"] >= 0.85
 
 
+@pytest.mark.slow
 def test_mixed_bfloat16_leaves_batchnorm_statistics_float32():
     class WithNorm(nnx.Module):
         def __init__(self, rngs):
@@ -141,6 +144,7 @@ def test_an_unknown_policy_lists_the_valid_ones():
         model.compile(optimizer="sgd", loss="mse", dtype_policy="half")
 
 
+@pytest.mark.slow
 def test_a_model_saved_under_a_policy_loads_with_it(tmp_path):
     x, y = classification_data()
     model = mf.Model(MLP())
@@ -177,6 +181,7 @@ def weights_after(batch_size, strategy=None, **compile_args):
     ],
     ids=["one_device", "mirrored4", "mesh2x4"],
 )
+@pytest.mark.slow
 def test_four_batches_of_16_accumulated_train_as_one_batch_of_64(strategy):
     big = weights_after(64)
     accumulated = weights_after(16, strategy() if strategy else None, gradient_accumulation_steps=4)
@@ -196,6 +201,7 @@ def test_an_optax_multisteps_optimizer_is_accepted_and_equal():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_accumulation_with_steps_per_execution_that_is_not_a_multiple():
     reference = weights_after(16, gradient_accumulation_steps=4)
     model = weights_after(16, gradient_accumulation_steps=4, steps_per_execution=3)
@@ -203,6 +209,7 @@ def test_accumulation_with_steps_per_execution_that_is_not_a_multiple():
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_a_backup_taken_mid_accumulation_resumes_exactly(tmp_path):
     x, y = classification_data(n=192)
 

@@ -16,6 +16,8 @@ from meshfit import rendezvous
 from meshfit.launch import free_port
 from meshfit.rendezvous import JoinError, JoinTimeoutError, assemble
 
+pytestmark = pytest.mark.slow  # waits out real timeouts on real sockets (the fast tier leaves these out)
+
 
 def start(address, count, process_id, timeout=10.0, notice_after=60.0, delay=0.0):
     """Runs `assemble` for one process in a thread; returns a dict that gets "error" (or None) and "took"."""

@@ -29,6 +29,7 @@ def same_weights(a, b):
     return all(np.array_equal(u, v) for u, v in zip(a.get_weights(), b.get_weights(), strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["one_device", "fsdp4", "mirrored8"])
 def test_saved_under_mirrored8_restores_onto_other_layouts(tmp_path, target):
     model, x, y = trained(mf.strategies.MirroredStrategy())
@@ -168,6 +169,7 @@ def my_loss(y_true, y_pred):
     return mf.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True)
 
 
+@pytest.mark.slow
 def test_a_custom_loss_is_asked_for_again_before_anything_is_loaded(tmp_path):
     x, y = classification_data(n=32)
     model = mf.Model(MLP())
@@ -251,6 +253,7 @@ def test_save_overwrites_by_default_and_overwrite_false_refuses(tmp_path):
         model.save_weights(tmp_path / "m")  # another kind is still refused
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["model", "weights"])
 def test_a_save_killed_while_overwriting_leaves_one_complete_copy(tmp_path, kind):
     """SIGKILL lands inside an overwriting save (after the first saves): the old or the new copy loads whole."""

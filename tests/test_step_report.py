@@ -22,6 +22,7 @@ def fitted(strategy=None):
     return model
 
 
+@pytest.mark.slow
 def test_step_report_counts_about_six_flops_per_parameter_and_sample():
     model = fitted()
     report = model.step_report()
@@ -31,6 +32,7 @@ def test_step_report_counts_about_six_flops_per_parameter_and_sample():
     assert report.bytes_accessed > 0 or jax.default_backend() == "gpu"  # the CUDA plugin gives no estimate
 
 
+@pytest.mark.slow
 @eight_devices
 def test_step_report_is_per_device_under_data_parallelism():
     one = fitted().step_report()
@@ -77,6 +79,7 @@ class Wide(nnx.Module):
         return self.b(nnx.relu(self.a(x)))
 
 
+@pytest.mark.slow
 @eight_devices
 def test_a_batch_is_costed_before_any_training():
     """`step_report(x, y)` compiles for that batch and runs nothing: whether a layout fits, known up front."""

@@ -22,6 +22,8 @@ from processes import Job, run
 
 import meshfit as mf
 
+pytestmark = pytest.mark.slow  # starts real processes (the fast tier leaves these out)
+
 WORKER = os.path.join(os.path.dirname(__file__), "..", "workers", "train_resumable.py")
 
 

@@ -73,6 +73,7 @@ def test_bad_arguments(tmp_path):
         fit_with(mf.callbacks.ModelCheckpoint(tmp_path / "x"), epochs=1)
 
 
+@pytest.mark.slow
 def test_a_second_run_overwrites_as_keras_does_and_overwrite_false_refuses(tmp_path):
     fit_with(mf.callbacks.ModelCheckpoint(tmp_path / "ck"), epochs=4)
     assert steps_in(tmp_path / "ck") == [1, 2, 3, 4]
@@ -131,6 +132,7 @@ def test_formatted_paths_as_keras(tmp_path):
         fit_with(mf.callbacks.ModelCheckpoint(pattern, save_weights_only=True), epochs=1)  # another kind
 
 
+@pytest.mark.slow
 def test_formatted_path_with_log_keys_and_save_best_only(tmp_path):
     pattern = str(tmp_path / "w-{epoch}-{val_loss:.3f}")
     cb = mf.callbacks.ModelCheckpoint(pattern, save_best_only=True, save_weights_only=True)

@@ -65,6 +65,7 @@ def test_explicit_equals_one_device_for_every_loss_reduction(reduction):
     np.testing.assert_allclose(runs[0][1]["loss"], runs[1][1]["loss"], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_explicit_all_reduce_moves_the_parameter_bytes():
     x, y = classification_data(n=64)
     model, _ = train(S.MirroredStrategy(reduction="explicit"), x, y)
@@ -79,6 +80,7 @@ def test_explicit_all_reduce_moves_the_parameter_bytes():
     assert params <= auto.step_report().collectives["all-reduce"] <= 1.05 * params
 
 
+@pytest.mark.slow
 def test_bf16_compression_halves_the_all_reduce_and_stays_within_bf16_tolerance():
     x, y = classification_data(n=320)
     one, _ = train(S.OneDeviceStrategy(), x, y)
@@ -102,6 +104,7 @@ def test_bf16_compression_halves_the_all_reduce_and_stays_within_bf16_tolerance(
     assert "widened" in compressed.summary(print_fn=None) or jax.default_backend() != "cpu"
 
 
+@pytest.mark.slow
 def test_fp16_compression_cannot_overflow():
     """Gradients far beyond float16's range (65504) are scaled down before the all-reduce and back after."""
     rng = np.random.default_rng(0)
@@ -121,6 +124,7 @@ def test_fp16_compression_cannot_overflow():
     assert fp16.step_report().lowered_collectives["all-reduce"] <= 0.5 * param_bytes(fp16) + 64
 
 
+@pytest.mark.slow
 def test_explicit_mixed_float16_skips_non_finite_steps_and_learns():
     """The loss scale's overflow check sees the reduced gradients: overflowing steps are skipped, not applied.
 
@@ -150,6 +154,7 @@ class Normalized(nnx.Module):
         return self.out(self.norm(self.dense(x)))
 
 
+@pytest.mark.slow
 def test_batch_statistics_are_averaged_over_replicas():
     """Each replica normalises with its rows' statistics; after the step every replica keeps their mean.
 
@@ -191,6 +196,7 @@ def test_options_are_checked():
     assert "gradient_compression='fp16'" in repr(S.MirroredStrategy(gradient_compression="fp16"))
 
 
+@pytest.mark.slow
 def test_bf16_compression_reaches_the_same_digits_accuracy():
     """scikit-learn's digits, an MLP, 8 replicas: compressed gradients learn as well as float32 ones (±1 %)."""
     from sklearn.datasets import load_digits

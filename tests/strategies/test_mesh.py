@@ -61,6 +61,7 @@ def reference():
         ({"data": 2, "fsdp": 2, "tensor": 2}, MEGATRON),
     ],
 )
+@pytest.mark.slow
 def test_mesh_equals_one_device_after_20_steps(reference, axes, rules):
     one, h_one = reference
     strategy = mf.strategies.MeshStrategy(axes=axes, rules=rules)
@@ -156,6 +157,7 @@ def test_constrain_is_a_no_op_elsewhere():
     assert mf.strategies.constrain(x, "data") is x
 
 
+@pytest.mark.slow
 def test_mesh_under_launch_equals_single_process(two_process_job):
     """data=2 x fsdp=2 over 2 processes x 2 devices equals the same mesh in one process."""
     import os
@@ -207,6 +209,7 @@ def check_device0(model, what, before):
     return held, ideal
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("creation", ["factory", "eager"])
 def test_fsdp8_device0_holds_its_eighth_after_creation_fit_and_restore(tmp_path, creation):
     """MLP 1024-2048-1024 with Adam under fsdp=8: no lingering whole or replicated copies on device 0."""

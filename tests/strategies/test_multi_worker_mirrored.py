@@ -12,6 +12,8 @@ from processes import run
 
 import meshfit as mf
 
+pytestmark = pytest.mark.slow  # starts real processes (the fast tier leaves these out)
+
 WORKER = os.path.join(os.path.dirname(__file__), "..", "workers", "train_data_parallel.py")
 
 

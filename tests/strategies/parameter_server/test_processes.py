@@ -9,6 +9,8 @@ import time
 import pytest
 from processes import LAUNCH, Job, run
 
+pytestmark = pytest.mark.slow  # starts real processes (the fast tier leaves these out)
+
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "parameter_server.py")
 WORKER = os.path.join(os.path.dirname(__file__), "..", "..", "workers", "train_ps.py")
 CONNECTED = r"\[rank (\d)\] parameter-server worker pid (\d+) connected"

@@ -48,6 +48,7 @@ def test_parameters_live_on_the_server_and_evaluation_uses_them():
     assert {"staleness", "max_staleness"} <= set(history.history)
 
 
+@pytest.mark.slow
 def test_max_staleness_bounds_applied_gradients():
     x, y = classification_data(n=96)
     strategy = mf.strategies.ParameterServerStrategy(
@@ -60,6 +61,7 @@ def test_max_staleness_bounds_applied_gradients():
     assert max(history.history["max_staleness"]) >= 2  # without the bound, stale gradients do arrive
 
 
+@pytest.mark.slow
 def test_async_reaches_sync_accuracy_on_digits():
     from digits import MLP as DigitsMLP
     from digits import load_data
@@ -114,6 +116,7 @@ def test_a_process_started_as_a_worker_refuses_to_run_the_training_script(monkey
         mf.strategies.ParameterServerStrategy()
 
 
+@pytest.mark.slow
 def test_linen_module_with_dropout_trains_in_both_modes():
     from flax import linen as nn
 
@@ -160,6 +163,7 @@ def per_device_bytes(tree) -> dict:
     return usage
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_state_partitioned_over_server_devices(mode):
     """Variables split over 2 server devices (tf.distribute's variable partitioner); sync still equals Mirrored."""

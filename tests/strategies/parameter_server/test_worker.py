@@ -7,6 +7,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # starts real processes (the fast tier leaves these out)
+
 
 def test_the_worker_started_outside_a_job_says_how_to_start_one():
     env = {k: v for k, v in os.environ.items() if not k.startswith("MESHFIT_PS_")}
