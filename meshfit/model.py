@@ -19,7 +19,7 @@ import numpy as np
 import optax
 
 from meshfit import callbacks as callbacks_lib
-from meshfit import cluster, precision, saving, utils
+from meshfit import cluster, inputs, precision, saving, utils
 from meshfit import data as data_lib
 from meshfit import losses as losses_lib
 from meshfit import metrics as metrics_lib
@@ -39,8 +39,6 @@ from meshfit.strategies import get_strategy, has_strategy, placement
 from meshfit.summary import format_step_report, format_summary
 from meshfit.terms import LossTerm, MetricTerm, Output
 from meshfit.trees import path_name
-
-_DEFAULT_BATCH_SIZE = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -621,57 +619,18 @@ class Model:
         steps: int | None = None,
         what: str = "fit",
     ) -> data_lib.DataSource:
-        if x is None:
-            raise ValueError(f"`{what}()` needs input data `x`. Received: x=None.")
-        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
-            raise ValueError(f"`batch_size` must be a positive int. Received: batch_size={batch_size!r}.")
-        if steps is not None and (not isinstance(steps, int) or steps < 1):
-            raise ValueError(f"The number of steps must be a positive int or None. Received: {steps!r}.")
-        if isinstance(x, data_lib.DataSource):  # the user's own, taken as it is (as Keras takes a DataAdapter)
-            _check_own_source(x, y, sample_weight, batch_size, steps)
-            return x
-        strategy = self.strategy
-        if data_lib.is_array_tree(x):
-            return data_lib.ArrayData(
-                x,
-                y,
-                sample_weight,
-                batch_size=batch_size or _DEFAULT_BATCH_SIZE,
-                shuffle=shuffle,
-                seed=self.seed,
-                batch_multiple=strategy.batch_multiple,
-                steps_per_epoch=steps,
-                block=strategy.batch_block,
-                orders=self._shuffle_orders,
-            )
-        not_a_dataset = isinstance(x, (list, tuple, dict, str, bytes)) or not hasattr(x, "__iter__")
-        if (y is not None or sample_weight is not None) and not_a_dataset:
-            raise TypeError(
-                "With `y` or `sample_weight` given, `x` must be a numpy/JAX array or a dict, tuple or list of "
-                f"arrays. Received: x of type {_type_description(x)}. Convert it (e.g. np.asarray(x)), or pass "
-                "a dataset or generator yielding (x, y) batches as `x` alone, with y=None and sample_weight=None."
-            )
-        if y is not None or sample_weight is not None:
-            raise ValueError(
-                f"When `x` is a dataset or generator, `y` and `sample_weight` must be None (the dataset "
-                f"yields them). Received: x of type {type(x).__name__} with y or sample_weight set."
-            )
-        if batch_size is not None:
-            raise ValueError(
-                "`batch_size` must be None when `x` is a dataset or generator, which yields batches. "
-                f"Received: batch_size={batch_size}."
-            )
-        if isinstance(x, (str, bytes)) or not hasattr(x, "__iter__"):
-            hint = (
-                " It has `peek` and `executions`: make it a subclass of meshfit.data.DataSource."
-                if hasattr(x, "peek") and hasattr(x, "executions")
-                else ""
-            )
-            raise TypeError(
-                "`x` must be a numpy/JAX array, a dict/tuple/list of arrays, an iterable of batches "
-                f"(generator, grain dataset) or a meshfit.data.DataSource. Received: {type(x).__name__}.{hint}"
-            )
-        return data_lib.IterableData(x, steps_per_epoch=steps, batch_multiple=strategy.local_batch_multiple)
+        return inputs.data_source(
+            x,
+            y,
+            sample_weight,
+            batch_size,
+            self.strategy,
+            shuffle=shuffle,
+            steps=steps,
+            what=what,
+            seed=self.seed,
+            orders=self._shuffle_orders,
+        )
 
     def _first_batch(self, data: data_lib.DataSource) -> Batch:
         batch = data.peek()
@@ -1154,27 +1113,6 @@ def load_model(
 # -- helpers ------------------------------------------------------------------------------------
 
 
-def _check_own_source(source: data_lib.DataSource, y: Any, sample_weight: Any, batch_size: Any, steps: Any) -> None:
-    """Raises a ValueError if arguments that only array inputs take come with a user's own `DataSource`."""
-    name = type(source).__name__
-    if y is not None or sample_weight is not None:
-        raise ValueError(
-            f"When `x` is a meshfit.data.DataSource, `y` and `sample_weight` must be None (its batches hold them). "
-            f"Received: x={name} with y or sample_weight set."
-        )
-    if batch_size is not None:
-        raise ValueError(
-            f"`batch_size` must be None when `x` is a meshfit.data.DataSource, which makes its own batches. "
-            f"Received: x={name}, batch_size={batch_size}."
-        )
-    if steps is not None and steps != source.steps_per_epoch:
-        raise ValueError(
-            f"A meshfit.data.DataSource sets its own epoch length: `steps_per_epoch` must be None or equal to "
-            f"its `steps_per_epoch` ({source.steps_per_epoch}). Received: steps_per_epoch={steps}. Set "
-            f"`steps_per_epoch` on the {name} instead."
-        )
-
-
 def _optimizer_state_access(session: Session) -> optimizers_lib.OptimizerStateAccess:
     """The optimizer's view of the session: the optimizer state as the last step left it, and a host read."""
 
@@ -1260,18 +1198,6 @@ def _check_loss_weights(loss_weights: Any) -> None:
             "`loss_weights` must be a number, or a dict/list of numbers per output. "
             f"Received: loss_weights={loss_weights!r} (not numbers: {bad})."
         )
-
-
-def _type_description(value: Any) -> str:
-    """A value's type, with the types inside a container (`list of float`), for error messages."""
-    name = type(value).__name__
-    if isinstance(value, dict) and value:
-        inner = sorted({type(v).__name__ for v in value.values()})
-        return f"{name} of {', '.join(inner)}"
-    if isinstance(value, (list, tuple)) and value:
-        inner = sorted({type(v).__name__ for v in value})
-        return f"{name} of {', '.join(inner)}"
-    return name
 
 
 def _needs_shapes(identifier: Any) -> bool:

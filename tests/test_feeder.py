@@ -7,6 +7,7 @@ from helpers import MLP, classification_data
 
 import meshfit as mf
 import meshfit.feeder as feeder_lib
+from meshfit.inputs import data_source
 
 
 def make_model(optimizer="adam"):
@@ -51,7 +52,7 @@ def test_stage_size_follows_the_byte_budget(monkeypatch):
     x, y = classification_data(n=64)
     model = make_model()
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
-    data = model._make_data(x, y, None, 16)
+    data = data_source(x, y, None, 16, model.strategy)
     assert data.batch_nbytes == 16 * (4 * 4 + 4 + 4)  # x: 4 float32, y: int32, mask: float32 per row
     monkeypatch.setattr(feeder_lib, "STAGE_BYTES", data.batch_nbytes * 3)
     assert model.session.feeder.stage_steps(data) == 3
@@ -91,8 +92,8 @@ def test_a_prefetch_for_other_data_is_not_used():
     x, y = classification_data(n=64)
     model = make_model()
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
-    other = model._make_data(x[::-1].copy(), y[::-1].copy(), None, 16)
-    data = model._make_data(x, y, None, 16)
+    other = data_source(x[::-1].copy(), y[::-1].copy(), None, 16, model.strategy)
+    data = data_source(x, y, None, 16, model.strategy)
     feeder = model.session.feeder
     feeder.prefetch(other, 1)
     assert feeder.has_prefetched

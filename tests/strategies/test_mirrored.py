@@ -6,6 +6,7 @@ import pytest
 from helpers import MLP, assert_trees_close, classification_data
 
 import meshfit as mf
+from meshfit.inputs import data_source
 
 
 def train(strategy, x, y, batch_size, epochs, spe=1, **fit_kwargs):
@@ -56,7 +57,7 @@ def test_mirrored_state_is_replicated_and_batches_are_split():
     for leaf in jax.tree.leaves(model.session.state):
         assert leaf.sharding.is_fully_replicated
         assert len(leaf.sharding.device_set) == 8
-    batch = model.strategy.distribute_batch(next(model._make_data(x, y, None, 16).epoch(0)))
+    batch = model.strategy.distribute_batch(next(data_source(x, y, None, 16, model.strategy).epoch(0)))
     assert batch.x.sharding.spec == jax.sharding.PartitionSpec("data")
     assert {s.data.shape for s in batch.x.addressable_shards} == {(2, 4)}
 
