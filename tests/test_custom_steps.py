@@ -184,11 +184,13 @@ def gan_data(n=32):
 
 
 @pytest.mark.slow
-def test_gan_with_a_dict_of_optimizers_equals_a_hand_written_loop():
+def test_gan_with_a_dict_of_optimizers_equals_a_hand_written_loop(capsys):
     data = gan_data()
     model = GAN(TinyGAN(), seed=0)
     model.compile(optimizer={"generator": optax.adam(2e-3), "discriminator": optax.adam(1e-3)})
-    history = model.fit(data, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    history = model.fit(data, batch_size=16, epochs=2, shuffle=False, verbose=2)
+    printed = capsys.readouterr().out
+    assert "d_loss: " in printed and "g_loss: " in printed, printed  # the progress bar shows every key
 
     apply, params = functional(TinyGAN())
     txs = {"generator": optax.adam(2e-3), "discriminator": optax.adam(1e-3)}
