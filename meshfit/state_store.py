@@ -89,7 +89,7 @@ class StateStore:
         add = in_flight.add
         for program, args in calls:
             self._state, logs = program(self._state, *args)
-            add(wait_token(logs))
+            add(wait_token(logs, self._state.step))
         return logs
 
     # -- the host's count of optimizer steps --------------------------------------------------
@@ -114,10 +114,10 @@ class StateStore:
         self._follow(self._state)
 
 
-def wait_token(logs: dict):
-    """A device value of a step's logs to wait on for the in-flight bound: the loss, else the first
-    value (a custom step's logs may have no "loss"), else None (nothing to wait on)."""
+def wait_token(logs: dict, fallback):
+    """A device value of a step's logs to wait on for the in-flight bound: the loss, else the first value (a
+    custom step's logs may have no "loss"), else `fallback` (the state's step: a step whose logs are empty)."""
     token = logs.get(LOSS_KEY)
-    if token is None and logs:
-        token = next(iter(logs.values()))
+    if token is None:
+        token = next(iter(logs.values()), fallback)
     return token
