@@ -253,11 +253,11 @@ def test_learning_rate_callbacks_name_the_optimizer_they_act_on():
     assert model.optimizer["generator"].learning_rate == pytest.approx(5e-4)
     assert model.optimizer["discriminator"].learning_rate == pytest.approx(1e-3)
     assert history.history["learning_rate"] == [pytest.approx(5e-4)]
-    plateau = mf.callbacks.ReduceLROnPlateau(monitor="d_loss", patience=0, factor=0.5, min_delta=10.0)
+    plateau = mf.callbacks.ReduceLROnPlateau(monitor="d_loss", mode="min", patience=0, factor=0.5, min_delta=10.0)
     with pytest.raises(ValueError, match=r"optimizer="):
         model.fit(data, batch_size=16, epochs=1, verbose=0, callbacks=[plateau])
     plateau = mf.callbacks.ReduceLROnPlateau(
-        monitor="d_loss", patience=0, factor=0.5, min_delta=10.0, optimizer="discriminator"
+        monitor="d_loss", mode="min", patience=0, factor=0.5, min_delta=10.0, optimizer="discriminator"
     )
     model.fit(data, batch_size=16, epochs=2, verbose=0, callbacks=[plateau])  # never improves by 10: halves
     assert model.optimizer["discriminator"].learning_rate < 1e-3
