@@ -170,7 +170,7 @@ class Executables:
         if not self.real_rows:
             return None
         real = int(np.count_nonzero(mask))
-        if real < np.shape(mask)[-1] and self._real_rows_refusal:
+        if 0 < real < np.shape(mask)[-1] and self._real_rows_refusal:  # (a filler of padding only is no batch)
             raise ValueError(
                 self._refusal_message(f"a batch with {real} real rows of {np.shape(mask)[-1]} on this process")
             )

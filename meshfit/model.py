@@ -989,7 +989,10 @@ class Model:
             self._build(self._first_batch(data))
             return self.session.step_report(self._first_batch(data))
         batch = self._example_batch
-        if not self.session.built or batch is None or batch.y is None or self.compile_settings.loss is None:
+        trains_on_it = "train_step" in self._custom_methods() or (
+            batch is not None and batch.y is not None and self.compile_settings.loss is not None
+        )
+        if not self.session.built or batch is None or not trains_on_it:
             raise ValueError(
                 "step_report() needs a model built for training: call fit() or evaluate() on data first, "
                 "or pass a batch: step_report(x, y)."

@@ -15,7 +15,7 @@ TRAININGS = {
     "spe3": "--steps-per-execution 3",
     "bf16": "--compression bf16 --epochs 1",
     "mesh": "--strategy mesh",
-    "custom": "--custom-step",
+    "custom": "--custom-step --n 160 --batch-size 16",  # every batch full: 4 replicas, 128 + 32 rows
 }
 
 

@@ -85,10 +85,10 @@ def test_a_custom_train_step_in_two_processes_equals_one_device(two_process_job)
     from custom_models import OwnGradients
 
     out = two_process_job.folder("custom")
-    x, y = classification_data(n=150)
+    x, y = classification_data(n=160)
     model = OwnGradients(MLP(din=4, hidden=32, dout=3))
     model.compile(optimizer="adam")
-    history = model.fit(x, y, batch_size=15, epochs=2, validation_split=0.2, verbose=0)
+    history = model.fit(x, y, batch_size=16, epochs=2, validation_split=0.2, verbose=0)
     saved = np.load(out / "params.npz")
     for i, weight in enumerate(model.get_weights()):
         np.testing.assert_allclose(saved[f"arr_{i}"], weight, rtol=1e-5, atol=1e-6)

@@ -107,9 +107,9 @@ def train(args):
                 steps_per_execution=args.steps_per_execution,
             )
     refusal = None
-    if args.custom_step:  # 120 training rows in batches of 16: a partial last batch
+    if args.custom_step:  # batches of 12 rows: a partial last batch
         try:
-            model.fit(x, y, batch_size=16, epochs=1, validation_split=0.2, verbose=0)
+            model.fit(x, y, batch_size=12, epochs=1, validation_split=0.2, verbose=0)
         except ValueError as error:
             refusal = {"message": str(error), "steps": int(model.session.state.step)}
     print(
