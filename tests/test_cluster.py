@@ -12,10 +12,10 @@ import pytest
 from meshfit.cluster import DEFAULT_HEARTBEAT_TIMEOUT, check_settings
 from meshfit.launch import free_port
 
+pytestmark = pytest.mark.slow  # starts real processes (the fast tier leaves these out)
+
 CODE = """
 import warnings, meshfit as mf
-
-pytestmark = pytest.mark.slow  # starts real processes (the fast tier leaves these out)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     multi = mf.cluster.initialize()
