@@ -228,3 +228,21 @@ def test_the_learning_rate_of_an_optax_schedule_is_logged(tmp_path):
     model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[TensorBoard(str(tmp_path))])
     scalars, _ = read_events(os.path.join(tmp_path, "train"))
     assert scalars["epoch_learning_rate"] == [(e, pytest.approx(float(schedule(4 * (e + 1))))) for e in range(3)]
+
+
+def test_each_of_several_optimizers_logs_its_learning_rate(tmp_path):
+    from custom_models import GAN, TinyGAN
+
+    model = GAN(TinyGAN(), seed=0)
+    model.compile(
+        optimizer={
+            "generator": mf.optimizers.get("adam", learning_rate=2e-3),
+            "discriminator": mf.optimizers.get("adam", learning_rate=1e-3),
+        }
+    )
+    data = np.random.default_rng(0).standard_normal((32, 2)).astype(np.float32)
+    model.fit(data, batch_size=16, epochs=2, verbose=0, callbacks=[TensorBoard(log_dir=tmp_path)])
+    train, _ = read_events(tmp_path / "train")
+    assert train["epoch_generator_learning_rate"] == [(0, pytest.approx(2e-3)), (1, pytest.approx(2e-3))]
+    assert train["epoch_discriminator_learning_rate"] == [(0, pytest.approx(1e-3)), (1, pytest.approx(1e-3))]
+    assert {"epoch_d_loss", "epoch_g_loss"} <= set(train)
