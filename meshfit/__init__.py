@@ -6,8 +6,9 @@ starts at once; `import meshfit` followed by any use behaves as if everything ha
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from meshfit.lazy import lazy_names
 
 __version__ = "0.1.0"
 
@@ -44,20 +45,4 @@ if TYPE_CHECKING:  # what type checkers and the API docs see
     from meshfit.preemption import PREEMPTED_EXIT_CODE, Preempted
     from meshfit.state import TrainState
 
-
-def __getattr__(name: str):
-    if name in _NAMES:
-        value = getattr(importlib.import_module(_NAMES[name]), name)
-        globals()[name] = value
-        return value
-    if not name.startswith("_"):  # any submodule, as if the package had imported them all
-        try:
-            return importlib.import_module(f"meshfit.{name}")
-        except ModuleNotFoundError as error:
-            if error.name != f"meshfit.{name}":
-                raise
-    raise AttributeError(f"module 'meshfit' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_names(__name__, _NAMES, __all__, globals())

@@ -12,8 +12,9 @@ strategy's launcher module (`parameter_server/launcher.py`) without importing JA
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from meshfit.lazy import lazy_names
 
 # Each public name, by the module that defines it.
 _NAMES = {
@@ -39,24 +40,6 @@ if TYPE_CHECKING:  # what type checkers and the API docs see
     from meshfit.strategies.parameter_server import ParameterServerStrategy
 
 
-def __getattr__(name: str):
-    if name in _NAMES:
-        value = getattr(importlib.import_module(_NAMES[name]), name)
-        globals()[name] = value
-        return value
-    if not name.startswith("_"):  # any submodule, as if the package had imported them all
-        try:
-            return importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as error:
-            if error.name != f"{__name__}.{name}":
-                raise
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
-
-
 __all__ = [
     "Strategy",
     "Capabilities",
@@ -69,3 +52,5 @@ __all__ = [
     "get_strategy",
     "has_strategy",
 ]
+
+__getattr__, __dir__ = lazy_names(__name__, _NAMES, __all__, globals())
