@@ -46,9 +46,9 @@ class TimedCheckpoint(mf.callbacks.ModelCheckpoint):
         super().__init__(*args, **kwargs)
         self.blocked = []
 
-    def _maybe_save(self, number, logs):
+    def _maybe_save(self, *args, **kwargs):
         t0 = time.perf_counter()
-        super()._maybe_save(number, logs)
+        super()._maybe_save(*args, **kwargs)
         self.blocked.append(time.perf_counter() - t0)
 
 
