@@ -672,3 +672,37 @@ def test_a_backup_with_state_for_a_callback_not_in_the_fit_is_refused_before_any
 def test_two_callbacks_with_one_state_key_are_refused():
     with pytest.raises(ValueError, match="Received: 'Tagged_1' more than once. Set a distinct `state_key`"):
         mf.callbacks.base.state_keys([Tagged(), Tagged(), Counted(state_key="Tagged_1")])
+
+
+def test_planted_symlinks_are_refused_or_moved_aside_and_nothing_outside_is_touched(tmp_path):
+    """Symlinks to a directory outside, named as meshfit's checkpoints would be: in a fresh directory fit refuses
+    before any step; among meshfit's own backups they are moved aside as unreadable and the fit resumes."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("precious")
+    x, y = classification_data(n=64)
+
+    def fit(backup, epochs):
+        model = mf.Model(MLP())
+        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+        callback = mf.callbacks.BackupAndRestore(backup, save_freq=2, delete_checkpoint=False)
+        model.fit(x, y, batch_size=16, epochs=epochs, verbose=0, callbacks=[callback])
+        return model
+
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    for name in ("2", "4", "tmp"):
+        os.symlink(outside, fresh / name)
+    with pytest.raises(FileExistsError, match="did not write"):
+        fit(fresh, 1)
+
+    used = tmp_path / "used"
+    fit(used, 1)  # backups at steps 2 and 4
+    for step in ("6", "8"):
+        os.symlink(outside, used / step)
+    with pytest.warns(UserWarning, match="unreadable"):
+        resumed = fit(used, 2)
+    assert resumed.optimizer.iterations == 8
+    assert sorted(os.listdir(outside)) == ["keep.txt"] and (outside / "keep.txt").read_text() == "precious"
+    assert {"6.unreadable", "8.unreadable"} <= set(os.listdir(used))
+    assert all(os.path.islink(used / f"{step}.unreadable") for step in ("6", "8"))  # moved, never followed
