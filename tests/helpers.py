@@ -47,12 +47,13 @@ def meshfit_names(pid=None) -> list[str]:
     return [LOCK_NAME, MARKER, f".{MARKER}.{pid}.tmp", f"{PROBE}{pid}"]
 
 
-def plant_symlinks(directory, outside) -> dict[str, bytes]:
-    """Symlinks at every meshfit name in `directory` (in place of a file there, such as the marker), each to
-    a file of its own in `outside` (created with distinct contents); returns what `outside` holds."""
+def plant_symlinks(directory, outside, pid=None) -> dict[str, bytes]:
+    """Symlinks at every meshfit name in `directory` (`meshfit_names(pid)`; in place of a file there, such as
+    the marker), each to a file of its own in `outside` (created with distinct contents); returns what
+    `outside` holds."""
     os.makedirs(directory, exist_ok=True)
     os.makedirs(outside, exist_ok=True)
-    for i, name in enumerate(meshfit_names()):
+    for i, name in enumerate(meshfit_names(pid)):
         target = os.path.join(outside, f"victim{i}")
         with open(target, "wb") as f:
             f.write(f"precious {i}\n".encode())
