@@ -386,7 +386,7 @@ def garbled_config(base, name, garble):
     model = base / "model"
     status, output, _ = files_job("model", model)
     assert status == 0, output[-2000:]
-    (record,) = [os.path.join(r, f) for r, _, fs in os.walk(model) if os.path.basename(r) == "meta" for f in fs]
+    (record,) = [os.path.join(r, f) for r, _, fs in os.walk(model / "0" / "meta") for f in fs if f == "metadata"]
     with open(record) as f:
         meta = json.load(f)
     garble(meta["compile"])
