@@ -245,7 +245,8 @@ def test_a_marker_temporary_planted_after_the_directory_was_checked_is_never_wri
     assert not os.path.lexists(tmp_path / "b" / MARKER)
 
 
-@pytest.mark.parametrize("umask", [0o002, 0o022])
+@pytest.mark.slow
+@pytest.mark.parametrize("umask", [0o002, 0o022], ids=["umask 002", "umask 022"])
 def test_created_directories_follow_the_umask_and_none_is_world_writable(tmp_path, umask):
     model = mf.Model(MLP())
     model.compile(optimizer="adam", loss="mse")
