@@ -3,23 +3,28 @@
 Every fault is real: processes are killed with SIGKILL or SIGTERM, files Orbax
 wrote are altered, a different model loads the backups, a second job writes into
 the same directory, a backup directory is made read-only, a parameter server is
-stopped with SIGSTOP. Each trial runs the resumable worker of the test suite
-(`tests/workers/train_resumable.py`: an MLP with dropout, EarlyStopping,
+stopped with SIGSTOP, symlinks to files outside are planted at the names meshfit
+writes in a model, checkpoint or backup directory (with the pid of the process
+about to write there), a saved model's compile settings are garbled. Most trials
+run the resumable worker of the test suite (`tests/workers/train_resumable.py`: an MLP with dropout, EarlyStopping,
 ReduceLROnPlateau and BackupAndRestore) and compares the final weights and History
 bitwise with an uninterrupted run.
 
-    python benchmarks/fault_injection.py [--kills 20] [--seed 0]
+    python benchmarks/fault_injection.py [--kills 20] [--seed 0] [--only "hostile directory"]
 
 Columns: injected (trials), exact (resumed run bitwise equal to the
-uninterrupted one, where the fault allows a resume), data lost (a complete
-backup deleted or altered, or a directory changed by a refused load: must be 0),
-hangs (a process that did not end within its bound: must be 0).
+uninterrupted one, where the fault allows a resume), outside written (a file
+outside the directory written, or anything written by a load: must be 0, where
+the fault could cause it), data lost (a complete backup deleted or altered, or a
+directory changed by a refused load: must be 0), hangs (a process that did not
+end within its bound: must be 0).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import random
 import shutil
@@ -27,6 +32,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -34,12 +40,36 @@ TESTS = os.path.join(HERE, "..", "tests")
 sys.path.insert(0, TESTS)
 
 import numpy as np  # noqa: E402
+from helpers import meshfit_names, plant_symlinks, read_all  # noqa: E402
 from processes import LAUNCH, Job  # noqa: E402
+
+from meshfit.checkpoint import MARKER  # noqa: E402
 
 WORKER = os.path.join(TESTS, "workers", "train_resumable.py")
 PS_WORKER = os.path.join(TESTS, "workers", "train_ps.py")
 STEPS = 40  # the worker's run: 4 epochs of 10 batches, a backup every 3 steps
 BOUND = 180.0  # seconds any one process may take before it counts as a hang
+#: Writes into (or reads) one directory as `kind` says: `model.save`, `save_weights`, a fit with
+#: ModelCheckpoint or BackupAndRestore, or `load_model` ("load").
+FILES = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[3])
+    import meshfit as mf
+    from helpers import MLP, classification_data
+    kind, path = sys.argv[1:3]
+    if kind == "load":
+        mf.load_model(path, MLP())
+        sys.exit(0)
+    x, y = classification_data(n=64)
+    model = mf.Model(MLP(), seed=7)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    savers = {"checkpoint": mf.callbacks.ModelCheckpoint(path), "backup": mf.callbacks.BackupAndRestore(path)}
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[savers[kind]] if kind in savers else [])
+    if kind == "model":
+        model.save(path)
+    elif kind == "weights":
+        model.save_weights(path)
+""")
 
 
 class Hang(Exception):
@@ -91,33 +121,47 @@ def steps_in(backup) -> list[int]:
 
 
 class Tally:
-    def __init__(self):
+    def __init__(self, only: str = ""):
         self.rows: dict[str, list[int]] = {}
+        self.only = only  # runs only the faults whose name holds this
 
-    def add(self, fault: str, exact: bool | None, lost: bool, hung: bool) -> None:
-        row = self.rows.setdefault(fault, [0, 0, 0, 0, 0])  # injected, exact, exact-applicable, lost, hangs
+    def add(self, fault: str, exact: bool | None, lost: bool, hung: bool, outside: bool | None = None) -> None:
+        # injected, exact, exact-applicable, lost, hangs, outside written, outside-applicable
+        row = self.rows.setdefault(fault, [0, 0, 0, 0, 0, 0, 0])
         row[0] += 1
         if exact is not None:
             row[2] += 1
             row[1] += int(exact)
         row[3] += int(lost)
         row[4] += int(hung)
-        print(f"  {fault}: exact={exact} lost={lost} hung={hung}", flush=True)
+        if outside is not None:
+            row[6] += 1
+            row[5] += int(outside)
+        print(f"  {fault}: exact={exact} outside={outside} lost={lost} hung={hung}", flush=True)
 
     def table(self) -> str:
-        lines = ["| fault | injected | runs exact | data lost | hangs |", "| --- | --- | --- | --- | --- |"]
-        for fault, (n, exact, applicable, lost, hung) in self.rows.items():
+        lines = [
+            "| fault | injected | runs exact | outside written | data lost | hangs |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for fault, (n, exact, applicable, lost, hung, outside, checked) in self.rows.items():
             exact_cell = f"{exact} of {applicable}" if applicable else "n/a"
-            lines.append(f"| {fault} | {n} | {exact_cell} | {lost} | {hung} |")
-        total = [sum(r[i] for r in self.rows.values()) for i in range(5)]
-        lines.append(f"| **all** | {total[0]} | {total[1]} of {total[2]} | {total[3]} | {total[4]} |")
+            outside_cell = f"{outside} of {checked}" if checked else "n/a"
+            lines.append(f"| {fault} | {n} | {exact_cell} | {outside_cell} | {lost} | {hung} |")
+        total = [sum(r[i] for r in self.rows.values()) for i in range(7)]
+        lines.append(
+            f"| **all** | {total[0]} | {total[1]} of {total[2]} | {total[5]} of {total[6]} | {total[3]} | {total[4]} |"
+        )
         return "\n".join(lines)
 
 
 def trial(tally: Tally, fault: str, body) -> None:
+    """Runs `body`, which returns (exact, lost) or (exact, lost, outside written), and counts its outcome."""
+    if tally.only not in fault:
+        return
     try:
-        exact, lost = body()
-        tally.add(fault, exact, lost, False)
+        exact, lost, *outside = body()
+        tally.add(fault, exact, lost, False, *outside)
     except Hang as error:
         print(f"  hang: {error}", flush=True)
         tally.add(fault, None, False, True)
@@ -287,17 +331,97 @@ def stopped_server(base):
     return None, False
 
 
+def files_job(kind: str, directory, plant_outside=None):
+    """Runs `FILES` on `directory`; with `plant_outside`, plants symlinks to files there at every meshfit name
+    in `directory`, with the new process's pid, before it imports meshfit. Returns (status, output, victims)."""
+    with Job([sys.executable, "-c", FILES, kind, str(directory), TESTS], timeout=BOUND) as job:
+        victims = plant_symlinks(directory, plant_outside, pid=job.proc.pid) if plant_outside else None
+        try:
+            status = job.finish()
+        except AssertionError as error:
+            raise Hang(str(error)[:300]) from None
+    return status, job.stdout + job.stderr, victims
+
+
+def said(status: int, output: str) -> str:
+    """How a process ended, for the log: 0, or the last line of its error."""
+    return "exit 0" if status == 0 else f"exit {status}: {output.strip().splitlines()[-1][:160]}"
+
+
+def planted_symlinks(base, kind):
+    """Symlinks at the meshfit names of a fresh `kind` directory: refused or not followed, nothing outside written."""
+    directory, outside = base / kind, base / "outside"
+    status, output, victims = files_job(kind, directory, plant_outside=outside)
+    refused = status != 0 and "Received: symlinks" in output
+    print(f"    {kind}: {'refused, naming the symlinks' if refused else said(status, output)}", flush=True)
+    return None, False, read_all(outside) != victims
+
+
+def planted_among_backups(base, reference):
+    """Symlinks at the meshfit names of a directory holding a killed run's backups: the resume is refused with
+    the backups unchanged; once the links are gone it resumes exactly."""
+    out, backup, outside = base / "out", base / "backup", base / "outside"
+    worker(out, backup, "--slow", "0.02", stop_at=20)
+    marker = (backup / MARKER).read_bytes()
+    with Job([sys.executable, WORKER, str(out), str(backup)], timeout=BOUND) as job:
+        victims = plant_symlinks(backup, outside, pid=job.proc.pid)
+        before = snapshot(backup)
+        try:
+            status = job.finish()
+        except AssertionError as error:
+            raise Hang(str(error)[:300]) from None
+    refused = status != 0 and "Received: symlinks" in job.stderr
+    print(f"    backup in use: {'refused, naming the symlinks' if refused else f'exit {status}'}", flush=True)
+    lost, written = snapshot(backup) != before, read_all(outside) != victims
+    for name in meshfit_names(job.proc.pid):
+        os.unlink(backup / name)
+    (backup / MARKER).write_bytes(marker)
+    status, _ = worker(out, backup)
+    return status == 0 and same(out, reference), lost, written
+
+
+def garbled_config(base, name, garble):
+    """A saved model's compile record with a wrong-typed argument: `load_model` raises or not (logged);
+    nothing may be written anywhere, nor the saved model changed."""
+    model = base / "model"
+    status, output, _ = files_job("model", model)
+    assert status == 0, output[-2000:]
+    (record,) = [os.path.join(r, f) for r, _, fs in os.walk(model / "0" / "meta") for f in fs if f == "metadata"]
+    with open(record) as f:
+        meta = json.load(f)
+    garble(meta["compile"])
+    with open(record, "w") as f:
+        json.dump(meta, f)
+    before, saved = snapshot(base), snapshot(model)
+    status, output, _ = files_job("load", model)
+    print(f"    load_model with {name}: {said(status, output) if status else 'loaded without complaint'}", flush=True)
+    return None, snapshot(model) != saved, snapshot(base) != before
+
+
+#: Wrong-typed compile arguments written into a saved model's record, as the JSON `model.save` writes.
+GARBLES = {
+    "Huber(delta=Mean())": lambda c: c.update(
+        loss={
+            "__class__": "meshfit.losses.Huber",
+            "config": {"delta": {"__class__": "meshfit.metrics.Mean", "config": {}}},
+        }
+    ),
+    "steps_per_execution=10**12": lambda c: c.update(steps_per_execution=10**12),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kills", type=int, default=20, help="random SIGKILL trials")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", default="", help="run only the faults whose name holds this text")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     root = tempfile.mkdtemp(prefix="meshfit-faults-")
     from pathlib import Path
 
     base = Path(root)
-    tally = Tally()
+    tally = Tally(args.only)
     print("reference runs (uninterrupted)", flush=True)
     status, output = worker(base / "ref", base / "ref-backup")
     assert status == 0, output[-2000:]
@@ -342,6 +466,11 @@ def main() -> None:
     trial(tally, "backup directory read-only", lambda: read_only(fresh(), base / "ref"))
     trial(tally, "SIGTERM to `meshfit launch` (2 ranks)", lambda: launcher_sigterm(fresh(), base / "ref2"))
     trial(tally, "parameter server stopped (SIGSTOP)", lambda: stopped_server(fresh()))
+    for kind in ("model", "weights", "checkpoint", "backup"):
+        trial(tally, "hostile directory: symlinks at meshfit names", lambda kind=kind: planted_symlinks(fresh(), kind))
+    trial(tally, "hostile directory: symlinks among backups", lambda: planted_among_backups(fresh(), base / "ref"))
+    for name, garble in GARBLES.items():
+        trial(tally, "hostile directory: garbled saved config", lambda n=name, g=garble: garbled_config(fresh(), n, g))
     shutil.rmtree(root, ignore_errors=True)
     print()
     print(tally.table())

@@ -16,7 +16,10 @@ meshfit promises about saved files:
   * restoring lays arrays out as the template says — a different strategy
     or mesh than the one that saved them;
   * a save that fails (read-only or full disk) raises `CheckpointWriteError`
-    and leaves no Orbax thread behind that would keep the process alive.
+    and leaves no Orbax thread behind that would keep the process alive;
+  * meshfit's own files (lock, marker, its temporaries, probes) are never
+    written through a symlink, and a directory where one of their names is a
+    symlink is refused before anything is written (`meshfit.safe_files`).
 """
 
 from __future__ import annotations
@@ -32,12 +35,16 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from meshfit import integrity
+from meshfit import integrity, safe_files
 from meshfit.compat import release_orbax_waiters
 from meshfit.dirlock import LOCK_NAME, DirectoryLock, DirectoryLocked
 from meshfit.trees import is_key, path_name
 
 MARKER = "meshfit_checkpoints.json"
+#: How the probe of a directory's writability is named (with the writer's pid).
+PROBE = ".meshfit-probe-"
+#: The longest marker read (it is a few dozen bytes): a huge file there is damage, not something to load.
+MARKER_LIMIT = 4096
 STATE, META = "state", "meta"
 FINGERPRINTS = "fingerprints"
 UNREADABLE = ".unreadable"
@@ -93,13 +100,23 @@ def _looks_like_checkpoints(directory: str, entries: list[str]) -> bool:
     return any(e.isdigit() and os.path.exists(os.path.join(directory, e, "_CHECKPOINT_METADATA")) for e in entries)
 
 
+def own_names(entries: list[str]) -> list[str]:
+    """The entries named as the files meshfit writes into a directory: lock, marker, its temporaries, probes."""
+    temporary = f".{MARKER}."
+    return [
+        e
+        for e in entries
+        if e in (MARKER, LOCK_NAME) or e.startswith(PROBE) or (e.startswith(temporary) and e.endswith(".tmp"))
+    ]
+
+
 def read_marker(directory: str) -> dict | None:
     """The directory's marker (`{"kind": ..., "format": ...}`), or None if it has none.
 
     A damaged marker, or checkpoints without one, is an error that says what to do.
     """
     marker = os.path.join(directory, MARKER)
-    if not os.path.exists(marker):
+    if not os.path.lexists(marker):
         entries = os.listdir(directory) if os.path.isdir(directory) else []
         if _looks_like_checkpoints(directory, entries):
             raise FileNotFoundError(
@@ -110,8 +127,7 @@ def read_marker(directory: str) -> dict | None:
             )
         return None
     try:
-        with open(marker, "rb") as f:
-            found = json.loads(f.read().decode("utf-8"))
+        found = json.loads(safe_files.read_regular(marker, MARKER_LIMIT).decode("utf-8"))
         if not isinstance(found, dict) or not isinstance(found.get("kind"), str):
             raise ValueError(f"expected a JSON object with a 'kind', found {str(found)[:80]!r}")
     except (UnicodeDecodeError, ValueError) as error:
@@ -127,18 +143,24 @@ def read_marker(directory: str) -> dict | None:
 def write_marker(directory: str, kind: str) -> None:
     """Writes the marker whole or not at all: the other processes of a job may be reading it now."""
     partial = os.path.join(directory, f".{MARKER}.{os.getpid()}.tmp")
-    with open(partial, "w") as f:
-        json.dump({"kind": kind, "format": 1}, f)
-    os.replace(partial, os.path.join(directory, MARKER))
+    safe_files.write_new(partial, json.dumps({"kind": kind, "format": 1}).encode())
+    try:
+        safe_files.replace(partial, os.path.join(directory, MARKER))
+    except BaseException:
+        os.unlink(partial)
+        raise
 
 
 def check_directory(directory: str, kind: str) -> None:
-    """Refuses a directory that holds anything meshfit did not write there, or another kind's checkpoints."""
+    """Refuses a directory that holds anything meshfit did not write there, symlinks at the names meshfit
+    writes (`own_names`), or another kind's checkpoints."""
     if not os.path.exists(directory):
         return
     if not os.path.isdir(directory):
         raise FileExistsError(f"{kind} directory {directory!r} is a file. Pass a directory path.")
-    entries = [e for e in os.listdir(directory) if not e.startswith(".")]
+    everything = os.listdir(directory)
+    safe_files.refuse_symlinks(directory, own_names(everything))
+    entries = [e for e in everything if not e.startswith(".")]
     if not entries:
         return
     marker = read_marker(directory)
@@ -176,6 +198,8 @@ def _complete(directory: str, kind: str) -> bool:
 
 def _remove_own(directory: str, kind: str) -> None:
     """Deletes a sibling meshfit left (a staging copy or a replaced one) if it is meshfit's, of `kind`."""
+    if os.path.islink(directory):
+        return  # not meshfit's: it makes directories, never links
     try:
         marker = read_marker(directory) if os.path.isdir(directory) else None
     except (FileNotFoundError, ValueError):
@@ -216,10 +240,11 @@ def finish_replacement(directory: str, kind: str) -> None:
     `directory` (an interrupted staging write, a replaced copy not yet deleted) are
     deleted: `directory` itself is complete. Only process 0 acts.
     """
-    if jax.process_index() != 0:
-        return
     directory = os.path.abspath(os.fspath(directory))
     staged, replaced = staging_path(directory), directory.rstrip(os.sep) + REPLACED
+    safe_files.refuse_symlinks(os.path.dirname(directory), [os.path.basename(staged), os.path.basename(replaced)])
+    if jax.process_index() != 0:
+        return
     if not os.path.exists(directory):
         if _complete(staged, kind):
             os.rename(staged, directory)
@@ -236,7 +261,11 @@ def readable_path(directory: str) -> str:
     if os.path.exists(directory):
         return directory
     for sibling in (staging_path(directory), directory.rstrip(os.sep) + REPLACED):
-        if os.path.isdir(sibling) and _looks_like_checkpoints(sibling, os.listdir(sibling)):
+        if (
+            not os.path.islink(sibling)
+            and os.path.isdir(sibling)
+            and _looks_like_checkpoints(sibling, os.listdir(sibling))
+        ):
             return sibling
     return directory
 
@@ -318,7 +347,7 @@ class CheckpointDir:
             )
         try:
             if not read_only and jax.process_index() == 0:
-                if not os.path.exists(os.path.join(self.directory, MARKER)):
+                if not os.path.lexists(os.path.join(self.directory, MARKER)):
                     write_marker(self.directory, kind)
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=(STATE, META))
         except BaseException:
@@ -336,9 +365,8 @@ class CheckpointDir:
 
     def _probe(self) -> None:
         """Fails now, with the OS's reason, if the directory cannot be written (before Orbax starts)."""
-        probe = os.path.join(self.directory, f".meshfit-probe-{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
+        probe = os.path.join(self.directory, f"{PROBE}{os.getpid()}")
+        safe_files.write_new(probe, b"ok")
         os.remove(probe)
 
     def _write_failed(self, error: BaseException) -> CheckpointWriteError:
@@ -389,6 +417,8 @@ class CheckpointDir:
         try:
             self._probe()
             self.manager.save(step, args=args, force=True)
+        except safe_files.PlantedFile:
+            raise  # its own message names the link
         except Exception as error:
             raise self._write_failed(error) from error
         if wait:
@@ -543,7 +573,8 @@ class CheckpointDir:
             path = os.path.join(self.directory, name)
             if UNREADABLE in name:
                 kept.append(name)
-            elif name.split(".")[0].isdigit() and os.path.isdir(path):  # <step>, <step>.orbax-checkpoint-tmp...
+            elif name.split(".")[0].isdigit() and os.path.isdir(path) and not os.path.islink(path):
+                # <step>, <step>.orbax-checkpoint-tmp...; a link is not meshfit's and is kept
                 shutil.rmtree(path)
             elif name in (MARKER, LOCK_NAME):
                 os.remove(path)

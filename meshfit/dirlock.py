@@ -6,7 +6,9 @@ other's files. The writer holds `.meshfit.lock` in the directory: an advisory
 a lock left by a dead process is stale and taken over) and, inside, the
 holder's host, pid, process start time and lock time, so a refusal says who
 holds it. On file systems without `flock`, the recorded holder is checked
-instead: a lock whose process no longer runs on this host is stale.
+instead: a lock whose process no longer runs on this host is stale. The lock
+file is opened without following a symlink planted at its name
+(`meshfit.safe_files`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import json
 import os
 import socket
 import time
+
+from meshfit import safe_files
 
 LOCK_NAME = ".meshfit.lock"
 
@@ -82,7 +86,7 @@ class DirectoryLock:
         """Takes the lock or raises `DirectoryLocked` naming its holder; takes over a stale one."""
         while True:
             # Held read-only: an open writable file would keep its file system from being remounted.
-            fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o644)
+            fd = safe_files.open_regular(self.path, os.O_RDONLY | os.O_CREAT)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -111,15 +115,27 @@ class DirectoryLock:
             "time": time.time(),
         }
         try:
-            with open(self.path, "w") as f:
-                f.write(json.dumps(me))
-                f.flush()
-                os.fsync(f.fileno())
+            self._record(fd, json.dumps(me).encode())
         except BaseException:
             os.close(fd)
             raise
         self._fd = fd
         return self
+
+    def _record(self, locked: int, holder: bytes) -> None:
+        """Writes the holder into the locked file itself (the same inode as `locked`, never through a link)."""
+        fd = safe_files.open_regular(self.path, os.O_WRONLY)
+        try:
+            if os.fstat(fd).st_ino != os.fstat(locked).st_ino:
+                raise safe_files.PlantedFile(
+                    f"Expected {self.path} to stay the file this process locked. Received: another file put in "
+                    "its place meanwhile. Nothing was written; use a directory that only you can write to."
+                )
+            os.ftruncate(fd, 0)
+            os.write(fd, holder)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def release(self) -> None:
         """Removes the lock file and drops the lock (nothing if not held)."""

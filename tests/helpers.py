@@ -1,8 +1,13 @@
 """Small models, data and assertions shared by the tests."""
 
+import os
+
 import jax
 import numpy as np
 from flax import nnx
+
+from meshfit.checkpoint import MARKER, PROBE, own_names
+from meshfit.dirlock import LOCK_NAME
 
 
 class MLP(nnx.Module):
@@ -33,3 +38,42 @@ def classification_data(n=64, din=4, classes=3, seed=0):
 def assert_trees_close(a, b, rtol=1e-6, atol=1e-6):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def meshfit_names(pid=None) -> list[str]:
+    """Every name meshfit writes into a checkpoint directory, the temporaries and probes of process `pid`
+    (this one by default: the process that will save)."""
+    pid = os.getpid() if pid is None else pid
+    return [LOCK_NAME, MARKER, f".{MARKER}.{pid}.tmp", f"{PROBE}{pid}"]
+
+
+def plant_symlinks(directory, outside, pid=None) -> dict[str, bytes]:
+    """Symlinks at every meshfit name in `directory` (`meshfit_names(pid)`; in place of a file there, such as
+    the marker), each to a file of its own in `outside` (created with distinct contents); returns what
+    `outside` holds."""
+    os.makedirs(directory, exist_ok=True)
+    os.makedirs(outside, exist_ok=True)
+    for i, name in enumerate(meshfit_names(pid)):
+        target = os.path.join(outside, f"victim{i}")
+        with open(target, "wb") as f:
+            f.write(f"precious {i}\n".encode())
+        if os.path.lexists(os.path.join(directory, name)):
+            os.unlink(os.path.join(directory, name))
+        os.symlink(target, os.path.join(directory, name))
+    return read_all(outside)
+
+
+def read_all(directory) -> dict[str, bytes]:
+    """The bytes of every file directly in `directory`, by name (directories are skipped)."""
+    found = {}
+    for name in sorted(os.listdir(directory)):
+        if os.path.isdir(os.path.join(directory, name)):
+            continue
+        with open(os.path.join(directory, name), "rb") as f:
+            found[name] = f.read()
+    return found
+
+
+def linked_meshfit_names(directory) -> list[str]:
+    """The meshfit names in `directory` that are symlinks."""
+    return sorted(n for n in own_names(os.listdir(directory)) if os.path.islink(os.path.join(directory, n)))

@@ -7,6 +7,7 @@ Each fault is injected for real: files Orbax wrote are rewritten, truncated or r
 import hashlib
 import os
 import shutil
+import stat
 import warnings
 
 import numpy as np
@@ -15,7 +16,8 @@ import pytest
 from helpers import MLP, classification_data
 
 import meshfit as mf
-from meshfit.checkpoint import MARKER, CheckpointDamaged, CheckpointDir, CheckpointMismatch
+from meshfit import safe_files
+from meshfit.checkpoint import MARKER, CheckpointDamaged, CheckpointDir, CheckpointMismatch, write_marker
 
 
 def snapshot(directory) -> dict[str, str]:
@@ -228,3 +230,46 @@ def test_remove_complete_keeps_what_was_moved_aside(tmp_path):
     ckpt.close()
     assert ckpt.remove_complete() == ["1.unreadable"]
     assert sorted(os.listdir(tmp_path / "b")) == ["1.unreadable", MARKER]
+
+
+def test_a_marker_temporary_planted_after_the_directory_was_checked_is_never_written_through(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    ckpt = CheckpointDir(tmp_path / "b", "backup", async_save=False)  # checked, locked, marked
+    os.symlink(victim, tmp_path / "b" / f".{MARKER}.{os.getpid()}.tmp")
+    os.unlink(tmp_path / "b" / MARKER)
+    with pytest.raises(safe_files.PlantedFile, match=rf"\.{MARKER}\.{os.getpid()}\.tmp'"):
+        write_marker(str(tmp_path / "b"), "backup")
+    ckpt.close()
+    assert victim.read_bytes() == b"precious"
+    assert not os.path.lexists(tmp_path / "b" / MARKER)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("umask", [0o002, 0o022], ids=["umask 002", "umask 022"])
+def test_created_directories_follow_the_umask_and_none_is_world_writable(tmp_path, umask):
+    model = mf.Model(MLP())
+    model.compile(optimizer="adam", loss="mse")
+    previous = os.umask(umask)
+    try:
+        model.save(tmp_path / "new" / "model")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(os.stat(tmp_path / "new" / "model").st_mode) == 0o777 & ~umask
+    modes = {
+        os.path.join(root, name): os.stat(os.path.join(root, name)).st_mode
+        for root, dirs, files in os.walk(tmp_path / "new")
+        for name in dirs + files
+    }
+    assert len(modes) > 5 and not [path for path, mode in modes.items() if mode & stat.S_IWOTH]
+
+
+def test_remove_complete_keeps_a_symlink_at_a_step_name_and_its_target(tmp_path):
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "keep.txt").write_text("precious")
+    ckpt = CheckpointDir(tmp_path / "b", "backup", async_save=False)
+    ckpt.save(1, {"w": np.arange(4.0, dtype=np.float32)}, {})
+    os.symlink(tmp_path / "outside", tmp_path / "b" / "7")
+    ckpt.close()
+    assert ckpt.remove_complete() == ["7"]
+    assert os.path.islink(tmp_path / "b" / "7") and os.listdir(tmp_path / "outside") == ["keep.txt"]

@@ -9,6 +9,7 @@ import textwrap
 import pytest
 from processes import Job
 
+from meshfit import safe_files
 from meshfit.checkpoint import CheckpointDir
 from meshfit.dirlock import LOCK_NAME, DirectoryLock, DirectoryLocked
 
@@ -44,3 +45,18 @@ def test_two_writers_in_one_process_are_refused_and_the_lock_is_released_on_clos
     first.close()
     CheckpointDir(tmp_path / "b", "backup").close()
     assert not (tmp_path / "b" / LOCK_NAME).exists()
+
+
+@pytest.mark.parametrize("plant", ["symlink", "fifo", "hard link"])
+def test_a_planted_lock_file_is_refused_and_nothing_outside_changes(tmp_path, plant):
+    """A symlink, FIFO or hard link at the lock's name (planted after any check of the directory) is never
+    written through, and opening a FIFO does not hang."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    (tmp_path / "d").mkdir()
+    lock_path = tmp_path / "d" / LOCK_NAME
+    {"symlink": os.symlink, "hard link": os.link}.get(plant, lambda _, path: os.mkfifo(path))(victim, lock_path)
+    with pytest.raises(safe_files.PlantedFile, match=rf"{LOCK_NAME}'. Received: a symlink or another kind"):
+        DirectoryLock(str(tmp_path / "d")).acquire()
+    assert victim.read_bytes() == b"precious"
+    assert os.path.lexists(lock_path)  # left as it was, for its owner to look at

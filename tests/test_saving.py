@@ -10,10 +10,11 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import MLP, classification_data
+from helpers import MLP, classification_data, linked_meshfit_names, meshfit_names, plant_symlinks, read_all
 from processes import Job
 
 import meshfit as mf
+from meshfit.checkpoint import MARKER
 
 
 def trained(strategy, epochs=2):
@@ -279,3 +280,32 @@ def test_a_save_killed_while_overwriting_leaves_one_complete_copy(tmp_path, kind
     # The directory stays usable: a new save takes over the dead writer's lock and replaces it.
     (loaded.save if kind == "model" else loaded.save_weights)(path)
     assert len([p for p in os.listdir(path) if p.isdigit()]) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("used", [False, True], ids=["new directory", "holding a saved model"])
+def test_planted_symlinks_at_meshfit_names_are_refused_by_name_and_nothing_outside_changes(tmp_path, used):
+    """Symlinks at the lock, the marker, its temporary and the probe of this process (a shared /tmp):
+    save and save_weights refuse naming each, before writing anything; once they are gone, saving works and
+    leaves no meshfit name a symlink."""
+    model = mf.Model(MLP())
+    model.compile(optimizer="adam", loss="mse")
+    directory = tmp_path / "model"
+    if used:
+        model.save(directory)
+    victims = plant_symlinks(directory, tmp_path / "outside")
+    before = sorted(os.listdir(directory))
+    for save in (model.save, model.save_weights):
+        with pytest.raises(FileExistsError, match="Received: symlinks") as refusal:
+            save(directory)
+        assert all(f"'{directory / name}'" in str(refusal.value) for name in meshfit_names())
+        assert sorted(os.listdir(directory)) == before and read_all(tmp_path / "outside") == victims
+    with pytest.raises(FileExistsError, match="Received: a symlink"):  # a reader does not follow the marker either
+        mf.load_model(directory, MLP())
+    for name in meshfit_names():
+        os.unlink(directory / name)
+    if used:
+        (directory / MARKER).write_text('{"kind": "model", "format": 1}')
+    model.save(directory)
+    assert linked_meshfit_names(directory) == [] and read_all(tmp_path / "outside") == victims
+    assert same_weights(model, mf.load_model(directory, MLP(seed=3)))

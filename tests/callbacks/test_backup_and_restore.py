@@ -17,10 +17,11 @@ import warnings
 
 import numpy as np
 import pytest
-from helpers import MLP, classification_data
+from helpers import MLP, classification_data, linked_meshfit_names, meshfit_names, plant_symlinks, read_all
 from processes import Job, run
 
 import meshfit as mf
+from meshfit.checkpoint import MARKER
 
 pytestmark = pytest.mark.slow  # starts real processes (the fast tier leaves these out)
 
@@ -706,3 +707,34 @@ def test_planted_symlinks_are_refused_or_moved_aside_and_nothing_outside_is_touc
     assert sorted(os.listdir(outside)) == ["keep.txt"] and (outside / "keep.txt").read_text() == "precious"
     assert {"6.unreadable", "8.unreadable"} <= set(os.listdir(used))
     assert all(os.path.islink(used / f"{step}.unreadable") for step in ("6", "8"))  # moved, never followed
+
+
+@pytest.mark.slow
+def test_planted_symlinks_at_meshfit_names_are_refused_by_name_and_nothing_outside_changes(tmp_path):
+    """Symlinks at the lock, marker, its temporary and the probe of this process, in a fresh backup directory
+    and in one holding backups: fit refuses before any step, naming each; the backups and the outside files
+    are unchanged, and once the links are gone the fit resumes from the backups."""
+    x, y = classification_data(n=64)
+
+    def fit(backup, epochs):
+        model = mf.Model(MLP())
+        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+        callback = mf.callbacks.BackupAndRestore(backup, save_freq=2, delete_checkpoint=False)
+        model.fit(x, y, batch_size=16, epochs=epochs, verbose=0, callbacks=[callback])
+        return model
+
+    fit(tmp_path / "used", 1)  # backups at steps 2 and 4
+    marker = (tmp_path / "used" / MARKER).read_bytes()
+    for backup in (tmp_path / "fresh", tmp_path / "used"):
+        victims = plant_symlinks(backup, tmp_path / "outside")
+        before = {name: os.lstat(backup / name).st_mtime_ns for name in os.listdir(backup)}
+        with pytest.raises(FileExistsError, match="Received: symlinks") as refusal:
+            fit(backup, 2)
+        assert all(f"'{backup / name}'" in str(refusal.value) for name in meshfit_names())
+        assert {name: os.lstat(backup / name).st_mtime_ns for name in os.listdir(backup)} == before
+        assert read_all(tmp_path / "outside") == victims
+    for name in meshfit_names():
+        os.unlink(tmp_path / "used" / name)
+    (tmp_path / "used" / MARKER).write_bytes(marker)
+    assert fit(tmp_path / "used", 2).optimizer.iterations == 8
+    assert linked_meshfit_names(tmp_path / "used") == [] and read_all(tmp_path / "outside") == victims

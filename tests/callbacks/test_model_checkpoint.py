@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 import pytest
-from helpers import MLP, classification_data
+from helpers import MLP, classification_data, linked_meshfit_names, meshfit_names, plant_symlinks, read_all
 
 import meshfit as mf
 
@@ -152,3 +152,30 @@ def test_formatted_path_with_log_keys_and_save_best_only(tmp_path):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(KeyError, match="Failed to format this callback filepath.*nope.*the logs"):
         fit_with(mf.callbacks.ModelCheckpoint(str(tmp_path / "x-{nope}")), epochs=1)
+
+
+@pytest.mark.slow
+def test_planted_symlinks_are_refused_by_name_and_nothing_outside_changes(tmp_path):
+    """Symlinks at the meshfit names of a plain directory or of a formatted path's save, or at the siblings a
+    replacement writes (`<directory>.meshfit-new`, `.meshfit-old`): the fit is refused naming them, before the
+    directory they are in is written; outside files stay byte-for-byte the same."""
+    outside = tmp_path / "outside"
+    victims = plant_symlinks(tmp_path / "plain", outside)
+    with pytest.raises(FileExistsError, match="Received: symlinks") as refusal:
+        fit_with(mf.callbacks.ModelCheckpoint(tmp_path / "plain"), epochs=1)
+    assert all(f"'{tmp_path / 'plain' / name}'" in str(refusal.value) for name in meshfit_names())
+    assert sorted(os.listdir(tmp_path / "plain")) == sorted(meshfit_names())
+
+    plant_symlinks(tmp_path / "formatted" / "model-1", outside)
+    with pytest.raises(FileExistsError, match=f"{tmp_path / 'formatted' / 'model-1'}.*Received: symlinks"):
+        fit_with(mf.callbacks.ModelCheckpoint(str(tmp_path / "formatted" / "model-{epoch}")), epochs=1)
+
+    fit_with(mf.callbacks.ModelCheckpoint(tmp_path / "ck"), epochs=1)
+    (outside / "dir").mkdir()
+    for sibling in ("ck.meshfit-new", "ck.meshfit-old"):
+        os.symlink(outside / "dir", tmp_path / sibling)
+    with pytest.raises(FileExistsError, match=r"ck\.meshfit-new', '.*ck\.meshfit-old'. Received: symlinks"):
+        fit_with(mf.callbacks.ModelCheckpoint(tmp_path / "ck"), epochs=1)
+    assert os.listdir(outside / "dir") == [] and steps_in(tmp_path / "ck") == [1]
+    assert read_all(outside) == victims
+    assert linked_meshfit_names(tmp_path / "ck") == []
