@@ -20,6 +20,7 @@ import numpy as np
 import optax
 from optax import tree_utils as otu
 
+from meshfit import schedules
 from meshfit.strategies import placement
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "Recipe",
     "recipe_of",
     "schedule_of",
+    "schedules",
 ]
 
 # name -> (optax factory, Keras's default keyword arguments)
