@@ -159,8 +159,8 @@ def deserialize(record) -> Any:
 def _lookup(table: dict, name: str, what: str):
     if name not in table:
         raise ValueError(
-            f"Expected a built-in meshfit loss, metric or schedule {what}. Received: {name!r}, which this version of meshfit "
-            "does not have (saved by another version?); pass the setting again, or load with compile=False."
+            f"Expected a built-in meshfit loss, metric or schedule {what}. Received: {name!r}, which this version of "
+            "meshfit does not have (saved by another version?); pass the setting again, or load with compile=False."
         )
     return table[name]
 
@@ -180,7 +180,7 @@ def serialize_optimizer(optimizer) -> Any:
     """A JSON-able record of an optimizer: a name as is, `{"name": ..., "config": {...}}` for what
     `meshfit.optimizers.get` built from a name with JSON arguments (a float learning rate or a
     `meshfit.optimizers.schedules` schedule, not an optax one), else `{"__custom__": description}`."""
-    if isinstance(optimizer, str):
+    if optimizer is None or isinstance(optimizer, str):  # None: compiled without one (`compile(optimizer=None)`)
         return optimizer
     recipe = optimizers.recipe_of(optimizer)
     config = None if recipe is None else serialize(recipe.config)

@@ -26,7 +26,8 @@ def keras_piecewise(step, boundaries, values):
         return values[0]
     if step > boundaries[-1]:
         return values[-1]
-    return next(v for low, high, v in zip(boundaries, boundaries[1:], values[1:]) if low < step <= high)
+    ranges = zip(boundaries[:-1], boundaries[1:], values[1:-1], strict=True)
+    return next(v for low, high, v in ranges if low < step <= high)
 
 
 def keras_polynomial(step, initial, decay_steps, end=0.0001, power=1.0, cycle=False):
@@ -143,8 +144,11 @@ def test_a_schedule_drives_an_optax_optimizer_like_the_optax_schedule():
         np.testing.assert_allclose(ua["w"], ub["w"], rtol=1e-6)
 
 
+RELOADED = ["exponential", "piecewise", "polynomial_power_cycle", "inverse_time", "cosine_warmup"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["exponential", "piecewise", "polynomial_power_cycle", "inverse_time", "cosine_warmup"])
+@pytest.mark.parametrize("case", RELOADED)
 def test_a_model_compiled_with_a_schedule_reloads_and_evaluates_the_same_with_nothing_passed(tmp_path, case):
     schedule, _ = CASES[case]
     x, y = classification_data(n=64)
