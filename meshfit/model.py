@@ -233,6 +233,9 @@ class Model:
                 (`{"generator": "adam", "discriminator": "adam"}`): each trains
                 only its part, `state.opt_state` and `model.optimizer` are
                 dicts with the same keys (see "Customizing fit" in the docs).
+                None: no optimizer and no optimizer state, for `evaluate` and
+                `predict` only (`fit` asks for one); `load_model` compiles so a
+                saved model whose optimizer `save` could not write down.
             loss: a loss name, a `meshfit.losses.Loss`, or a callable
                 `(y_true, y_pred) -> per-sample losses`, or a scalar for the
                 batch (Keras's value; computed on a partial batch's real rows
@@ -276,7 +279,7 @@ class Model:
                 f"Received: {gradient_accumulation_steps!r}."
             )
         several = isinstance(optimizer, dict)
-        given = dict(optimizer) if several else {None: optimizer}
+        given = dict(optimizer) if several else {} if optimizer is None else {None: optimizer}
         if several and not given:
             raise ValueError("`optimizer` given as a dict needs one optimizer per top-level part. Received: {}.")
         if accumulate > 1 and any(isinstance(opt, optax.MultiSteps) for opt in given.values()):
@@ -293,7 +296,7 @@ class Model:
                 key: optax.MultiSteps(tx, every_k_schedule=accumulate).gradient_transformation()
                 for key, tx in transforms.items()
             }
-        tx = optimizers_lib.partitioned(transforms) if several else transforms[None]
+        tx = optimizers_lib.partitioned(transforms) if several else transforms.get(None)  # None: no optimizer
         loss_obj = _check_each(loss, "loss", losses_lib.get)
         _check_loss_weights(loss_weights)
         metric_ids = _as_metrics(metrics, "metrics")
@@ -307,7 +310,7 @@ class Model:
         params = policy.cast_to_variable(state.params) if policy.variable_dtype != np.float32 else state.params
         state = state._replace(
             params=params,
-            opt_state=jax.eval_shape(tx.init, params),
+            opt_state=None if tx is None else jax.eval_shape(tx.init, params),
             metrics=(),
             step=jnp.zeros((), jnp.int32),
             loss_scale=precision.LossScale.initial() if policy.loss_scaling else None,
@@ -315,8 +318,9 @@ class Model:
         hints = self._adapter.partition_specs()
         shardings = self.strategy.state_shardings(state, hints)
         # The optimizer state is created in its layout (Adam's moments sharded like their parameters).
-        init = tx.init if shardings is None else jax.jit(tx.init, out_shardings=shardings.opt_state)
-        state = state._replace(opt_state=init(params))
+        if tx is not None:
+            init = tx.init if shardings is None else jax.jit(tx.init, out_shardings=shardings.opt_state)
+            state = state._replace(opt_state=init(params))
         self.session.reset(self.strategy.place_state(state, hints))
         self._compiled = CompileSettings(
             tx=tx,
@@ -331,7 +335,9 @@ class Model:
             loss_weights=loss_weights,
         )
         access = _optimizer_state_access(self.session)
-        if several:
+        if tx is None:
+            self.optimizer = None
+        elif several:
             self.optimizer = optimizers_lib.Optimizers(
                 {key: optimizers_lib.Optimizer(t, access, schedules[key], key) for key, t in transforms.items()},
                 tx,
@@ -370,6 +376,16 @@ class Model:
         if self._compiled is None:
             raise ValueError(
                 f"You must call `compile()` before `{what}()`. Call model.compile(optimizer=..., loss=...)."
+            )
+        if self._compiled.tx is None and what in ("fit", "train_on_batch", "step_report"):
+            raise ValueError(
+                f"`{what}()` needs an optimizer. Received: a model compiled with optimizer=None, for evaluate and "
+                "predict only, as load_model compiles a saved model whose optimizer `save` could not write down "
+                "(code: an optax transformation, or an optax learning-rate schedule). Pass it: "
+                "meshfit.load_model(path, module, optimizer=...), with the optimizer the model was compiled with, "
+                "restores the saved optimizer state and step too; model.compile(optimizer=..., loss=...) starts "
+                "a fresh optimizer state. A schedule of meshfit.optimizers.schedules is written down, so the "
+                "next save of a model compiled with one reloads with nothing passed."
             )
         own_step = {"fit": "train_step", "evaluate": "test_step"}.get(what)
         if self._compiled.loss is None and own_step and not {own_step, "compute_loss"} & self._custom_methods():
@@ -1072,11 +1088,16 @@ def load_model(
     The model is compiled as it was saved (optimizer, loss, metrics, dtype
     policy, ...) and its optimizer state and step are restored, so it
     evaluates and predicts to the same numbers, and trains on as the saved
-    one would, with nothing passed again. A setting `model.save` could not
-    write down (a custom loss or metric, a raw optax transformation, a
-    learning-rate schedule) must be passed again: without it, a `ValueError`
-    names it before anything is loaded, rather than compiling with something
-    else (Keras raises too). `compile=False` loads the weights alone.
+    one would, with nothing passed again. A loss or metric `model.save`
+    could not write down (a user's function or class) must be passed again:
+    without it, a `ValueError` names it before anything is loaded, rather than
+    compiling with something else (Keras raises too). An optimizer it could
+    not write down (an optax transformation, or `get` with an optax schedule;
+    a schedule of `meshfit.optimizers.schedules` is written down) is left out,
+    with a warning: the model is compiled with `optimizer=None`, so `evaluate`
+    and `predict` work and `fit` asks for it; passed again (`optimizer=...`),
+    it continues from the saved optimizer state and step. `compile=False`
+    loads the weights alone.
 
     A checkpoint of another architecture or optimizer is refused with a
     `ValueError` naming the arrays that differ; nothing on disk changes.
