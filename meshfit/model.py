@@ -19,7 +19,7 @@ import numpy as np
 import optax
 
 from meshfit import callbacks as callbacks_lib
-from meshfit import cluster, inputs, precision, saving, utils
+from meshfit import cluster, inputs, mixed_precision, precision, saving, utils
 from meshfit import data as data_lib
 from meshfit import losses as losses_lib
 from meshfit import metrics as metrics_lib
@@ -255,10 +255,11 @@ class Model:
             weighted_metrics: metrics that also use `sample_weight`, given like `metrics`.
             steps_per_execution: number of batches run inside one compiled call
                 (a `lax.scan`); batch callbacks are called once per call.
-            dtype_policy: Keras's policy names: "float32" (default),
-                "mixed_bfloat16", "mixed_float16" (with dynamic loss scaling)
-                or "bfloat16" (weights kept in bfloat16 too); see
-                `meshfit.precision`.
+            dtype_policy: Keras's policy names: "float32", "mixed_bfloat16",
+                "mixed_float16" (with dynamic loss scaling) or "bfloat16"
+                (weights kept in bfloat16 too); see `meshfit.precision`. None:
+                the global policy (`meshfit.mixed_precision.set_global_policy`;
+                "float32" unless set).
             gradient_accumulation_steps: apply the optimizer every K batches
                 with the mean of their gradients (K batches of B rows train as
                 one of K x B). The accumulators live in the optimizer state,
@@ -266,7 +267,7 @@ class Model:
                 `optax.MultiSteps` optimizer does the same.
         """
         self._check_strategy("compile")
-        policy = precision.get(dtype_policy)
+        policy = mixed_precision.global_policy() if dtype_policy is None else precision.get(dtype_policy)
         if policy.loss_scaling and not self.strategy.capabilities.loss_scaling:
             raise ValueError(
                 f"dtype_policy={policy.name!r} scales the loss inside the training step, which {self.strategy!r} "
