@@ -1219,9 +1219,16 @@ def _check_loss_weights(loss_weights: Any) -> None:
         if isinstance(w, bool) or not isinstance(w, (int, float, np.integer, np.floating))
     ]
     if bad:
+        hint = ""
+        if all(isinstance(w, (str, metrics_lib.Metric)) or callable(w) for w in bad):  # metric names or objects
+            hint = (
+                " These look like metrics: since Keras 3 the third positional argument of `compile` is "
+                "`loss_weights` (tf.keras's order put `metrics` there). Pass metrics by name, e.g. "
+                "model.compile(optimizer, loss, metrics=['accuracy'])."
+            )
         raise TypeError(
             "`loss_weights` must be a number, or a dict/list of numbers per output. "
-            f"Received: loss_weights={loss_weights!r} (not numbers: {bad})."
+            f"Received: loss_weights={loss_weights!r} (not numbers: {bad}).{hint}"
         )
 
 
