@@ -26,6 +26,7 @@ from meshfit import metrics as metrics_lib
 from meshfit import optimizers as optimizers_lib
 from meshfit import outputs as outputs_lib
 from meshfit.batch import Batch
+from meshfit.config_check import STEP_LIMIT
 from meshfit.custom_steps import STEP_METHODS, MetricsLayout, ModelSteps
 from meshfit.fit_context import FitContext
 from meshfit.loop import evaluate_loop, fit_loop, host_logs, predict_loop
@@ -274,9 +275,9 @@ class Model:
                 "splits between workers and a server. Use dtype_policy='mixed_bfloat16', which needs no loss scale."
             )
         accumulate = 1 if gradient_accumulation_steps is None else gradient_accumulation_steps
-        if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
+        if not isinstance(accumulate, int) or isinstance(accumulate, bool) or not 1 <= accumulate < STEP_LIMIT:
             raise ValueError(
-                "`gradient_accumulation_steps` must be a positive int (batches per update). "
+                "`gradient_accumulation_steps` must be a positive int (batches per update) below 2**31. "
                 f"Received: {gradient_accumulation_steps!r}."
             )
         several = isinstance(optimizer, dict)
@@ -305,8 +306,15 @@ class Model:
         # Unknown names fail now, not at fit ("accuracy" is resolved from the first batch's shapes).
         _check_each(metric_ids, "metrics", lambda i: _needs_shapes(i) or metrics_lib.get(i))
         _check_each(weighted_ids, "weighted_metrics", lambda i: _needs_shapes(i) or metrics_lib.get(i))
-        if not isinstance(steps_per_execution, int) or steps_per_execution < 1:
-            raise ValueError(f"`steps_per_execution` must be a positive int. Received: {steps_per_execution!r}.")
+        if (
+            not isinstance(steps_per_execution, int)
+            or isinstance(steps_per_execution, bool)
+            or not 1 <= steps_per_execution < STEP_LIMIT
+        ):
+            raise ValueError(
+                "`steps_per_execution` must be a positive int below 2**31 (the step counter is int32). "
+                f"Received: {steps_per_execution!r}."
+            )
         state = self.session.latest
         params = policy.cast_to_variable(state.params) if policy.variable_dtype != np.float32 else state.params
         state = state._replace(

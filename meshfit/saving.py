@@ -15,21 +15,12 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from meshfit import serialization
+from meshfit import config_check, serialization
 from meshfit.checkpoint import CheckpointDamaged, CheckpointDir, open_for_saving, read_marker, readable_path
 from meshfit.checkpoint_schema import TRAINING, WEIGHTS, for_kind
 
 #: The compile arguments a saved model's record holds (format 2), in `Model.compile`'s order.
-COMPILE_ENTRIES = (
-    "optimizer",
-    "loss",
-    "loss_weights",
-    "metrics",
-    "weighted_metrics",
-    "steps_per_execution",
-    "dtype_policy",
-    "gradient_accumulation_steps",
-)
+COMPILE_ENTRIES = config_check.ENTRIES
 
 
 def compile_record(model) -> dict | None:
@@ -66,9 +57,11 @@ def compile_arguments(meta: dict, compile_kwargs: dict) -> dict | None:
     Raises:
         ValueError: a loss or metric the saved model was compiled with could
             not be saved (code) and is not in `compile_kwargs`: compiling
-            without it would give other numbers.
+            without it would give other numbers; or a saved setting is not
+            one meshfit accepts (`meshfit.config_check`), naming its field.
     """
     saved = meta.get("compile")
+    config_check.check_compile_record(saved, skip=compile_kwargs)  # a garbled record: refused before anything
     if meta.get("format", 1) < 2 or saved is None:  # names only; what was not a name is left out
         kwargs = {k: v for k, v in (saved or {}).items() if v}
         kwargs.update(compile_kwargs)

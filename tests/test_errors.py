@@ -72,6 +72,8 @@ def test_input_shape_rejected_on_first_call():
         (dict(loss="crossentropee"), r"crossentropee.*mean_squared_error|mean_squared_error.*crossentropee"),
         (dict(metrics=["acuracy"]), r"acuracy.*accuracy|accuracy.*acuracy"),
         (dict(steps_per_execution=0), r"`steps_per_execution` must be a positive int"),
+        (dict(steps_per_execution=10**12), r"`steps_per_execution` must be a positive int below 2\*\*31 \(the step"),
+        (dict(gradient_accumulation_steps=2**31), r"`gradient_accumulation_steps` must be .* below 2\*\*31"),
     ],
 )
 def test_unknown_names_list_valid_ones(model, kwargs, pattern):
