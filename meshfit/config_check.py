@@ -89,6 +89,8 @@ def _check_optimizer(value: Any, path: str) -> None:
         return
     if not isinstance(value, dict) or set(value) != {"name", "config"}:
         raise _refused(path, 'an optimizer name or {"name": ..., "config": {...}}', value)
+    if not isinstance(value["name"], str):
+        raise _refused(f"{path}.name", f"an optimizer name, one of {optimizers.names()}", value["name"])
     _check_optimizer(value["name"], f"{path}.name")
     config = value["config"]
     if not isinstance(config, dict):
@@ -181,6 +183,8 @@ def _check_builtin(record: dict, path: str, base: type | tuple[type, ...]) -> No
     if _is_custom(record):
         return
     if FUNCTION in record:
+        if base is schedules.LearningRateSchedule:  # a loss or metric function is no learning rate
+            raise _refused(path, "a finite number or a record of a meshfit.optimizers.schedules class", record)
         if set(record) != {FUNCTION} or record[FUNCTION] not in serialization.FUNCTIONS:
             raise _refused(path, f"a built-in function, one of {sorted(serialization.FUNCTIONS)}", record)
         return

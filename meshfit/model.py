@@ -216,7 +216,7 @@ class Model:
 
     def compile(
         self,
-        optimizer: str | optax.GradientTransformation | dict = "rmsprop",
+        optimizer: str | optax.GradientTransformation | dict | None = "rmsprop",
         loss: Any = None,
         loss_weights: Any = None,
         metrics: Any = None,

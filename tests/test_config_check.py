@@ -91,6 +91,11 @@ COSINE_OVER_0_STEPS = {
             r"`metrics\[0\].config.k` .*expected an int",
         ),
         ({"optimizer": "adamm"}, r"`optimizer` .*an optimizer name, one of \['adadelta'"),
+        ({"optimizer": {"name": None, "config": {}}}, r"`optimizer.name` .*an optimizer name"),
+        (
+            {"optimizer": {"name": "sgd", "config": {"learning_rate": {"__function__": "meshfit.losses.huber"}}}},
+            r"`optimizer.config.learning_rate` .*a finite number or a record of a meshfit.optimizers.schedules class",
+        ),
         ({"optimizer": {"name": "adam", "config": {"b1": 0.9}, "extra": 1}}, r"`optimizer` .*\{\"name\": \.\.\."),
         (
             {"optimizer": {"name": "adam", "config": {"clipnorm": -1.0}}},
