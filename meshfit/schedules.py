@@ -130,8 +130,12 @@ class PiecewiseConstantDecay(LearningRateSchedule):
         self.values = list(values)
         self.name = name
 
+    def __call__(self, step: jax.typing.ArrayLike) -> jax.Array:
+        # The step as it comes (an int, as the optimizer counts), so that boundaries past 2**24 stay exact.
+        return self.call(jnp.asarray(step))
+
     def call(self, step: jax.Array) -> jax.Array:
-        passed = jnp.sum(step > jnp.asarray(self.boundaries, jnp.float32))  # boundaries at or behind the step
+        passed = jnp.sum(step > jnp.asarray(self.boundaries))  # the boundaries the step is past
         return jnp.asarray(self.values, jnp.float32)[passed]
 
     def get_config(self) -> dict[str, Any]:

@@ -108,6 +108,11 @@ def test_config_is_keras_and_rebuilds_an_equal_schedule_through_json(case):
     np.testing.assert_array_equal([rebuilt(s) for s in STEPS], [schedule(s) for s in STEPS])
 
 
+def test_piecewise_boundaries_beyond_float32_precision_stay_exact():
+    schedule = S.PiecewiseConstantDecay([2**24], [1.0, 0.5])  # 2**24 + 1 is 2**24 in float32
+    assert float(schedule(np.int32(2**24))) == 1.0 and float(schedule(np.int32(2**24 + 1))) == 0.5
+
+
 def test_keras_defaults_and_argument_checks():
     assert S.PolynomialDecay(0.1, 10).get_config() == {
         "initial_learning_rate": 0.1,
