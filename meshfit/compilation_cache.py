@@ -7,8 +7,9 @@ run before it. JAX can keep compiled executables on disk and load them instead
     mf.compilation_cache.use("/fast/disk/jax-cache")    # for every compile after this
     JAX_COMPILATION_CACHE_DIR=/fast/disk/jax-cache python train.py   # JAX's own variable
 
-and `BackupAndRestore` defaults it to `<backup_dir>/.compilation_cache` when
-no cache was chosen, so a resumed run finds what the interrupted one compiled.
+and `BackupAndRestore` defaults it to `<backup_dir>/.compilation_cache` while
+its fit runs when no cache was chosen, so a resumed run finds what the
+interrupted one compiled.
 A cache chosen by the user is never replaced.
 
 meshfit caches every program (`jax_persistent_cache_min_compile_time_secs = 0`)

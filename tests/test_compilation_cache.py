@@ -52,10 +52,14 @@ def test_backup_and_restore_caches_in_the_backup_directory_and_deletes_it_with_t
     kept = tmp_path / "kept"
     fit_with_backup(kept, delete_checkpoint=False)
     assert compiled_files(kept / compilation_cache.BACKUP_CACHE_NAME)  # the train step, at least
-    assert compilation_cache.directory() == str(kept / compilation_cache.BACKUP_CACHE_NAME)
+    assert compilation_cache.directory() is None  # off when the fit ends: later programs are not written there
+    before = sorted(compiled_files(kept / compilation_cache.BACKUP_CACHE_NAME))
+    jax.jit(lambda a: a * 2.5)(np.ones(3, np.float32)).block_until_ready()
+    assert sorted(compiled_files(kept / compilation_cache.BACKUP_CACHE_NAME)) == before
 
     deleted = tmp_path / "deleted"
-    fit_with_backup(deleted)  # a new job's backups take over meshfit's own earlier choice
+    compilation_cache.use(tmp_path / "chosen-by-meshfit-before")  # a choice of meshfit's own is replaced
+    fit_with_backup(deleted)
     assert not deleted.exists()  # backups and cache gone, the directory with them
     assert compilation_cache.directory() is None  # nothing would make the directory again
     jax.jit(lambda a: a + 1.5)(np.ones(3, np.float32)).block_until_ready()

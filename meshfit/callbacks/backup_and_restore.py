@@ -84,8 +84,9 @@ class BackupAndRestore(Callback):
         async_save: write in the background while training continues.
         compilation_cache: where JAX keeps the compiled programs, so a resumed
             run loads them instead of compiling again (`meshfit.compilation_cache`):
-            True (default) puts them in `<backup_dir>/.compilation_cache`,
-            deleted with the backups, unless a cache was already chosen
+            True (default) puts what the fit compiles in
+            `<backup_dir>/.compilation_cache`, deleted with the backups,
+            unless a cache was already chosen
             (`JAX_COMPILATION_CACHE_DIR`, `mf.compilation_cache.use`); a path
             puts them there; False leaves JAX's setting alone.
     """
@@ -109,7 +110,8 @@ class BackupAndRestore(Callback):
         self.max_to_keep = max_to_keep
         self.async_save = async_save
         self.compilation_cache = compilation_cache
-        self._own_cache: str | None = None  # the cache directory made inside backup_dir, deleted with the backups
+        self._cache: str | None = None  # the compilation cache this fit turned on, turned off when it ends
+        self._own_cache: str | None = None  # the one made inside backup_dir, deleted with the backups
         self._dir: CheckpointDir | None = None
         self._saved_step = 0  # the step of the last save (or of the fit's start): what `save_freq` counts from
         self._refused_step: int | None = None  # a step whose state was not finite, so not saved
@@ -211,17 +213,18 @@ class BackupAndRestore(Callback):
         self._refused_step = None
         self._others = self._keyed_others()
         self._dir = CheckpointDir(self.backup_dir, "backup", max_to_keep=self.max_to_keep, async_save=self.async_save)
-        self._use_compilation_cache()
         self._restore()
+        self._use_compilation_cache()  # after a restore that may refuse the directory: a refusal writes nothing
         self._saved_step = self.context.step
 
     def _use_compilation_cache(self) -> None:
         """Points JAX's persistent cache at the backups (before the first step compiles), unless told otherwise."""
         if self.compilation_cache is True:
-            inside = os.path.join(self.backup_dir, compilation_cache.BACKUP_CACHE_NAME)
-            self._own_cache = inside if compilation_cache.default_to(inside) == os.path.abspath(inside) else None
+            inside = os.path.abspath(os.path.join(self.backup_dir, compilation_cache.BACKUP_CACHE_NAME))
+            self._cache = inside if compilation_cache.default_to(inside) == inside else None
+            self._own_cache = self._cache
         elif self.compilation_cache is not False:
-            compilation_cache.use(self.compilation_cache)
+            self._cache = compilation_cache.use(self.compilation_cache)
 
     def _should_save(self, context: DecisionContext) -> bool:
         return self.save_policy.should_save(self.context.step, (self._saved_step,), context=context)
@@ -254,10 +257,8 @@ class BackupAndRestore(Callback):
                     flush=True,
                 )
             return
-        if self._own_cache is not None:
-            compilation_cache.release(self._own_cache)
-            if self.model.strategy.is_chief:
-                shutil.rmtree(self._own_cache, ignore_errors=True)
+        if self._own_cache is not None and self.model.strategy.is_chief:
+            shutil.rmtree(self._own_cache, ignore_errors=True)
         kept = directory.remove_complete()
         if kept and self.model.strategy.is_chief:
             print(
@@ -273,7 +274,15 @@ class BackupAndRestore(Callback):
         return bool(integrity.report(self.context.latest).non_finite())
 
     def close(self) -> None:
-        """Waits for the backup being written and releases the directory (also after a failed fit)."""
+        """Waits for the backup being written and releases the directory (also after a failed fit).
+
+        The compilation cache turned on for this fit is turned off: what is
+        compiled after it (another model, another fit) is not written into
+        these backups.
+        """
+        if self._cache is not None:
+            compilation_cache.release(self._cache)
+            self._cache = None
         if self._dir is not None:
             self._dir.close()
             self._dir = None
