@@ -29,6 +29,8 @@ import warnings
 import jax
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
+__all__ = ["BACKUP_CACHE_NAME", "default_to", "directory", "release", "use"]
+
 #: Where `BackupAndRestore` puts the cache, inside its backup directory.
 BACKUP_CACHE_NAME = ".compilation_cache"
 
