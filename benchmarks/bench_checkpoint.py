@@ -21,6 +21,7 @@ import time
 import jax
 import numpy as np
 from flax import nnx
+from smoke import parse_args
 
 import meshfit as mf
 
@@ -52,8 +53,8 @@ class TimedCheckpoint(mf.callbacks.ModelCheckpoint):
         self.blocked.append(time.perf_counter() - t0)
 
 
-def make_model():
-    model = mf.Model(Wide())
+def make_model(width=2048, depth=4):
+    model = mf.Model(Wide(width, depth))
     model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
 
@@ -71,11 +72,13 @@ def main():
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--every", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument("--width", type=int, default=2048, help="units per layer")
+    parser.add_argument("--depth", type=int, default=4, help="hidden layers")
+    args = parse_args(parser, steps=6, every=2, repeats=1, width=64, depth=2)
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((32 * args.steps, 2048), dtype=np.float32)
+    x = rng.standard_normal((32 * args.steps, args.width), dtype=np.float32)
     y = rng.integers(0, 10, len(x)).astype(np.int32)
-    model = make_model()
+    model = make_model(args.width, args.depth)
     state_bytes = sum(a.nbytes for a in jax.tree.leaves((model.session.state.params, model.session.state.opt_state)))
     print(
         f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {os.cpu_count()} cpus; "
@@ -111,14 +114,14 @@ def main():
         print(f"  blocked async / blocked sync = {ratio:.3f}")
 
         path = os.path.join(root, "sync0")
-        target = make_model()
+        target = make_model(args.width, args.depth)
         t0 = time.perf_counter()
         target.load_weights(path)
         jax.block_until_ready(target.params)
         t_weights = time.perf_counter() - t0
         model.save(os.path.join(root, "saved"))
         t0 = time.perf_counter()
-        loaded = mf.load_model(os.path.join(root, "saved"), Wide())
+        loaded = mf.load_model(os.path.join(root, "saved"), Wide(args.width, args.depth))
         jax.block_until_ready(loaded.session.state)
         t_model = time.perf_counter() - t0
         print(

@@ -31,6 +31,7 @@ from bench_fit import MLP, make_data, optimizer, train_step  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from smoke import parse_args  # noqa: E402
 
 import meshfit as mf  # noqa: E402
 
@@ -84,7 +85,7 @@ def main():
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch", type=int, default=256, help="global batch size")
     parser.add_argument("--sizes", default="784,512,512,10", help="MLP layer widths")
-    args = parser.parse_args()
+    args = parse_args(parser, repeats=1, epochs=1, batch=32, sizes="16,32,10")
     sizes, steps_per_epoch = tuple(int(n) for n in args.sizes.split(",")), 32
     print(
         f"jax {jax.__version__}, {len(jax.devices())} x {jax.devices()[0].device_kind} "

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from smoke import parse_args
 
 import meshfit as mf
 
@@ -187,6 +188,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--large-steps-per-epoch", type=int, default=64, help="epoch length of the large MLP")
     parser.add_argument("--only", choices=["large", "tiny"], help="run one of the two models")
     parser.add_argument(
         "--tiny-steps-per-epoch",
@@ -196,13 +198,13 @@ def main():
         help="epoch lengths of the tiny MLP's runs: 512 measures throughput; 128 makes a fit "
         "last about 10 ms, so fit's fixed costs (setup, epoch ends) weigh too",
     )
-    args = parser.parse_args()
+    args = parse_args(parser, repeats=1, epochs=1, tiny_steps_per_epoch=[32], large_steps_per_epoch=32)
     print(
         f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}), "
         f"{os.cpu_count()} cpus, {platform.processor() or platform.machine()}"
     )
     if args.only != "tiny":
-        bench("MLP 784-512-512-10", (784, 512, 512, 10), 128, 64, args.epochs, args.repeats)
+        bench("MLP 784-512-512-10", (784, 512, 512, 10), 128, args.large_steps_per_epoch, args.epochs, args.repeats)
     if args.only != "large":
         for steps_per_epoch in args.tiny_steps_per_epoch:
             bench("MLP 64-64-10", (64, 64, 10), 32, steps_per_epoch, args.epochs, args.repeats)

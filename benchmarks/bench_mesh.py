@@ -34,6 +34,7 @@ from bench_fit import MLP, paired_ratio, train_step  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from smoke import parse_args  # noqa: E402
 
 import meshfit as mf  # noqa: E402
 from meshfit.memory import live_bytes  # noqa: E402
@@ -62,8 +63,8 @@ MESHES = {
 }
 
 
-def raw_loop(strategy, x, y, batch, epochs):
-    graphdef, params = nnx.split(MLP(SIZES, rngs=nnx.Rngs(0)))
+def raw_loop(sizes, strategy, x, y, batch, epochs):
+    graphdef, params = nnx.split(MLP(sizes, rngs=nnx.Rngs(0)))
     params = nnx.to_pure_dict(params)
     tx = optax.adam(1e-3, eps=1e-7)
     mesh = strategy.mesh
@@ -110,7 +111,7 @@ def bytes_per_device(tree):
     return max(per_device.values())
 
 
-def memory_table(x, y, batch):
+def memory_table(sizes, x, y, batch):
     """Device 0 after a fit, per layout: live bytes and the step's peak against the layout's share."""
     print("\n  layout                        state total   ideal on device 0   live on device 0 (/ ideal)   step peak")
     layouts = {"mirrored": mf.strategies.MirroredStrategy()}
@@ -120,7 +121,7 @@ def memory_table(x, y, batch):
     baseline = live_bytes().total  # the data and anything else alive before the model
     for name, strategy in layouts.items():
         with strategy.scope():
-            model = mf.Model(lambda: MLP(SIZES, rngs=nnx.Rngs(0)))
+            model = mf.Model(lambda: MLP(sizes, rngs=nnx.Rngs(0)))
             model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
         model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
         state = model.session.state
@@ -141,24 +142,26 @@ def main():
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="MLP layer widths")
     parser.add_argument("--memory", action="store_true", help="the memory table instead of throughput")
-    args = parser.parse_args()
+    args = parse_args(parser, repeats=1, batch=16, steps=4, sizes="32,64,64,32,16")
+    sizes = tuple(int(n) for n in args.sizes.split(","))
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((args.batch * args.steps, SIZES[0]), dtype=np.float32)
-    y = rng.integers(0, SIZES[-1], len(x)).astype(np.int32)
+    x = rng.standard_normal((args.batch * args.steps, sizes[0]), dtype=np.float32)
+    y = rng.integers(0, sizes[-1], len(x)).astype(np.int32)
     print(
         f"jax {jax.__version__}, {len(jax.devices())} x {jax.devices()[0].device_kind}, {os.cpu_count()} cpus; "
-        f"MLP {'-'.join(map(str, SIZES))}, global batch {args.batch}, {args.steps} steps/run, "
+        f"MLP {'-'.join(map(str, sizes))}, global batch {args.batch}, {args.steps} steps/run, "
         f"median of {args.repeats}"
     )
     if args.memory:
-        memory_table(x, y, args.batch)
+        memory_table(sizes, x, y, args.batch)
         return
     table = []
     for name, (axes, rules) in MESHES.items():
         strategy = mf.strategies.MeshStrategy(axes=axes, rules=rules, min_shard_size=1024)
         with strategy.scope():
-            model = mf.Model(MLP(SIZES, rngs=nnx.Rngs(0)))
+            model = mf.Model(MLP(sizes, rngs=nnx.Rngs(0)))
             model.compile(
                 optimizer=optax.adam(1e-3, eps=1e-7), loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True)
             )
@@ -167,7 +170,7 @@ def main():
             model.fit(x, y, batch_size=args.batch, epochs=args.epochs, verbose=0)
             jax.block_until_ready(model.params)
 
-        contenders = {"raw": raw_loop(strategy, x, y, args.batch, args.epochs), "meshfit": meshfit_go}
+        contenders = {"raw": raw_loop(sizes, strategy, x, y, args.batch, args.epochs), "meshfit": meshfit_go}
         for go in contenders.values():
             go()
         times = {k: [] for k in contenders}

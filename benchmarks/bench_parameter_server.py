@@ -22,6 +22,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
+from smoke import parse_args  # noqa: E402
 
 import meshfit as mf  # noqa: E402
 
@@ -54,7 +55,7 @@ def main():
     parser.add_argument("--rows", type=int, default=32, help="rows per gradient")
     parser.add_argument("--steps", type=int, default=48, help="sync rounds per epoch")
     parser.add_argument("--epochs", type=int, default=2)
-    args = parser.parse_args()
+    args = parse_args(parser, base=0.001, rows=8, steps=4, epochs=1)
     rng = np.random.default_rng(0)
     n = args.rows * 4 * args.steps
     x = rng.standard_normal((n, 64), dtype=np.float32)

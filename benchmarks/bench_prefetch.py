@@ -23,6 +23,7 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
+from smoke import parse_args
 
 import meshfit as mf
 import meshfit.feeder as feeder_lib
@@ -89,7 +90,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--host-work", choices=["numpy", "sleep"], default="numpy")
     parser.add_argument("--sync-each-batch", action="store_true", help="a callback reads every batch's loss")
-    args = parser.parse_args()
+    args = parse_args(parser, steps=8, batch=32, repeats=1)
 
     device = device_loop(args.steps, args.batch)
     device()

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from smoke import parse_args
 
 import meshfit as mf
 
@@ -122,7 +123,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--steps", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    args = parse_args(parser, sizes=[16, 32, 10], batch_size=16, steps=8, repeats=1)
     print(f"MLP {'-'.join(map(str, args.sizes))}, batch {args.batch_size}, {jax.devices()[0].device_kind}")
     cost = compile_cost(args.sizes, args.batch_size)
     for name, (count, seconds) in cost.items():

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from smoke import parse_args
 
 import meshfit as mf
 from meshfit import precision
@@ -137,7 +138,9 @@ def main():
     parser.add_argument("--steps", type=int, default=20, help="updates per timed run")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--policies", default="float32,mixed_bfloat16")
-    args = parser.parse_args()
+    args = parse_args(
+        parser, layers=1, d_model=32, heads=2, context=16, batch=4, steps=2, repeats=1, policies="float32"
+    )
     device = jax.devices()[0]
     peak = peak_flops(device.device_kind)
     x, y = make_data(args)

@@ -24,6 +24,7 @@ After training, text is sampled from a prompt with the trained module.
     python examples/transformer_lm.py --layers 4 --d-model 256 --heads 8 --context 128
     python examples/transformer_lm.py --host-devices 0   # leave XLA_FLAGS alone (real devices)
     python examples/transformer_lm.py --remat            # rematerialised blocks: temporaries with and without
+    python examples/transformer_lm.py --backup-dir ckpt  # killed? run again: resumes, compiled programs cached
     python examples/transformer_lm.py --mesh 1,8,1 --layers 12 --d-model 1024 --heads 16 --context 256 --report-only
 
 The model is built from a factory (`mf.Model(lambda: TransformerLM(...))`):
@@ -343,6 +344,14 @@ def parse_args(argv=None):
         help="build the model and print what a step needs per device (step_report), without training",
     )
     parser.add_argument(
+        "--backup-dir",
+        help="BackupAndRestore's directory: a run killed or preempted resumes there, and JAX's persistent "
+        "compilation cache lives in it, so the resumed run does not compile again",
+    )
+    parser.add_argument(
+        "--no-compilation-cache", action="store_true", help="with --backup-dir: compile from scratch on a resume"
+    )
+    parser.add_argument(
         "--host-devices",
         type=int,
         default=DEFAULT_HOST_DEVICES,
@@ -360,10 +369,17 @@ def parse_mesh(text: str | None) -> dict[str, int]:
     return dict(zip(("data", "fsdp", "tensor"), sizes, strict=True))
 
 
-def main(argv=None) -> dict:
-    """Trains and samples; returns {"history", "val_loss", "sample", "model", "seconds"}."""
+def main(argv=None, callbacks=()) -> dict:
+    """Trains and samples; returns {"history", "val_loss", "sample", "model", "seconds"}.
+
+    `callbacks` are added to `fit`'s (benchmarks/bench_restart.py times a resumed run with one).
+    """
     args = parse_args(argv)
     start = time.perf_counter()
+    if args.backup_dir and not args.no_compilation_cache:
+        # From the start, so what compiles before fit (step_report, the sampler) is cached too;
+        # BackupAndRestore alone turns the cache on when fit begins.
+        mf.compilation_cache.use(os.path.join(args.backup_dir, mf.compilation_cache.BACKUP_CACHE_NAME))
     text = load_corpus(args.max_bytes)
     (x_train, y_train), (x_val, y_val) = make_datasets(text, args.context)
     tied = not args.untied_head
@@ -408,9 +424,15 @@ def main(argv=None) -> dict:
         print_memory(model, report, without_remat)
     if args.report_only:
         return {"model": model, "report": report, "report_without_remat": without_remat}
+    callbacks = list(callbacks)
+    if args.backup_dir:
+        callbacks.append(
+            mf.callbacks.BackupAndRestore(args.backup_dir, compilation_cache=not args.no_compilation_cache)
+        )
     history = model.fit(
         x_train,
         y_train,
+        callbacks=callbacks,
         batch_size=args.batch_size,
         epochs=args.epochs,
         steps_per_epoch=args.steps_per_epoch,

@@ -20,6 +20,7 @@ __all__ = [
     "PREEMPTED_EXIT_CODE",
     "callbacks",
     "cluster",
+    "compilation_cache",
     "data",
     "losses",
     "metrics",
@@ -44,6 +45,7 @@ if TYPE_CHECKING:  # what type checkers and the API docs see
     from meshfit import (
         callbacks,
         cluster,
+        compilation_cache,
         data,
         losses,
         metrics,

@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 import os
 import re
+import shutil
 
-from meshfit import integrity
+from meshfit import compilation_cache, integrity
 from meshfit.callbacks.base import Callback, state_keys
 from meshfit.checkpoint import CheckpointDir, NonFiniteState
 from meshfit.checkpoint_schema import BACKUP, Backup
@@ -81,6 +82,13 @@ class BackupAndRestore(Callback):
         delete_checkpoint: delete the backups when training finishes.
         max_to_keep: complete backups kept on disk.
         async_save: write in the background while training continues.
+        compilation_cache: where JAX keeps the compiled programs, so a resumed
+            run loads them instead of compiling again (`meshfit.compilation_cache`):
+            True (default) puts what the fit compiles in
+            `<backup_dir>/.compilation_cache`, deleted with the backups,
+            unless a cache was already chosen
+            (`JAX_COMPILATION_CACHE_DIR`, `mf.compilation_cache.use`); a path
+            puts them there; False leaves JAX's setting alone.
     """
 
     handles_preemption = True
@@ -92,6 +100,7 @@ class BackupAndRestore(Callback):
         delete_checkpoint: bool = True,
         max_to_keep: int = 2,
         async_save: bool = True,
+        compilation_cache: bool | str | os.PathLike = True,
     ):
         super().__init__()
         self.save_policy = AnySavePolicy((from_save_freq(save_freq), PreemptionPolicy()))
@@ -100,6 +109,9 @@ class BackupAndRestore(Callback):
         self.delete_checkpoint = delete_checkpoint
         self.max_to_keep = max_to_keep
         self.async_save = async_save
+        self.compilation_cache = compilation_cache
+        self._cache: str | None = None  # the compilation cache this fit turned on, turned off when it ends
+        self._own_cache: str | None = None  # the one made inside backup_dir, deleted with the backups
         self._dir: CheckpointDir | None = None
         self._saved_step = 0  # the step of the last save (or of the fit's start): what `save_freq` counts from
         self._refused_step: int | None = None  # a step whose state was not finite, so not saved
@@ -202,7 +214,17 @@ class BackupAndRestore(Callback):
         self._others = self._keyed_others()
         self._dir = CheckpointDir(self.backup_dir, "backup", max_to_keep=self.max_to_keep, async_save=self.async_save)
         self._restore()
+        self._use_compilation_cache()  # after a restore that may refuse the directory: a refusal writes nothing
         self._saved_step = self.context.step
+
+    def _use_compilation_cache(self) -> None:
+        """Points JAX's persistent cache at the backups (before the first step compiles), unless told otherwise."""
+        if self.compilation_cache is True:
+            inside = os.path.abspath(os.path.join(self.backup_dir, compilation_cache.BACKUP_CACHE_NAME))
+            self._cache = inside if compilation_cache.default_to(inside) == inside else None
+            self._own_cache = self._cache
+        elif self.compilation_cache is not False:
+            self._cache = compilation_cache.use(self.compilation_cache)
 
     def _should_save(self, context: DecisionContext) -> bool:
         return self.save_policy.should_save(self.context.step, (self._saved_step,), context=context)
@@ -235,6 +257,8 @@ class BackupAndRestore(Callback):
                     flush=True,
                 )
             return
+        if self._own_cache is not None and self.model.strategy.is_chief:
+            shutil.rmtree(self._own_cache, ignore_errors=True)
         kept = directory.remove_complete()
         if kept and self.model.strategy.is_chief:
             print(
@@ -250,7 +274,15 @@ class BackupAndRestore(Callback):
         return bool(integrity.report(self.context.latest).non_finite())
 
     def close(self) -> None:
-        """Waits for the backup being written and releases the directory (also after a failed fit)."""
+        """Waits for the backup being written and releases the directory (also after a failed fit).
+
+        The compilation cache turned on for this fit is turned off: what is
+        compiled after it (another model, another fit) is not written into
+        these backups.
+        """
+        if self._cache is not None:
+            compilation_cache.release(self._cache)
+            self._cache = None
         if self._dir is not None:
             self._dir.close()
             self._dir = None

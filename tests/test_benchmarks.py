@@ -1,0 +1,28 @@
+"""Every benchmark runs with `--smoke` (tiny sizes): a change that breaks one fails here, not months later."""
+
+import glob
+import os
+import sys
+
+import pytest
+from processes import run
+
+pytestmark = pytest.mark.slow  # each starts a Python process with JAX and compiles its contenders
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
+HELPERS = {"smoke.py"}  # modules the benchmarks import, not benchmarks
+SCRIPTS = sorted(
+    name for name in map(os.path.basename, glob.glob(os.path.join(BENCHMARKS, "*.py"))) if name not in HELPERS
+)
+
+
+def test_every_benchmark_is_collected():
+    assert "bench_fit.py" in SCRIPTS and "bench_checkpoint.py" in SCRIPTS, SCRIPTS
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_benchmark_runs_in_smoke_mode(script):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # as from a shell: the script sets its own
+    job = run([sys.executable, os.path.join(BENCHMARKS, script), "--smoke"], timeout=240, env=env)
+    assert job.returncode == 0, f"{script} --smoke exited {job.returncode}:\n{job.stderr[-3000:]}"
+    assert job.stdout.strip(), f"{script} --smoke printed nothing"
