@@ -114,6 +114,10 @@ class BackupAndRestore(Callback):
 
     def _save(self, logs=None, *, wait: bool = False) -> None:
         """Backs up the fit's state at its position; `logs` are an ending epoch's (History records them later)."""
+        with self.context.timer.phase("checkpoint"):  # the time the save holds the loop
+            self._write(logs, wait=wait)
+
+    def _write(self, logs, *, wait: bool) -> None:
         context = self.context
         position = context.position()  # settles the state to match it
         history = self.model.history
@@ -200,8 +204,11 @@ class BackupAndRestore(Callback):
     def on_train_begin(self, logs=None):
         self._refused_step = None
         self._others = self._keyed_others()
-        self._dir = CheckpointDir(self.backup_dir, "backup", max_to_keep=self.max_to_keep, async_save=self.async_save)
-        self._restore()
+        with self.context.timer.phase("checkpoint"):
+            self._dir = CheckpointDir(
+                self.backup_dir, "backup", max_to_keep=self.max_to_keep, async_save=self.async_save
+            )
+            self._restore()
         self._saved_step = self.context.step
 
     def _should_save(self, context: DecisionContext) -> bool:
@@ -252,5 +259,6 @@ class BackupAndRestore(Callback):
     def close(self) -> None:
         """Waits for the backup being written and releases the directory (also after a failed fit)."""
         if self._dir is not None:
-            self._dir.close()
+            with self.context.timer.phase("checkpoint"):
+                self._dir.close()
             self._dir = None
