@@ -16,8 +16,9 @@ predict pay one attribute read per mark.
 
 from __future__ import annotations
 
-import threading
 import time
+from threading import get_ident
+from time import perf_counter
 
 import jax
 
@@ -32,7 +33,8 @@ _running: list[FitTimer] = []  # timers between `start` and `stop`, for the one 
 
 
 class _Phase:
-    """A reusable context manager marking one phase of one timer (no allocation per use)."""
+    """A reusable context manager marking one phase of one timer (no allocation per use; the loop enters
+    two or three a step, so the work is written out here)."""
 
     __slots__ = ("_timer", "_name")
 
@@ -40,10 +42,26 @@ class _Phase:
         self._timer, self._name = timer, name
 
     def __enter__(self) -> None:
-        self._timer._enter(self._name)
+        timer = self._timer
+        if timer._thread != get_ident():  # not running, or another thread
+            return
+        now = perf_counter()
+        stack = timer._stack
+        timer._totals[stack[-1]] += now - timer._since
+        timer._since = now
+        stack.append(self._name)
+        if timer._compile_spans:
+            timer._compile_spans.clear()
 
     def __exit__(self, *exc) -> None:
-        self._timer._exit()
+        timer = self._timer
+        if timer._thread != get_ident() or len(timer._stack) < 2:
+            return
+        now = perf_counter()
+        timer._totals[timer._stack.pop()] += now - timer._since
+        timer._since = now
+        if timer._compile_spans:
+            timer._compile_spans.clear()
 
 
 class FitTimer:
@@ -68,9 +86,9 @@ class FitTimer:
         self._totals = dict.fromkeys(PHASES, 0.0)
         self._stack = ["other"]
         self._compile_spans = []
-        self._since = time.perf_counter()
+        self._since = perf_counter()
         self.started_at = time.time()
-        self._thread = threading.get_ident()
+        self._thread = get_ident()
         if self not in _running:
             _running.append(self)
 
@@ -98,29 +116,17 @@ class FitTimer:
         """Seconds per phase so far, the open phase counted up to now (zeros before the first `start`)."""
         totals = dict(self._totals)
         if self._thread is not None:
-            totals[self._stack[-1]] += time.perf_counter() - self._since
+            totals[self._stack[-1]] += perf_counter() - self._since
         return totals
 
     # -- marking ------------------------------------------------------------------------------
 
     def _switch(self) -> None:
         """Charges the time since the last switch to the open phase."""
-        now = time.perf_counter()
+        now = perf_counter()
         self._totals[self._stack[-1]] += now - self._since
         self._since = now
         self._compile_spans.clear()
-
-    def _enter(self, name: str) -> None:
-        if self._thread != threading.get_ident():
-            return
-        self._switch()
-        self._stack.append(name)
-
-    def _exit(self) -> None:
-        if self._thread != threading.get_ident() or len(self._stack) < 2:
-            return
-        self._switch()
-        self._stack.pop()
 
     def _compiled(self, start: float, end: float) -> None:
         """A compile span on this timer's thread: its time, less what nested spans counted already, moves
@@ -135,7 +141,7 @@ class FitTimer:
 def _on_time_span(event: str, start_time: float, end_time: float, **kwargs) -> None:
     if not event.startswith(COMPILE_EVENTS) or not _running:
         return
-    thread = threading.get_ident()
+    thread = get_ident()
     for timer in _running:
         if timer._thread == thread:
             timer._compiled(start_time, end_time)
