@@ -89,14 +89,16 @@ def test_a_sleeping_input_generator_shows_as_input_wait():
 
     def batches():
         for i in range(12):
-            time.sleep(0.05)
+            time.sleep(0.1)
             yield x[32 * i : 32 * (i + 1)], y[32 * i : 32 * (i + 1)]
 
     goodput = mf.callbacks.Goodput()
     _, seconds = timed_fit(new_model(), batches(), epochs=1, callbacks=[goodput])
     ledger = goodput.ledger
-    assert ledger.input >= 0.8 * 11 * 0.05  # the first batch is read (peeked) as fit starts, before the loop
-    assert ledger.input > ledger.steps and ledger.input > ledger.callbacks
+    # The first batch is read (peeked) as fit starts; the reading thread reads a few ahead while the
+    # first step compiles; the loop waits for the others.
+    assert 0.6 <= ledger.input < 1.2
+    assert ledger.input > ledger.steps + ledger.callbacks
     assert ledger.wall - ledger.startup == pytest.approx(seconds, rel=0.01)
 
 
