@@ -25,6 +25,7 @@ After training, text is sampled from a prompt with the trained module.
     python examples/transformer_lm.py --host-devices 0   # leave XLA_FLAGS alone (real devices)
     python examples/transformer_lm.py --remat            # rematerialised blocks: temporaries with and without
     python examples/transformer_lm.py --mesh 1,8,1 --layers 12 --d-model 1024 --heads 16 --context 256 --report-only
+    python examples/transformer_lm.py --backup-dir /tmp/lm_backup  # kill it, run it again: it resumes, with a ledger
 
 The model is built from a factory (`mf.Model(lambda: TransformerLM(...))`):
 its parameters are created straight into their sharded layout, so a model
@@ -343,6 +344,13 @@ def parse_args(argv=None):
         help="build the model and print what a step needs per device (step_report), without training",
     )
     parser.add_argument(
+        "--backup-dir",
+        default=None,
+        help="back up every --backup-freq steps (BackupAndRestore) and keep a Goodput ledger, printed at the end: "
+        "a killed or preempted run started again resumes, and its ledger covers every process",
+    )
+    parser.add_argument("--backup-freq", type=int, default=25, help="steps between backups")
+    parser.add_argument(
         "--host-devices",
         type=int,
         default=DEFAULT_HOST_DEVICES,
@@ -408,6 +416,10 @@ def main(argv=None) -> dict:
         print_memory(model, report, without_remat)
     if args.report_only:
         return {"model": model, "report": report, "report_without_remat": without_remat}
+    callbacks = []
+    if args.backup_dir:
+        goodput = mf.callbacks.Goodput(record_every=1.0)  # a record a second: a kill loses at most that to "down"
+        callbacks = [goodput, mf.callbacks.BackupAndRestore(args.backup_dir, save_freq=args.backup_freq)]
     history = model.fit(
         x_train,
         y_train,
@@ -417,7 +429,10 @@ def main(argv=None) -> dict:
         validation_data=(x_val, y_val),
         validation_steps=args.validation_steps,
         verbose=args.verbose,
+        callbacks=callbacks,
     )
+    if args.backup_dir and chief:
+        print(goodput.ledger)
     losses = history.history["loss"]
     val_losses = history.history["val_loss"]
     text_out = sample(model.module, args.prompt, args.sample_len, args.temperature, args.seed)
