@@ -146,6 +146,25 @@ class Ledger:
         return "\n".join(lines)
 
 
+def _with_record(saved: Ledger, last: Ledger | None) -> Ledger:
+    """The ledger of a backup (`saved`) continued by the last record of the process that wrote it.
+
+    The time that process spent after the backup, up to its record, is lost
+    work if it trained steps there (the resumed run trains them again);
+    without such a record the time after the backup counts as down time.
+    """
+    if last is None or last.job != saved.job or last.ended_at < saved.ended_at or last.step < saved.step:
+        return saved
+    if last.step == saved.step:
+        return last  # nothing trained after the backup: the record's buckets hold
+    return dataclasses.replace(
+        saved.plus(lost=last.wall - saved.wall),
+        lost_steps=saved.lost_steps + last.step - saved.step,
+        ended_at=last.ended_at,
+        process=last.process,
+    )
+
+
 class Goodput(Callback):
     """Splits the job's wall-clock time into buckets that add up to it, across killed and resumed runs.
 
@@ -240,16 +259,7 @@ class Goodput(Callback):
         work (as far as its last record tells), and the time until this process started is down time."""
         if not state:
             return
-        saved = Ledger.from_dict(state)
-        last = self._read_record()
-        merged = saved
-        if last is not None and last.job == saved.job and last.ended_at >= saved.ended_at and last.step >= saved.step:
-            merged = dataclasses.replace(
-                saved.plus(lost=last.wall - saved.wall),
-                lost_steps=saved.lost_steps + last.step - saved.step,
-                ended_at=last.ended_at,
-                process=last.process,
-            )
+        merged = _with_record(Ledger.from_dict(state), self._read_record())
         began = self.context.timer.started_at
         if merged.process == _this_process():  # a fit of this process failed and this one resumes it
             self._base = dataclasses.replace(merged.plus(idle=began - merged.ended_at), ended_at=began)

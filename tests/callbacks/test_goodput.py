@@ -206,3 +206,24 @@ def test_the_process_start_time_comes_before_now():
     start = process_start_time()
     assert start < time.time() and start == process_start_time()
     assert np.isfinite(start) and time.time() - start < 24 * 3600
+
+
+@pytest.mark.slow
+def test_a_preempted_run_loses_no_work_and_counts_the_restart_as_down_time(tmp_path):
+    """SIGTERM: BackupAndRestore backs up at the step where training stops, so nothing is trained again."""
+    backup, record = tmp_path / "backup", tmp_path / "ledger.json"
+    argv = [sys.executable, WORKER, str(tmp_path / "out"), str(backup), "--save-freq", "3", "--goodput", str(record)]
+    began = time.time()
+    with Job([*argv, "--slow", "0.02"], timeout=180) as job:
+        job.wait_for(r"step 13")
+        os.kill(job.proc.pid, signal.SIGTERM)
+        assert job.finish() == 143
+    time.sleep(0.5)
+    resumed = run(argv, timeout=180)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    saved = json.loads(record.read_text())
+    ledger = Ledger.from_dict(saved["ledger"])
+    assert ledger.lost == 0 and ledger.lost_steps == 0
+    assert ledger.processes == 2 and ledger.step == 40
+    assert ledger.down >= 0.5  # from the backup at the stop to the new process's start
+    assert ledger.wall == pytest.approx(saved["finished_at"] - began, rel=0.02)
