@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from helpers import MLP, classification_data
 from processes import Job, run
+from test_tensorboard import read_events
 
 import meshfit as mf
 from meshfit.callbacks.goodput import BUCKETS, Ledger, process_start_time
@@ -38,9 +39,10 @@ def test_the_buckets_add_up_to_the_wall_clock_and_reach_the_logs(tmp_path):
     model = new_model()
     goodput = mf.callbacks.Goodput()
     csv = mf.callbacks.CSVLogger(tmp_path / "log.csv")
+    board = mf.callbacks.TensorBoard(tmp_path / "logs")
     backup = mf.callbacks.BackupAndRestore(tmp_path / "backup", save_freq=5)
     history, seconds = timed_fit(
-        model, x, y, batch_size=32, epochs=3, validation_split=0.25, callbacks=[csv, backup, goodput]
+        model, x, y, batch_size=32, epochs=3, validation_split=0.25, callbacks=[csv, board, backup, goodput]
     )
     ledger = goodput.ledger
     assert all(value >= 0 for value in ledger.seconds().values()), ledger
@@ -59,6 +61,9 @@ def test_the_buckets_add_up_to_the_wall_clock_and_reach_the_logs(tmp_path):
         assert name in logs, name
     header = (tmp_path / "log.csv").read_text().splitlines()[0].split(",")
     assert "goodput" in header and "time_compile" in header
+    scalars, _ = read_events(tmp_path / "logs" / "train")
+    assert [value for _, value in scalars["epoch_goodput"]] == pytest.approx(logs["goodput"])
+    assert len(scalars["epoch_time_lost"]) == 3
     assert not os.path.exists(f"{tmp_path / 'backup'}.goodput.json")  # a finished fit keeps no record
     table = str(ledger)
     assert table.startswith(f"Goodput {ledger.goodput:.1%}") and all(bucket in table for bucket in BUCKETS)
