@@ -11,6 +11,7 @@ import uuid
 
 import jax
 
+from meshfit import safe_files
 from meshfit.callbacks.backup_and_restore import BackupAndRestore
 from meshfit.callbacks.base import Callback
 from meshfit.fit_timer import PHASES
@@ -22,6 +23,8 @@ from meshfit.fit_timer import PHASES
 #: process's start.
 BUCKETS = ("startup", *PHASES, "idle", "lost", "down")
 
+#: A record is a few hundred bytes; more is not one.
+_RECORD_BYTES = 1 << 16
 _IMPORTED_AT = time.time()
 _start_times: dict[int, float] = {}  # by pid: read once per process
 
@@ -289,8 +292,8 @@ class Goodput(Callback):
     def on_train_end(self, logs=None):
         if logs is not None:
             logs.update(self.ledger.logs())
-        if self._path is not None and os.path.exists(self._path):
-            os.remove(self._path)  # the fit finished: nothing is lost
+        if self._path is not None and os.path.lexists(self._path):
+            os.remove(self._path)  # the fit finished: nothing is lost (a link: the link alone goes)
         self._path = None
 
     def close(self) -> None:
@@ -315,20 +318,23 @@ class Goodput(Callback):
         return os.path.normpath(backups[0].backup_dir) + suffix
 
     def _write_record(self) -> None:
-        """Writes the running ledger atomically (a new file renamed over the old one; no fsync: a killed
-        process's writes stay with the OS, and a machine that lost power loses the whole job's time anyway)."""
+        """Writes the running ledger atomically (a new file renamed over the old one, never through a planted
+        link: `meshfit.safe_files`; no fsync: a killed process's writes stay with the OS, and a machine that
+        lost power loses the whole job's time anyway)."""
         if self._path is None:
             return
         partial = f"{self._path}.{os.getpid()}.partial"
-        with open(partial, "w") as f:
-            json.dump(self.ledger.to_dict(), f)
-        os.replace(partial, self._path)
+        safe_files.write_new(partial, json.dumps(self.ledger.to_dict()).encode())
+        try:
+            safe_files.replace(partial, self._path)
+        except OSError:
+            os.unlink(partial)
+            raise
 
     def _read_record(self) -> Ledger | None:
-        if self._path is None or not os.path.exists(self._path):
+        if self._path is None or not os.path.lexists(self._path):
             return None
         try:
-            with open(self._path) as f:
-                return Ledger.from_dict(json.load(f))
+            return Ledger.from_dict(json.loads(safe_files.read_regular(self._path, _RECORD_BYTES)))
         except (OSError, ValueError, TypeError):
-            return None  # a damaged record: the time after the backup counts as down time
+            return None  # a damaged or planted record: the time after the backup counts as down time

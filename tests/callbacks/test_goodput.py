@@ -16,6 +16,7 @@ from test_tensorboard import read_events
 
 import meshfit as mf
 from meshfit.callbacks.goodput import BUCKETS, Ledger, process_start_time
+from meshfit.safe_files import PlantedFile
 
 WORKER = os.path.join(os.path.dirname(__file__), "..", "workers", "train_resumable.py")
 
@@ -180,6 +181,19 @@ def test_a_sigkilled_and_resumed_run_reports_its_lost_work_and_the_time_between(
     wall = saved["finished_at"] - began
     assert ledger.wall == pytest.approx(wall, rel=0.02)
     assert ledger.started_at == pytest.approx(began, abs=0.1)
+
+
+@pytest.mark.slow
+def test_a_link_planted_at_the_record_is_refused_and_its_target_untouched(tmp_path):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not meshfit's")
+    os.symlink(outside, f"{tmp_path / 'backup'}.goodput.json")
+    x, y = classification_data(n=128, din=16, classes=4)
+    callbacks = [mf.callbacks.BackupAndRestore(tmp_path / "backup"), mf.callbacks.Goodput(record_every=0)]
+    with pytest.raises(PlantedFile):
+        new_model().fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=callbacks)
+    assert outside.read_text() == "not meshfit's"
+    assert not [name for name in os.listdir(tmp_path) if name.endswith(".partial")]
 
 
 def test_a_ledger_adds_prints_and_reads_back():
