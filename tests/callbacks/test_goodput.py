@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from helpers import MLP, classification_data
 from processes import Job, run
-from test_tensorboard import read_events
 
 import meshfit as mf
 from meshfit.callbacks.goodput import BUCKETS, Ledger, process_start_time
@@ -36,6 +35,9 @@ def timed_fit(model, x, y=None, **fit_args):
 
 @pytest.mark.slow
 def test_the_buckets_add_up_to_the_wall_clock_and_reach_the_logs(tmp_path):
+    pytest.importorskip("tensorboardX")  # the TensorBoard callback's writer
+    from test_tensorboard import read_events
+
     x, y = classification_data(n=640, din=16, classes=4)
     model = new_model()
     goodput = mf.callbacks.Goodput()
