@@ -24,8 +24,8 @@ After training, text is sampled from a prompt with the trained module.
     python examples/transformer_lm.py --layers 4 --d-model 256 --heads 8 --context 128
     python examples/transformer_lm.py --host-devices 0   # leave XLA_FLAGS alone (real devices)
     python examples/transformer_lm.py --remat            # rematerialised blocks: temporaries with and without
-    python examples/transformer_lm.py --backup-dir ckpt  # killed? run again: resumes, compiled programs cached
     python examples/transformer_lm.py --mesh 1,8,1 --layers 12 --d-model 1024 --heads 16 --context 256 --report-only
+    python examples/transformer_lm.py --backup-dir /tmp/lm_backup  # kill it, run it again: it resumes, with a ledger
 
 The model is built from a factory (`mf.Model(lambda: TransformerLM(...))`):
 its parameters are created straight into their sharded layout, so a model
@@ -345,9 +345,12 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--backup-dir",
-        help="BackupAndRestore's directory: a run killed or preempted resumes there, and JAX's persistent "
-        "compilation cache lives in it, so the resumed run does not compile again",
+        default=None,
+        help="back up every --backup-freq steps (BackupAndRestore) and keep a Goodput ledger, printed at the end: "
+        "a killed or preempted run started again resumes, and its ledger covers every process; JAX's persistent "
+        "compilation cache lives there too, so the resumed run does not compile again",
     )
+    parser.add_argument("--backup-freq", type=int, default=25, help="steps between backups")
     parser.add_argument(
         "--no-compilation-cache", action="store_true", help="with --backup-dir: compile from scratch on a resume"
     )
@@ -426,9 +429,11 @@ def main(argv=None, callbacks=()) -> dict:
         return {"model": model, "report": report, "report_without_remat": without_remat}
     callbacks = list(callbacks)
     if args.backup_dir:
-        callbacks.append(
-            mf.callbacks.BackupAndRestore(args.backup_dir, compilation_cache=not args.no_compilation_cache)
+        goodput = mf.callbacks.Goodput(record_every=1.0)  # a record a second: a kill loses at most that to "down"
+        backup = mf.callbacks.BackupAndRestore(
+            args.backup_dir, save_freq=args.backup_freq, compilation_cache=not args.no_compilation_cache
         )
+        callbacks += [goodput, backup]
     history = model.fit(
         x_train,
         y_train,
@@ -440,6 +445,8 @@ def main(argv=None, callbacks=()) -> dict:
         validation_steps=args.validation_steps,
         verbose=args.verbose,
     )
+    if args.backup_dir and chief:
+        print(goodput.ledger)
     losses = history.history["loss"]
     val_losses = history.history["val_loss"]
     text_out = sample(model.module, args.prompt, args.sample_len, args.temperature, args.seed)

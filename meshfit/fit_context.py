@@ -2,7 +2,7 @@
 
 As Levanter hands its hooks a `StepInfo`, callbacks get a `FitContext`
 (`Callback.context`): the optimizer steps taken, a settled snapshot of the
-state, where the fit stands and how to continue it from a backup.
+state, where the fit stands, how to continue it from a backup, and where its time goes.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from meshfit.fit_cursor import Position
+from meshfit.fit_timer import FitTimer
 from meshfit.state import TrainState
 
 if TYPE_CHECKING:
@@ -50,6 +51,12 @@ class FitContext:
     def callbacks(self) -> list:
         """The running fit's callbacks (their state is saved with a backup)."""
         return self._session.callbacks
+
+    @property
+    def timer(self) -> FitTimer:
+        """Where the running fit's time goes: savers mark the time they hold the loop
+        (`with context.timer.phase("checkpoint"): ...`); Goodput reads `totals()`."""
+        return self._session.timer
 
     def position(self) -> Position:
         """Where the running fit stands, with the state settled to match it."""

@@ -6,6 +6,11 @@ come back to the host only at logging points (the end of an epoch, or when a
 callback reads a per-batch value), and at most `2 * max_in_flight` executions
 are queued at once (`meshfit.in_flight.InFlight`), so slow collectives never pile up behind a
 fast Python loop.
+
+The loop marks where its time goes on the session's `timer`
+(`meshfit.fit_timer.FitTimer`): waiting for input, waiting for the devices at
+the end of an epoch, validation and batch callbacks (the `CallbackList` marks
+the other hooks; the session marks the steps).
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ def fit_loop(
     SIGTERM that comes early still ends in a backup).
     """
     session = model.session
+    timer = session.timer
+    in_callbacks, waiting_for_input = timer.phase("callbacks"), timer.phase("input")
     to_host = model.strategy.to_host
     callbacks.on_train_begin()
     batch_begin = callbacks.bound_hooks("on_train_batch_begin")
@@ -62,25 +69,31 @@ def fit_loop(
         data_epoch = session.cursor.begin_epoch(epoch, start_step)
         callbacks.on_epoch_begin(epoch)
         logs, step = None, start_step
-        for execution in session.feeder.executions(train_data, data_epoch, start_step, per_step):
+        executions = session.feeder.executions(train_data, data_epoch, start_step, per_step)
+        for execution in _timed(executions, waiting_for_input):
             count = execution.count
-            for hook in batch_begin:
-                hook(step)
+            if batch_begin:
+                with in_callbacks:
+                    for hook in batch_begin:
+                        hook(step)
             logs = session.train(execution)
             step += count
             session.count(count)
-            for hook in batch_end:
-                hook(step - 1, logs)
+            if batch_end:
+                with in_callbacks:
+                    for hook in batch_end:
+                        hook(step - 1, logs)
             if model.stop_training:
                 break
             if watch is not None and watch.should_stop(session.step):
                 session.finish_epoch(logs)
                 callbacks.on_preemption(epoch, step)
                 raise Preempted()
-        if epoch + 1 < epochs and not model.stop_training:
-            session.feeder.prefetch(train_data, data_epoch + 1, per_step)  # host work the devices need not wait for
-        else:
-            train_data.prepare(data_epoch + 1)  # the next fit's shuffle, while the devices finish this one
+        with waiting_for_input:
+            if epoch + 1 < epochs and not model.stop_training:
+                session.feeder.prefetch(train_data, data_epoch + 1, per_step)  # host work the devices need not wait for
+            else:
+                train_data.prepare(data_epoch + 1)  # the next fit's shuffle, while the devices finish this one
         logs = session.finish_epoch(logs)
         if logs is None and start_step == 0:  # a one-shot input ran out of data
             break
@@ -88,14 +101,30 @@ def fit_loop(
         session.cursor.epoch_done()
         if logs is None:
             logs = session.epoch_logs()
-        epoch_logs = dict(logs) if device_logs else host_logs(logs, to_host)
+        with timer.phase("steps"):  # the host waits here for the epoch's last steps
+            epoch_logs = dict(logs) if device_logs else host_logs(logs, to_host)
         if val_data is not None and _should_validate(epoch, validation_freq):
-            val_logs = evaluate_loop(model, val_data, callbacks=callbacks, steps=validation_steps)
+            with timer.phase("evaluate"):
+                val_logs = evaluate_loop(model, val_data, callbacks=callbacks, steps=validation_steps)
             epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
         callbacks.on_epoch_end(epoch, epoch_logs)
         if model.stop_training:
             break
     callbacks.on_train_end(epoch_logs)
+
+
+def _timed(items: Iterator, phase) -> Iterator:
+    """Yields `items`, the time spent waiting for each counted in `phase`."""
+    items = iter(items)
+    while True:
+        with phase:
+            item = next(items, _END)
+        if item is _END:
+            return
+        yield item
+
+
+_END = object()
 
 
 def _should_validate(epoch: int, validation_freq) -> bool:

@@ -687,7 +687,9 @@ class Model:
         savers = [cb for cb in user if cb.handles_preemption and cb not in adders]
         others = [cb for cb in user if cb not in adders and cb not in savers]
         ordered = adders + others + defaults + ([history] if history else []) + savers
-        all_callbacks = callbacks_lib.CallbackList(ordered, model=self, epochs=epochs, steps=steps, verbose=verbose)
+        all_callbacks = callbacks_lib.CallbackList(
+            ordered, model=self, timer=self.session.timer, epochs=epochs, steps=steps, verbose=verbose
+        )
         return all_callbacks, history
 
     def _one_pass_callbacks(
@@ -785,7 +787,7 @@ class Model:
             )
         # Armed before anything compiles or restores: a SIGTERM from now on ends in a backup.
         watch = PreemptionWatch() if any(_handles_preemption(cb) for cb in callbacks or ()) else None
-        with watch or contextlib.nullcontext():
+        with watch or contextlib.nullcontext(), self.session.timer:  # the timer: where the fit's time goes
             if class_weight is not None:
                 sample_weight = _class_weights(y, class_weight, sample_weight)
             data = self._make_data(x, y, sample_weight, batch_size, shuffle=shuffle, steps=steps_per_epoch)

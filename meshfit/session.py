@@ -12,15 +12,21 @@ The session joins four owners and answers the model and the loop:
 * `feeder` (`meshfit.feeder.Feeder`): how training batches reach the devices,
   as `Execution`s the session runs without looking at their kind.
 
+Beside them, `timer` (`meshfit.fit_timer.FitTimer`) measures where a running
+fit's time goes; the session marks its steps and its waits for them.
+
 Callbacks see the running fit through `context` (`meshfit.fit_context.FitContext`), not the session.
 """
 
 from __future__ import annotations
 
+import jax
+
 from meshfit.executables import Executables
 from meshfit.feeder import Execution, Feeder
 from meshfit.fit_context import FitContext
 from meshfit.fit_cursor import FitCursor, Position
+from meshfit.fit_timer import FitTimer
 from meshfit.in_flight import InFlight
 from meshfit.state import TrainState
 from meshfit.state_store import StateStore, wait_token
@@ -46,6 +52,7 @@ class Session:
         self.executables: Executables | None = None  # set by `build`
         self.feeder: Feeder | None = None
         self.callbacks: list = []  # the running fit's (BackupAndRestore saves their state)
+        self.timer = FitTimer()  # where a fit's time goes: `fit` runs inside it; the loop and savers mark it
         self.context = FitContext(self)
         # The next epoch's accumulators, made while the devices finish an epoch: the
         # host work before an epoch's first step is what the devices wait for.
@@ -96,8 +103,14 @@ class Session:
         self.cursor.count(steps)
 
     def position(self) -> Position:
-        """Where the running fit stands, with the state settled to match it."""
-        self.store.settle()
+        """Where the running fit stands, with the state settled to match it and its steps finished.
+
+        A saver asks before it writes: waiting here for the steps in flight is step time, so the
+        timer does not count it as the save's.
+        """
+        with self.timer.phase("steps"):
+            self.store.settle()
+            jax.block_until_ready(self.store.latest.step)
         return self.cursor.position(self.store.step)
 
     def restore(self, state: TrainState, position: Position) -> None:
@@ -151,7 +164,8 @@ class Session:
 
     def train(self, execution: Execution) -> dict:
         """Runs one `Execution` (from `feeder.executions`); returns its logs (device values)."""
-        return self.store.advance(execution.calls, self.in_flight)
+        with self.timer.phase("steps"):
+            return self.store.advance(execution.calls, self.in_flight)
 
     def train_batch(self, host_batch) -> dict:
         """One training step on one host batch (`train_on_batch`), its metrics counted afresh; returns its logs.
@@ -170,7 +184,8 @@ class Session:
         Queued steps stay counted by `in_flight`: an epoch whose logs nobody
         reads yet ends without a sync, and the bound holds across epochs.
         """
-        settled = self.store.settle()
+        with self.timer.phase("steps"):
+            settled = self.store.settle()
         if self._spare_metrics is None:
             self._spare_metrics = self.executables.fresh_metrics()
         return logs if settled is None else settled

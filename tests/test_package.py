@@ -191,6 +191,7 @@ LOOP = {
     "meshfit.executables",
     "meshfit.feeder",
     "meshfit.fit_context",
+    "meshfit.fit_timer",
     "meshfit.data",
     "meshfit.callbacks",
 }

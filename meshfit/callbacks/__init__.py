@@ -4,6 +4,7 @@ from meshfit.callbacks.backup_and_restore import BackupAndRestore
 from meshfit.callbacks.base import Callback, CallbackList
 from meshfit.callbacks.csv_logger import CSVLogger
 from meshfit.callbacks.early_stopping import EarlyStopping, MonitorCallback
+from meshfit.callbacks.goodput import Goodput, Ledger
 from meshfit.callbacks.history import History
 from meshfit.callbacks.lambda_callback import LambdaCallback
 from meshfit.callbacks.learning_rate_scheduler import LearningRateScheduler
@@ -20,9 +21,11 @@ __all__ = [
     "CallbackList",
     "CSVLogger",
     "EarlyStopping",
+    "Goodput",
     "History",
     "LambdaCallback",
     "LearningRateScheduler",
+    "Ledger",
     "ModelCheckpoint",
     "MonitorCallback",
     "ProgbarLogger",

@@ -126,6 +126,10 @@ class BackupAndRestore(Callback):
 
     def _save(self, logs=None, *, wait: bool = False) -> None:
         """Backs up the fit's state at its position; `logs` are an ending epoch's (History records them later)."""
+        with self.context.timer.phase("checkpoint"):  # the time the save holds the loop
+            self._write(logs, wait=wait)
+
+    def _write(self, logs, *, wait: bool) -> None:
         context = self.context
         position = context.position()  # settles the state to match it
         history = self.model.history
@@ -212,8 +216,11 @@ class BackupAndRestore(Callback):
     def on_train_begin(self, logs=None):
         self._refused_step = None
         self._others = self._keyed_others()
-        self._dir = CheckpointDir(self.backup_dir, "backup", max_to_keep=self.max_to_keep, async_save=self.async_save)
-        self._restore()
+        with self.context.timer.phase("checkpoint"):
+            self._dir = CheckpointDir(
+                self.backup_dir, "backup", max_to_keep=self.max_to_keep, async_save=self.async_save
+            )
+            self._restore()
         self._use_compilation_cache()  # after a restore that may refuse the directory: a refusal writes nothing
         self._saved_step = self.context.step
 
@@ -284,5 +291,6 @@ class BackupAndRestore(Callback):
             compilation_cache.release(self._cache)
             self._cache = None
         if self._dir is not None:
-            self._dir.close()
+            with self.context.timer.phase("checkpoint"):
+                self._dir.close()
             self._dir = None

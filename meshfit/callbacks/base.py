@@ -10,6 +10,7 @@ does): then the epoch ends without waiting for the devices.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -244,10 +245,17 @@ _HOOKS = [
 
 
 class CallbackList(Callback):
-    """Calls each hook on every callback in order; the only object the loop talks to."""
+    """Calls each hook on every callback in order; the only object the loop talks to.
 
-    def __init__(self, callbacks: Iterable[Callback] = (), model: Model | None = None, **params: Any) -> None:
+    With a `timer` (the session's `meshfit.fit_timer.FitTimer`), the time the
+    callbacks spend in the hooks it dispatches is counted as "callbacks".
+    """
+
+    def __init__(
+        self, callbacks: Iterable[Callback] = (), model: Model | None = None, timer=None, **params: Any
+    ) -> None:
         super().__init__()
+        self._timing = contextlib.nullcontext() if timer is None else timer.phase("callbacks")
         self.callbacks = list(callbacks)
         for cb in self.callbacks:
             if not isinstance(cb, Callback):
@@ -303,8 +311,12 @@ class CallbackList(Callback):
         return len(self.callbacks)
 
     def _call(self, hook: str, *args: Any) -> None:
-        for bound in self.bound_hooks(hook):
-            bound(*args)
+        bound_hooks = self.bound_hooks(hook)
+        if not bound_hooks:
+            return
+        with self._timing:
+            for bound in bound_hooks:
+                bound(*args)
 
 
 _ALIASES = {"on_train_batch_begin": "on_batch_begin", "on_train_batch_end": "on_batch_end"}

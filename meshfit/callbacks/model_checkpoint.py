@@ -110,11 +110,13 @@ class ModelCheckpoint(MonitorCallback):
         step = self.context.step
         if self.save_policy.should_save(step, (self._last_step,), context=AFTER_BATCH):
             self._last_step = step  # a save point, also when `save_best_only` then saves nothing
-            self._maybe_save(step, logs, batch=batch)
+            with self.context.timer.phase("checkpoint"):  # the time the save holds the loop
+                self._maybe_save(step, logs, batch=batch)
 
     def on_epoch_end(self, epoch, logs=None):
         if self.save_policy.should_save(self.context.step, (self._last_step,), context=AT_EPOCH_END):
-            self._maybe_save(epoch + 1, logs)
+            with self.context.timer.phase("checkpoint"):
+                self._maybe_save(epoch + 1, logs)
 
     def path_for(self, logs: dict, batch: int | None = None) -> str:
         """Where the next save goes: `directory` formatted as Keras formats `filepath` (a formatted path),
@@ -216,5 +218,6 @@ class ModelCheckpoint(MonitorCallback):
     def close(self) -> None:
         """Waits for the checkpoint being written and releases the directory (also after a failed fit)."""
         if self._dir is not None:
-            self._dir.close()
+            with self.context.timer.phase("checkpoint"):
+                self._dir.close()
             self._dir = None

@@ -2,6 +2,7 @@
 
     python train_resumable.py OUT_DIR BACKUP_DIR [--save-freq N] [--spe K] [--epochs E] [--strategy S]
                               [--slow SECONDS] [--pause-at-step STEP FILE] [--die-at-step S] [--hidden H]
+                              [--goodput FILE]
 Prints "step <global step>" after every batch (flushed), so a test can kill it at a known step.
 """
 
@@ -43,6 +44,13 @@ def main():
         "--sigterm-in-setup",
         action="store_true",
         help="send this process SIGTERM while fit sets up, before any step or restore",
+    )
+    parser.add_argument(
+        "--goodput",
+        default=None,
+        metavar="FILE",
+        help="add a Goodput callback (a record after every batch); write its ledger and the time fit returned "
+        "to FILE as JSON",
     )
     args = parser.parse_args()
     strategy = (
@@ -94,8 +102,16 @@ def main():
     ]
     if args.sigterm_in_setup:
         callbacks.insert(0, SigtermInSetup())
+    goodput = mf.callbacks.Goodput(record_every=0) if args.goodput else None
+    if goodput is not None:
+        callbacks.append(goodput)
     print(f"pid {os.getpid()} fitting", flush=True)
     history = model.fit(x, y, batch_size=16, epochs=args.epochs, validation_split=0.2, callbacks=callbacks, verbose=0)
+    if goodput is not None:
+        finished_at = time.time()
+        print(goodput.ledger, flush=True)
+        with open(args.goodput, "w") as f:
+            json.dump({"ledger": goodput.ledger.to_dict(), "finished_at": finished_at}, f)
     if strategy.process_index == 0:
         os.makedirs(args.out, exist_ok=True)
         np.savez(os.path.join(args.out, "weights.npz"), *model.get_weights())
