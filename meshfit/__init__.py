@@ -16,6 +16,8 @@ __all__ = [
     "Model",
     "TrainState",
     "load_model",
+    "plan",
+    "Plan",
     "Preempted",
     "PREEMPTED_EXIT_CODE",
     "callbacks",
@@ -35,6 +37,8 @@ _NAMES = {
     "Model": "meshfit.model",
     "TrainState": "meshfit.state",
     "load_model": "meshfit.model",
+    "plan": "meshfit.planning",
+    "Plan": "meshfit.planning",
     "Preempted": "meshfit.preemption",
     "PREEMPTED_EXIT_CODE": "meshfit.preemption",
 }
@@ -42,6 +46,7 @@ _NAMES = {
 if TYPE_CHECKING:  # what type checkers and the API docs see
     from meshfit import callbacks, cluster, data, losses, metrics, optimizers, outputs, strategies, utils
     from meshfit.model import Model, load_model
+    from meshfit.planning import Plan, plan
     from meshfit.preemption import PREEMPTED_EXIT_CODE, Preempted
     from meshfit.state import TrainState
 
