@@ -277,8 +277,9 @@ def _compile(factory, remat, strategy, compile_args, x, y, batch_size: int) -> S
 
 
 def _remat_choices(factory: Callable[..., Any], remat: Sequence[Any] | None) -> list[Any]:
-    try:
-        takes_remat = "remat" in inspect.signature(factory).parameters
+    try:  # (a class's signature is its `__init__`'s, which a metaclass's `__call__` may hide)
+        signature = inspect.signature(factory.__init__ if isinstance(factory, type) else factory)
+        takes_remat = "remat" in signature.parameters
     except (TypeError, ValueError):
         takes_remat = False
     if remat is None:
