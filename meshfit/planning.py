@@ -62,12 +62,14 @@ class Layout:
 
 
 def layouts(count: int) -> list[Layout]:
-    """Mirrored, then every factorisation of `count` devices into data x fsdp x tensor (data first)."""
+    """Mirrored, then every factorisation of `count` devices into data x fsdp x tensor (data first) but
+    `count` x 1 x 1, which lays everything out as Mirrored does (a data-only mesh): compiled once, not twice."""
     found = [Layout()]
     for data in sorted((d for d in range(1, count + 1) if count % d == 0), reverse=True):
         rest = count // data
         for fsdp in sorted((f for f in range(1, rest + 1) if rest % f == 0), reverse=True):
-            found.append(Layout(tuple(zip(MESH_AXES, (data, fsdp, rest // fsdp), strict=True))))
+            if data < count:
+                found.append(Layout(tuple(zip(MESH_AXES, (data, fsdp, rest // fsdp), strict=True))))
     return found
 
 
@@ -181,6 +183,9 @@ def plan(
     device_spec: DeviceSpec | None = None,
 ) -> Plan:
     """Compiles the train step for every layout, batch size and remat choice, creating no parameter.
+
+    The layouts are `MirroredStrategy` and a `MeshStrategy` for every factorisation of the devices into
+    `data` x `fsdp` x `tensor` (`layouts`); each candidate is compiled once.
 
     Args:
         factory: a function returning a `flax.nnx.Module` (as `meshfit.Model` takes one); if it has a
