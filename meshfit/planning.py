@@ -199,7 +199,8 @@ def plan(
         batch_sizes: global batch sizes to plan (default: the rows of `x`).
         remat: the values of the factory's `remat` argument to plan (default `(False, True)` when it
             has one).
-        rules, logical_axis_rules: a `MeshStrategy`'s layout rules, for every mesh candidate.
+        rules: a `MeshStrategy`'s `rules` (regex, spec), for every mesh candidate.
+        logical_axis_rules: a `MeshStrategy`'s logical axis rules, likewise.
         device_spec: the device's peaks for the roofline (default: `meshfit.roofline.DEVICE_SPECS` for
             the device kind; `HOST_CPU` on CPU).
 
