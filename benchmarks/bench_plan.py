@@ -39,6 +39,7 @@ from flax import nnx  # noqa: E402
 
 import meshfit as mf  # noqa: E402
 from meshfit.memory import live_bytes  # noqa: E402
+from meshfit.planning import MESH_AXES, Layout  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import transformer_lm  # noqa: E402
@@ -69,14 +70,12 @@ def setup(smoke: bool, batch_size: int):
     return transformer_lm.plan_factory, x[: 8 * batch_size], y[: 8 * batch_size], transformer_lm.PLAN_RULES, None
 
 
-def measure(candidate, factory, x, y, steps: int) -> dict:
-    """Trains `candidate` for real: seconds per step and the peak bytes of device 0."""
-    strategy = candidate.strategy()
+def measure(strategy, remat, batch: int, factory, x, y, steps: int) -> dict:
+    """Trains the model under `strategy` for real: seconds per step and the peak bytes of its first device."""
     device = strategy.mesh.devices.flat[0]
     with strategy.scope():
-        model = mf.Model(lambda: factory(remat=candidate.remat) if candidate.remat is not None else factory())
+        model = mf.Model(lambda: factory(remat=remat) if remat is not None else factory())
         model.compile(**COMPILE)
-    batch = candidate.batch_size
     x, y = np.resize(x, (batch * steps, *x.shape[1:])), np.resize(y, (batch * steps, *y.shape[1:]))
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)  # compiles, warms the input pipeline
     start = time.perf_counter()
@@ -90,12 +89,24 @@ def measure(candidate, factory, x, y, steps: int) -> dict:
     return {"seconds": seconds, "peak": peak}
 
 
-def measure_alone(index: int, args) -> dict:
-    """`measure` of candidate `index` in a process of its own (a fresh `peak_bytes_in_use`)."""
-    command = [sys.executable, __file__, "--one", str(index), "--batch-size", str(args.batch_size)]
+def measure_alone(candidate, args) -> dict:
+    """`measure` of `candidate` in a process of its own (a fresh `peak_bytes_in_use`)."""
+    layout = "mirrored" if candidate.layout.axes is None else ",".join(str(n) for _, n in candidate.layout.axes)
+    command = [sys.executable, __file__, "--one", f"{layout}:{candidate.remat}", "--batch-size", str(args.batch_size)]
     command += ["--steps", str(args.steps)] + (["--smoke"] if args.smoke else [])
-    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:  # out of memory, for one: the row says so
+        return {"seconds": float("nan"), "peak": float("nan"), "error": done.stderr.strip().splitlines()[-1][:200]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure_one(spec: str, args, factory, x, y, rules, devices) -> dict:
+    """The child of `measure_alone`: `spec` is "mirrored:REMAT" or "DATA,FSDP,TENSOR:REMAT"."""
+    layout, remat = spec.split(":")
+    axes = None if layout == "mirrored" else tuple(zip(MESH_AXES, map(int, layout.split(",")), strict=True))
+    strategy = Layout(axes).strategy(devices or jax.devices(), rules)
+    remat = {"None": None, "True": True, "False": False}[remat]
+    return measure(strategy, remat, args.batch_size, factory, x, y, args.steps)
 
 
 def main() -> None:
@@ -103,29 +114,33 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a tiny MLP on 2 devices, one remat choice")
     parser.add_argument("--batch-size", type=int, default=None, help="global batch (default 32; smoke 16)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per candidate (default 20; smoke 3)")
-    parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child: measure one candidate
+    parser.add_argument("--isolate", action="store_true", help="measure each candidate in a process of its own")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child: measure one candidate
     args = parser.parse_args()
     args.batch_size = args.batch_size or (16 if args.smoke else 32)
     args.steps = args.steps or (3 if args.smoke else 20)
     factory, x, y, rules, devices = setup(args.smoke, args.batch_size)
+    if args.one is not None:
+        print(json.dumps(measure_one(args.one, args, factory, x, y, rules, devices)))
+        return
     remat = [False] if args.smoke else None
     planned = mf.plan(
         factory, x, y, compile=COMPILE, devices=devices, batch_sizes=[args.batch_size], remat=remat, rules=rules
     )
     compiled = [c for c in planned.candidates if c.report is not None]
-    if args.one is not None:
-        print(json.dumps(measure(compiled[args.one], factory, x, y, args.steps)))
-        return
     print(planned)
     print()
-    alone = bool(jax.devices()[0].memory_stats())
+    alone = args.isolate or bool(jax.devices()[0].memory_stats())  # GPU/TPU: a fresh peak per candidate
     cpu = jax.devices()[0].platform == "cpu"
     time_label = "measured (simulated devices)" if cpu else "measured"
     print(f"{'layout':<11} {'remat':<5} {'peak predicted':>14} {'measured':>10} {'ratio':>6}   ", end="")
     print(f"{'step predicted':>14} {time_label:>28} {'ratio':>7}")
     measured = {}
     for i, candidate in enumerate(compiled):
-        got = measure_alone(i, args) if alone else measure(candidate, factory, x, y, args.steps)
+        if alone:
+            got = measure_alone(candidate, args)
+        else:
+            got = measure(candidate.strategy(), candidate.remat, candidate.batch_size, factory, x, y, args.steps)
         measured[i] = got
         predicted_ms, measured_ms = candidate.step_seconds * 1e3, got["seconds"] * 1e3
         print(
@@ -133,7 +148,11 @@ def main() -> None:
             f"{got['peak'] / 2**20:>6.2f} MiB {got['peak'] / candidate.peak_bytes:>6.2f}   "
             f"{predicted_ms:>11.3f} ms {measured_ms:>25.2f} ms {measured_ms / predicted_ms:>7.1f}"
         )
-    fitting = [i for i, c in enumerate(compiled) if c.fits]
+    failed = [i for i in measured if "error" in measured[i]]
+    for i in failed:
+        print(f"{compiled[i].layout.name} remat={compiled[i].remat} failed: {measured[i]['error']}")
+    print(f"candidates marked fitting that failed to train: {sum(compiled[i].fits for i in failed)}")
+    fitting = [i for i, c in enumerate(compiled) if c.fits and i not in failed]
     pick = compiled.index(planned.best)
     fastest = min(fitting, key=lambda i: measured[i]["seconds"])
     pick_s, fastest_s = measured[pick]["seconds"], measured[fastest]["seconds"]
@@ -146,7 +165,7 @@ def main() -> None:
     ranks = np.argsort(np.argsort([compiled[i].step_seconds for i in fitting]))
     measured_ranks = np.argsort(np.argsort([measured[i]["seconds"] for i in fitting]))
     spearman = np.corrcoef(ranks, measured_ranks)[0, 1] if len(fitting) > 1 else float("nan")
-    peaks = [measured[i]["peak"] / compiled[i].peak_bytes for i in range(len(compiled))]
+    peaks = [measured[i]["peak"] / compiled[i].peak_bytes for i in range(len(compiled)) if i not in failed]
     print(
         f"peak measured / predicted: {min(peaks):.2f} to {max(peaks):.2f} (median {np.median(peaks):.2f}); "
         f"rank correlation of predicted and measured step times: {spearman:.2f} over {len(fitting)} candidates"
