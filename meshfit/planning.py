@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from meshfit import roofline
+from meshfit.model import Model
 from meshfit.roofline import DeviceSpec, StepTime
 from meshfit.step_report import COLLECTIVE_KINDS, StepReport
 from meshfit.strategies.layout import Rules
@@ -272,8 +273,6 @@ def plan(
 
 def _compile(factory, remat, strategy, compile_args, x, y, batch_size: int) -> StepReport:
     """The step report of an abstract model under `strategy`, for a batch of `batch_size` rows."""
-    from meshfit.model import Model  # noqa: PLC0415  (the model imports the package's every layer)
-
     build = factory if remat is None else functools.partial(factory, remat=remat)
     with strategy.scope():
         model = Model(build, abstract=True)
