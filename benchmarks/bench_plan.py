@@ -113,12 +113,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a tiny MLP on 2 devices, one remat choice")
     parser.add_argument("--batch-size", type=int, default=None, help="global batch (default 32; smoke 16)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per candidate (default 20; smoke 3)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per candidate (default 20; smoke 10)")
     parser.add_argument("--isolate", action="store_true", help="measure each candidate in a process of its own")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child: measure one candidate
     args = parser.parse_args()
     args.batch_size = args.batch_size or (16 if args.smoke else 32)
-    args.steps = args.steps or (3 if args.smoke else 20)
+    args.steps = args.steps or (10 if args.smoke else 20)
     factory, x, y, rules, devices = setup(args.smoke, args.batch_size)
     if args.one is not None:
         print(json.dumps(measure_one(args.one, args, factory, x, y, rules, devices)))
