@@ -39,6 +39,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--devices", type=int, help="plan for the first N devices (default all)")
     parser.add_argument("--memory-limit", help="bytes per device, e.g. 16GiB (default: what the device reports)")
     parser.add_argument(
+        "--device-spec",
+        metavar="FLOPS,BYTES/S,BYTES/S",
+        help="the device's peak FLOP/s, memory and interconnect bandwidth, e.g. 989e12,3.35e12,450e9 "
+        "(default: meshfit.roofline.DEVICE_SPECS)",
+    )
+    parser.add_argument(
         "--host-devices", type=int, default=0, help="simulate N CPU devices (when XLA_FLAGS is not set)"
     )
 
@@ -51,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np  # noqa: PLC0415
 
     from meshfit.planning import plan  # noqa: PLC0415
+    from meshfit.roofline import DeviceSpec  # noqa: PLC0415
 
     devices = jax.devices()
     if args.devices is not None:
@@ -68,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         memory_limit=None if args.memory_limit is None else byte_count(args.memory_limit),
         batch_sizes=args.batch_size,
         rules=() if args.rules is None else load(args.rules, "--rules"),
+        device_spec=None if args.device_spec is None else DeviceSpec(*peaks(args.device_spec)),
     )
     print(result)
     return 0
@@ -109,3 +117,17 @@ def byte_count(text: str) -> int:
     units = {None: 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
     units["TiB"] = 2**40
     return int(float(match[1]) * units[match[2]])
+
+
+def peaks(text: str) -> tuple[float, float, float]:
+    """`(peak FLOP/s, memory bytes/s, interconnect bytes/s)` from "989e12,3.35e12,450e9"."""
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 3 or any(v <= 0 for v in values):
+        raise ValueError(
+            "--device-spec takes three positive numbers: peak FLOP/s, memory and interconnect bytes/s, "
+            f"e.g. 989e12,3.35e12,450e9. Received: {text!r}."
+        )
+    return values

@@ -308,7 +308,8 @@ def _default_spec(device: jax.Device) -> DeviceSpec:
         return roofline.HOST_CPU
     raise ValueError(
         f"meshfit.roofline.DEVICE_SPECS has no peaks for device kind {device.device_kind!r}. "
-        "Pass device_spec=meshfit.roofline.DeviceSpec(peak_flops, memory_bandwidth, interconnect_bandwidth)."
+        "Pass device_spec=meshfit.roofline.DeviceSpec(peak_flops, memory_bandwidth, interconnect_bandwidth) "
+        "(`meshfit plan --device-spec FLOPS,BYTES/S,BYTES/S`)."
     )
 
 
