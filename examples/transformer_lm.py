@@ -248,6 +248,15 @@ def sharding_rules(tied: bool) -> list[tuple[str, tuple]]:
     return rules
 
 
+def plan_factory(remat: bool = False) -> TransformerLM:
+    """The default model, for `meshfit plan examples/transformer_lm.py:plan_factory` (see docs/performance.md)."""
+    return TransformerLM(remat=remat, rngs=nnx.Rngs(0))
+
+
+#: The default model's rules, for `meshfit plan ... --rules examples/transformer_lm.py:PLAN_RULES`.
+PLAN_RULES = sharding_rules(tied=True)
+
+
 # -- sampling --------------------------------------------------------------------------------------
 
 

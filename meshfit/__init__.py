@@ -16,6 +16,8 @@ __all__ = [
     "Model",
     "TrainState",
     "load_model",
+    "plan",
+    "Plan",
     "Preempted",
     "PREEMPTED_EXIT_CODE",
     "callbacks",
@@ -37,6 +39,8 @@ _NAMES = {
     "Model": "meshfit.model",
     "TrainState": "meshfit.state",
     "load_model": "meshfit.model",
+    "plan": "meshfit.planning",
+    "Plan": "meshfit.planning",
     "Preempted": "meshfit.preemption",
     "PREEMPTED_EXIT_CODE": "meshfit.preemption",
 }
@@ -56,6 +60,7 @@ if TYPE_CHECKING:  # what type checkers and the API docs see
         utils,
     )
     from meshfit.model import Model, load_model
+    from meshfit.planning import Plan, plan
     from meshfit.preemption import PREEMPTED_EXIT_CODE, Preempted
     from meshfit.state import TrainState
 

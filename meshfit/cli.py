@@ -7,7 +7,7 @@ import importlib
 import sys
 from types import ModuleType
 
-from meshfit import __version__
+from meshfit import __version__, plan_command
 from meshfit.job_layout import LAUNCHERS, DistributedJob, JobLayout
 from meshfit.launch import GRACE_SECONDS, PREEMPTION_GRACE_SECONDS, LaunchConfig, launch
 
@@ -62,11 +62,17 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("-m", dest="module", default=None, help="run a module (like python -m)")
     run.add_argument("script", nargs="?", help="the Python script to run")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    plan_command.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "plan":
+        try:
+            return plan_command.run(args)
+        except ValueError as error:  # bad arguments, or no candidate compiled
+            _parser().error(str(error))
     if args.command == "launch":
         if args.module:
             command = ["-m", args.module] + ([args.script] if args.script else []) + args.args

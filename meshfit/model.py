@@ -93,6 +93,12 @@ class Model:
             nnx.PathContains("head"))` or `lambda path, value: path[0] == "head"`.
             The other parameters are frozen: no gradient, no optimizer state, no
             update; they are listed (and saved) with the non-trainable weights.
+        abstract: shapes and layouts only: the parameters and the optimizer
+            state are `jax.ShapeDtypeStruct`s with the strategy's shardings and
+            nothing is created (a factory runs under `nnx.eval_shape` alone).
+            Such a model compiles its train step and reports its cost
+            (`step_report`) but cannot train, evaluate or predict: how
+            `meshfit.plan` weighs layouts before any parameter exists.
 
     Example:
         >>> model = meshfit.Model(MLP(rngs=nnx.Rngs(0)))
@@ -102,21 +108,27 @@ class Model:
         ...                     validation_split=0.1)
     """
 
-    def __init__(self, module: Any, *, sample_input: Any = None, seed: int = 0, trainable: Any = None) -> None:
+    def __init__(
+        self, module: Any, *, sample_input: Any = None, seed: int = 0, trainable: Any = None, abstract: bool = False
+    ) -> None:
         self.strategy = get_strategy()
+        self.abstract = bool(abstract)
         cluster.warn_if_launched_but_alone(self.strategy)
         self.seed = int(seed)
         self._adapter = adapt(module, sample_input, self.seed, trainable)
         hints = self._adapter.partition_specs()
         template = jax.eval_shape(self._initial_state, *self._adapter.abstract_init())
-        shardings = self.strategy.state_shardings(template, hints)
-        # Created straight into the strategy's layout where it has one (a factory, Linen).
-        params, model_state = self._adapter.init(
-            None if shardings is None else (shardings.params, shardings.model_state)
-        )
-        state = self.strategy.place_state(self._initial_state(params, model_state), hints)
+        if self.abstract:  # the template laid out: shapes and shardings, no arrays
+            state = self.strategy.place_state(template, hints)
+        else:
+            shardings = self.strategy.state_shardings(template, hints)
+            # Created straight into the strategy's layout where it has one (a factory, Linen).
+            params, model_state = self._adapter.init(
+                None if shardings is None else (shardings.params, shardings.model_state)
+            )
+            state = self.strategy.place_state(self._initial_state(params, model_state), hints)
         #: The training state and the bookkeeping of fits (the one owner of both; see `meshfit.session`).
-        self.session = Session(self.strategy, state, follow=self._follow_state)
+        self.session = Session(self.strategy, state, follow=None if self.abstract else self._follow_state)
         self._compiled: CompileSettings | None = None
         self._input_spec = None
         self.optimizer: optimizers_lib.Optimizer | None = None
@@ -316,7 +328,9 @@ class Model:
                 f"Received: {steps_per_execution!r}."
             )
         state = self.session.latest
-        params = policy.cast_to_variable(state.params) if policy.variable_dtype != np.float32 else state.params
+        params = state.params
+        if policy.variable_dtype != np.float32:
+            params = (jax.eval_shape if self.abstract else lambda f, p: f(p))(policy.cast_to_variable, params)
         state = state._replace(
             params=params,
             opt_state=None if tx is None else jax.eval_shape(tx.init, params),
@@ -326,8 +340,8 @@ class Model:
         )
         hints = self._adapter.partition_specs()
         shardings = self.strategy.state_shardings(state, hints)
-        # The optimizer state is created in its layout (Adam's moments sharded like their parameters).
-        if tx is not None:
+        if tx is not None and not self.abstract:  # (an abstract model keeps the shapes; `place_state` lays them out)
+            # The optimizer state is created in its layout (Adam's moments sharded like their parameters).
             init = tx.init if shardings is None else jax.jit(tx.init, out_shardings=shardings.opt_state)
             state = state._replace(opt_state=init(params))
         self.session.reset(self.strategy.place_state(state, hints))
@@ -382,6 +396,11 @@ class Model:
             )
 
     def _require_compiled(self, what: str) -> None:
+        if self.abstract and what != "step_report":
+            raise ValueError(
+                f"`{what}()` needs the model's parameters, and this model is abstract (shapes and layouts only). "
+                f"Received: Model(..., abstract=True). Create it without `abstract` to train, evaluate or predict."
+            )
         if self._compiled is None:
             raise ValueError(
                 f"You must call `compile()` before `{what}()`. Call model.compile(optimizer=..., loss=...)."
@@ -915,6 +934,8 @@ class Model:
             for a module with several outputs).
         """
         self._check_strategy("predict")
+        if self.abstract:
+            self._require_compiled("predict")
         verbose = _verbose(verbose)
         data = self._make_data(x, None, None, batch_size, steps=None, what="predict")
         first = self._first_batch(data)

@@ -53,6 +53,11 @@ class StepReport:
             before the backend compiled it (`shard_map` collectives; XLA's own, which
             GSPMD adds while compiling, are not there). A kind with more bytes in
             `collectives` was widened by the backend (XLA:CPU reduces bfloat16 in float32).
+        device_flops: FLOPs of one device's compiled (partitioned) program, XLA's
+            count: work replicated on every device counts on each (as `flops` does
+            not), but matrix products XLA hands to a library (cuBLAS on GPU) are
+            missing. 0 where the backend gives no cost analysis of a compiled program.
+        device_bytes_accessed: bytes of one device's compiled program, likewise.
     """
 
     flops: float
@@ -63,6 +68,8 @@ class StepReport:
     memory: dict
     collectives: dict
     lowered_collectives: dict
+    device_flops: float = 0.0
+    device_bytes_accessed: float = 0.0
 
     @property
     def flops_per_sample(self) -> float:
@@ -112,6 +119,7 @@ def analyse(
     if flops is None and jaxpr is not None:
         flops = jaxpr_flops(jaxpr())
     count = max(len(devices), 1)
+    device_cost = _cost(compiled)
     return StepReport(
         flops=float(flops or 0.0) / count,
         bytes_accessed=float(cost.get("bytes accessed", 0.0)) / count,
@@ -121,6 +129,8 @@ def analyse(
         memory=memory(compiled),
         collectives=compiled_collectives(compiled.as_text()),
         lowered_collectives=lowered_collectives(lowered),
+        device_flops=float(device_cost.get("flops", 0.0) or 0.0),
+        device_bytes_accessed=float(device_cost.get("bytes accessed", 0.0) or 0.0),
     )
 
 

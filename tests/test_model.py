@@ -572,3 +572,17 @@ def test_ignore_class_leaves_ignored_labels_out_of_the_loss_in_fit_and_evaluate(
     np.testing.assert_allclose(model.evaluate(x, y, batch_size=64, verbose=0), direct, rtol=1e-5)  # padded to 64
     history = model.fit(x, y, batch_size=50, epochs=1, shuffle=False, verbose=0).history
     np.testing.assert_allclose(history["loss"][0], direct, rtol=1e-5)  # the loss of the weights it started from
+
+
+def test_an_abstract_model_holds_shapes_and_shardings_and_refuses_to_train():
+    with mf.strategies.MeshStrategy(axes={"data": 1, "fsdp": 2, "tensor": 1}, devices=jax.devices()[:2]).scope():
+        model = mf.Model(lambda: MLP(din=64, hidden=128), abstract=True)
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    state = model.session.latest
+    kernel = state.params["hidden"]["kernel"]
+    assert isinstance(kernel, jax.ShapeDtypeStruct) and kernel.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
+    assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(state.opt_state))
+    x, y = classification_data(n=8, din=64)
+    for call in (lambda: model.fit(x, y, verbose=0), lambda: model.evaluate(x, y), lambda: model.predict(x)):
+        with pytest.raises(ValueError, match="this model is abstract .* Received: Model\\(..., abstract=True\\)"):
+            call()

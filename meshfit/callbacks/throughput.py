@@ -5,29 +5,17 @@ from __future__ import annotations
 import time
 
 from meshfit.callbacks.base import Callback
+from meshfit.roofline import DEVICE_SPECS, device_spec
 
-#: Dense bfloat16 peak FLOP/s per device, by a fragment of JAX's `device_kind` (the vendors' datasheets;
-#: SXM parts for NVIDIA). Checked in order: the first fragment the device kind contains wins.
-PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
-    ("GB200", 2.5e15),
-    ("B200", 2.25e15),
-    ("H200", 989e12),
-    ("H100", 989e12),
-    ("A100", 312e12),
-    ("TPU v6 lite", 918e12),  # v6e
-    ("TPU v5 lite", 197e12),  # v5e
-    ("TPU v5p", 459e12),
-    ("TPU v5", 459e12),  # v5p reports "TPU v5"
-    ("TPU v4", 275e12),
-)
+#: Dense bfloat16 peak FLOP/s per device, by a fragment of JAX's `device_kind`: the peaks of the one table of
+#: device specs (`meshfit.roofline.DEVICE_SPECS`), which `meshfit.plan` reads too.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = tuple((fragment, spec.peak_flops) for fragment, spec in DEVICE_SPECS)
 
 
 def peak_flops(device_kind: str) -> float | None:
     """The dense bfloat16 peak of one device of this kind, or None when it is not in the table."""
-    for fragment, flops in PEAK_BF16_FLOPS:
-        if fragment.lower() in device_kind.lower():
-            return flops
-    return None
+    spec = device_spec(device_kind)
+    return None if spec is None else spec.peak_flops
 
 
 class Throughput(Callback):

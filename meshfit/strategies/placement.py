@@ -17,6 +17,8 @@ from meshfit.trees import is_key
 def put(tree, shardings):
     """Places a pytree with the given sharding (one, or a matching pytree of them).
 
+    A `jax.ShapeDtypeStruct` leaf stays abstract: it comes back with the sharding, and nothing is created.
+
     In a multi-process job the values go through the host, since every process
     holds the same copy and JAX builds each process's shards from it.
     """
@@ -25,6 +27,8 @@ def put(tree, shardings):
     multi = jax.process_count() > 1
 
     def put_leaf(leaf):
+        if isinstance(leaf, jax.ShapeDtypeStruct):  # an abstract value (`Model(abstract=True)`): laid out, not made
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=shardings)
         if is_key(leaf):
             return jax.random.wrap_key_data(put_leaf(jax.random.key_data(leaf)), impl=jax.random.key_impl(leaf))
         if multi:
