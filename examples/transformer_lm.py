@@ -24,6 +24,12 @@ After training, text is sampled from a prompt with the trained module.
     python examples/transformer_lm.py --layers 4 --d-model 256 --heads 8 --context 128
     python examples/transformer_lm.py --host-devices 0   # leave XLA_FLAGS alone (real devices)
     python examples/transformer_lm.py --remat            # rematerialised blocks: temporaries with and without
+    python examples/transformer_lm.py --preset tiny --scan-layers --position rope --remat minimal --loss-chunk 8
+
+The last line turns on the fast-decoder options (docs/performance.md, "Fast decoder options"): a
+scanned layer stack, rotary positions, a named remat policy and chunked cross-entropy, with
+`--attention auto` (the default) taking cuDNN flash attention where it can run; `--preset 350m|1b|2b`
+and `--vocab` other than 256 train on synthetic tokens.
     python examples/transformer_lm.py --mesh 1,8,1 --layers 12 --d-model 1024 --heads 16 --context 256 --report-only
 
 The model is built from a factory (`mf.Model(lambda: TransformerLM(...))`):
