@@ -114,6 +114,26 @@ def test_remat_policy_gives_the_gradients_of_none(lm, remat):
     assert_trees_close(grads, grads_0)
 
 
+@pytest.mark.slow
+def test_minimal_remat_keeps_the_named_projections(lm, capsys):
+    """What the backward pass keeps (print_saved_residuals): "minimal" the projections by name, "full" none."""
+    x = tokens()
+    for remat in ("minimal", True):
+        graphdef, params = nnx.split(lm.TransformerLM(**{**SMALL, "layers": 1}, remat=remat, rngs=nnx.Rngs(0)))
+
+        def loss_fn(params, graphdef=graphdef):
+            return optax.softmax_cross_entropy_with_integer_labels(nnx.merge(graphdef, params)(x), x).mean()
+
+        jax.ad_checkpoint.print_saved_residuals(loss_fn, params)
+        saved = capsys.readouterr().out
+        named = {name for name in lm.PROJECTIONS if f"named '{name}'" in saved}
+        # (mlp_down's output is never needed by the backward pass, so no policy keeps it)
+        if remat == "minimal":
+            assert {"query_proj", "key_proj", "value_proj", "mlp_up"} <= named, named
+        else:
+            assert not named, named
+
+
 def test_remat_names(lm):
     assert lm.remat_policy_name(False) is None and lm.remat_policy_name("none") is None
     assert lm.remat_policy_name(True) == "full"
