@@ -19,6 +19,13 @@ device's dense bf16 peak (`meshfit.callbacks.throughput.PEAK_BF16_FLOPS`).
 
     python benchmarks/bench_transformer.py                      # small, for a CPU
     python benchmarks/bench_transformer.py --layers 8 --d-model 1024 --heads 16 --context 512 --batch 32 --steps 40
+    python benchmarks/bench_transformer.py --preset 1b --scan-layers --position rope --attention cudnn \\
+        --remat minimal --loss-chunk 512 --policies mixed_bfloat16 --contenders raw,meshfit --batch 8 --steps 10
+
+The model flags are the example's (`--preset`, sizes, `--remat`, `--attention`, `--position`,
+`--scan-layers`, `--loss-chunk`); both contenders build the module with the same options. MFU is printed
+with FLOPs counted as MaxText counts them (`maxtext_flops_per_step`: causal attention at half the square),
+beside XLA's cost analysis of the compiled step.
 """
 
 from __future__ import annotations
@@ -138,9 +145,10 @@ def raw_runner(args, policy_name, x, y):
 def meshfit_runner(args, policy_name, x, y, accumulate=1, split=None):
     if args.loss_chunk:
         compute_dtype = precision.get(policy_name).compute_dtype
-        model, loss = ChunkedLossModel(make_module(args), chunk=args.loss_chunk, compute_dtype=compute_dtype), None
-    else:
-        model, loss = mf.Model(make_module(args)), mf.losses.SparseCategoricalCrossentropy(from_logits=True)
+        model = ChunkedLossModel(lambda: make_module(args), chunk=args.loss_chunk, compute_dtype=compute_dtype)
+        loss = None  # its compute_loss is the chunked cross-entropy
+    else:  # from a factory: the parameters are created once, where the model keeps them
+        model, loss = mf.Model(lambda: make_module(args)), mf.losses.SparseCategoricalCrossentropy(from_logits=True)
     model.compile(
         optimizer=optimizer(),
         loss=loss,
@@ -194,7 +202,8 @@ def main(argv=None):
     device = jax.devices()[0]
     peak = peak_flops(device.device_kind)
     x, y = make_data(args)
-    params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(nnx.state(make_module(args), nnx.Param)))
+    abstract = nnx.eval_shape(lambda: make_module(args))  # counted without allocating a large model
+    params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
     tokens = args.batch * args.context
     model_flops = maxtext_flops_per_step(args)
     print(
