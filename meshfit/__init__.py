@@ -23,6 +23,7 @@ __all__ = [
     "data",
     "losses",
     "metrics",
+    "mixed_precision",
     "optimizers",
     "outputs",
     "strategies",
@@ -40,7 +41,18 @@ _NAMES = {
 }
 
 if TYPE_CHECKING:  # what type checkers and the API docs see
-    from meshfit import callbacks, cluster, data, losses, metrics, optimizers, outputs, strategies, utils
+    from meshfit import (
+        callbacks,
+        cluster,
+        data,
+        losses,
+        metrics,
+        mixed_precision,
+        optimizers,
+        outputs,
+        strategies,
+        utils,
+    )
     from meshfit.model import Model, load_model
     from meshfit.preemption import PREEMPTED_EXIT_CODE, Preempted
     from meshfit.state import TrainState

@@ -45,6 +45,14 @@ def data_source(
     if isinstance(x, data_lib.DataSource):  # the user's own, taken as it is (as Keras takes a DataAdapter)
         _check_own_source(x, y, sample_weight, batch_size, steps)
         return x
+    if what in ("fit", "evaluate") and y is None and sample_weight is None and _is_list_of_batches(x):
+        raise ValueError(
+            f"`x` is a list of {len(x)} tuples of arrays, which Keras reads as one input made of several "
+            "arrays (for a model with several inputs), not as a sequence of (x, y) batches. To pass batches, "
+            f"pass an iterator or a generator of them: model.{what}(iter(batches)), or a generator function's "
+            f"result, e.g. model.{what}(b for b in batches). Received: x=list of {len(x)} tuples of lengths "
+            f"{sorted({len(b) for b in x})}."
+        )
     if data_lib.is_array_tree(x):
         return data_lib.ArrayData(
             x,
@@ -107,6 +115,15 @@ def _check_own_source(source: data_lib.DataSource, y: Any, sample_weight: Any, b
             f"its `steps_per_epoch` ({source.steps_per_epoch}). Received: steps_per_epoch={steps}. Set "
             f"`steps_per_epoch` on the {name} instead."
         )
+
+
+def _is_list_of_batches(x: Any) -> bool:
+    """Whether `x` looks like a list of `(x, y)` or `(x, y, sample_weight)` batches rather than one input."""
+    return (
+        type(x) is list
+        and len(x) > 0
+        and all(type(b) is tuple and len(b) in (2, 3) and data_lib.is_array_tree(b) for b in x)
+    )
 
 
 def _type_description(value: Any) -> str:

@@ -19,13 +19,14 @@ import numpy as np
 import optax
 
 from meshfit import callbacks as callbacks_lib
-from meshfit import cluster, inputs, precision, saving, utils
+from meshfit import cluster, inputs, mixed_precision, precision, saving, utils
 from meshfit import data as data_lib
 from meshfit import losses as losses_lib
 from meshfit import metrics as metrics_lib
 from meshfit import optimizers as optimizers_lib
 from meshfit import outputs as outputs_lib
 from meshfit.batch import Batch
+from meshfit.config_check import STEP_LIMIT
 from meshfit.custom_steps import STEP_METHODS, MetricsLayout, ModelSteps
 from meshfit.fit_context import FitContext
 from meshfit.loop import evaluate_loop, fit_loop, host_logs, predict_loop
@@ -215,7 +216,7 @@ class Model:
 
     def compile(
         self,
-        optimizer: str | optax.GradientTransformation | dict = "rmsprop",
+        optimizer: str | optax.GradientTransformation | dict | None = "rmsprop",
         loss: Any = None,
         loss_weights: Any = None,
         metrics: Any = None,
@@ -233,6 +234,9 @@ class Model:
                 (`{"generator": "adam", "discriminator": "adam"}`): each trains
                 only its part, `state.opt_state` and `model.optimizer` are
                 dicts with the same keys (see "Customizing fit" in the docs).
+                None: no optimizer and no optimizer state, for `evaluate` and
+                `predict` only (`fit` asks for one); `load_model` compiles so a
+                saved model whose optimizer `save` could not write down.
             loss: a loss name, a `meshfit.losses.Loss`, or a callable
                 `(y_true, y_pred) -> per-sample losses`, or a scalar for the
                 batch (Keras's value; computed on a partial batch's real rows
@@ -252,10 +256,11 @@ class Model:
             weighted_metrics: metrics that also use `sample_weight`, given like `metrics`.
             steps_per_execution: number of batches run inside one compiled call
                 (a `lax.scan`); batch callbacks are called once per call.
-            dtype_policy: Keras's policy names: "float32" (default),
-                "mixed_bfloat16", "mixed_float16" (with dynamic loss scaling)
-                or "bfloat16" (weights kept in bfloat16 too); see
-                `meshfit.precision`.
+            dtype_policy: Keras's policy names: "float32", "mixed_bfloat16",
+                "mixed_float16" (with dynamic loss scaling) or "bfloat16"
+                (weights kept in bfloat16 too); see `meshfit.precision`. None:
+                the global policy (`meshfit.mixed_precision.set_global_policy`;
+                "float32" unless set).
             gradient_accumulation_steps: apply the optimizer every K batches
                 with the mean of their gradients (K batches of B rows train as
                 one of K x B). The accumulators live in the optimizer state,
@@ -263,20 +268,20 @@ class Model:
                 `optax.MultiSteps` optimizer does the same.
         """
         self._check_strategy("compile")
-        policy = precision.get(dtype_policy)
+        policy = mixed_precision.global_policy() if dtype_policy is None else precision.get(dtype_policy)
         if policy.loss_scaling and not self.strategy.capabilities.loss_scaling:
             raise ValueError(
                 f"dtype_policy={policy.name!r} scales the loss inside the training step, which {self.strategy!r} "
                 "splits between workers and a server. Use dtype_policy='mixed_bfloat16', which needs no loss scale."
             )
         accumulate = 1 if gradient_accumulation_steps is None else gradient_accumulation_steps
-        if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
+        if not isinstance(accumulate, int) or isinstance(accumulate, bool) or not 1 <= accumulate < STEP_LIMIT:
             raise ValueError(
-                "`gradient_accumulation_steps` must be a positive int (batches per update). "
+                "`gradient_accumulation_steps` must be a positive int (batches per update) below 2**31. "
                 f"Received: {gradient_accumulation_steps!r}."
             )
         several = isinstance(optimizer, dict)
-        given = dict(optimizer) if several else {None: optimizer}
+        given = dict(optimizer) if several else {} if optimizer is None else {None: optimizer}
         if several and not given:
             raise ValueError("`optimizer` given as a dict needs one optimizer per top-level part. Received: {}.")
         if accumulate > 1 and any(isinstance(opt, optax.MultiSteps) for opt in given.values()):
@@ -293,7 +298,7 @@ class Model:
                 key: optax.MultiSteps(tx, every_k_schedule=accumulate).gradient_transformation()
                 for key, tx in transforms.items()
             }
-        tx = optimizers_lib.partitioned(transforms) if several else transforms[None]
+        tx = optimizers_lib.partitioned(transforms) if several else transforms.get(None)  # None: no optimizer
         loss_obj = _check_each(loss, "loss", losses_lib.get)
         _check_loss_weights(loss_weights)
         metric_ids = _as_metrics(metrics, "metrics")
@@ -301,13 +306,20 @@ class Model:
         # Unknown names fail now, not at fit ("accuracy" is resolved from the first batch's shapes).
         _check_each(metric_ids, "metrics", lambda i: _needs_shapes(i) or metrics_lib.get(i))
         _check_each(weighted_ids, "weighted_metrics", lambda i: _needs_shapes(i) or metrics_lib.get(i))
-        if not isinstance(steps_per_execution, int) or steps_per_execution < 1:
-            raise ValueError(f"`steps_per_execution` must be a positive int. Received: {steps_per_execution!r}.")
+        if (
+            not isinstance(steps_per_execution, int)
+            or isinstance(steps_per_execution, bool)
+            or not 1 <= steps_per_execution < STEP_LIMIT
+        ):
+            raise ValueError(
+                "`steps_per_execution` must be a positive int below 2**31 (the step counter is int32). "
+                f"Received: {steps_per_execution!r}."
+            )
         state = self.session.latest
         params = policy.cast_to_variable(state.params) if policy.variable_dtype != np.float32 else state.params
         state = state._replace(
             params=params,
-            opt_state=jax.eval_shape(tx.init, params),
+            opt_state=None if tx is None else jax.eval_shape(tx.init, params),
             metrics=(),
             step=jnp.zeros((), jnp.int32),
             loss_scale=precision.LossScale.initial() if policy.loss_scaling else None,
@@ -315,8 +327,9 @@ class Model:
         hints = self._adapter.partition_specs()
         shardings = self.strategy.state_shardings(state, hints)
         # The optimizer state is created in its layout (Adam's moments sharded like their parameters).
-        init = tx.init if shardings is None else jax.jit(tx.init, out_shardings=shardings.opt_state)
-        state = state._replace(opt_state=init(params))
+        if tx is not None:
+            init = tx.init if shardings is None else jax.jit(tx.init, out_shardings=shardings.opt_state)
+            state = state._replace(opt_state=init(params))
         self.session.reset(self.strategy.place_state(state, hints))
         self._compiled = CompileSettings(
             tx=tx,
@@ -331,7 +344,9 @@ class Model:
             loss_weights=loss_weights,
         )
         access = _optimizer_state_access(self.session)
-        if several:
+        if tx is None:
+            self.optimizer = None
+        elif several:
             self.optimizer = optimizers_lib.Optimizers(
                 {key: optimizers_lib.Optimizer(t, access, schedules[key], key) for key, t in transforms.items()},
                 tx,
@@ -370,6 +385,16 @@ class Model:
         if self._compiled is None:
             raise ValueError(
                 f"You must call `compile()` before `{what}()`. Call model.compile(optimizer=..., loss=...)."
+            )
+        if self._compiled.tx is None and what in ("fit", "train_on_batch", "step_report"):
+            raise ValueError(
+                f"`{what}()` needs an optimizer. Received: a model compiled with optimizer=None, for evaluate and "
+                "predict only, as load_model compiles a saved model whose optimizer `save` could not write down "
+                "(code: an optax transformation, or an optax learning-rate schedule). Pass it: "
+                "meshfit.load_model(path, module, optimizer=...), with the optimizer the model was compiled with, "
+                "restores the saved optimizer state and step too; model.compile(optimizer=..., loss=...) starts "
+                "a fresh optimizer state. A schedule of meshfit.optimizers.schedules is written down, so the "
+                "next save of a model compiled with one reloads with nothing passed."
             )
         own_step = {"fit": "train_step", "evaluate": "test_step"}.get(what)
         if self._compiled.loss is None and own_step and not {own_step, "compute_loss"} & self._custom_methods():
@@ -1072,11 +1097,16 @@ def load_model(
     The model is compiled as it was saved (optimizer, loss, metrics, dtype
     policy, ...) and its optimizer state and step are restored, so it
     evaluates and predicts to the same numbers, and trains on as the saved
-    one would, with nothing passed again. A setting `model.save` could not
-    write down (a custom loss or metric, a raw optax transformation, a
-    learning-rate schedule) must be passed again: without it, a `ValueError`
-    names it before anything is loaded, rather than compiling with something
-    else (Keras raises too). `compile=False` loads the weights alone.
+    one would, with nothing passed again. A loss or metric `model.save`
+    could not write down (a user's function or class) must be passed again:
+    without it, a `ValueError` names it before anything is loaded, rather than
+    compiling with something else (Keras raises too). An optimizer it could
+    not write down (an optax transformation, or `get` with an optax schedule;
+    a schedule of `meshfit.optimizers.schedules` is written down) is left out,
+    with a warning: the model is compiled with `optimizer=None`, so `evaluate`
+    and `predict` work and `fit` asks for it; passed again (`optimizer=...`),
+    it continues from the saved optimizer state and step. `compile=False`
+    loads the weights alone.
 
     A checkpoint of another architecture or optimizer is refused with a
     `ValueError` naming the arrays that differ; nothing on disk changes.
@@ -1197,9 +1227,16 @@ def _check_loss_weights(loss_weights: Any) -> None:
         if isinstance(w, bool) or not isinstance(w, (int, float, np.integer, np.floating))
     ]
     if bad:
+        hint = ""
+        if all(isinstance(w, (str, metrics_lib.Metric)) or callable(w) for w in bad):  # metric names or objects
+            hint = (
+                " These look like metrics: since Keras 3 the third positional argument of `compile` is "
+                "`loss_weights` (tf.keras's order put `metrics` there). Pass metrics by name, e.g. "
+                "model.compile(optimizer, loss, metrics=['accuracy'])."
+            )
         raise TypeError(
             "`loss_weights` must be a number, or a dict/list of numbers per output. "
-            f"Received: loss_weights={loss_weights!r} (not numbers: {bad})."
+            f"Received: loss_weights={loss_weights!r} (not numbers: {bad}).{hint}"
         )
 
 

@@ -20,17 +20,20 @@ import numpy as np
 import optax
 from optax import tree_utils as otu
 
+from meshfit import schedules
 from meshfit.strategies import placement
 
 __all__ = [
     "get",
     "names",
+    "factory_of",
     "Optimizer",
     "OptimizerStateAccess",
     "LearningRateIsSchedule",
     "Recipe",
     "recipe_of",
     "schedule_of",
+    "schedules",
 ]
 
 # name -> (optax factory, Keras's default keyword arguments)
@@ -90,6 +93,11 @@ def schedule_of(transform: optax.GradientTransformation) -> Callable | None:
 def names() -> list[str]:
     """The optimizer names `get` accepts."""
     return sorted(_FACTORIES)
+
+
+def factory_of(name: str) -> Callable[..., optax.GradientTransformation]:
+    """The optax factory `get(name)` calls (`optax.adam` for "adam"): its signature says what `get` takes."""
+    return _FACTORIES[name.lower()][0]
 
 
 def get(

@@ -11,24 +11,16 @@ MirroredStrategy on 8 devices, restored on one device or sharded with fsdp.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
-from meshfit import serialization
+from meshfit import config_check, serialization
 from meshfit.checkpoint import CheckpointDamaged, CheckpointDir, open_for_saving, read_marker, readable_path
 from meshfit.checkpoint_schema import TRAINING, WEIGHTS, for_kind
 
 #: The compile arguments a saved model's record holds (format 2), in `Model.compile`'s order.
-COMPILE_ENTRIES = (
-    "optimizer",
-    "loss",
-    "loss_weights",
-    "metrics",
-    "weighted_metrics",
-    "steps_per_execution",
-    "dtype_policy",
-    "gradient_accumulation_steps",
-)
+COMPILE_ENTRIES = config_check.ENTRIES
 
 
 def compile_record(model) -> dict | None:
@@ -58,14 +50,18 @@ def compile_arguments(meta: dict, compile_kwargs: dict) -> dict | None:
 
     None when the model is not to be compiled: it was saved uncompiled and no
     optimizer is passed, or (records of format 1, names only) its optimizer
-    was not a name and none is passed.
+    was not a name and none is passed. An optimizer that could not be saved
+    and is not passed gives `optimizer=None` (with a warning naming it): the
+    model evaluates and predicts, and `fit` asks for the optimizer.
 
     Raises:
-        ValueError: an entry the saved model was compiled with could not be
-            saved (a custom loss, metric or optimizer) and is not in
-            `compile_kwargs`: compiling without it would give other numbers.
+        ValueError: a loss or metric the saved model was compiled with could
+            not be saved (code) and is not in `compile_kwargs`: compiling
+            without it would give other numbers; or a saved setting is not
+            one meshfit accepts (`meshfit.config_check`), naming its field.
     """
     saved = meta.get("compile")
+    config_check.check_compile_record(saved, skip=compile_kwargs)  # a garbled record: refused before anything
     if meta.get("format", 1) < 2 or saved is None:  # names only; what was not a name is left out
         kwargs = {k: v for k, v in (saved or {}).items() if v}
         kwargs.update(compile_kwargs)
@@ -74,19 +70,31 @@ def compile_arguments(meta: dict, compile_kwargs: dict) -> dict | None:
         entry: serialization.unsaved(saved.get(entry)) for entry in COMPILE_ENTRIES if entry not in compile_kwargs
     }
     missing = {entry: found for entry, found in missing.items() if found}
-    if missing:
+    if set(missing) - {"optimizer"}:
         raise ValueError(_unsaved_message(missing))
+    if missing:
+        warnings.warn(_no_optimizer_message(missing["optimizer"]), stacklevel=4)  # load_model's caller
     kwargs = {}
     for entry in COMPILE_ENTRIES:
         value = saved.get(entry)
-        if entry in compile_kwargs or value is None:
+        if entry in compile_kwargs or entry in missing:
             continue
-        if entry == "optimizer":
+        if entry == "optimizer":  # None: saved from a model compiled without one
             kwargs[entry] = serialization.deserialize_optimizer(value)
-        else:
+        elif value is not None:
             kwargs[entry] = serialization.deserialize(value)
+    kwargs.setdefault("optimizer", None)  # the one that could not be saved: none, rather than another
     kwargs.update(compile_kwargs)
     return kwargs
+
+
+def _no_optimizer_message(found: list[str]) -> str:
+    """Says that a model loads without its optimizer, and how to train it."""
+    return (
+        f"The saved model's optimizer {', '.join(f'`{d}`' for d in found)} is code that `save` could not write "
+        "down; it loads without one: evaluate and predict work, fit asks for it. To train on from the saved "
+        "optimizer state, pass it: load_model(path, module, optimizer=...)."
+    )
 
 
 def _unsaved_message(missing: dict[str, list[str]]) -> str:

@@ -11,13 +11,16 @@ can be written down:
   `cls(**config)` builds an equal object; a built-in class itself, or a
   built-in function (`meshfit.losses.huber`), as `{"__class__": ...}` or
   `{"__function__": ...}`;
+- a learning-rate schedule of `meshfit.optimizers.schedules` (`CosineDecay`,
+  ...), as a class with its config, like a loss;
 - an optimizer from `meshfit.optimizers.get` (`serialize_optimizer`), as
-  `{"name": "adam", "config": {...}}`, when its arguments are JSON;
+  `{"name": "adam", "config": {...}}`, when its arguments are JSON or such
+  schedules;
 - dicts, lists and tuples of these, nested (per-output losses and metrics),
   with None and number leaves; a tuple comes back a list, as JSON has no tuples.
 
 Anything else (a user's function, loss or metric class, a raw optax
-transformation, a learning-rate schedule) is code, which JSON cannot hold:
+transformation, an optax learning-rate schedule) is code, which JSON cannot hold:
 it is written as `{"__custom__": "<what it was>"}` and `unsaved` lists it, so
 that `load_model` can ask for it instead of compiling with something else.
 """
@@ -30,11 +33,12 @@ from typing import Any
 import numpy as np
 import optax
 
-from meshfit import losses, metrics, optimizers
+from meshfit import losses, metrics, optimizers, schedules
 
 CLASS, FUNCTION, CUSTOM = "__class__", "__function__", "__custom__"
 _MARKERS = (CLASS, FUNCTION, CUSTOM)
-_MODULES = (losses, metrics)
+_MODULES = (losses, metrics, schedules)
+_BASES = (losses.Loss, metrics.Metric, schedules.LearningRateSchedule)
 
 
 def _qualified(obj) -> str:
@@ -53,8 +57,8 @@ def _public(module, keep) -> dict[str, Any]:
 def _is_builtin_class(value) -> bool:
     return (
         isinstance(value, type)
-        and issubclass(value, (losses.Loss, metrics.Metric))
-        and value not in (losses.Loss, metrics.Metric)  # abstract: `call`, `update` left to subclasses
+        and issubclass(value, _BASES)
+        and value not in _BASES  # abstract: `call`, `update` left to subclasses
     )
 
 
@@ -63,7 +67,8 @@ def _is_builtin_function(value) -> bool:
     return inspect.isfunction(value) and list(inspect.signature(value).parameters)[:2] == ["y_true", "y_pred"]
 
 
-#: Every public class of `meshfit.losses` and `meshfit.metrics`, by qualified name ("meshfit.losses.Huber").
+#: Every public class of `meshfit.losses`, `meshfit.metrics` and `meshfit.schedules`, by qualified name
+#: ("meshfit.losses.Huber").
 CLASSES: dict[str, type] = {k: v for m in _MODULES for k, v in _public(m, _is_builtin_class).items()}
 #: Every public loss and metric function, `fn(y_true, y_pred, ...)`, by qualified name ("meshfit.losses.huber").
 FUNCTIONS: dict[str, Any] = {k: v for m in _MODULES for k, v in _public(m, _is_builtin_function).items()}
@@ -75,7 +80,7 @@ def describe(obj) -> str:
         recipe = optimizers.recipe_of(obj)
         if recipe is None:
             return "an optax transformation"
-        odd = {k: v for k, v in recipe.config.items() if _json(v) is _NOT_JSON}
+        odd = {k: v for k, v in recipe.config.items() if unsaved(serialize(v))}
         shown = ", ".join(f"{k}={describe(v) if callable(v) else type(v).__name__}" for k, v in odd.items())
         return f"{recipe.name!r} with {shown}"
     if hasattr(obj, "__qualname__"):  # a function or class
@@ -95,19 +100,6 @@ def _scalar(value):
     """The Python value of a numpy or JAX scalar, else `_NOT_JSON`."""
     if isinstance(value, np.generic) or (hasattr(value, "item") and getattr(value, "shape", None) == ()):
         return value.item()
-    return _NOT_JSON
-
-
-def _json(value):
-    """`value` as plain JSON data (None, bool, number, str, lists and str-keyed dicts), else `_NOT_JSON`."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if type(value) in (list, tuple):
-        out = [_json(v) for v in value]
-        return _NOT_JSON if any(v is _NOT_JSON for v in out) else out
-    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        out = {k: _json(v) for k, v in value.items()}
-        return _NOT_JSON if any(v is _NOT_JSON for v in out.values()) else out
     return _NOT_JSON
 
 
@@ -167,8 +159,8 @@ def deserialize(record) -> Any:
 def _lookup(table: dict, name: str, what: str):
     if name not in table:
         raise ValueError(
-            f"Expected a built-in meshfit loss or metric {what}. Received: {name!r}, which this version of meshfit "
-            "does not have (saved by another version?); pass the setting again, or load with compile=False."
+            f"Expected a built-in meshfit loss, metric or schedule {what}. Received: {name!r}, which this version of "
+            "meshfit does not have (saved by another version?); pass the setting again, or load with compile=False."
         )
     return table[name]
 
@@ -186,13 +178,13 @@ def unsaved(record) -> list[str]:
 
 def serialize_optimizer(optimizer) -> Any:
     """A JSON-able record of an optimizer: a name as is, `{"name": ..., "config": {...}}` for what
-    `meshfit.optimizers.get` built from a name with JSON arguments (a float learning rate, not a
-    schedule), else `{"__custom__": description}`."""
-    if isinstance(optimizer, str):
+    `meshfit.optimizers.get` built from a name with JSON arguments (a float learning rate or a
+    `meshfit.optimizers.schedules` schedule, not an optax one), else `{"__custom__": description}`."""
+    if optimizer is None or isinstance(optimizer, str):  # None: compiled without one (`compile(optimizer=None)`)
         return optimizer
     recipe = optimizers.recipe_of(optimizer)
-    config = _NOT_JSON if recipe is None else _json(recipe.config)
-    if config is _NOT_JSON:
+    config = None if recipe is None else serialize(recipe.config)
+    if config is None or unsaved(config):
         return _custom(optimizer)
     return {"name": recipe.name, "config": config}
 
@@ -200,5 +192,5 @@ def serialize_optimizer(optimizer) -> Any:
 def deserialize_optimizer(record) -> Any:
     """The optimizer `serialize_optimizer` wrote down: a name, or `meshfit.optimizers.get(name, **config)`."""
     if isinstance(record, dict) and "name" in record and CUSTOM not in record:
-        return optimizers.get(record["name"], **record["config"])
+        return optimizers.get(record["name"], **deserialize(record["config"]))
     return deserialize(record)

@@ -72,6 +72,8 @@ def test_input_shape_rejected_on_first_call():
         (dict(loss="crossentropee"), r"crossentropee.*mean_squared_error|mean_squared_error.*crossentropee"),
         (dict(metrics=["acuracy"]), r"acuracy.*accuracy|accuracy.*acuracy"),
         (dict(steps_per_execution=0), r"`steps_per_execution` must be a positive int"),
+        (dict(steps_per_execution=10**12), r"`steps_per_execution` must be a positive int below 2\*\*31 \(the step"),
+        (dict(gradient_accumulation_steps=2**31), r"`gradient_accumulation_steps` must be .* below 2\*\*31"),
     ],
 )
 def test_unknown_names_list_valid_ones(model, kwargs, pattern):
@@ -175,3 +177,29 @@ def test_string_inputs_and_non_array_x_with_y(model):
     with pytest.raises(TypeError, match=r"Received: x of type int"):
         model.fit(5, y, verbose=0)
     assert_unchanged(model, before)
+
+
+def test_metrics_in_the_third_positional_argument_are_named_as_loss_weights():
+    model = mf.Model(MLP())
+    keras3 = r"since Keras 3 the third positional argument of `compile` is `loss_weights`.*metrics=\['accuracy'\]"
+    for metrics in (["accuracy"], [mf.metrics.SparseCategoricalAccuracy()], {"out": ["mae", mf.metrics.AUC]}):
+        with pytest.raises(TypeError, match=r"`loss_weights` must be a number.*" + keras3):
+            model.compile("adam", "sparse_categorical_crossentropy", metrics)
+    assert not model.compiled
+    with pytest.raises(TypeError, match=r"`loss_weights` must be a number") as refused:
+        model.compile("adam", "mse", [1.0, np.ones(2)])  # not metrics: no word about them
+    assert "Keras 3" not in str(refused.value)
+
+
+def test_a_list_of_batches_is_told_to_pass_an_iterator(model):
+    x, y = classification_data(n=16)
+    before = snapshot(model)
+    batches = [(x[:8], y[:8]), (x[8:12], y[8:12]), (x[12:], y[12:], np.ones(4, np.float32))]
+    for call in (model.fit, model.evaluate):
+        with pytest.raises(ValueError, match=r"list of 3 tuples of arrays.*iter\(batches\)\), or a generator"):
+            call(batches, verbose=0)
+    assert_unchanged(model, before)
+    same_size = [(x[:8], y[:8]), (x[8:], y[8:])]
+    with pytest.raises(ValueError, match=r"model.evaluate\(iter\(batches\)\).*Received: x=list of 2 tuples"):
+        model.evaluate(same_size, verbose=0)
+    assert model.evaluate(iter(same_size), verbose=0) == model.evaluate(x, y, batch_size=8, verbose=0)

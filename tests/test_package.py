@@ -174,7 +174,15 @@ def test_no_test_or_callback_reads_a_private_attribute_of_the_session():
 
 
 #: The layers of docs/architecture.md, top down; each calls only the layers below it.
-FACADE = {"meshfit.model", "meshfit.outputs", "meshfit.saving", "meshfit.serialization", "meshfit.summary"}
+FACADE = {
+    "meshfit.model",
+    "meshfit.outputs",
+    "meshfit.saving",
+    "meshfit.serialization",
+    "meshfit.config_check",
+    "meshfit.mixed_precision",
+    "meshfit.summary",
+}
 LOOP = {
     "meshfit.loop",
     "meshfit.session",
@@ -193,6 +201,7 @@ STEPS = {
     "meshfit.losses",
     "meshfit.metrics",
     "meshfit.optimizers",
+    "meshfit.schedules",
     "meshfit.modules",
 }
 

@@ -191,26 +191,71 @@ def test_a_custom_loss_is_asked_for_again_before_anything_is_loaded(tmp_path):
     assert not weights_only.compiled and same_weights(model, weights_only)
 
 
-def test_a_custom_optimizer_is_asked_for_again(tmp_path):
+@pytest.mark.slow
+def test_a_custom_optimizer_loads_without_it_until_given_then_its_saved_state_is_used(tmp_path):
     import optax
 
+    x, y = classification_data(n=32)
     model = mf.Model(MLP())
     model.compile(
-        optimizer=optax.sgd(0.1),
-        loss="mse",
+        optimizer=optax.sgd(0.1, momentum=0.9),
+        loss="sparse_categorical_crossentropy",
         weighted_metrics=[mf.metrics.SparseTopKCategoricalAccuracy(k=2)],
-        steps_per_execution=4,
+        steps_per_execution=2,
         gradient_accumulation_steps=2,
     )
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    logs = model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
     model.save(tmp_path / "m")
-    with pytest.raises(ValueError, match=r"optimizer `an optax transformation`.*module, optimizer=\.\.\.\)"):
-        mf.load_model(tmp_path / "m", MLP(seed=3))
-    loaded = mf.load_model(tmp_path / "m", MLP(seed=3), optimizer=optax.sgd(0.1))
-    assert loaded.compiled and same_weights(model, loaded)
+    with pytest.warns(UserWarning, match=r"optimizer `an optax transformation` is code.*optimizer=\.\.\.\)"):
+        loaded = mf.load_model(tmp_path / "m", MLP(seed=3))
+    # Weights, loss and metrics came back: evaluate and predict give the saved model's numbers.
+    assert loaded.evaluate(x, y, batch_size=8, verbose=0, return_dict=True) == logs
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+    assert loaded.optimizer is None and loaded.compile_settings.optimizer_id is None
+    with pytest.raises(ValueError, match=r"`fit\(\)` needs an optimizer.*load_model\(path, module, optimizer=\.\.\.\)"):
+        loaded.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match=r"`train_on_batch\(\)` needs an optimizer"):
+        loaded.train_on_batch(x[:8], y[:8])
+    assert same_weights(loaded, model)  # the refusals changed nothing
+    # Given, the saved optimizer state (momentum, accumulators) and step are used: equal to the saved ones.
+    loaded = mf.load_model(tmp_path / "m", MLP(seed=3), optimizer=optax.sgd(0.1, momentum=0.9))
+    assert int(loaded.session.state.step) == int(model.session.state.step) == 4
+    saved, restored = model.session.state.opt_state, loaded.session.state.opt_state
+    assert jax.tree.structure(saved) == jax.tree.structure(restored)
+    assert any(np.any(np.asarray(leaf) != 0) for leaf in jax.tree.leaves(saved))  # not a fresh state
+    for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(restored), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     settings = loaded.compile_settings
-    assert (settings.steps_per_execution, settings.gradient_accumulation_steps) == (4, 2)
+    assert (settings.steps_per_execution, settings.gradient_accumulation_steps) == (2, 2)
     (weighted,) = settings.weighted
     assert isinstance(weighted, mf.metrics.SparseTopKCategoricalAccuracy) and weighted.k == 2
+    history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0).history
+    assert loaded.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0).history == history
+
+
+@pytest.mark.slow
+def test_an_optax_schedule_loads_without_the_optimizer_and_a_resave_keeps_it_out(tmp_path):
+    import optax
+
+    x, y = classification_data(n=32)
+    model = mf.Model(MLP())
+    schedule = optax.cosine_decay_schedule(1e-2, 100)
+    model.compile(optimizer=mf.optimizers.get("adam", learning_rate=schedule), loss="sparse_categorical_crossentropy")
+    model.save(tmp_path / "m")
+    with pytest.warns(UserWarning, match=r"optimizer `'adam' with learning_rate=cosine_decay_schedule"):
+        loaded = mf.load_model(tmp_path / "m", MLP(seed=3))
+    assert loaded.evaluate(x, y, verbose=0) == model.evaluate(x, y, verbose=0)
+    loaded.save(tmp_path / "again")  # compiled without an optimizer: saved so, and reloads so, without a warning
+    record = json.loads((tmp_path / "again" / "0" / "meta" / "metadata").read_text())
+    assert record["compile"]["optimizer"] is None and record["has_optimizer"] is False
+    again = mf.load_model(tmp_path / "again", MLP(seed=4))
+    assert again.optimizer is None and again.evaluate(x, y, verbose=0) == model.evaluate(x, y, verbose=0)
+    # A custom loss is still asked for before anything loads, the optimizer named beside it.
+    model.compile(optimizer=optax.adam(1e-3), loss=my_loss)
+    model.save(tmp_path / "both")
+    with pytest.raises(ValueError, match=r"optimizer `an optax transformation`; loss `my_loss`"):
+        mf.load_model(tmp_path / "both", MLP(seed=3))
 
 
 def rewrite_record(path, **changes):

@@ -103,7 +103,7 @@ def outputs(obj, y_true, y_pred, weights):
     return obj.compute(obj.update(obj.init(), y_true, y_pred, weights))
 
 
-def test_every_public_loss_and_metric_class_is_registered_and_covered():
+def test_every_public_loss_metric_and_schedule_class_is_registered_and_covered():
     public = {
         value
         for module in (losses, metrics)
@@ -113,7 +113,9 @@ def test_every_public_loss_and_metric_class_is_registered_and_covered():
         and value.__module__ == module.__name__
         and not name.startswith("_")
     } - {L.Loss, M.Metric}
-    assert set(serialization.CLASSES.values()) == public
+    schedules = {getattr(mf.optimizers.schedules, name) for name in mf.optimizers.schedules.__all__}
+    schedules -= {mf.optimizers.schedules.LearningRateSchedule}
+    assert set(serialization.CLASSES.values()) == public | schedules  # tests/test_schedules.py covers schedules
     assert {cls for cls, _ in CASES} == public  # a new class needs a case here
 
 
