@@ -19,6 +19,13 @@ device's dense bf16 peak (`meshfit.callbacks.throughput.PEAK_BF16_FLOPS`).
 
     python benchmarks/bench_transformer.py                      # small, for a CPU
     python benchmarks/bench_transformer.py --layers 8 --d-model 1024 --heads 16 --context 512 --batch 32 --steps 40
+    python benchmarks/bench_transformer.py --preset 1b --scan-layers --position rope --attention cudnn \\
+        --remat minimal --loss-chunk 512 --policies mixed_bfloat16 --contenders raw,meshfit --batch 8 --steps 10
+
+The model flags are the example's (`--preset`, sizes, `--remat`, `--attention`, `--position`,
+`--scan-layers`, `--loss-chunk`); both contenders build the module with the same options. MFU is printed
+with FLOPs counted as MaxText counts them (`maxtext_flops_per_step`: causal attention at half the square),
+beside XLA's cost analysis of the compiled step.
 """
 
 from __future__ import annotations
@@ -33,8 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import smoke
 from flax import nnx
-from smoke import parse_args
 
 import meshfit as mf
 from meshfit import precision
@@ -42,20 +49,46 @@ from meshfit.callbacks.throughput import peak_flops
 from meshfit.step_report import jaxpr_flops
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-from transformer_lm import TransformerLM  # noqa: E402
+from transformer_lm import (  # noqa: E402
+    ChunkedLossModel,
+    TransformerLM,
+    add_model_arguments,
+    chunked_cross_entropy,
+    module_options,
+    resolve_sizes,
+)
+
+CONTENDERS = ("raw", "meshfit", "meshfit_acc4", "meshfit_quarter")
 
 
 def make_module(args):
-    return TransformerLM(
-        context=args.context, layers=args.layers, d_model=args.d_model, heads=args.heads, rngs=nnx.Rngs(0)
-    )
+    return TransformerLM(**module_options(args), rngs=nnx.Rngs(0))
 
 
 def make_data(args):
     rng = np.random.default_rng(0)
     n = args.batch * args.steps
-    x = rng.integers(0, 256, (n, args.context), dtype=np.int32)
+    x = rng.integers(0, args.vocab, (n, args.context), dtype=np.int32)
     return x, np.roll(x, -1, axis=1)
+
+
+def maxtext_flops_per_step(args) -> float:
+    """Training FLOPs of one update as MaxText's calculate_tflops_training_per_device counts them.
+
+    3 x (forward FLOPs of the weight matmuls: q, k, v, out and the MLP per layer, plus the output
+    projection) + 3 x causal attention (4 * B * T^2 * d per layer halved for the causal mask):
+    6 * N_matmul * tokens + 6 * L * B * T^2 * d. Embedding lookups, norms and biases are not counted.
+    """
+    d, layers, tokens = args.d_model, args.layers, args.batch * args.context
+    matmul_params = layers * (4 * d * d + 2 * d * 4 * d) + d * args.vocab
+    causal_attention = layers * 4 * args.batch * args.context**2 * d / 2
+    return 6 * matmul_params * tokens + 3 * causal_attention
+
+
+def peak_bytes(device) -> int | None:
+    """The device's peak bytes in use so far in this process (None where JAX does not report it: the CPU)."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    return (stats or {}).get("peak_bytes_in_use")
 
 
 def optimizer():
@@ -77,8 +110,10 @@ def raw_runner(args, policy_name, x, y):
     def loss_fn(params, xb, yb):
         if policy.name != "float32":
             params = policy.cast_to_compute(params)
-        logits = nnx.merge(graphdef, params)(xb).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
+        out = nnx.merge(graphdef, params)(xb)
+        if args.loss_chunk:  # the same chunked projection and cross-entropy as ChunkedLossModel
+            return chunked_cross_entropy(out["hidden"], out["head"], yb, args.loss_chunk).mean()
+        return optax.softmax_cross_entropy_with_integer_labels(out.astype(jnp.float32), yb).mean()
 
     def step(state, xb, yb):
         params, opt_state, loss_sum = state
@@ -109,10 +144,15 @@ def raw_runner(args, policy_name, x, y):
 
 
 def meshfit_runner(args, policy_name, x, y, accumulate=1, split=None):
-    model = mf.Model(make_module(args))
+    if args.loss_chunk:
+        compute_dtype = precision.get(policy_name).compute_dtype
+        model = ChunkedLossModel(lambda: make_module(args), chunk=args.loss_chunk, compute_dtype=compute_dtype)
+        loss = None  # its compute_loss is the chunked cross-entropy
+    else:  # from a factory: the parameters are created once, where the model keeps them
+        model, loss = mf.Model(lambda: make_module(args)), mf.losses.SparseCategoricalCrossentropy(from_logits=True)
     model.compile(
         optimizer=optimizer(),
-        loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+        loss=loss,
         dtype_policy=policy_name,
         gradient_accumulation_steps=accumulate,
     )
@@ -128,37 +168,70 @@ def meshfit_runner(args, policy_name, x, y, accumulate=1, split=None):
     return go, report.flops * split, report.memory["temporaries"]
 
 
-def main():
+def make_contenders(args, policy, x, y) -> dict:
+    makers = {
+        "raw": lambda: raw_runner(args, policy, x, y),
+        "meshfit": lambda: meshfit_runner(args, policy, x, y),
+        "meshfit_acc4": lambda: meshfit_runner(args, policy, x, y, accumulate=4),
+        "meshfit_quarter": lambda: meshfit_runner(args, policy, x, y, split=4),
+    }
+    return {name: makers[name]() for name in args.contenders}
+
+
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--d-model", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--context", type=int, default=64)
+    add_model_arguments(parser)  # --preset, sizes, --remat, --attention, --position, --scan-layers, --loss-chunk
     parser.add_argument("--batch", type=int, default=16, help="rows per update (a multiple of 4)")
     parser.add_argument("--steps", type=int, default=20, help="updates per timed run")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--policies", default="float32,mixed_bfloat16")
-    args = parse_args(
-        parser, layers=1, d_model=32, heads=2, context=16, batch=4, steps=2, repeats=1, policies="float32"
+    parser.add_argument(
+        "--contenders",
+        default=",".join(CONTENDERS),
+        help=f"comma-separated, of {','.join(CONTENDERS)} (each holds its own parameters and Adam state)",
     )
+    args = resolve_sizes(
+        smoke.parse_args(
+            parser,
+            argv,
+            layers=1,
+            d_model=32,
+            heads=2,
+            context=16,
+            batch=4,
+            steps=2,
+            repeats=1,
+            policies="float32",
+        )
+    )
+    args.contenders = args.contenders.split(",")
+    unknown = sorted(set(args.contenders) - set(CONTENDERS))
+    if unknown:
+        parser.error(f"--contenders takes names of {CONTENDERS}. Received: {unknown}.")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     device = jax.devices()[0]
     peak = peak_flops(device.device_kind)
     x, y = make_data(args)
-    params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(nnx.state(make_module(args), nnx.Param)))
+    abstract = nnx.eval_shape(lambda: make_module(args))  # counted without allocating a large model
+    params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
     tokens = args.batch * args.context
+    model_flops = maxtext_flops_per_step(args)
     print(
         f"jax {jax.__version__} on {device.device_kind} ({device.platform}); transformer {args.layers} layers, "
-        f"d_model {args.d_model}, {args.heads} heads, context {args.context}: {params / 1e6:.1f} M parameters; "
+        f"d_model {args.d_model}, {args.heads} heads, context {args.context}, vocab {args.vocab}: "
+        f"{params / 1e6:.1f} M parameters; remat {args.remat or 'none'}, attention {args.attention}, "
+        f"position {args.position}, scan_layers {args.scan_layers}, loss_chunk {args.loss_chunk or 'none'}; "
         f"batch {args.batch} ({tokens} tokens), {args.steps} updates a run, median of {args.repeats}; "
-        f"peak {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s (dense bf16)"
+        f"peak {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s (dense bf16)\n"
+        f"model FLOPs (MaxText convention: 6 x matmul params x tokens + causal attention 6 x L x B x T^2 x d): "
+        f"{model_flops / 1e12:.3f} TFLOP/update; 'XLA' FLOPs: XLA's cost analysis of the compiled step"
     )
     for policy in args.policies.split(","):
-        contenders = {
-            "raw": raw_runner(args, policy, x, y),
-            "meshfit": meshfit_runner(args, policy, x, y),
-            "meshfit_acc4": meshfit_runner(args, policy, x, y, accumulate=4),
-            "meshfit_quarter": meshfit_runner(args, policy, x, y, split=4),
-        }
+        contenders = make_contenders(args, policy, x, y)
         for go, _, _ in contenders.values():
             go()  # warm-up: compilation and first transfers
         times = {k: [] for k in contenders}
@@ -172,14 +245,22 @@ def main():
         for name, (_, flops, temp) in contenders.items():
             seconds = statistics.median(times[name]) / args.steps
             rate[name] = tokens / seconds
-            mfu = f"{flops / seconds / peak:6.1%}" if peak else "   n/a"
+            mfu = f"{model_flops / seconds / peak:6.1%}" if peak else "   n/a"
+            xla_mfu = f"{flops / seconds / peak:6.1%}" if peak else "   n/a"
             print(
-                f"  {name:13s} {seconds * 1e3:8.2f} ms/update  {rate[name]:11,.0f} tokens/s  "
-                f"{flops / 1e12:7.3f} TFLOP/update  MFU {mfu}  temporaries {temp / 2**20:8.1f} MiB"
+                f"  {name:15s} {seconds * 1e3:8.2f} ms/update  {rate[name]:11,.0f} tokens/s  "
+                f"MFU {mfu} (MaxText FLOPs; XLA {flops / 1e12:7.3f} TFLOP/update, {xla_mfu})  "
+                f"temporaries {temp / 2**20:8.1f} MiB"
             )
-        print(f"  ratio meshfit/raw = {rate['meshfit'] / rate['raw']:.3f}  (target >= 0.97)")
-        acc, quarter = rate["meshfit"] / rate["meshfit_acc4"], rate["meshfit_quarter"] / rate["meshfit_acc4"]
-        print(f"  accumulation K=4 / K=1 time = {acc:.3f}  (target <= 1.05); K=4 / quarter batches = {quarter:.3f}")
+        if "raw" in rate and "meshfit" in rate:
+            print(f"  ratio meshfit/raw = {rate['meshfit'] / rate['raw']:.3f}  (target >= 0.98)")
+        if {"meshfit", "meshfit_acc4", "meshfit_quarter"} <= set(rate):
+            acc, quarter = rate["meshfit"] / rate["meshfit_acc4"], rate["meshfit_quarter"] / rate["meshfit_acc4"]
+            print(f"  accumulation K=4 / K=1 time = {acc:.3f}  (target <= 1.05); K=4 / quarter batches = {quarter:.3f}")
+        del contenders
+    memory = peak_bytes(device)
+    if memory is not None:
+        print(f"\npeak device memory in this process (all contenders): {memory / 2**30:.2f} GiB")
 
 
 if __name__ == "__main__":

@@ -12,14 +12,14 @@ from __future__ import annotations
 import argparse
 
 
-def parse_args(parser: argparse.ArgumentParser, **smoke_defaults) -> argparse.Namespace:
-    """Parses the command line; with `--smoke`, `smoke_defaults` replace the parser's defaults."""
+def parse_args(parser: argparse.ArgumentParser, argv=None, **smoke_defaults) -> argparse.Namespace:
+    """Parses `argv` (the command line); with `--smoke`, `smoke_defaults` replace the parser's defaults."""
     unknown = sorted(set(smoke_defaults) - {action.dest for action in parser._actions})
     if unknown:
         raise ValueError(f"smoke defaults name no argument of the benchmark: {unknown}")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds: what the test suite runs")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.smoke:
         parser.set_defaults(**smoke_defaults)
-        args = parser.parse_args()
+        args = parser.parse_args(argv)
     return args

@@ -1037,7 +1037,7 @@ class Model:
             self._build(self._first_batch(data))
             return self.session.step_report(self._first_batch(data))
         batch = self._example_batch
-        trains_on_it = "train_step" in self._custom_methods() or (
+        trains_on_it = bool({"train_step", "compute_loss"} & self._custom_methods()) or (
             batch is not None and batch.y is not None and self.compile_settings.loss is not None
         )
         if not self.session.built or batch is None or not trains_on_it:
