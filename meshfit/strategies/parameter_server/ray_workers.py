@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import sys
 import time
+import weakref
 from typing import NamedTuple
 
 import jax
@@ -235,6 +236,10 @@ class _Worker:
         return f"worker {self.index} ({self.placement or 'not placed yet'})"
 
 
+#: The driver's pools of actors: an idle one gives its actors up when another starts (`RayWorkers._start`).
+_POOLS: weakref.WeakSet[RayWorkers] = weakref.WeakSet()
+
+
 class RayWorkers:
     """Worker actors on a Ray cluster, with server actors holding the state: the engines' `Workers`.
 
@@ -257,15 +262,39 @@ class RayWorkers:
         self.exported = None
         self.state, self.version = None, 0
         self._model_state = None  # (the module state object, its reference)
+        self._settled = self._released = False
 
     @property
     def count(self) -> int:
         return sum(w.alive for w in self.workers)
 
     def prepare(self, state, task: Task) -> None:
-        """Starts the servers with `state` and the workers with the exported gradient program."""
-        s = self.strategy
+        """Exports the gradient program for jobs like `task`; starts the servers with `state`, and the workers."""
         self.exported = export_gradients(self.steps, state, task)
+        self._start(state)
+
+    @property
+    def idle(self) -> bool:
+        """Whether the driver holds all the actors hold: nothing queued or computing, the state settled."""
+        return self.servers is not None and self._settled and not self.pending and not any(w.job for w in self.workers)
+
+    def release(self) -> None:
+        """Ends the actors of an idle pool (the driver holds its state); they start again if it trains again."""
+        log(f"the actors of an idle model are released ({self.strategy!r})")
+        self.close()
+        self.servers, self.workers, self._released = None, [], True
+
+    def _start(self, state) -> None:
+        """Starts the servers with `state` and the workers, after releasing other idle pools' actors.
+
+        A model that is done training keeps its strategy's actors until another
+        starts: then they give their resources up, as the driver holds their state.
+        """
+        for other in list(_POOLS):
+            if other is not self and other.idle:
+                other.release()
+        _POOLS.add(self)
+        s = self.strategy
         self.servers = RayServers(
             self.ray, self.steps, state, s.num_servers, s.servers.min_shard_size, s.server_options, s.server_timeout
         )
@@ -277,10 +306,14 @@ class RayWorkers:
             for i in range(s.num_workers)
         ]
         self._await_workers(s.worker_timeout, any_=False)
+        self._settled, self._released = True, False
 
     def publish(self, state, version: int) -> None:
-        if self.servers is not None and not self.servers.holds(state):
+        if self._released:
+            self._start(state)  # released while idle: this model trains again
+        elif self.servers is not None and not self.servers.holds(state):
             self.servers.load(state)  # set from outside: a restore, set_weights
+            self._settled = True
         self.state, self.version = state, version
 
     def submit(self, task: Task) -> None:
@@ -328,10 +361,14 @@ class RayWorkers:
     def take(self, state, result, staleness: int | None) -> tuple:
         grads, model_state, increments = result
         self.servers.apply(grads)
+        self._settled = False
         return None, model_state, increments
 
     def settled(self, state):
-        return self.servers.settled(state) if self.servers is not None else state
+        if self.servers is None:
+            return state
+        self._settled = True
+        return self.servers.settled(state)
 
     def end_call(self) -> None:
         """Nothing to tell: the servers take their calls from the driver."""
@@ -350,24 +387,24 @@ class RayWorkers:
 
     def _probe(self) -> None:
         """Workers whose actor answers its placement probe join (at start, or restarted after a loss)."""
+        now = time.monotonic()
+        for worker in self.workers:
+            if not worker.alive and worker.probe is None and now - worker.probed > 1.0:
+                worker.probe, worker.probed = worker.actor.where.remote(), now  # ask a lost one again
         probes = [w for w in self.workers if not w.alive and w.probe is not None]
         if not probes:
             return
         ready, _ = self.ray.wait([w.probe for w in probes], num_returns=len(probes), timeout=0)
-        now = time.monotonic()
         for worker in probes:
             if worker.probe not in ready:
                 continue
             try:
                 worker.placement = self.ray.get(worker.probe)
             except self.ray.exceptions.RayError:
-                worker.probe, worker.probed = None, now  # restarting or gone: ask again later
+                worker.probe = None  # restarting, or gone for good: ask again later
                 continue
             worker.probe, worker.alive = None, True
             log(f"{worker} joined")
-        for worker in self.workers:
-            if not worker.alive and worker.probe is None and now - worker.probed > 1.0:
-                worker.probe, worker.probed = worker.actor.where.remote(), now
 
     def _await_workers(self, timeout: float, any_: bool) -> None:
         """Waits up to `timeout` s for the first worker to join (`any_`) or for all of them to."""
