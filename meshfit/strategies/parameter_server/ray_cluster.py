@@ -30,17 +30,22 @@ def import_ray():
 def connect(actors: int) -> bool:
     """Joins the Ray cluster this process initialized, or starts one; returns whether it started one.
 
-    Started here, it is the cluster `RAY_ADDRESS` names, or a local one with a
+    As `ray.init()` does: the cluster `RAY_ADDRESS` names, else one already
+    running on this machine (`ray start --head`), else a new local one, with a
     logical CPU for each of the job's `actors` at least (a laptop's few cores
-    must not leave actors waiting), shut down when the process exits.
+    must not leave actors waiting). Started here, it is shut down at exit.
     """
     ray = import_ray()
     if ray.is_initialized():
         return False
-    if os.environ.get("RAY_ADDRESS"):
+    address = os.environ.get("RAY_ADDRESS") or None
+    if address not in (None, "local"):
         ray.init()
     else:
-        ray.init(num_cpus=max(os.cpu_count() or 1, actors))
+        try:
+            ray.init(address=address, num_cpus=max(os.cpu_count() or 1, actors))
+        except ValueError:  # a cluster already runs on this machine: join it with the resources it has
+            ray.init()
     atexit.register(ray.shutdown)
     return True
 

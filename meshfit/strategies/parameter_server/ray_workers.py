@@ -279,8 +279,9 @@ class RayWorkers:
         return self.servers is not None and self._settled and not self.pending and not any(w.job for w in self.workers)
 
     def release(self) -> None:
-        """Ends the actors of an idle pool (the driver holds its state); they start again if it trains again."""
-        log(f"the actors of an idle model are released ({self.strategy!r})")
+        """Ends the actors of an idle pool (the driver holds its state) or of a failed one (a server was lost);
+        they start again, from the driver's state, if its model trains again."""
+        log(f"the actors of {self.strategy!r} are released")
         self.close()
         self.servers, self.workers, self._released = None, [], True
 
@@ -320,6 +321,13 @@ class RayWorkers:
         self.pending.append(task)
 
     def collect(self, timeout: float) -> list[tuple[Task, int, tuple]]:
+        try:
+            return self._collect(timeout)
+        except ServerLost:
+            self.release()  # the job cannot go on: its resources go back to the cluster
+            raise
+
+    def _collect(self, timeout: float) -> list[tuple[Task, int, tuple]]:
         self.servers.check()
         self._probe()
         if not self.count:
@@ -367,8 +375,13 @@ class RayWorkers:
     def settled(self, state):
         if self.servers is None:
             return state
+        try:
+            state = self.servers.settled(state)
+        except ServerLost:
+            self.release()
+            raise
         self._settled = True
-        return self.servers.settled(state)
+        return state
 
     def end_call(self) -> None:
         """Nothing to tell: the servers take their calls from the driver."""

@@ -217,6 +217,15 @@ class ParameterServerStrategy(Strategy):
         self.server_options = ray_cluster.options(ray_workers.SERVER_DEFAULTS, server_options, "server_options")
         self.started_ray = ray_cluster.connect(num_workers + num_servers)
 
+    def server_traffic(self) -> list[dict[str, int]]:
+        """What each server actor received since it started (`cluster="ray"`): gradient `bytes`, `gradients`,
+        and updates `applied`: a measurement, asked of the actors of the last train function built."""
+        if getattr(self, "_ray_workers", None) is None or self._ray_workers.servers is None:
+            raise RuntimeError(
+                'server_traffic() counts what Ray server actors received: train with cluster="ray" first.'
+            )
+        return self._ray_workers.traffic()
+
     @property
     def batch_block(self) -> tuple[int, int]:
         return 0, 1  # every server process reads whole batches; only rank 0 hands them out
@@ -238,7 +247,7 @@ class ParameterServerStrategy(Strategy):
         if self.cluster == "ray":
             from meshfit.strategies.parameter_server.ray_workers import RayWorkers
 
-            workers = RayWorkers(self, steps)
+            workers = self._ray_workers = RayWorkers(self, steps)
         elif self._coordinator is not None:
             workers = RemoteWorkers(self, steps, self._coordinator)
         else:
