@@ -6,7 +6,9 @@ default). Under `meshfit launch --ps N --workers M`, the workers are separate
 processes that run `worker`, not the training script; a worker that dies is
 dropped while training goes on. The N server processes run the script and
 `fit`; rank 0 also coordinates (`coordinator`), and with N > 1 the state is
-partitioned over the servers (`partition`, `follower`).
+partitioned over the servers (`partition`, `follower`). With `cluster="ray"`
+the workers and servers are Ray actors and the script is the Ray driver
+(`ray_workers`).
 """
 
 from __future__ import annotations
