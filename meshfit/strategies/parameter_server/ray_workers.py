@@ -387,6 +387,9 @@ class RayWorkers:
         """Nothing to tell: the servers take their calls from the driver."""
 
     def close(self) -> None:
+        """Ends the actors (nothing to end once Ray has shut down: at exit, it ended them)."""
+        if not self.ray.is_initialized():
+            return
         for worker in self.workers:
             self.ray.kill(worker.actor, no_restart=True)
         if self.servers is not None:
