@@ -93,6 +93,7 @@ class RayServers:
         actor = ray.remote(ray_actors.ServerActor).options(**options)
         blob = bytes(program.serialize())
         self.actors = [actor.remote(k, count, blob, self.params_split.dims, self.opt_split.dims) for k in range(count)]
+        self.placements: list[ray_cluster.Placement] = []
         self.placements = self._get([a.where.remote() for a in self.actors], "start")
         for k, placement in enumerate(self.placements):
             log(f"server {k} runs on {placement}")
@@ -105,7 +106,7 @@ class RayServers:
         return len(self.actors)
 
     def name(self, k: int) -> str:
-        return f"parameter server {k} ({self.placements[k]})" if hasattr(self, "placements") else f"server {k}"
+        return f"parameter server {k} ({self.placements[k]})" if k < len(self.placements) else f"parameter server {k}"
 
     def load(self, state) -> None:
         """Sends each server its part of `state` (set from outside: the first state, a restore, set_weights)."""
