@@ -7,7 +7,13 @@ global batch of 4 x B over the workers, async gives each worker whole batches
 of B. Prints samples/s of each, the ratio (target >= 2), and the staleness of
 the gradients async applied.
 
-    python benchmarks/bench_parameter_server.py [--base 0.01] [--steps 48]
+    python benchmarks/bench_parameter_server.py [--base 0.01] [--steps 48] [--cluster ray]
+
+With `--cluster ray` the same runs use Ray actors (a local Ray cluster: 4
+worker actors, 1 server actor), and a second part measures what each server
+actor receives per applied gradient as the number of servers S grows (a
+model of about 2 MB of parameters, 2 workers, async): about the parameter
+bytes / S, so server 0's traffic falls as S grows.
 """
 
 from __future__ import annotations
@@ -36,10 +42,29 @@ class MLP(nnx.Module):
         return self.out(nnx.relu(self.hidden(x)))
 
 
-def run(mode, x, y, batch, base, epochs):
+class Wide(nnx.Module):
+    """About 2 MB of float32 parameters, nearly all in two kernels that split over the servers."""
+
+    def __init__(self, rngs):
+        self.hidden = nnx.Linear(64, 4096, rngs=rngs)
+        self.out = nnx.Linear(4096, 64, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.hidden(x)))
+
+
+def strategy_for(mode, cluster, delays, **kwargs):
+    if cluster == "ray":
+        return mf.strategies.ParameterServerStrategy(
+            mode=mode, cluster="ray", num_workers=len(delays), worker_delays=delays, **kwargs
+        )
+    return mf.strategies.ParameterServerStrategy(mode=mode, workers=jax.devices()[: len(delays)], worker_delays=delays)
+
+
+def run(mode, x, y, batch, base, epochs, cluster=None):
     delays = {i: base for i in range(4)}
     delays[3] = 3 * base
-    strategy = mf.strategies.ParameterServerStrategy(mode=mode, workers=jax.devices()[:4], worker_delays=delays)
+    strategy = strategy_for(mode, cluster, delays)
     with strategy.scope():
         model = mf.Model(MLP(nnx.Rngs(0)))
         model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -55,6 +80,7 @@ def main():
     parser.add_argument("--rows", type=int, default=32, help="rows per gradient")
     parser.add_argument("--steps", type=int, default=48, help="sync rounds per epoch")
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--cluster", choices=["ray"], default=None, help="run workers and servers as Ray actors")
     args = parse_args(parser, base=0.001, rows=8, steps=4, epochs=1)
     rng = np.random.default_rng(0)
     n = args.rows * 4 * args.steps
@@ -65,11 +91,34 @@ def main():
         f"{args.rows} rows per gradient, simulated {args.base * 1e3:.0f} ms per gradient, straggler "
         f"{3 * args.base * 1e3:.0f} ms"
     )
-    sync_sps, _ = run("sync", x, y, args.rows * 4, args.base, args.epochs)
-    async_sps, history = run("async", x, y, args.rows, args.base, args.epochs)
+    print(f"transport: {args.cluster or 'threads on this host'}")
+    sync_sps, _ = run("sync", x, y, args.rows * 4, args.base, args.epochs, args.cluster)
+    async_sps, history = run("async", x, y, args.rows, args.base, args.epochs, args.cluster)
     print(f"  sync : {sync_sps:9.1f} samples/s")
     print(f"  async: {async_sps:9.1f} samples/s   async/sync = {async_sps / sync_sps:.2f} (target >= 2)")
     print(f"  async staleness per epoch: mean {history.history['staleness']}, max {history.history['max_staleness']}")
+    if args.cluster == "ray":
+        server_traffic(x, y)
+
+
+def server_traffic(x, y, steps=16, rows=32):
+    """Gradient bytes each server actor received per applied gradient, for S = 1, 2, 4."""
+    x, y = x[: steps * rows], y[: steps * rows] % 64
+    print(f"bytes each server receives per gradient ({steps} async steps, 2 workers):")
+    for servers in (1, 2, 4):
+        strategy = strategy_for("async", "ray", {0: 0.0, 1: 0.0}, num_servers=servers)
+        with strategy.scope():
+            model = mf.Model(Wide(nnx.Rngs(0)))
+            model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=rows, epochs=1, verbose=0)
+        param_bytes = sum(a.nbytes for a in jax.tree.leaves(model.params))
+        traffic = strategy.server_traffic()
+        per_gradient = [t["bytes"] / t["gradients"] for t in traffic]
+        print(
+            f"  S={servers}: parameters {param_bytes / 1e6:.2f} MB, per gradient "
+            + ", ".join(f"server {k} {b / 1e6:.3f} MB" for k, b in enumerate(per_gradient))
+            + f" (parameter bytes / S = {param_bytes / servers / 1e6:.3f} MB)"
+        )
 
 
 if __name__ == "__main__":

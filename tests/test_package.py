@@ -101,14 +101,20 @@ def loaded_after(code: str, prefixes: tuple[str, ...]) -> list[str]:
 
 
 def test_a_model_loads_no_parameter_server_module():
-    loaded = loaded_after("import meshfit; meshfit.Model; meshfit.strategies.MirroredStrategy", ("meshfit",))
+    loaded = loaded_after("import meshfit; meshfit.Model; meshfit.strategies.MirroredStrategy", ("meshfit", "ray"))
     assert "meshfit.model" in loaded  # the names did load
     assert [m for m in loaded if m.startswith("meshfit.strategies.parameter_server")] == []
+    assert [m for m in loaded if m.split(".")[0] == "ray"] == []  # Ray is an optional extra
+
+
+def test_the_parameter_server_loads_ray_only_for_cluster_ray():
+    code = "import meshfit; meshfit.strategies.ParameterServerStrategy(mode='sync')"
+    assert loaded_after(code, ("ray",)) == []
 
 
 def test_the_launcher_imports_no_jax():
     """`meshfit launch` supervises processes and never computes: it starts in a fraction of a second."""
-    assert loaded_after("import meshfit.cli", ("jax", "jaxlib", "flax", "optax", "orbax", "numpy")) == []
+    assert loaded_after("import meshfit.cli", ("jax", "jaxlib", "flax", "optax", "orbax", "numpy", "ray")) == []
 
 
 def test_names_load_on_first_use_as_if_imported():

@@ -10,6 +10,9 @@
     worker       a worker process (`python -m meshfit.strategies.parameter_server.worker`)
     transport    control connections, wire format, transfer servers
     launcher     what `meshfit launch --ps S --workers N` starts on each rank, and its MESHFIT_PS_* variables
+    ray_cluster  cluster="ray": importing Ray, joining or starting a cluster
+    ray_workers  RayWorkers and RayServers: worker and server actors as the driver drives them
+    ray_actors   what the server and worker actors run
 
 `import meshfit` loads none of this; `meshfit.strategies.ParameterServerStrategy`
 does, on first use. `ParameterServerStrategy` loads on first use from here too,

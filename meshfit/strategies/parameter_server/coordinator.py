@@ -21,12 +21,10 @@ from multiprocessing.connection import Listener, wait
 from typing import NamedTuple
 
 import jax
-import numpy as np
 
-from meshfit.checkpoint import decode, encode
 from meshfit.strategies.parameter_server import launcher, transport
 from meshfit.strategies.parameter_server.partition import TransferPlan
-from meshfit.strategies.parameter_server.server import Task, salted
+from meshfit.strategies.parameter_server.server import Task, export_gradients
 from meshfit.strategies.parameter_server.transport import HOLD_TIMEOUT, Channel, deadline, specs
 
 
@@ -224,6 +222,7 @@ class RemoteWorkers:
     """
 
     encoded = True  # module state travels with its RNG keys as raw key data
+    applies_updates = False  # the engine (rank 0, with the other servers) applies each gradient
 
     def __init__(self, strategy, steps, coordinator: Coordinator):
         self.strategy = strategy
@@ -243,18 +242,7 @@ class RemoteWorkers:
 
         Typed RNG keys travel as raw key data (`checkpoint.encode`).
         """
-        template = state.model_state
-        salted_gradients = salted(self.steps.gradients)
-
-        def gradients(params, encoded_model_state, batch, rng, salt):
-            grads, model_state, increments = salted_gradients(
-                params, decode(encoded_model_state, template), batch, rng, salt
-            )
-            return grads, encode(model_state), increments
-
-        args = (state.params, jax.eval_shape(encode, state.model_state), task.batch, task.rng, task.salt)
-        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), args)
-        self.exported = jax.export.export(jax.jit(gradients))(*shapes)
+        self.exported = export_gradients(self.steps, state, task)
         plan = self.group.plan(state)
         self.coordinator.set_program(self.exported, self.group.addresses, plan.pulled.dims)
 

@@ -41,6 +41,11 @@ class Workers(Protocol):
     #: Whether results carry module state with RNG keys as raw key data (`checkpoint.encode`).
     encoded: bool
 
+    #: Whether servers of their own apply the optimizer update (Ray's server actors): the engine's state
+    #: then takes only module state, metric sums and the step from a result, and the parameters and
+    #: optimizer state from `settled`; such workers also `combine` a sync round's gradients.
+    applies_updates: bool
+
     @property
     def count(self) -> int:
         """How many workers can take jobs now."""
@@ -62,6 +67,9 @@ class Workers(Protocol):
     def take(self, state: TrainState, result: GradientResult, staleness: int | None) -> GradientResult:
         """A result (or a sync round's combined result) as server arrays, given to every server process."""
 
+    def settled(self, state: TrainState) -> TrainState:
+        """`state` with the parameters and optimizer state the servers hold (`applies_updates` only)."""
+
     def end_call(self) -> None:
         """Ends one call of the train function (the other server processes return from theirs)."""
 
@@ -82,7 +90,16 @@ class _Engine(ServerTrainFunction):
         self.workers.submit(task)
 
     def _apply_result(self, result, staleness: int | None) -> None:
-        self.apply(*self.workers.take(self.state, result, staleness), encoded=self.workers.encoded)
+        grads, model_state, increments = self.workers.take(self.state, result, staleness)
+        if self.workers.applies_updates:  # the servers applied the optimizer update to their parts
+            self.apply_rest(model_state, increments, encoded=self.workers.encoded)
+        else:
+            self.apply(grads, model_state, increments, encoded=self.workers.encoded)
+
+    def _settle(self) -> None:
+        """Takes the servers' parameters and optimizer state when they apply the updates themselves."""
+        if self.workers.applies_updates:
+            self.state = self.workers.settled(self.state)
 
     def __del__(self):
         self.workers.close()
@@ -120,6 +137,7 @@ class AsyncEngine(_Engine):
             return None
         while self.outstanding:
             self._step(timeout=1.0)
+        self._settle()
         self.workers.end_call()
         return self.state, self.current_logs()
 
@@ -159,7 +177,7 @@ class SyncEngine(_Engine):
     def __init__(self, strategy, steps, workers: Workers):
         super().__init__(strategy, steps, workers)
         self.parts = strategy.num_replicas_in_sync
-        self.combine = jax.jit(weighted_mean)
+        self.combine = workers.combine if workers.applies_updates else jax.jit(weighted_mean)
         self._round = 0  # state.step of the next round, counted on the host
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
@@ -179,6 +197,13 @@ class SyncEngine(_Engine):
         self._apply_result((grads, ordered[0][1], sum_trees([increments for _, _, increments in ordered])), None)
         self._round += 1
         self.workers.end_call()
+        return self.state, self.current_logs()
+
+    def drain(self) -> tuple[TrainState, dict[str, Any]] | None:
+        """Nothing is in flight; servers that apply the updates themselves hand back their state."""
+        if self.state is None or not self.workers.applies_updates:
+            return None
+        self._settle()
         return self.state, self.current_logs()
 
     def _round_step(self, state) -> int:

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from meshfit.checkpoint import encode
+from meshfit.strategies import layout
 from meshfit.strategies.parameter_server.server import SERVER_AXIS, local
 from meshfit.strategies.parameter_server.transport import specs
 
@@ -85,6 +86,24 @@ class Partition:
         return [
             next(parts[0]) if dim is None else jnp.concatenate([next(p) for p in parts], axis=dim) for dim in self.dims
         ]
+
+
+def state_partitions(params, opt_state, count: int, min_shard_size: int) -> tuple[Partition, Partition]:
+    """How the parameters and the optimizer state split over `count` servers that share no mesh (Ray actors).
+
+    The same rule as `ServerLayout` lays out over a mesh: each parameter with
+    at least `min_shard_size` elements along its largest dimension that
+    divides by `count`, its optimizer state with it, the rest whole.
+    """
+    mesh = jax.sharding.AbstractMesh((count,), (SERVER_AXIS,))
+    specs = layout.resolve_specs(params, mesh, fsdp_axis=SERVER_AXIS, min_shard_size=min_shard_size)
+    opt_specs = layout.follow_params(opt_state, params, specs)
+
+    def dims(tree):
+        found = layout.spec_tree_leaves(tree)
+        return [next((d for d, axis in enumerate(spec) if axis == SERVER_AXIS), None) for spec in found]
+
+    return Partition(dims(specs), count), Partition(dims(opt_specs), count)
 
 
 def server_devices() -> list:

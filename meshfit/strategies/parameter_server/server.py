@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshfit.batch import Batch
-from meshfit.checkpoint import decode
+from meshfit.checkpoint import decode, encode
 from meshfit.strategies import layout, placement
 from meshfit.trees import is_key
 
@@ -143,6 +143,27 @@ def salted(gradients):
     return run
 
 
+def export_gradients(steps, state, task):
+    """The worker's gradient program for jobs like `task` on states like `state`, exported (`jax.export`).
+
+    Called as `(params, encoded module state, batch, rng, salt) -> (grads, encoded module state,
+    increments)`: typed RNG keys travel as raw key data (`checkpoint.encode`), so a worker needs nothing
+    of the training script.
+    """
+    template = state.model_state
+    salted_gradients = salted(steps.gradients)
+
+    def gradients(params, encoded_model_state, batch, rng, salt):
+        grads, model_state, increments = salted_gradients(
+            params, decode(encoded_model_state, template), batch, rng, salt
+        )
+        return grads, encode(model_state), increments
+
+    args = (state.params, jax.eval_shape(encode, state.model_state), task.batch, task.rng, task.salt)
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), args)
+    return jax.export.export(jax.jit(gradients))(*shapes)
+
+
 def job_rng(steps, state, *salts: int):
     """The dropout key of one gradient job (raw key data), or None for modules without randomness.
 
@@ -181,6 +202,7 @@ class ServerTrainFunction:
             False: layout.jit_keeping_layout(self._apply_and_log, 0),
             True: layout.jit_keeping_layout(self._apply_encoded_and_log, 0),
         }
+        self._apply_rest = jax.jit(self._rest_and_log, static_argnums=0)
 
     def apply(self, grads, model_state, increments, *, encoded: bool) -> None:
         """Applies one gradient (server arrays) to `state`.
@@ -189,6 +211,21 @@ class ServerTrainFunction:
         as raw key data (`checkpoint.encode`), and is decoded on the server.
         """
         self.state, self.logs = self._apply[encoded](self.state, grads, model_state, increments)
+
+    def apply_rest(self, model_state, increments, *, encoded: bool) -> None:
+        """Takes a result whose optimizer update the servers applied to their parts (Ray's server actors):
+        the module state, the metric sums and the step; the parameters and optimizer state stay as they are."""
+        state = self.state
+        rest, self.logs = self._apply_rest(
+            encoded, state.model_state, state.metrics, state.step, model_state, increments
+        )
+        self.state = state._replace(**rest)
+
+    def _rest_and_log(self, encoded, old_model_state, metrics, step, model_state, increments):
+        if encoded:
+            model_state = decode(model_state, old_model_state)
+        metrics = jax.tree.map(jnp.add, metrics, increments)
+        return dict(model_state=model_state, metrics=metrics, step=step + 1), self.steps.logs(metrics)
 
     def drain(self):
         """Nothing is in flight unless a subclass (asynchronous training) says otherwise."""

@@ -6,7 +6,9 @@ default). Under `meshfit launch --ps N --workers M`, the workers are separate
 processes that run `worker`, not the training script; a worker that dies is
 dropped while training goes on. The N server processes run the script and
 `fit`; rank 0 also coordinates (`coordinator`), and with N > 1 the state is
-partitioned over the servers (`partition`, `follower`).
+partitioned over the servers (`partition`, `follower`). With `cluster="ray"`
+the workers and servers are Ray actors and the script is the Ray driver
+(`ray_workers`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from meshfit import cluster
+from meshfit import cluster as jax_cluster
 from meshfit.strategies.base import Capabilities, Strategy, TrainFunction
 from meshfit.strategies.parameter_server import launcher, partition, transport
 from meshfit.strategies.parameter_server.coordinator import Coordinator, RemoteWorkers
@@ -77,9 +79,24 @@ class ParameterServerStrategy(Strategy):
         max_staleness: in parameter versions; None for no bound.
         worker_delays: {worker index: seconds} slept after each gradient, to
             simulate stragglers in tests and benchmarks.
-        worker_timeout: seconds a worker process may hold a batch before it
-            is taken for lost (hung, stopped, cut off): it is dropped and its
-            batch redone elsewhere. Worker processes only.
+        worker_timeout: seconds a worker process (or Ray actor) may hold a
+            batch before it is taken for lost (hung, stopped, cut off): it is
+            dropped and its batch redone elsewhere. Worker processes only.
+        cluster: None (this host's devices, or `meshfit launch --ps`), or
+            "ray": workers and servers are actors on the Ray cluster this
+            process initialized (`ray.init(address=...)`, `RAY_ADDRESS`), or on
+            a local one it starts and shuts down at exit. Needs
+            `pip install "meshfit[ray]"`; see docs/parameter_server.md.
+        num_workers: worker actors (`cluster="ray"`).
+        num_servers: server actors the state is partitioned over
+            (`cluster="ray"`, by `min_shard_size` as above); each applies the
+            optimizer update to its part.
+        worker_options, server_options: Ray actor options for the workers
+            and the servers (`num_cpus`, `num_gpus`, `resources`,
+            `scheduling_strategy`, `runtime_env`, ...), over meshfit's
+            defaults (`num_cpus=1`; workers restarted by Ray, servers not).
+        server_timeout: seconds a server actor may leave a call unanswered
+            before fit ends with an error naming it (`cluster="ray"`).
     """
 
     capabilities = Capabilities(
@@ -98,6 +115,12 @@ class ParameterServerStrategy(Strategy):
         worker_delays: dict[int, float] | None = None,
         worker_timeout: float = 60.0,
         min_shard_size: int = 2**12,
+        cluster: str | None = None,
+        num_workers: int | None = None,
+        num_servers: int = 1,
+        worker_options: dict[str, Any] | None = None,
+        server_options: dict[str, Any] | None = None,
+        server_timeout: float = 60.0,
     ):
         role = transport.role()
         if role == "worker":
@@ -125,8 +148,11 @@ class ParameterServerStrategy(Strategy):
             raise ValueError(f"`max_staleness` must be a non-negative int or None. Received: {max_staleness!r}.")
         if not isinstance(worker_timeout, (int, float)) or worker_timeout <= 0:
             raise ValueError(f"`worker_timeout` must be a positive number of seconds. Received: {worker_timeout!r}.")
+        self.cluster = self._check_cluster(cluster, role, workers, server_device, num_workers, num_servers)
+        if self.cluster == "ray":
+            self._use_ray(num_workers, num_servers, worker_options, server_options, server_timeout)
         if servers > 1:
-            cluster.initialize()  # the server processes' own jax.distributed job
+            jax_cluster.initialize()  # the server processes' own jax.distributed job
             server_device = partition.server_devices()
         self.mode = mode
         self.worker_timeout = float(worker_timeout)
@@ -145,6 +171,8 @@ class ParameterServerStrategy(Strategy):
         self.max_staleness = max_staleness
         self.worker_delays = dict(worker_delays or {})
         self.num_replicas_in_sync = len(self.workers) if mode == "sync" else 1
+        if self.cluster == "ray":
+            self.num_replicas_in_sync = self.num_workers if mode == "sync" else 1
         self._coordinator = self._link = None
         if role is not None:
             worker_processes = int(os.environ[launcher.ENV_PS_WORKERS])
@@ -153,6 +181,52 @@ class ParameterServerStrategy(Strategy):
                 self._coordinator = Coordinator(worker_processes, servers)
             else:
                 self._link = FollowerLink()
+
+    @staticmethod
+    def _check_cluster(cluster, role, workers, server_device, num_workers, num_servers) -> str | None:
+        if cluster not in (None, "ray"):
+            raise ValueError(f'`cluster` must be None or "ray". Received: cluster={cluster!r}.')
+        if cluster is None:
+            if num_workers is not None or num_servers != 1:
+                raise ValueError(
+                    '`num_workers` and `num_servers` count Ray actors; pass cluster="ray" with them. '
+                    f"Received: num_workers={num_workers!r}, num_servers={num_servers!r}, cluster=None."
+                )
+            return None
+        if role is not None:
+            raise ValueError(
+                'cluster="ray" runs workers and servers as Ray actors; do not start the script with '
+                "`meshfit launch --ps`: run it as a plain script (the Ray driver)."
+            )
+        if workers is not None or server_device is not None:
+            raise ValueError(
+                'With cluster="ray" the workers and servers are Ray actors: leave `workers` and `server_device` '
+                "unset and use `num_workers`, `num_servers`, `worker_options` and `server_options`."
+            )
+        for name, value in (("num_workers", num_workers), ("num_servers", num_servers)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f'`{name}` must be a positive int with cluster="ray". Received: {name}={value!r}.')
+        return cluster
+
+    def _use_ray(self, num_workers, num_servers, worker_options, server_options, server_timeout) -> None:
+        """Checks the Ray arguments, then joins the initialized Ray cluster or starts a local one."""
+        from meshfit.strategies.parameter_server import ray_cluster, ray_workers
+
+        if not isinstance(server_timeout, (int, float)) or server_timeout <= 0:
+            raise ValueError(f"`server_timeout` must be a positive number of seconds. Received: {server_timeout!r}.")
+        self.num_workers, self.num_servers, self.server_timeout = num_workers, num_servers, float(server_timeout)
+        self.worker_options = ray_cluster.options(ray_workers.WORKER_DEFAULTS, worker_options, "worker_options")
+        self.server_options = ray_cluster.options(ray_workers.SERVER_DEFAULTS, server_options, "server_options")
+        self.started_ray = ray_cluster.connect(num_workers + num_servers)
+
+    def server_traffic(self) -> list[dict[str, int]]:
+        """What each server actor received since it started (`cluster="ray"`): gradient `bytes`, `gradients`,
+        and updates `applied`: a measurement, asked of the actors of the last train function built."""
+        if getattr(self, "_ray_workers", None) is None or self._ray_workers.servers is None:
+            raise RuntimeError(
+                'server_traffic() counts what Ray server actors received: train with cluster="ray" first.'
+            )
+        return self._ray_workers.traffic()
 
     @property
     def batch_block(self) -> tuple[int, int]:
@@ -172,11 +246,20 @@ class ParameterServerStrategy(Strategy):
             raise ValueError("ParameterServerStrategy runs one batch per step; compile with steps_per_execution=1.")
         if self._link is not None:
             return FollowerEngine(self, steps, self._link, asynchronous=self.mode == "async")
-        if self._coordinator is not None:
+        if self.cluster == "ray":
+            from meshfit.strategies.parameter_server.ray_workers import RayWorkers
+
+            workers = self._ray_workers = RayWorkers(self, steps)
+        elif self._coordinator is not None:
             workers = RemoteWorkers(self, steps, self._coordinator)
         else:
             workers = LocalWorkers(self, steps, threads=self.mode == "async")
         return (AsyncEngine if self.mode == "async" else SyncEngine)(self, steps, workers)
 
     def __repr__(self) -> str:
+        if self.cluster == "ray":
+            return (
+                f"ParameterServerStrategy(mode={self.mode!r}, cluster='ray', num_workers={self.num_workers}, "
+                f"num_servers={self.num_servers})"
+            )
         return f"ParameterServerStrategy(mode={self.mode!r}, workers={len(self.workers)})"

@@ -31,6 +31,7 @@ class LocalWorkers:
     """
 
     encoded = False  # module state stays as the module keeps it
+    applies_updates = False  # the engine applies each gradient to the server state
 
     def __init__(self, strategy, steps, threads: bool):
         self.devices = list(strategy.workers)

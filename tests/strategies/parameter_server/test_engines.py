@@ -27,6 +27,7 @@ class ScriptedWorkers:
     """
 
     encoded = False
+    applies_updates = False
 
     def __init__(self, count: int):
         self.count = count

@@ -46,3 +46,29 @@ def test_the_split_follows_the_server_layout_and_nothing_is_split_for_one_server
     placed = jax.device_put(params, {"big": split, "small": layout.replicated})
     assert Partition.of(placed, 2).dims == [1, None]
     assert Partition.of(placed, 1).dims == [None, None]
+
+
+def test_state_partitions_split_large_parameters_and_their_optimizer_moments_alike():
+    """Ray's server actors share no mesh: the split comes from the same rule as ServerLayout's mesh layout."""
+    import optax
+
+    from meshfit.strategies.parameter_server.partition import state_partitions
+
+    params = {"big": np.zeros((8, 64), np.float32), "small": np.zeros((3,), np.float32)}
+    opt_state = optax.adam(1e-3).init(params)
+    params_split, opt_split = state_partitions(params, opt_state, count=4, min_shard_size=16)
+    assert params_split.dims == [1, None]  # the largest dimension dividing by 4; the bias stays whole
+    by_name = dict(
+        zip(
+            [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(opt_state)],
+            opt_split.dims,
+            strict=True,
+        )
+    )
+    assert [d for name, d in by_name.items() if "big" in name] == [1, 1]  # adam's mu and nu follow the kernel
+    assert [d for name, d in by_name.items() if "big" not in name] == [None] * 3  # count, the bias's moments
+    # Every server holds parts of one shape, so one exported update program serves them all.
+    leaves_ = jax.tree.leaves(opt_state)
+    avals = [jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype) for a in leaves_]
+    shapes = {tuple(opt_split.part_avals(avals, k, whole_everywhere=True)) for k in range(4)}
+    assert len(shapes) == 1

@@ -216,3 +216,26 @@ def test_mixed_float16_is_refused_with_the_policy_that_works():
         with pytest.raises(ValueError, match="Use dtype_policy='mixed_bfloat16'"):
             model.compile(optimizer="adam", loss="mse", dtype_policy="mixed_float16")
         model.compile(optimizer="adam", loss="mse", dtype_policy="mixed_bfloat16")
+
+
+def test_bad_ray_arguments_are_refused_before_ray_starts():
+    with pytest.raises(ValueError, match=r'`cluster` must be None or "ray". Received: cluster=\'spark\''):
+        mf.strategies.ParameterServerStrategy(cluster="spark")
+    with pytest.raises(ValueError, match='pass cluster="ray" with them'):
+        mf.strategies.ParameterServerStrategy(num_workers=2)
+    with pytest.raises(ValueError, match="`num_workers` must be a positive int"):
+        mf.strategies.ParameterServerStrategy(cluster="ray", num_workers=0)
+    with pytest.raises(ValueError, match="`num_servers` must be a positive int"):
+        mf.strategies.ParameterServerStrategy(cluster="ray", num_workers=2, num_servers=0)
+    with pytest.raises(ValueError, match="leave `workers` and `server_device` unset"):
+        mf.strategies.ParameterServerStrategy(cluster="ray", num_workers=2, workers=jax.devices()[:2])
+    with pytest.raises(TypeError, match="`worker_options` must be a dict of Ray actor options"):
+        mf.strategies.ParameterServerStrategy(cluster="ray", num_workers=2, worker_options=[("num_gpus", 1)])
+    with pytest.raises(ValueError, match="`server_timeout` must be a positive number of seconds"):
+        mf.strategies.ParameterServerStrategy(cluster="ray", num_workers=2, server_timeout=0)
+
+
+def test_cluster_ray_without_ray_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # what `import ray` finds where Ray is not installed
+    with pytest.raises(ImportError, match=r'pip install "meshfit\[ray\]"'):
+        mf.strategies.ParameterServerStrategy(cluster="ray", num_workers=2)

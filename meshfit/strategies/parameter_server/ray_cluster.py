@@ -1,0 +1,77 @@
+"""The Ray cluster a `cluster="ray"` parameter server runs on: importing Ray, joining or starting a cluster.
+
+Ray is an optional extra (`pip install "meshfit[ray]"`); only this module and
+the ones that import it (`ray_servers`, `ray_workers`) load it, and only when a
+strategy asks for `cluster="ray"`. A script that initialized Ray itself
+(`ray.init(address=...)`, `RAY_ADDRESS`, a Ray job) keeps its cluster; otherwise
+`connect` starts a local one (the embedded default) and shuts it down when the
+process exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from typing import Any, NamedTuple
+
+
+def import_ray():
+    """The `ray` module, or an ImportError that says how to install it."""
+    try:
+        import ray
+    except ImportError as error:
+        raise ImportError(
+            'ParameterServerStrategy(cluster="ray") needs Ray, which is not installed. '
+            'Install it with `pip install "meshfit[ray]"`.'
+        ) from error
+    return ray
+
+
+def connect(actors: int) -> bool:
+    """Joins the Ray cluster this process initialized, or starts one; returns whether it started one.
+
+    As `ray.init()` does: the cluster `RAY_ADDRESS` names, else one already
+    running on this machine (`ray start --head`), else a new local one, with a
+    logical CPU for each of the job's `actors` at least (a laptop's few cores
+    must not leave actors waiting). Started here, it is shut down at exit.
+    """
+    ray = import_ray()
+    if ray.is_initialized():
+        return False
+    address = os.environ.get("RAY_ADDRESS") or None
+    if address not in (None, "local"):
+        ray.init()
+    else:
+        try:
+            ray.init(address=address, num_cpus=max(os.cpu_count() or 1, actors))
+        except ValueError:  # a cluster already runs on this machine: join it with the resources it has
+            ray.init()
+    atexit.register(ray.shutdown)
+    return True
+
+
+class Placement(NamedTuple):
+    """Where an actor runs: its Ray node (id and address) and its process."""
+
+    node_id: str
+    address: str
+    pid: int
+
+    def __str__(self) -> str:
+        return f"node {self.address} ({self.node_id[:12]}), pid {self.pid}"
+
+
+def here() -> Placement:
+    """This actor's placement (called inside an actor)."""
+    ray = import_ray()
+    return Placement(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid())
+
+
+def options(defaults: dict[str, Any], given: dict[str, Any] | None, name: str) -> dict[str, Any]:
+    """An actor's `.options()`: meshfit's defaults, then the user's (`worker_options`, `server_options`)."""
+    if given is not None and not isinstance(given, dict):
+        raise TypeError(
+            f"`{name}` must be a dict of Ray actor options (num_cpus, num_gpus, resources, "
+            f"scheduling_strategy, ...). Received: {name}={given!r}."
+        )
+    return {**defaults, **(given or {})}
