@@ -133,12 +133,14 @@ class Strangers:
     """Attacks every listening port of a process group with each kind of stranger until `stop()`.
 
     Attacks each port as soon as it appears, then every `every` seconds;
-    silent connections stay open until `stop()`. `injected` counts the
-    connections made, by kind; `ports` maps each pid to the ports found.
+    silent connections stay open until `stop()`. `select(pid, port)`, if
+    given, picks the ports to attack. `injected` counts the connections made,
+    by kind; `ports` maps each pid to the ports found.
     """
 
-    def __init__(self, pgid: int, every: float = 2.0, scan: float = 0.1):
+    def __init__(self, pgid: int, every: float = 2.0, scan: float = 0.1, select=None):
         self.pgid, self.every, self.scan = pgid, every, scan
+        self.select = select or (lambda pid, port: True)  # which (pid, port) to attack: every one by default
         self.injected = dict.fromkeys(KINDS, 0)
         self.ports: dict[int, set[int]] = {}
         self._silent: list[socket.socket] = []
@@ -174,7 +176,7 @@ class Strangers:
             for pid, ports in listening_ports(group_pids(self.pgid)).items():
                 self.ports.setdefault(pid, set()).update(ports)
                 for port in ports:
-                    if now - self._last.get(port, -1e9) >= self.every:
+                    if self.select(pid, port) and now - self._last.get(port, -1e9) >= self.every:
                         self._last[port] = now
                         attack = threading.Thread(target=self._attack, args=(port,), daemon=True)
                         self._attacks.append(attack)
