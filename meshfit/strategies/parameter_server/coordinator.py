@@ -76,6 +76,7 @@ class Coordinator:
         self.program = None
         self._ready = threading.Event()
         self._closed = threading.Event()
+        self._stranger_seen = threading.Event()
         self._expected = expected_workers, expected_servers - 1
         self._accepting = threading.Thread(target=self._accept, daemon=True, name="ps-accept")
         self._accepting.start()
@@ -121,11 +122,22 @@ class Coordinator:
             threading.Thread(target=self._admit, args=(conn, handshakes), daemon=True, name="ps-handshake").start()
 
     def _admit(self, conn, handshakes: threading.BoundedSemaphore) -> None:
-        """Authenticates one connection and reads its hello within the bound; a stranger is closed and forgotten."""
+        """Authenticates one connection and reads its hello within the bound; a stranger is closed (and the
+        first one said on stderr, so that someone probing the port is seen without flooding the log)."""
         try:
             hello = transport.handshake(conn, self.key, accepting=True, then=lambda c: c.recv())
-        except transport.HANDSHAKE_ERRORS:
+        except transport.HANDSHAKE_ERRORS as error:
             conn.close()
+            if not self._stranger_seen.is_set():
+                self._stranger_seen.set()
+                why = f"{type(error).__name__}: {str(error) or 'silent, or closed'}"
+                print(
+                    f"ParameterServerStrategy: closed a connection to {os.environ.get(launcher.ENV_PS_ADDRESS)} "
+                    f"that did not complete the handshake ({why}); "
+                    "it is not one of the job's processes. Further ones are closed without a word.",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return
         finally:
             handshakes.release()

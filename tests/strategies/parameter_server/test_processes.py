@@ -228,10 +228,11 @@ def test_strangers_at_every_port_neither_stop_nor_slow_the_job(tmp_path):
             else:
                 status = job.finish()
         assert status == 0, job.stdout[-3000:] + job.stderr[-3000:]
-        return time.monotonic() - began, strangers if hostile else None
+        return time.monotonic() - began, strangers if hostile else None, job.stdout
 
-    undisturbed, _ = train(tmp_path / "undisturbed.npz", hostile=False)
-    disturbed, strangers = train(tmp_path / "disturbed.npz", hostile=True)
+    undisturbed, _, _ = train(tmp_path / "undisturbed.npz", hostile=False)
+    disturbed, strangers, out = train(tmp_path / "disturbed.npz", hostile=True)
+    assert out.count("ParameterServerStrategy: closed a connection to 127.0.0.1:") == 1, out[-3000:]
     listening = set().union(*strangers.ports.values())
     assert listening and all(count >= 3 * len(listening) for count in strangers.injected.values()), strangers.injected
     expected, got = np.load(tmp_path / "undisturbed.npz"), np.load(tmp_path / "disturbed.npz")
