@@ -11,9 +11,10 @@ kinds are played here, each over a real TCP connection to each port:
   sends first (an HTTP/2 preface, as gRPC does, and a start-up hello of another
   protocol version).
 
-`Strangers(job)` finds the ports (from `/proc/net/tcp*` and the socket inodes in
-`/proc/<pid>/fd` of the job's process group) while the job runs, and attacks
-each new port at once (start-up) and every `every` seconds after (training).
+`Strangers(job.proc.pid)` (a `processes.Job` is a process group) finds the
+ports while the job runs, from `/proc/net/tcp*` and the socket inodes in each
+process's `/proc/<pid>/fd`, and attacks each new port at once (start-up) and
+every `every` seconds after (training).
 """
 
 from __future__ import annotations
