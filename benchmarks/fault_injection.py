@@ -415,6 +415,93 @@ GARBLES = {
 }
 
 
+# -- hostile peers: strangers at every port a job listens on (tests/hostile.py) ----------------------------
+
+DATA_PARALLEL_WORKER = os.path.join(TESTS, "workers", "train_data_parallel.py")
+HOSTILE_JOBS = {
+    # name -> (the `meshfit launch` job, given the file its result goes to; that file)
+    "multi-worker-mirrored launch job (2 ranks)": (
+        lambda out: LAUNCH + ["--nprocs", "2", "--devices-per-proc", "2", DATA_PARALLEL_WORKER, str(out)],
+        "params.npz",
+    ),
+    "parameter-server launch job (--ps 1 --workers 2, sync)": (
+        lambda out: (
+            LAUNCH
+            + ["--ps", "1", "--workers", "2", PS_WORKER, "none", "--mode", "sync", "--dropout", "0", "--epochs", "2"]
+            + ["--weights", str(out / "weights.npz")]
+        ),
+        "weights.npz",
+    ),
+}
+
+
+def hostile_run(argv, hostile: bool):
+    """Runs a launch job, with strangers at every port of its processes if `hostile`: (status, seconds, strangers)."""
+    from hostile import Strangers
+
+    began = time.monotonic()
+    with Job(argv, timeout=BOUND) as job:
+        try:
+            if hostile:
+                with Strangers(job.proc.pid, every=1.0) as strangers:
+                    status = job.finish()
+            else:
+                strangers, status = None, job.finish()
+        except AssertionError as error:
+            raise Hang(str(error)[:300]) from None
+    return status, time.monotonic() - began, strangers
+
+
+def same_arrays(a, b) -> bool:
+    x, y = np.load(a), np.load(b)
+    return sorted(x.files) == sorted(y.files) and all(np.array_equal(x[k], y[k]) for k in x.files)
+
+
+def hostile_peers(tally: Tally, fresh, repeats: int = 2) -> None:
+    """Each job of HOSTILE_JOBS, undisturbed then attacked, `repeats` times: the attacked run must give the
+    undisturbed result bitwise, end, and take under twice as long. Counted in `tally` under "hostile peers";
+    the connections, ports and slowest ratio are printed as a table of their own."""
+    rows = []
+    for name, (argv, result) in HOSTILE_JOBS.items():
+        if tally.only not in f"hostile peers: {name}":
+            continue
+        ratios, injected, ports, right, hung = [], dict.fromkeys(("silent", "garbage", "unauthenticated"), 0), 0, 0, 0
+        for _ in range(repeats):
+            quiet, noisy = fresh(), fresh()
+            status, undisturbed, _ = hostile_run(argv(quiet), hostile=False)
+            assert status == 0, f"{name}: the undisturbed run failed"
+            try:
+                status, disturbed, strangers = hostile_run(argv(noisy), hostile=True)
+            except Hang as error:
+                print(f"  hang: {error}", flush=True)
+                tally.add(f"hostile peers: {name}", None, False, True)
+                hung += 1
+                continue
+            for kind, count in strangers.injected.items():
+                injected[kind] += count
+            ports = max(ports, sum(len(p) for p in strangers.ports.values()))
+            exact = status == 0 and same_arrays(quiet / result, noisy / result)
+            right += exact
+            ratios.append(disturbed / undisturbed)
+            print(f"  {name}: {undisturbed:.1f} s undisturbed, {disturbed:.1f} s attacked", flush=True)
+            tally.add(f"hostile peers: {name}", exact, False, False)
+        slowest = f"{max(ratios):.2f}" if ratios else "n/a"
+        rows.append(
+            f"| {name} | {ports} | {injected['silent']} / {injected['garbage']} / "
+            f"{injected['unauthenticated']} | {right} of {repeats} | {hung} | {slowest} |"
+        )
+    if not rows:
+        return
+    print()
+    print(
+        "| hostile peers: job | ports attacked | connections (silent / garbage / unauthenticated) "
+        "| completed with the undisturbed result | hangs | slowest time ratio (attacked / undisturbed) |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
+    print("\n".join(rows))
+    print(flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kills", type=int, default=20, help="random SIGKILL trials")
@@ -477,6 +564,8 @@ def main() -> None:
     trial(tally, "hostile directory: symlinks among backups", lambda: planted_among_backups(fresh(), base / "ref"))
     for name, garble in GARBLES.items():
         trial(tally, "hostile directory: garbled saved config", lambda n=name, g=garble: garbled_config(fresh(), n, g))
+
+    hostile_peers(tally, fresh)
     shutil.rmtree(root, ignore_errors=True)
     print()
     print(tally.table())

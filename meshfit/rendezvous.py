@@ -33,6 +33,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import resource
 import selectors
 import socket
 import sys
@@ -49,6 +50,10 @@ _PROBE_SECONDS = 2.0  # process 0 finding its port taken: time to ask whether a 
 # that all give the same count (each process's clock starts when it starts).
 _VERDICT_SECONDS = 5.0
 _RETRY_SECONDS = 0.5
+# Out of file descriptors, process 0 stops accepting for a pause that doubles up to this (a pending
+# connection keeps the port readable: accepting again at once would spin at 100 % CPU).
+_MAX_ACCEPT_PAUSE = 1.0
+_FIRST_ACCEPT_PAUSE = 0.05
 _MAX_LINE = 65536
 
 
@@ -99,6 +104,18 @@ def no_coordinator_message(
         f"runs the coordinator{why}. Likely causes: process 0 was not started, or failed before it listened "
         f"(see its output); {host} is not the host of process 0; a firewall blocks port {port}. "
         "MESHFIT_INIT_TIMEOUT (seconds) sets how long to wait."
+    )
+
+
+def out_of_descriptors_message(address: str, error: OSError) -> str:
+    """What process 0 says once when `accept()` fails for lack of file descriptors."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    which = "this process" if error.errno == errno.EMFILE else "the system"
+    return (
+        f"process 0 is out of file descriptors ({which}: {error.strerror}; limit {soft}, hard limit {hard}) and "
+        f"cannot accept the processes joining at {address}; it retries, pausing up to {_MAX_ACCEPT_PAUSE:g} s, and "
+        "closes connections that said nothing. Raise the limit (`ulimit -n`, or LimitNOFILE= under systemd) "
+        "or find what holds the descriptors (`ls /proc/<pid>/fd`), e.g. many idle connections to the port."
     )
 
 
@@ -184,6 +201,9 @@ class _Chief:
         self.joined: dict[int, str] = {0: f"process 0 (pid {os.getpid()} on {socket.gethostname()})"}
         self.conns: list[_Conn] = []
         self.selector = selectors.DefaultSelector()
+        self.accept_pause = 0.0  # > 0 while out of file descriptors (the pause before the next attempt)
+        self.accept_at: float | None = None  # when to listen again, while the listener is set aside
+        self.short_since: float | None = None  # the last time accept() found no descriptor
 
     def run(self) -> None:
         listener = self._listen()
@@ -242,22 +262,49 @@ class _Chief:
             if not noticed and now - start >= job.notice_after:
                 _say(waiting_message(job.num_processes, job.address, len(self.joined), job.timeout))
                 noticed = True
-            for key, _ in self.selector.select(min(_RETRY_SECONDS, deadline - now)):
+            wait = min(_RETRY_SECONDS, deadline - now)
+            if self.accept_at is not None:
+                wait = max(0.0, min(wait, self.accept_at - now))
+            for key, _ in self.selector.select(wait):
                 if key.fileobj is listener:
                     self._accept(listener)
                 else:
                     self._read(key.data)
-            self._drop_silent(time.monotonic())
+            now = time.monotonic()
+            self._drop_silent(now)
+            if self.accept_at is not None and now >= self.accept_at:
+                self.accept_at = None
+                self.selector.register(listener, selectors.EVENT_READ)
 
     def _accept(self, listener: socket.socket) -> None:
         try:
             sock, _ = listener.accept()
-        except OSError:
+        except OSError as error:
+            if error.errno in (errno.EMFILE, errno.ENFILE):
+                self._out_of_descriptors(listener, error)
             return
+        self.accept_pause = 0.0
         sock.settimeout(_GOODBYE_SECONDS)  # sends never wait long on a peer that does not read
         conn = _Conn(sock, time.monotonic())
         self.conns.append(conn)
         self.selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _out_of_descriptors(self, listener: socket.socket, error: OSError) -> None:
+        """No descriptor for a new connection: close the oldest stranger that said nothing for a while to make
+        room (a process of the job says hello at once, and retries if closed first), else stop accepting for a
+        pause that doubles up to `_MAX_ACCEPT_PAUSE`. Says so once per shortage (one that ended over
+        `_HELLO_SECONDS` before is another), with the limit."""
+        now = time.monotonic()
+        if self.short_since is None or now - self.short_since > _HELLO_SECONDS:
+            _say(out_of_descriptors_message(self.job.address, error))
+        self.short_since = now
+        self.accept_pause = min(2 * self.accept_pause or _FIRST_ACCEPT_PAUSE, _MAX_ACCEPT_PAUSE)
+        strangers = [c for c in self.conns if c.process_id is None and now - c.opened > _RETRY_SECONDS]
+        if strangers:
+            self._close(min(strangers, key=lambda c: c.opened))
+            return
+        self.selector.unregister(listener)
+        self.accept_at = now + self.accept_pause
 
     def _receive(self, conn: _Conn) -> bytes:
         """What `conn` sent; b"" once it ended or failed, and then it is closed."""

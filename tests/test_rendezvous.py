@@ -6,7 +6,10 @@ starts such processes. Here the timeouts are seconds, so every way a job fails t
 
 import json
 import re
+import resource
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -177,3 +180,57 @@ def test_stray_connections_do_not_count(address):
         assert stray.recv(4096) == b""  # process 0 drops it
     member = start(address, 2, 1)
     assert finish(chief, member) == [None, None]
+
+
+CHIEF = """
+import resource, sys
+from meshfit.rendezvous import assemble
+assemble(sys.argv[1], 2, 0, 60.0, bind_address=sys.argv[1])
+usage = resource.getrusage(resource.RUSAGE_SELF)
+print(f"cpu {usage.ru_utime + usage.ru_stime:.3f}", flush=True)
+"""
+
+
+def test_process_0_out_of_file_descriptors_backs_off_says_so_and_the_job_still_forms(address):
+    """`ulimit -n 64` in process 0 and 160 idle connections: accept() fails for lack of descriptors while
+    connections wait. Process 0 must not spin (its CPU time stays low), must say why it cannot accept, and
+    the real process 1 must still join."""
+    limit, idle = 64, 160
+    chief = subprocess.Popen(
+        [sys.executable, "-c", CHIEF, address],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)),
+    )
+    host, port = rendezvous.split_address(address)
+    strangers = []
+    try:
+        give_up = time.monotonic() + 30
+        while not strangers and time.monotonic() < give_up:  # until process 0 listens
+            try:
+                strangers.append(socket.create_connection((host, port), timeout=2))
+            except OSError:
+                time.sleep(0.1)
+        for _ in range(idle - 1):
+            try:
+                strangers.append(socket.create_connection((host, port), timeout=2))
+            except OSError:  # the backlog is full: the kernel drops what is past it
+                pass
+        time.sleep(3.0)  # process 0 out of descriptors, connections waiting: where it used to spin
+        member = start(address, 2, 1, timeout=40)
+        (error,) = finish(member, within=60)
+        out, err = chief.communicate(timeout=30)
+    finally:
+        for sock in strangers:
+            sock.close()
+        if chief.poll() is None:
+            chief.kill()
+            chief.wait()
+    assert error is None and chief.returncode == 0, err
+    assert member["took"] < 10, member["took"]  # silent connections were closed to make room, not waited out
+    cpu = float(re.search(r"cpu ([\d.]+)", out).group(1))
+    assert cpu < 2.0, f"process 0 used {cpu} s of CPU while out of descriptors (a spinning accept loop)"
+    shortage = [line for line in err.splitlines() if "out of file descriptors" in line]
+    assert len(shortage) == 1, err
+    assert f"limit {limit}, hard limit {limit}" in shortage[0] and "Raise the limit (`ulimit -n`" in shortage[0]

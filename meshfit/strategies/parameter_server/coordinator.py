@@ -1,6 +1,9 @@
 """Server rank 0 of a job with worker processes: it accepts the workers and the other servers and hands out work.
 
-The coordinator listens on the job's address, pings everyone so that a hung
+The coordinator listens on the job's address (each connection is authenticated
+on a thread of its own, within `transport.HANDSHAKE_TIMEOUT`, so a stranger that
+stays silent, sends garbage or does not know the secret is dropped without
+holding up the others), pings everyone so that a hung
 rank 0 is noticed (`transport.watch_for_silence`), ships the gradient program
 to each worker, hands batches to idle workers and collects their gradients
 (`RemoteWorkers`, the engines' transport for worker processes). A worker whose
@@ -26,6 +29,10 @@ from meshfit.strategies.parameter_server import launcher, transport
 from meshfit.strategies.parameter_server.partition import TransferPlan
 from meshfit.strategies.parameter_server.server import Task, export_gradients
 from meshfit.strategies.parameter_server.transport import HOLD_TIMEOUT, Channel, deadline, specs
+
+_BACKLOG = 128  # connections the kernel queues for the accept thread (strangers may fill some)
+_MAX_HANDSHAKES = 64  # connections being authenticated at once; more are closed at once
+_ACCEPT_BACKOFF = 1.0  # the longest pause after a failed accept (out of file descriptors)
 
 
 class _Job(NamedTuple):
@@ -56,8 +63,10 @@ class Coordinator:
     """
 
     def __init__(self, expected_workers: int, expected_servers: int = 1, accept_timeout: float = 120.0):
-        self.listener = Listener(transport.address(), authkey=transport.authkey())
-        self.server = transport.transfer_server()
+        # No authkey here: `Listener.accept` would run the handshake on the accept thread, unbounded.
+        self.listener = Listener(transport.address(), backlog=_BACKLOG)
+        self.key = transport.authkey()
+        self.server = None if transport.arrays_inline() else transport.transfer_server()
         self.workers: list[_Worker] = []
         self.followers: dict[int, tuple] = {}  # server rank -> (conn, transfer address)
         self.lock = threading.Lock()
@@ -65,6 +74,7 @@ class Coordinator:
         self.program = None
         self._ready = threading.Event()
         self._closed = threading.Event()
+        self._stranger_seen = threading.Event()
         self._expected = expected_workers, expected_servers - 1
         self._accepting = threading.Thread(target=self._accept, daemon=True, name="ps-accept")
         self._accepting.start()
@@ -92,25 +102,59 @@ class Coordinator:
                     pass  # a lost worker is noticed and dropped by the main thread
 
     def _accept(self) -> None:
-        while True:
+        """Accepts connections and hands each to a thread of its own: no peer can stop or block this loop."""
+        pause = 0.01
+        handshakes = threading.BoundedSemaphore(_MAX_HANDSHAKES)
+        while not self._closed.is_set():
             try:
-                conn = Channel(self.listener.accept())
-                hello = conn.recv()
-            except (OSError, EOFError):
-                if self._closed.is_set():
+                conn = self.listener.accept()
+            except OSError:  # closed, or out of file descriptors: back off rather than spin
+                if self._closed.wait(pause):
                     return
+                pause = min(2 * pause, _ACCEPT_BACKOFF)
                 continue
-            _, kind, address, pid = hello[:4]
-            with self.lock:
-                if kind == "server":
-                    self.followers[hello[4]] = (conn, address)
-                    conn.send(("coordinator", self.server.address()))
-                else:
-                    self.workers.append(_Worker(conn, address, pid, self.server.connect(address)))
-                    if self.program is not None:
-                        conn.send(self.program)
-                if len(self.workers) >= self._expected[0] and len(self.followers) >= self._expected[1]:
-                    self._ready.set()
+            pause = 0.01
+            if not handshakes.acquire(blocking=False):
+                conn.close()  # a flood of strangers: the job's own processes retry
+                continue
+            threading.Thread(target=self._admit, args=(conn, handshakes), daemon=True, name="ps-handshake").start()
+
+    def _admit(self, conn, handshakes: threading.BoundedSemaphore) -> None:
+        """Authenticates one connection and reads its hello within the bound; a stranger is closed (and the
+        first one said on stderr, so that someone probing the port is seen without flooding the log)."""
+        try:
+            hello = transport.handshake(conn, self.key, accepting=True, then=lambda c: c.recv())
+        except transport.HANDSHAKE_ERRORS as error:
+            conn.close()
+            if not self._stranger_seen.is_set():
+                self._stranger_seen.set()
+                why = f"{type(error).__name__}: {str(error) or 'silent, or closed'}"
+                print(
+                    f"ParameterServerStrategy: closed a connection to {os.environ.get(launcher.ENV_PS_ADDRESS)} "
+                    f"that did not complete the handshake ({why}); "
+                    "it is not one of the job's processes. Further ones are closed without a word.",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return
+        finally:
+            handshakes.release()
+        if not (isinstance(hello, tuple) and len(hello) >= 4 and hello[0] == "hello"):
+            conn.close()
+            return
+        conn = Channel(conn)
+        _, kind, address, pid = hello[:4]
+        with self.lock:
+            if kind == "server":
+                self.followers[hello[4]] = (conn, address)
+                conn.send(("coordinator", self.server.address()))
+            else:
+                transfer = self.server.connect(address) if self.server is not None else None
+                self.workers.append(_Worker(conn, address, pid, transfer))
+                if self.program is not None:
+                    conn.send(self.program)
+            if len(self.workers) >= self._expected[0] and len(self.followers) >= self._expected[1]:
+                self._ready.set()
 
     def group(self, layout) -> ServerGroup:
         """The servers (this one and the others, in rank order), for placing results and offering state."""
@@ -171,7 +215,10 @@ class ServerGroup:
 
     @property
     def addresses(self) -> list[str]:
-        """Each server's transfer address, in rank order: where workers pull the parameters."""
+        """Each server's transfer address, in rank order: where workers pull the parameters (none when they
+        come with each job: `transport.arrays_inline`)."""
+        if self.transfer is None:
+            return []
         return [self.transfer.address()] + [address for _, address in self.followers]
 
     def plan(self, state) -> TransferPlan:
@@ -180,12 +227,15 @@ class ServerGroup:
             self._plan = TransferPlan(self.layout, state, self.count)
         return self._plan
 
-    def offer(self, state, pull_ids: list[int]) -> None:
-        """Offers each server's part of `state` to workers, once per id."""
+    def offer(self, state, pull_ids: list[int]) -> list | None:
+        """Offers each server's part of `state` to workers, once per id; with arrays inline
+        (`transport.arrays_inline`), returns them as wire items to send with each job instead."""
         if not pull_ids:
-            return
-        self._send(("offer", pull_ids))
+            return None
         variables = self.plan(state).offered(state, 0)
+        if self.transfer is None:
+            return transport.to_wire(variables)
+        self._send(("offer", pull_ids))
         for pull_id in pull_ids:
             self.transfer.await_pull(pull_id, variables, timeout=deadline(HOLD_TIMEOUT))
 
@@ -274,8 +324,13 @@ class RemoteWorkers:
                     worker.job = None
                     self.pending.appendleft(job.task)
                     continue
-                avals = [(a.shape, a.dtype) for a in self.exported.out_avals]
-                flat = worker.transfer.pull(job.push_id, specs(avals, self.strategy.server_device), timeout=deadline())
+                if worker.transfer is None:  # arrays inline: the gradients came with the message
+                    flat = [jax.device_put(a, self.strategy.server_device) for a in transport.from_wire(message[3])]
+                else:
+                    avals = [(a.shape, a.dtype) for a in self.exported.out_avals]
+                    flat = worker.transfer.pull(
+                        job.push_id, specs(avals, self.strategy.server_device), timeout=deadline()
+                    )
                 jax.block_until_ready(flat)
             except (EOFError, OSError, RuntimeError) as error:
                 self.pending.appendleft(job.task)
@@ -304,13 +359,12 @@ class RemoteWorkers:
                 break
             if worker.job is None:
                 assigned.append((worker, self.pending.popleft(), next(self.coordinator.ids)))
-        self.group.offer(self.state, [pull_id for _, _, pull_id in assigned])
+        parameters = self.group.offer(self.state, [pull_id for _, _, pull_id in assigned])
         for worker, task, pull_id in assigned:
             push_id = next(self.coordinator.ids)
             try:
-                worker.conn.send(
-                    ("work", pull_id, pull_id, push_id, transport.to_wire((task.batch, task.rng, task.salt)))
-                )
+                batch = transport.to_wire((task.batch, task.rng, task.salt))
+                worker.conn.send(("work", pull_id, pull_id, push_id, batch, parameters))
             except OSError as error:
                 self.pending.appendleft(task)
                 self.coordinator.drop(worker, str(error))

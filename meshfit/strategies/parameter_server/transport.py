@@ -4,11 +4,18 @@
 job's address and secret in `MESHFIT_PS_*` variables (named in `launcher`).
 
 Control plane: `multiprocessing.connection` with an authkey (HMAC challenge on
-connect), loopback by default. Messages are small tuples of ints and strings;
+connect), loopback by default. Each side runs the challenge within
+`HANDSHAKE_TIMEOUT` (`handshake`): a peer that stays silent, sends garbage or
+does not know the secret is dropped, and holds nothing up. Messages are small tuples of ints and strings;
 batches travel as raw array bytes with their shape and dtype (`to_wire`), so
 nothing from the network is unpickled beyond the authenticated control tuples.
-Arrays (parameters to a worker, gradients back) move through
-`jax.experimental.transfer` servers, one per process.
+Arrays (parameters to a worker, gradients back) move over that authenticated
+connection when the job has one server (`arrays_inline`), and through
+`jax.experimental.transfer` servers, one per process, when the state is
+partitioned over several. A transfer server's listeners take any local
+connection, and one that connects and stays silent stalls every later pull of
+that server past its timeout (jaxlib 0.10); so they are started only where the
+state is partitioned (see docs/parameter_server.md, "Limits").
 """
 
 from __future__ import annotations
@@ -17,11 +24,13 @@ import array
 import datetime
 import fcntl
 import os
+import socket
 import sys
 import termios
 import threading
 import time
-from multiprocessing.connection import Client
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
 import jax
 import numpy as np
@@ -35,6 +44,13 @@ jax.export.register_namedtuple_serialization(Batch, serialized_name="meshfit.bat
 #: How long an offered array waits to be pulled before its transfer server lets it go.
 HOLD_TIMEOUT = datetime.timedelta(seconds=120)
 PULL_TIMEOUT = datetime.timedelta(seconds=30)
+#: Seconds a control connection has to complete the HMAC handshake and say hello (milliseconds between the job's
+#: own processes); past it the connection is dropped.
+HANDSHAKE_TIMEOUT = 10.0
+#: What a peer that is not one of the job's processes can make the handshake raise: it stays silent (EOFError
+#: once the bound shuts the socket), sends garbage (OSError "bad message length", AssertionError in
+#: `answer_challenge`) or does not know the secret (AuthenticationError).
+HANDSHAKE_ERRORS = (AuthenticationError, EOFError, OSError, AssertionError)
 
 
 def role() -> str | None:
@@ -45,6 +61,11 @@ def role() -> str | None:
 def server_count() -> int:
     """How many server processes the job has (1 outside a `meshfit launch --ps` job)."""
     return int(os.environ.get(launcher.ENV_PS_SERVERS, "1"))
+
+
+def arrays_inline() -> bool:
+    """Whether arrays travel over the control connections (one server process) rather than transfer servers."""
+    return server_count() == 1
 
 
 def address() -> tuple[str, int]:
@@ -151,28 +172,94 @@ class Channel:
         self.conn.close()
 
 
+def handshake(conn: Connection, key: bytes, accepting: bool, timeout: float = HANDSHAKE_TIMEOUT, then=None):
+    """Runs the HMAC challenge both ways on `conn` (and `then(conn)`, say reading a hello) within `timeout` s.
+
+    Returns what `then` returned; raises one of `HANDSHAKE_ERRORS` if the peer
+    fails or does not finish in time: the bound shuts the socket, so a silent or
+    trickling peer ends in EOFError instead of blocking the caller. The accepting
+    side delivers the challenge first, as `multiprocessing.connection.Listener` does.
+    """
+    done, lock = False, threading.Lock()
+
+    def shut():
+        with lock:
+            if not done:
+                with socket.socket(fileno=os.dup(conn.fileno())) as sock:  # wakes a read blocked on `conn`
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
+    timer = threading.Timer(timeout, shut)
+    timer.daemon = True
+    timer.start()
+    try:
+        if accepting:
+            deliver_challenge(conn, key)
+            answer_challenge(conn, key)
+        else:
+            answer_challenge(conn, key)
+            deliver_challenge(conn, key)
+        result = then(conn) if then else None
+        with lock:
+            done = True
+            timer.cancel()
+        return result
+    except BaseException:
+        timer.cancel()
+        raise
+
+
 def connect(timeout: float = 120.0) -> Channel:
-    """Connects to the coordinator, retrying while it starts up."""
+    """Connects to the coordinator, retrying while it starts up; a clear error if it does not answer in time.
+
+    Every attempt is bounded (connecting, then the handshake: `HANDSHAKE_TIMEOUT`),
+    so something that holds the port without answering costs a retry, not the job.
+    A rejected secret is an error at once: retrying cannot fix it.
+    """
     where, key = address(), authkey()
     give_up_at = time.monotonic() + timeout
     while True:
+        left = give_up_at - time.monotonic()
         try:
-            return Channel(Client(where, authkey=key))
-        except ConnectionRefusedError:
-            if time.monotonic() > give_up_at:
+            sock = socket.create_connection(where, timeout=max(0.1, min(HANDSHAKE_TIMEOUT, left)))
+            sock.settimeout(None)  # a Connection needs a blocking socket; `handshake` bounds the wait
+            conn = Connection(sock.detach())
+            try:
+                handshake(conn, key, accepting=False, timeout=max(0.1, min(HANDSHAKE_TIMEOUT, left)))
+            except BaseException:
+                conn.close()
                 raise
-            time.sleep(0.2)
+            return Channel(conn)
+        except AuthenticationError as error:
+            if "rejected" in str(error):
+                raise RuntimeError(
+                    f"the parameter-server coordinator at {where[0]}:{where[1]} rejected this process's secret "
+                    f"({launcher.ENV_PS_AUTHKEY}): it belongs to another job. Copy the MESHFIT_PS_* variables from "
+                    "a running process of this job."
+                ) from None
+            last_error = error
+        except HANDSHAKE_ERRORS as error:
+            last_error = error
+        if time.monotonic() > give_up_at:
+            raise TimeoutError(
+                f"no parameter-server coordinator answered at {where[0]}:{where[1]} within {timeout:g} s "
+                f"(last attempt: {type(last_error).__name__}: {last_error}). Rank 0 failed or was not started "
+                "(see its output), or another program holds the port."
+            ) from last_error
+        time.sleep(0.2)
 
 
 def to_wire(tree) -> list:
     """A pytree's leaves as `(dtype, shape, bytes)`: what a control message may carry of arrays."""
-    leaves = jax.tree.leaves(tree)
-    return [(np.asarray(a).dtype.str, np.shape(a), np.ascontiguousarray(a).tobytes()) for a in leaves]
+    leaves = [np.asarray(a) for a in jax.tree.leaves(tree)]
+    return [(a.dtype.name, a.shape, np.ascontiguousarray(a).tobytes()) for a in leaves]
 
 
 def from_wire(items) -> list[np.ndarray]:
-    """The leaves `to_wire` sent."""
-    return [np.frombuffer(b, dtype=np.dtype(d)).reshape(s) for d, s, b in items]
+    """The leaves `to_wire` sent (dtypes by name: bfloat16 and the other ml_dtypes too)."""
+    return [np.frombuffer(b, dtype=jax.numpy.dtype(d)).reshape(s) for d, s, b in items]
 
 
 def transfer_server():

@@ -3,8 +3,9 @@
 `meshfit launch --ps S --workers N` runs this on the worker ranks instead of
 the training script. A worker needs nothing of the script: the coordinator
 (server rank 0) sends it the gradient computation as serialized StableHLO
-(`jax.export`), then batches; the worker pulls the parameters from the
-servers, computes and offers the gradients back, until told to stop.
+(`jax.export`), then batches; the worker takes the parameters (sent with each
+batch by a single server, else pulled from each server's transfer server),
+computes and returns the gradients the same way, until told to stop.
 
 A worker is never part of a `jax.distributed` job, so its death takes no one
 down: the coordinator drops it and redoes its batch. It ends with status
@@ -24,21 +25,25 @@ from meshfit.strategies.parameter_server.transport import HOLD_TIMEOUT, deadline
 
 
 class WorkerProgram:
-    """A worker's gradient program and where it pulls the parameters from (each server's part)."""
+    """A worker's gradient program and where it pulls the parameters from (each server's part; no addresses:
+    they come with each job, `transport.arrays_inline`)."""
 
     def __init__(self, server, device, addresses: list[str], blob: bytes, dims: list[int | None]):
         self.exported = jax.export.deserialize(bytearray(blob))
         self.servers = [server.connect(address) for address in addresses]
-        self.partition = Partition(dims, len(addresses))
+        self.partition = Partition(dims, max(1, len(addresses)))
         self.device = device
 
-    def run(self, pull_id: int, batch_leaves: list):
-        avals = self.exported.in_avals[: len(self.partition.dims)]
-        parts = [
-            connection.pull(pull_id, specs(self.partition.part_avals(avals, k), self.device), timeout=deadline())
-            for k, connection in enumerate(self.servers)
-        ]
-        state_leaves = self.partition.assemble([list(p) for p in parts])
+    def run(self, pull_id: int, batch_leaves: list, parameters: list | None = None):
+        if parameters is not None:
+            state_leaves = [jax.device_put(a, self.device) for a in transport.from_wire(parameters)]
+        else:
+            avals = self.exported.in_avals[: len(self.partition.dims)]
+            parts = [
+                connection.pull(pull_id, specs(self.partition.part_avals(avals, k), self.device), timeout=deadline())
+                for k, connection in enumerate(self.servers)
+            ]
+            state_leaves = self.partition.assemble([list(p) for p in parts])
         args = jax.tree.unflatten(self.exported.in_tree, state_leaves + batch_leaves)
         out = self.exported.call(*args[0], **args[1])
         return jax.block_until_ready(out)
@@ -55,9 +60,9 @@ def main() -> int:
         )
         return 2
     device = jax.local_devices()[0]
-    server = transport.transfer_server()
+    server = None if transport.arrays_inline() else transport.transfer_server()
     conn = transport.connect()
-    conn.send(("hello", "worker", server.address(), os.getpid()))
+    conn.send(("hello", "worker", server and server.address(), os.getpid()))
     print(f"parameter-server worker pid {os.getpid()} connected", flush=True)
     program = None
     timeout = transport.server_timeout()
@@ -82,11 +87,14 @@ def main() -> int:
             program = WorkerProgram(server, device, *message[1:])
             continue
         if kind == "work":
-            _, job, pull_id, push_id, batch_items = message
+            _, job, pull_id, push_id, batch_items, parameters = message
             try:
-                out = program.run(pull_id, transport.from_wire(batch_items))
+                out = program.run(pull_id, transport.from_wire(batch_items), parameters)
             except jax.errors.JaxRuntimeError as error:  # a transfer broke: the coordinator redoes the batch
                 conn.send(("failed", job, str(error)[:300]))
+                continue
+            if server is None:
+                conn.send(("done", job, push_id, transport.to_wire(out)))
                 continue
             server.await_pull(push_id, jax.tree.leaves(out), timeout=deadline(HOLD_TIMEOUT))
             conn.send(("done", job, push_id))

@@ -209,3 +209,33 @@ def test_a_stopped_parameter_server_ends_the_job_naming_it(tmp_path):
         job.stdout,
     ), job.stdout[-3000:]
     assert re.search(r"\[launch\] worker rank [12] found the parameter server silent", job.stderr), job.stderr[-2000:]
+
+
+def test_strangers_at_every_port_neither_stop_nor_slow_the_job(tmp_path):
+    """Silent, garbage and unauthenticated connections (tests/hostile.py) to every port the job's processes
+    listen on, from start-up to the end: the job gives the undisturbed run's weights, bitwise, in under twice
+    its time. Sync mode without dropout, so that both runs compute the same updates."""
+    import numpy as np
+    from hostile import Strangers
+
+    def train(weights, hostile):
+        argv = LAUNCH + ["--ps", "1", "--workers", "2", WORKER, "none", "--mode", "sync", "--dropout", "0"]
+        began = time.monotonic()
+        with Job(argv + ["--epochs", "2", "--weights", str(weights)], timeout=300) as job:
+            if hostile:
+                with Strangers(job.proc.pid, every=1.0) as strangers:
+                    status = job.finish()
+            else:
+                status = job.finish()
+        assert status == 0, job.stdout[-3000:] + job.stderr[-3000:]
+        return time.monotonic() - began, strangers if hostile else None, job.stdout
+
+    undisturbed, _, _ = train(tmp_path / "undisturbed.npz", hostile=False)
+    disturbed, strangers, out = train(tmp_path / "disturbed.npz", hostile=True)
+    assert out.count("ParameterServerStrategy: closed a connection to 127.0.0.1:") == 1, out[-3000:]
+    listening = set().union(*strangers.ports.values())
+    assert listening and all(count >= 3 * len(listening) for count in strangers.injected.values()), strangers.injected
+    expected, got = np.load(tmp_path / "undisturbed.npz"), np.load(tmp_path / "disturbed.npz")
+    for key in expected.files:
+        np.testing.assert_array_equal(got[key], expected[key])
+    assert disturbed < 2 * undisturbed, (disturbed, undisturbed, strangers.injected)

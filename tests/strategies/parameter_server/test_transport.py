@@ -1,0 +1,90 @@
+"""transport: the control connections' handshake is bounded on both sides, over real sockets."""
+
+import socket
+import threading
+import time
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Listener
+
+import pytest
+
+from meshfit.launch import free_port
+from meshfit.strategies.parameter_server import launcher, transport
+
+KEY = b"k" * 32
+
+
+@pytest.fixture
+def job_address(monkeypatch):
+    """The `MESHFIT_PS_*` variables of a job whose coordinator would listen on a free port."""
+    port = free_port()
+    monkeypatch.setenv(launcher.ENV_PS_ADDRESS, f"127.0.0.1:{port}")
+    monkeypatch.setenv(launcher.ENV_PS_AUTHKEY, KEY.hex())
+    return "127.0.0.1", port
+
+
+def serve_one(address, key, then=None):
+    """A coordinator's side for one connection, in a thread: accepts, runs the handshake, returns what came."""
+    listener = Listener(address)
+    outcome = {}
+
+    def run():
+        conn = listener.accept()
+        try:
+            outcome["result"] = transport.handshake(conn, key, accepting=True, timeout=2.0, then=then)
+        except transport.HANDSHAKE_ERRORS as error:
+            outcome["error"] = error
+        conn.close()
+        listener.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def test_the_job_s_own_processes_connect_and_talk(job_address):
+    thread, outcome = serve_one(job_address, KEY, then=lambda conn: conn.recv())
+    channel = transport.connect(timeout=10)
+    channel.send(("hello", "worker", None, 1))
+    thread.join(10)
+    assert outcome == {"result": ("hello", "worker", None, 1)}
+    channel.close()
+
+
+def test_a_silent_peer_is_dropped_within_the_bound(job_address):
+    thread, outcome = serve_one(job_address, KEY)
+    began = time.monotonic()
+    with socket.create_connection(job_address):  # connects, says nothing
+        thread.join(10)
+    assert not thread.is_alive()
+    assert isinstance(outcome["error"], EOFError)
+    assert time.monotonic() - began < 5  # the 2 s bound, not forever
+
+
+def test_a_peer_without_the_secret_is_refused(job_address):
+    thread, outcome = serve_one(job_address, KEY)
+    with pytest.raises(AuthenticationError):
+        Client(job_address, authkey=b"another job's key")
+    thread.join(10)
+    assert isinstance(outcome["error"], AuthenticationError)
+
+
+def test_connecting_with_another_job_s_secret_says_so_at_once(job_address):
+    thread, _ = serve_one(job_address, b"another job's key")
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match="rejected this process's secret \\(MESHFIT_PS_AUTHKEY\\)"):
+        transport.connect(timeout=30)
+    assert time.monotonic() - began < 5  # not retried for 30 s
+    thread.join(10)
+
+
+def test_connecting_to_a_port_that_never_answers_gives_up_in_time(job_address):
+    """Something holds the coordinator's port, accepts and says nothing: connect() ends with a clear error."""
+    with socket.create_server(job_address) as holder:
+        began = time.monotonic()
+        with pytest.raises(
+            TimeoutError, match=f"no parameter-server coordinator answered at 127.0.0.1:{job_address[1]} "
+        ):
+            transport.connect(timeout=1.5)
+        assert time.monotonic() - began < 4
+        holder.close()
