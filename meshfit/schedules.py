@@ -68,7 +68,35 @@ def _positive_steps(decay_steps: Any) -> None:
         raise ValueError(f"Argument `decay_steps` must be > 0. Received: decay_steps={decay_steps}")
 
 
-class ExponentialDecay(LearningRateSchedule):
+class _RateDecay(LearningRateSchedule):
+    """What ExponentialDecay and InverseTimeDecay share: Keras's arguments, their check and their config."""
+
+    def __init__(
+        self,
+        initial_learning_rate: float,
+        decay_steps: int,
+        decay_rate: float,
+        staircase: bool = False,
+        name: str | None = None,
+    ) -> None:
+        _positive_steps(decay_steps)
+        self.initial_learning_rate = initial_learning_rate
+        self.decay_steps = decay_steps
+        self.decay_rate = decay_rate
+        self.staircase = staircase
+        self.name = type(self).__name__ if name is None else name
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            "initial_learning_rate": self.initial_learning_rate,
+            "decay_steps": self.decay_steps,
+            "decay_rate": self.decay_rate,
+            "staircase": self.staircase,
+            "name": self.name,
+        }
+
+
+class ExponentialDecay(_RateDecay):
     """`initial_learning_rate * decay_rate ** (step / decay_steps)` (the exponent floored with `staircase`).
 
     Args:
@@ -79,35 +107,14 @@ class ExponentialDecay(LearningRateSchedule):
         name: the schedule's name.
     """
 
-    def __init__(
-        self,
-        initial_learning_rate: float,
-        decay_steps: int,
-        decay_rate: float,
-        staircase: bool = False,
-        name: str = "ExponentialDecay",
-    ) -> None:
-        _positive_steps(decay_steps)
-        self.initial_learning_rate = initial_learning_rate
-        self.decay_steps = decay_steps
-        self.decay_rate = decay_rate
-        self.staircase = staircase
-        self.name = name
-        self._schedule = optax.exponential_decay(
-            initial_learning_rate, transition_steps=decay_steps, decay_rate=decay_rate, staircase=staircase
-        )
-
     def call(self, step: jax.Array) -> jax.Array:
-        return self._schedule(step)
-
-    def get_config(self) -> dict[str, Any]:
-        return {
-            "initial_learning_rate": self.initial_learning_rate,
-            "decay_steps": self.decay_steps,
-            "decay_rate": self.decay_rate,
-            "staircase": self.staircase,
-            "name": self.name,
-        }
+        schedule = optax.exponential_decay(
+            self.initial_learning_rate,
+            transition_steps=self.decay_steps,
+            decay_rate=self.decay_rate,
+            staircase=self.staircase,
+        )
+        return schedule(step)
 
 
 class PiecewiseConstantDecay(LearningRateSchedule):
@@ -194,7 +201,7 @@ class PolynomialDecay(LearningRateSchedule):
         }
 
 
-class InverseTimeDecay(LearningRateSchedule):
+class InverseTimeDecay(_RateDecay):
     """`initial_learning_rate / (1 + decay_rate * step / decay_steps)` (the quotient floored with `staircase`).
 
     Args:
@@ -205,35 +212,11 @@ class InverseTimeDecay(LearningRateSchedule):
         name: the schedule's name.
     """
 
-    def __init__(
-        self,
-        initial_learning_rate: float,
-        decay_steps: int,
-        decay_rate: float,
-        staircase: bool = False,
-        name: str = "InverseTimeDecay",
-    ) -> None:
-        _positive_steps(decay_steps)
-        self.initial_learning_rate = initial_learning_rate
-        self.decay_steps = decay_steps
-        self.decay_rate = decay_rate
-        self.staircase = staircase
-        self.name = name
-
     def call(self, step: jax.Array) -> jax.Array:
         p = step / self.decay_steps
         if self.staircase:
             p = jnp.floor(p)
         return self.initial_learning_rate / (1.0 + self.decay_rate * p)
-
-    def get_config(self) -> dict[str, Any]:
-        return {
-            "initial_learning_rate": self.initial_learning_rate,
-            "decay_steps": self.decay_steps,
-            "decay_rate": self.decay_rate,
-            "staircase": self.staircase,
-            "name": self.name,
-        }
 
 
 class CosineDecay(LearningRateSchedule):
