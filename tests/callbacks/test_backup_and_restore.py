@@ -675,34 +675,35 @@ def test_two_callbacks_with_one_state_key_are_refused():
         mf.callbacks.base.state_keys([Tagged(), Tagged(), Counted(state_key="Tagged_1")])
 
 
+def fit_keeping_backups(backup, epochs):
+    """Trains the MLP on 64 rows for `epochs`, backing up every 2 steps into `backup` (kept)."""
+    x, y = classification_data(n=64)
+    model = mf.Model(MLP())
+    model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    callback = mf.callbacks.BackupAndRestore(backup, save_freq=2, delete_checkpoint=False)
+    model.fit(x, y, batch_size=16, epochs=epochs, verbose=0, callbacks=[callback])
+    return model
+
+
 def test_planted_symlinks_are_refused_or_moved_aside_and_nothing_outside_is_touched(tmp_path):
     """Symlinks to a directory outside, named as meshfit's checkpoints would be: in a fresh directory fit refuses
     before any step; among meshfit's own backups they are moved aside as unreadable and the fit resumes."""
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "keep.txt").write_text("precious")
-    x, y = classification_data(n=64)
-
-    def fit(backup, epochs):
-        model = mf.Model(MLP())
-        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
-        callback = mf.callbacks.BackupAndRestore(backup, save_freq=2, delete_checkpoint=False)
-        model.fit(x, y, batch_size=16, epochs=epochs, verbose=0, callbacks=[callback])
-        return model
-
     fresh = tmp_path / "fresh"
     fresh.mkdir()
     for name in ("2", "4", "tmp"):
         os.symlink(outside, fresh / name)
     with pytest.raises(FileExistsError, match="did not write"):
-        fit(fresh, 1)
+        fit_keeping_backups(fresh, 1)
 
     used = tmp_path / "used"
-    fit(used, 1)  # backups at steps 2 and 4
+    fit_keeping_backups(used, 1)  # backups at steps 2 and 4
     for step in ("6", "8"):
         os.symlink(outside, used / step)
     with pytest.warns(UserWarning, match="unreadable"):
-        resumed = fit(used, 2)
+        resumed = fit_keeping_backups(used, 2)
     assert resumed.optimizer.iterations == 8
     assert sorted(os.listdir(outside)) == ["keep.txt"] and (outside / "keep.txt").read_text() == "precious"
     assert {"6.unreadable", "8.unreadable"} <= set(os.listdir(used))
@@ -714,27 +715,18 @@ def test_planted_symlinks_at_meshfit_names_are_refused_by_name_and_nothing_outsi
     """Symlinks at the lock, marker, its temporary and the probe of this process, in a fresh backup directory
     and in one holding backups: fit refuses before any step, naming each; the backups and the outside files
     are unchanged, and once the links are gone the fit resumes from the backups."""
-    x, y = classification_data(n=64)
-
-    def fit(backup, epochs):
-        model = mf.Model(MLP())
-        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
-        callback = mf.callbacks.BackupAndRestore(backup, save_freq=2, delete_checkpoint=False)
-        model.fit(x, y, batch_size=16, epochs=epochs, verbose=0, callbacks=[callback])
-        return model
-
-    fit(tmp_path / "used", 1)  # backups at steps 2 and 4
+    fit_keeping_backups(tmp_path / "used", 1)  # backups at steps 2 and 4
     marker = (tmp_path / "used" / MARKER).read_bytes()
     for backup in (tmp_path / "fresh", tmp_path / "used"):
         victims = plant_symlinks(backup, tmp_path / "outside")
         before = {name: os.lstat(backup / name).st_mtime_ns for name in os.listdir(backup)}
         with pytest.raises(FileExistsError, match="Received: symlinks") as refusal:
-            fit(backup, 2)
+            fit_keeping_backups(backup, 2)
         assert all(f"'{backup / name}'" in str(refusal.value) for name in meshfit_names())
         assert {name: os.lstat(backup / name).st_mtime_ns for name in os.listdir(backup)} == before
         assert read_all(tmp_path / "outside") == victims
     for name in meshfit_names():
         os.unlink(tmp_path / "used" / name)
     (tmp_path / "used" / MARKER).write_bytes(marker)
-    assert fit(tmp_path / "used", 2).optimizer.iterations == 8
+    assert fit_keeping_backups(tmp_path / "used", 2).optimizer.iterations == 8
     assert linked_meshfit_names(tmp_path / "used") == [] and read_all(tmp_path / "outside") == victims
