@@ -324,3 +324,33 @@ def test_a_failed_background_save_raises_at_the_next_save_wait_or_close_and_keep
         np.testing.assert_array_equal(np.asarray(reopened.restore(1, state)[0]["w"]), np.ones((8, 8)))
     finally:
         reopened.close()
+
+
+@pytest.mark.slow
+def test_a_sigkill_during_a_background_save_leaves_the_previous_checkpoint_complete(tmp_path):
+    import signal
+    import sys
+    import time
+
+    import jax.numpy as jnp
+    from processes import Job
+
+    directory = tmp_path / "b"
+    worker = os.path.join(os.path.dirname(__file__), "workers", "save_in_background.py")
+    with Job([sys.executable, worker, str(directory)], timeout=120) as job:
+        job.wait_for(r"started 3$")  # save 2 was complete before save 3 started
+        time.sleep(0.05)  # inside save 3's (or 4's) background write
+        job.kill()
+    assert job.returncode == -signal.SIGKILL
+    template = {"w": jnp.zeros((2048, 2048)), "b": jnp.zeros((2048,))}
+    ckpt = CheckpointDir(directory, "backup")  # takes over the dead writer's lock
+    try:
+        steps = ckpt.steps()
+        assert steps and max(steps) >= 2, steps
+        for step in steps:  # every checkpoint listed is whole: all its values from its own save
+            state, meta = ckpt.restore(step, template)
+            assert meta["number"] == step
+            assert {float(v) for v in np.unique(np.asarray(state["w"]))} == {step}
+            assert {float(v) for v in np.unique(np.asarray(state["b"]))} == {step}
+    finally:
+        ckpt.close()
