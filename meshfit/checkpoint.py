@@ -24,9 +24,12 @@ meshfit promises about saved files:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import threading
+import time
 import warnings
 from typing import Any
 
@@ -50,6 +53,19 @@ FINGERPRINTS = "fingerprints"
 UNREADABLE = ".unreadable"
 #: Mismatched paths named in a `CheckpointMismatch` (the rest are counted).
 SHOWN_MISMATCHES = 6
+#: The prefix of the `jax.monitoring` duration events a save records, one per piece, on the thread that did it
+#: (see `CheckpointDir.save`): how long a save holds the loop, and where that time goes.
+SAVE_EVENTS = "/meshfit/checkpoint/save/"
+
+
+@contextlib.contextmanager
+def _timed(piece: str):
+    """Records the time inside as the duration event `SAVE_EVENTS + piece`."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        jax.monitoring.record_event_duration_secs(SAVE_EVENTS + piece, time.perf_counter() - start)
 
 
 class CheckpointMismatch(ValueError):
@@ -310,9 +326,19 @@ class CheckpointDir:
         kind: what this directory is for ("backup", "checkpoint", "model",
             "weights"); a directory is only ever reused for the same kind.
         max_to_keep: how many complete checkpoints to keep (None: all).
-        async_save: write in a background thread; `save` returns once the
-            arrays are copied off the devices.
+        async_save: write in a background thread. In a single-process job
+            `save` returns once a copy of the arrays on their devices is
+            dispatched (the device holds one more copy of the state until it is
+            written); the fingerprints, the copy to the host and Orbax's save
+            run in meshfit's background thread, one save at a time. In a
+            multi-process job `save` returns once Orbax has copied the arrays
+            off the devices (every process must take part in each step of a
+            save in the same order, which the loop's thread guarantees).
         read_only: only read: nothing is created, locked or written (loading).
+        device_copy: with `async_save` in a single-process job, write from a
+            copy on the devices as above (True); False writes as in a
+            multi-process job: no extra device memory, but the loop waits for
+            the fingerprints and the copy to the host.
     """
 
     def __init__(
@@ -323,12 +349,18 @@ class CheckpointDir:
         max_to_keep: int | None = 2,
         async_save: bool = True,
         read_only: bool = False,
+        device_copy: bool = True,
     ):
         self.directory = os.path.abspath(os.fspath(directory))
         self.kind = kind
         self.read_only = read_only
         self._lock = DirectoryLock(self.directory)
         self.manager = None
+        # meshfit's own background save (single process): the thread writing, and its error for the next call
+        self._background = async_save and device_copy and not read_only and jax.process_count() == 1
+        self._writer: threading.Thread | None = None
+        self._write_error: BaseException | None = None
+        self._probed = False
         if read_only:
             options = ocp.CheckpointManagerOptions(read_only=True, enable_async_checkpointing=False)
         else:
@@ -342,8 +374,8 @@ class CheckpointDir:
                         f"Cannot write {kind} checkpoints into {self.directory!r}: {error}. Check that it is "
                         "writable (not a read-only mount) and has free space."
                     ) from error
-            options = ocp.CheckpointManagerOptions(
-                max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save
+            options = ocp.CheckpointManagerOptions(  # meshfit's thread writes synchronously through Orbax
+                max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save and not self._background
             )
         try:
             if not read_only and jax.process_index() == 0:
@@ -399,6 +431,8 @@ class CheckpointDir:
         """
         if self.read_only:
             raise RuntimeError(f"{self.directory!r} was opened read-only.")
+        with _timed("previous"):
+            self._finish_background()  # at most one save in flight; its error surfaces here
         if step in self.manager.all_steps():
             if if_exists == "error":
                 raise FileExistsError(
@@ -408,24 +442,85 @@ class CheckpointDir:
             if wait:
                 self.wait()
             return
-        encoded = encode(state)
-        report = integrity.report(encoded)
-        if finite_only and report.non_finite():
-            raise NonFiniteState(report.non_finite())
-        meta = {**meta, FINGERPRINTS: report.fingerprints}
+        with _timed("encode"):
+            encoded = encode(state)
+        if self._background:
+            self._start_background(step, encoded, meta, finite_only)
+        else:
+            with _timed("steps"):  # the steps in flight, which the fingerprints would wait for anyway
+                jax.block_until_ready(encoded)
+            with _timed("fingerprints"):
+                report = integrity.report(encoded)
+            if finite_only and report.non_finite():
+                raise NonFiniteState(report.non_finite())
+            self._write(step, encoded, {**meta, FINGERPRINTS: report.fingerprints}, probe=True)
+        if wait:
+            self.wait()
+
+    def _write(self, step: int, encoded, meta: dict[str, Any], *, probe: bool) -> None:
+        """Probes the directory (with `probe`), then has Orbax save (returns after its blocking part)."""
         args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(encoded), META: ocp.args.JsonSave(meta)})
         try:
-            self._probe()
-            self.manager.save(step, args=args, force=True)
+            if probe:
+                with _timed("probe"):
+                    self._probe()
+            with _timed("orbax"):
+                self.manager.save(step, args=args, force=True)
         except safe_files.PlantedFile:
             raise  # its own message names the link
         except Exception as error:
             raise self._write_failed(error) from error
-        if wait:
-            self.wait()
+
+    def _start_background(self, step: int, encoded, meta: dict[str, Any], finite_only: bool) -> None:
+        """Dispatches a copy of the state on its devices and its fingerprints, then writes it in a thread.
+
+        The copy is what the thread reads: the loop's next steps may donate (overwrite) the state's
+        buffers while it is written. Only a `finite_only` save waits here, for the finiteness flags.
+        """
+        with _timed("copy"):  # and the fingerprints, in one program
+            snapshot, pending = integrity.snapshot(encoded)
+        if finite_only:
+            with _timed("finite"):
+                non_finite = pending.non_finite()
+            if non_finite:
+                raise NonFiniteState(non_finite)
+        if not self._probed:  # the OS's reason now, on the loop's thread, for a directory never writable
+            try:
+                with _timed("probe"):
+                    self._probe()
+            except safe_files.PlantedFile:
+                raise
+            except Exception as error:
+                raise self._write_failed(error) from error
+            self._probed = True
+
+        def write() -> None:
+            try:
+                with _timed("background"):
+                    report = pending.result()
+                    self._write(step, snapshot, {**meta, FINGERPRINTS: report.fingerprints}, probe=False)
+            except BaseException as error:  # noqa: BLE001 - kept for the next save, wait or close to raise
+                self._write_error = error
+
+        with _timed("thread"):
+            self._writer = threading.Thread(target=write, name=f"meshfit-checkpoint-{step}")
+            self._writer.start()
+
+    def _finish_background(self) -> None:
+        """Waits for meshfit's background save, if any; raises its error (`CheckpointWriteError`, ...)."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.join()
+        error, self._write_error = self._write_error, None
+        if error is None:
+            return
+        if isinstance(error, (CheckpointWriteError, safe_files.PlantedFile)):
+            raise error
+        raise self._write_failed(error) from error
 
     def wait(self) -> None:
         """Returns when the checkpoint being written is complete; a failed write raises `CheckpointWriteError`."""
+        self._finish_background()
         try:
             self.manager.wait_until_finished()
         except Exception as error:
@@ -592,7 +687,7 @@ _SINGLE_LABELS = {"model": "a saved model", "weights": "saved weights"}
 
 
 def open_for_saving(
-    path: str | os.PathLike, kind: str, *, overwrite: bool, async_save: bool = False
+    path: str | os.PathLike, kind: str, *, overwrite: bool, async_save: bool = False, device_copy: bool = True
 ) -> tuple[CheckpointDir, int]:
     """Opens `path` to save one model or set of weights into; returns the directory and the number to save as.
 
@@ -603,7 +698,7 @@ def open_for_saving(
     copy, whole. A directory of another kind, or holding files meshfit did not
     write, is refused (`check_directory`).
     """
-    ckpt = CheckpointDir(os.fspath(path), kind, max_to_keep=1, async_save=async_save)
+    ckpt = CheckpointDir(os.fspath(path), kind, max_to_keep=1, async_save=async_save, device_copy=device_copy)
     try:
         steps = ckpt.steps()
         if steps and not overwrite:

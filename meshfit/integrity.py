@@ -80,10 +80,25 @@ def _finite(x):
     return jnp.bool_(True)
 
 
+def _report_values(leaves):
+    return jnp.stack([_fingerprint(x) for x in leaves]), jnp.stack([_finite(x) for x in leaves])
+
+
 @jax.jit
 def _device_report(leaves):
     """All fingerprints as one (n, 2) array and all flags as one (n,) array: two transfers, not 2n."""
-    return jnp.stack([_fingerprint(x) for x in leaves]), jnp.stack([_finite(x) for x in leaves])
+    return _report_values(leaves)
+
+
+@jax.jit
+def _device_snapshot(leaves):
+    """Copies of the arrays (new buffers, laid out as the originals) and their report, in one program.
+
+    One program rather than a copy per array: a backend that runs a single cheap operation as it is
+    dispatched (the CPU) runs this one asynchronously too.
+    """
+    copies = [jnp.copy(x) for x in leaves]
+    return copies, _report_values(copies)
 
 
 def _scalar(value) -> np.ndarray:
@@ -103,25 +118,85 @@ def _host_fingerprint(x: np.ndarray) -> str:
     return digest.hexdigest()
 
 
+class PendingReport:
+    """A `Report` whose device part is still being computed (`start_report`); `result` fetches it."""
+
+    def __init__(self, device: list[str], values, host: list[tuple[str, np.ndarray]]):
+        self._device, self._values, self._host = device, values, host
+        self._flags = None
+
+    def non_finite(self) -> list[str]:
+        """Paths of the arrays holding NaN or Inf: fetches only the flags (waits for the reduction)."""
+        return self.result().non_finite() if self._values is None else self._non_finite_only()
+
+    def _non_finite_only(self) -> list[str]:
+        if self._flags is None:
+            self._flags = _scalar(self._values[1])
+        host = [name for name, x in self._host if not _host_finite(x)]
+        return [name for name, ok in zip(self._device, self._flags, strict=True) if not ok] + host
+
+    def result(self) -> Report:
+        """The fingerprints and flags (a host sync: waits for the device reduction)."""
+        fingerprints, finite = {}, {}
+        if self._values is not None:
+            prints, flags = (_scalar(a) for a in self._values)
+            for name, fp, ok in zip(self._device, prints, flags, strict=True):
+                fingerprints[name] = "".join(f"{int(v):08x}" for v in fp)
+                finite[name] = bool(ok)
+        for name, x in self._host:
+            fingerprints[name] = _host_fingerprint(x)
+            finite[name] = _host_finite(x)
+        return Report(fingerprints, finite)
+
+
+def _host_finite(x: np.ndarray) -> bool:
+    return not np.issubdtype(x.dtype, np.inexact) or bool(np.isfinite(x).all())
+
+
+def start_report(tree) -> PendingReport:
+    """Dispatches the fingerprints of `tree`'s device arrays without waiting for them (`PendingReport.result`).
+
+    In a multi-process job every process must call this with the same tree.
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    device = [(path_name(p), x) for p, x in leaves if isinstance(x, jax.Array)]
+    host = [(path_name(p), np.asarray(x)) for p, x in leaves if not isinstance(x, jax.Array)]
+    values = _device_report([x for _, x in device]) if device else None
+    return PendingReport([name for name, _ in device], values, host)
+
+
+def snapshot(tree):
+    """A copy of `tree` and its `PendingReport`, dispatched, not waited for.
+
+    The copy's device arrays are new buffers, computed after everything already
+    dispatched that writes `tree`: later steps that donate (overwrite) `tree`'s
+    buffers leave it intact. Host (numpy) arrays are copied on the host. In a
+    multi-process job every process must call this with the same tree.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    device = [i for i, (_, x) in enumerate(leaves) if isinstance(x, jax.Array)]
+    values = [x for _, x in leaves]
+    report_values = None
+    if device:
+        copies, report_values = _device_snapshot([values[i] for i in device])
+        for i, copy in zip(device, copies, strict=True):
+            values[i] = copy
+    host = []
+    for i, (path, x) in enumerate(leaves):
+        if not isinstance(x, jax.Array):
+            values[i] = np.array(x, copy=True) if isinstance(x, np.ndarray) else x
+            host.append((path_name(path), np.asarray(values[i])))
+    pending = PendingReport([path_name(leaves[i][0]) for i in device], report_values, host)
+    return jax.tree_util.tree_unflatten(treedef, values), pending
+
+
 def report(tree) -> Report:
     """Fingerprints and finiteness of every array in `tree`.
 
     Device arrays are reduced on their devices (a short sync); in a
     multi-process job every process must call this with the same tree.
     """
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    device = [(path_name(p), x) for p, x in leaves if isinstance(x, jax.Array)]
-    host = [(path_name(p), np.asarray(x)) for p, x in leaves if not isinstance(x, jax.Array)]
-    fingerprints, finite = {}, {}
-    if device:
-        prints, flags = (_scalar(a) for a in _device_report([x for _, x in device]))
-        for (name, _), fp, ok in zip(device, prints, flags, strict=True):
-            fingerprints[name] = "".join(f"{int(v):08x}" for v in fp)
-            finite[name] = bool(ok)
-    for name, x in host:
-        fingerprints[name] = _host_fingerprint(x)
-        finite[name] = not np.issubdtype(x.dtype, np.inexact) or bool(np.isfinite(x).all())
-    return Report(fingerprints, finite)
+    return start_report(tree).result()
 
 
 def mismatched(saved: dict[str, str], restored: dict[str, str]) -> list[str]:

@@ -273,3 +273,84 @@ def test_remove_complete_keeps_a_symlink_at_a_step_name_and_its_target(tmp_path)
     ckpt.close()
     assert ckpt.remove_complete() == ["7"]
     assert os.path.islink(tmp_path / "b" / "7") and os.listdir(tmp_path / "outside") == ["keep.txt"]
+
+
+def test_a_background_save_writes_the_state_of_its_step_although_the_next_step_donated_it(tmp_path):
+    import jax
+    import jax.numpy as jnp
+
+    state = {"w": jnp.arange(4096.0).reshape(64, 64), "count": jnp.array(7, jnp.int32)}
+    expected = jax.tree.map(np.asarray, state)
+    step = jax.jit(lambda tree: jax.tree.map(lambda x: x + 1, tree), donate_argnums=0)
+    ckpt = CheckpointDir(tmp_path / "c", "checkpoint", async_save=True)
+    try:
+        ckpt.save(1, state, {"note": "one"})
+        for _ in range(3):  # training goes on, overwriting the saved buffers where the backend donates them
+            state = step(state)
+        assert int(state["count"]) == 10
+        ckpt.wait()
+        template = jax.tree.map(jnp.zeros_like, state)
+        restored, meta = ckpt.restore(1, template)  # also checks the fingerprints written with it
+    finally:
+        ckpt.close()
+    assert meta["note"] == "one"
+    np.testing.assert_array_equal(np.asarray(restored["w"]), expected["w"])
+    assert int(restored["count"]) == 7
+
+
+def test_a_failed_background_save_raises_at_the_next_save_wait_or_close_and_keeps_the_previous(tmp_path):
+    import jax.numpy as jnp
+
+    from meshfit.checkpoint import CheckpointWriteError
+
+    state = {"w": jnp.ones((8, 8))}
+    ckpt = CheckpointDir(tmp_path / "c", "checkpoint", async_save=True)
+    try:
+        ckpt.save(1, state, {}, wait=True)
+        ckpt.save(2, state, {"bad": object()})  # Orbax cannot write this JSON part: it fails in the background
+        with pytest.raises(CheckpointWriteError, match=r"steps: \[1\]"):
+            ckpt.wait()
+        ckpt.wait()  # raised once, not again
+        ckpt.save(3, state, {"bad": object()})
+        with pytest.raises(CheckpointWriteError):
+            ckpt.save(4, state, {})  # the next save raises it, and is not started
+        ckpt.save(5, state, {"bad": object()})
+    finally:
+        with pytest.raises(CheckpointWriteError):
+            ckpt.close()  # close raises it too, and still releases the directory
+    reopened = CheckpointDir(tmp_path / "c", "checkpoint", async_save=True)  # the lock was released
+    try:
+        assert reopened.steps() == [1]
+        np.testing.assert_array_equal(np.asarray(reopened.restore(1, state)[0]["w"]), np.ones((8, 8)))
+    finally:
+        reopened.close()
+
+
+@pytest.mark.slow
+def test_a_sigkill_during_a_background_save_leaves_the_previous_checkpoint_complete(tmp_path):
+    import signal
+    import sys
+    import time
+
+    import jax.numpy as jnp
+    from processes import Job
+
+    directory = tmp_path / "b"
+    worker = os.path.join(os.path.dirname(__file__), "workers", "save_in_background.py")
+    with Job([sys.executable, worker, str(directory)], timeout=120) as job:
+        job.wait_for(r"started 3$")  # save 2 was complete before save 3 started
+        time.sleep(0.05)  # inside save 3's (or 4's) background write
+        job.kill()
+    assert job.returncode == -signal.SIGKILL
+    template = {"w": jnp.zeros((2048, 2048)), "b": jnp.zeros((2048,))}
+    ckpt = CheckpointDir(directory, "backup")  # takes over the dead writer's lock
+    try:
+        steps = ckpt.steps()
+        assert steps and max(steps) >= 2, steps
+        for step in steps:  # every checkpoint listed is whole: all its values from its own save
+            state, meta = ckpt.restore(step, template)
+            assert meta["number"] == step
+            assert {float(v) for v in np.unique(np.asarray(state["w"]))} == {step}
+            assert {float(v) for v in np.unique(np.asarray(state["b"]))} == {step}
+    finally:
+        ckpt.close()

@@ -82,6 +82,10 @@ class BackupAndRestore(Callback):
         delete_checkpoint: delete the backups when training finishes.
         max_to_keep: complete backups kept on disk.
         async_save: write in the background while training continues.
+        device_copy: with `async_save`, a save copies the state on its devices
+            and writes that copy from a background thread (one more copy of
+            the state in device memory until it is written); False: no extra
+            device memory, the loop waits for the copy to the host.
         compilation_cache: where JAX keeps the compiled programs, so a resumed
             run loads them instead of compiling again (`meshfit.compilation_cache`):
             True (default) puts what the fit compiles in
@@ -101,6 +105,7 @@ class BackupAndRestore(Callback):
         max_to_keep: int = 2,
         async_save: bool = True,
         compilation_cache: bool | str | os.PathLike = True,
+        device_copy: bool = True,
     ):
         super().__init__()
         self.save_policy = AnySavePolicy((from_save_freq(save_freq), PreemptionPolicy()))
@@ -109,6 +114,7 @@ class BackupAndRestore(Callback):
         self.delete_checkpoint = delete_checkpoint
         self.max_to_keep = max_to_keep
         self.async_save = async_save
+        self.device_copy = device_copy
         self.compilation_cache = compilation_cache
         self._cache: str | None = None  # the compilation cache this fit turned on, turned off when it ends
         self._own_cache: str | None = None  # the one made inside backup_dir, deleted with the backups
@@ -218,7 +224,11 @@ class BackupAndRestore(Callback):
         self._others = self._keyed_others()
         with self.context.timer.phase("checkpoint"):
             self._dir = CheckpointDir(
-                self.backup_dir, "backup", max_to_keep=self.max_to_keep, async_save=self.async_save
+                self.backup_dir,
+                "backup",
+                max_to_keep=self.max_to_keep,
+                async_save=self.async_save,
+                device_copy=self.device_copy,
             )
             self._restore()
         self._use_compilation_cache()  # after a restore that may refuse the directory: a refusal writes nothing

@@ -59,6 +59,11 @@ class ModelCheckpoint(MonitorCallback):
         initial_value_threshold: a first "best" value to beat.
         max_to_keep: newest checkpoints kept (None keeps all; a plain path only).
         async_save: write in the background (True) or block until written.
+        device_copy: with `async_save`, a save copies the state on its devices
+            and writes that copy from a background thread, so the loop only
+            dispatches the copy; the devices hold one more copy of the state
+            until it is written. False: no extra device memory, the loop waits
+            for the fingerprints and the copy to the host (`CheckpointDir`).
         overwrite: replace checkpoints an earlier run (or save) wrote, as Keras does (True).
     """
 
@@ -75,6 +80,7 @@ class ModelCheckpoint(MonitorCallback):
         max_to_keep: int | None = None,
         async_save: bool = True,
         overwrite: bool = True,
+        device_copy: bool = True,
     ):
         super().__init__(monitor=monitor, mode=mode, baseline=initial_value_threshold)
         self.save_policy = from_save_freq(save_freq)
@@ -85,6 +91,7 @@ class ModelCheckpoint(MonitorCallback):
         self.save_freq = save_freq
         self.max_to_keep = max_to_keep
         self.async_save = async_save
+        self.device_copy = device_copy
         self.overwrite = overwrite
         self.formatted = _has_fields(self.directory)
         self._dir: CheckpointDir | None = None
@@ -96,7 +103,11 @@ class ModelCheckpoint(MonitorCallback):
         if self._dir is None and not self.formatted:
             finish_replacement(self.directory, "checkpoint")  # a replacement a crash interrupted
             self._dir = CheckpointDir(
-                self.directory, "checkpoint", max_to_keep=self.max_to_keep, async_save=self.async_save
+                self.directory,
+                "checkpoint",
+                max_to_keep=self.max_to_keep,
+                async_save=self.async_save,
+                device_copy=self.device_copy,
             )
             self._earlier = bool(self._dir.steps())
         if self.monitor_op is None:
@@ -135,7 +146,8 @@ class ModelCheckpoint(MonitorCallback):
             ) from None
 
     def _maybe_save(self, number: int, logs, batch: int | None = None) -> None:
-        logs = {k: float(v) for k, v in (logs or {}).items()}
+        with self.context.timer.phase("steps"):  # reading the logs waits for the steps in flight: step time
+            logs = {k: float(v) for k, v in (logs or {}).items()}
         target = self.path_for(logs, batch) if self.formatted else os.path.join(self._dir.directory, str(number))
         if self.save_best_only:
             current = logs.get(self.monitor)
@@ -186,7 +198,7 @@ class ModelCheckpoint(MonitorCallback):
         """One model (or weights) in its own directory, as `model.save` writes it; written in the background."""
         self.close()  # the previous save is complete first (it may be the same directory)
         self._dir, number = open_for_saving(
-            path, self._schema.kind, overwrite=self.overwrite, async_save=self.async_save
+            path, self._schema.kind, overwrite=self.overwrite, async_save=self.async_save, device_copy=self.device_copy
         )
         self._dir.save(number, tree, meta)
 
