@@ -7,13 +7,18 @@ global batch of 4 x B over the workers, async gives each worker whole batches
 of B. Prints samples/s of each, the ratio (target >= 2), and the staleness of
 the gradients async applied.
 
-    python benchmarks/bench_parameter_server.py [--base 0.01] [--steps 48] [--cluster ray]
+    python benchmarks/bench_parameter_server.py [--base 0.01] [--steps 48] [--cluster ray|processes]
 
 With `--cluster ray` the same runs use Ray actors (a local Ray cluster: 4
 worker actors, 1 server actor), and a second part measures what each server
 actor receives per applied gradient as the number of servers S grows (a
 model of about 2 MB of parameters, 2 workers, async): about the parameter
 bytes / S, so server 0's traffic falls as S grows.
+
+With `--cluster processes` each mode runs as its own job of the process
+transport, `meshfit launch --ps 1 --workers 4` (this script on the server
+rank, the worker processes with `MESHFIT_PS_WORKER_DELAYS` for the
+straggler); the time is that of the second fit, as in-process.
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 
 import argparse  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -54,6 +63,8 @@ class Wide(nnx.Module):
 
 
 def strategy_for(mode, cluster, delays, **kwargs):
+    if cluster == "inside-launch":  # the server rank of `meshfit launch --ps`: the worker processes are the workers
+        return mf.strategies.ParameterServerStrategy(mode=mode, **kwargs)
     if cluster == "ray":
         return mf.strategies.ParameterServerStrategy(
             mode=mode, cluster="ray", num_workers=len(delays), worker_delays=delays, **kwargs
@@ -80,12 +91,26 @@ def main():
     parser.add_argument("--rows", type=int, default=32, help="rows per gradient")
     parser.add_argument("--steps", type=int, default=48, help="sync rounds per epoch")
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--cluster", choices=["ray"], default=None, help="run workers and servers as Ray actors")
+    parser.add_argument(
+        "--cluster",
+        choices=["ray", "processes"],
+        default=None,
+        help="run workers and servers as Ray actors, or as processes of `meshfit launch --ps 1 --workers 4`",
+    )
+    parser.add_argument("--inside", default=None, help=argparse.SUPPRESS)  # a mode, run under `meshfit launch --ps`
     args = parse_args(parser, base=0.001, rows=8, steps=4, epochs=1)
     rng = np.random.default_rng(0)
     n = args.rows * 4 * args.steps
     x = rng.standard_normal((n, 64), dtype=np.float32)
     y = rng.integers(0, 10, n).astype(np.int32)
+    if args.inside:
+        batch = args.rows * 4 if args.inside == "sync" else args.rows
+        sps, history = run(args.inside, x, y, batch, args.base, args.epochs, "inside-launch")
+        print(f"bench-result {args.inside} {sps:.3f} {json.dumps(history.history.get('staleness'))}", flush=True)
+        return
+    if args.cluster == "processes":
+        processes(args)
+        return
     print(
         f"jax {jax.__version__}, 4 workers on {jax.devices()[0].device_kind}, {os.cpu_count()} cpus; "
         f"{args.rows} rows per gradient, simulated {args.base * 1e3:.0f} ms per gradient, straggler "
@@ -99,6 +124,37 @@ def main():
     print(f"  async staleness per epoch: mean {history.history['staleness']}, max {history.history['max_staleness']}")
     if args.cluster == "ray":
         server_traffic(x, y)
+
+
+def processes(args):
+    """The straggler comparison on the process transport: one `meshfit launch --ps 1 --workers 4` job a mode."""
+    print(
+        f"jax {jax.__version__}, 4 worker processes, {os.cpu_count()} cpus; {args.rows} rows per gradient, "
+        f"simulated {args.base * 1e3:.0f} ms per gradient, straggler {3 * args.base * 1e3:.0f} ms"
+    )
+    print("transport: processes (meshfit launch --ps 1 --workers 4)")
+    delays = {str(i): args.base for i in range(4)} | {"3": 3 * args.base}
+    env = dict(os.environ, MESHFIT_PS_WORKER_DELAYS=json.dumps(delays))
+    sps = {}
+    for mode in ("sync", "async"):
+        options = ["--base", str(args.base), "--rows", str(args.rows), "--steps", str(args.steps)]
+        command = [sys.executable, "-m", "meshfit.cli", "launch", "--ps", "1", "--workers", "4", __file__]
+        out = subprocess.run(
+            command + [*options, "--epochs", str(args.epochs), "--inside", mode],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        found = re.search(rf"bench-result {mode} ([\d.]+) (.*)", out.stdout)
+        if out.returncode or not found:
+            raise RuntimeError(f"the {mode} job failed ({out.returncode}):\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+        sps[mode] = float(found.group(1))
+        if mode == "async":
+            staleness = found.group(2)
+    print(f"  sync : {sps['sync']:9.1f} samples/s")
+    print(f"  async: {sps['async']:9.1f} samples/s   async/sync = {sps['async'] / sps['sync']:.2f} (target >= 2)")
+    print(f"  async staleness per epoch: mean {staleness}")
 
 
 def server_traffic(x, y, steps=16, rows=32):
