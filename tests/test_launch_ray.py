@@ -143,3 +143,22 @@ def test_sigterm_to_the_launcher_reaches_every_rank_which_backs_up_and_exits_143
     assert max(int(p) for p in os.listdir(backup) if p.isdigit()) >= 11  # the preemption backup
     pids = rank_pids(job.stderr)
     assert len(pids) == 2 and not [pid for pid in pids.values() if alive(pid)]
+
+
+def test_without_ray_the_launcher_says_how_to_install_it():
+    code = (
+        "import sys; sys.modules['ray'] = None; from meshfit.cli import main; "
+        f"sys.exit(main(['launch', '--ray', '--nprocs', '2', {os.path.join(WORKERS, 'exit_with.py')!r}, '0']))"
+    )
+    result = run([sys.executable, "-c", code], timeout=60)
+    assert result.returncode == 2
+    assert 'meshfit launch --ray needs Ray, which is not installed. Install it with `pip install "meshfit[ray]"`.' in (
+        result.stderr
+    ), result.stderr
+
+
+def test_resources_per_proc_must_be_a_json_object_of_amounts():
+    result = run(launch_ray("auto", "--nprocs", "2", "--resources-per-proc", "CPU=1", "x.py"), timeout=60)
+    assert result.returncode == 2
+    assert "--resources-per-proc expected a JSON object of Ray resources and amounts" in result.stderr
+    assert "Received: 'CPU=1'." in result.stderr
