@@ -27,8 +27,8 @@ AUTH = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
 
 
 @pytest.fixture(scope="module")
-def address():
-    """A head without CPUs and two nodes of one CPU, with Ray token authentication on; yields its address."""
+def cluster():
+    """A head without CPUs and two nodes of one CPU, with Ray token authentication on."""
     from ray._private.authentication_test_utils import reset_auth_token_state
     from ray.cluster_utils import Cluster
 
@@ -40,7 +40,7 @@ def address():
         cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
     try:
-        yield cluster.address
+        yield cluster
     finally:
         cluster.shutdown()
         for name, value in saved.items():
@@ -49,6 +49,11 @@ def address():
             else:
                 os.environ[name] = value
         reset_auth_token_state()
+
+
+@pytest.fixture
+def address(cluster):
+    return cluster.address
 
 
 def launch_ray(address, *args):
@@ -112,6 +117,28 @@ def test_a_failed_rank_ends_the_job_naming_its_node_and_stops_the_others(address
     ), result.stderr
     assert re.search(r"^\[rank 0\] rank 0 of 2 at [\d.]+:\d+ ", result.stdout, re.M), result.stdout
     pids = rank_pids(result.stderr)
+    assert len(pids) == 2 and not [pid for pid in pids.values() if alive(pid)], "a rank outlived the job"
+
+
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # add_node forks the new node's processes
+def test_a_rank_whose_node_is_lost_ends_the_job_naming_the_node(cluster):
+    with Job(
+        launch_ray(cluster.address, "--nprocs", "2", os.path.join(WORKERS, "exit_with.py"), "0"), timeout=120
+    ) as job:
+        job.wait_for(r"\[rank 0\] rank 0 of 2")
+        placed = dict(re.findall(r"\[launch\] rank (\d) runs on node \S+ \(node id (\w+)\)", job.stderr))
+        node = next(n for n in cluster.worker_nodes if n.node_id.startswith(placed["0"]))
+        cluster.remove_node(node)
+        lost_at = time.monotonic()
+        assert job.finish(timeout=60) == 1, job.stderr[-3000:]
+    took = time.monotonic() - lost_at
+    cluster.add_node(num_cpus=1)  # two nodes again for the other tests
+    cluster.wait_for_nodes()
+    assert re.search(rf"\[launch\] rank 0's actor on node \S+ \(node id {placed['0']}\), pid \d+ died", job.stderr), (
+        job.stderr
+    )
+    assert took < 30, took
+    pids = rank_pids(job.stderr)
     assert len(pids) == 2 and not [pid for pid in pids.values() if alive(pid)], "a rank outlived the job"
 
 
