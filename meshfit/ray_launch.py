@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
 
 from meshfit.job_layout import DistributedJob, JobStart, status_text
-from meshfit.launch import FORWARDED, LaunchConfig, _die_with_parent, _Signals, free_port, process_command, process_env
+from meshfit.launch import LaunchConfig, _die_with_parent, _Signals, free_port, process_command, process_env
 
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 #: Seconds to wait for the cluster to place every rank's bundle before giving up.
@@ -293,7 +293,7 @@ class _Job:
                         status = 0
             except KeyboardInterrupt:
                 status = -signal.SIGINT
-            signalled = -status in FORWARDED if status < 0 else False
+            signalled = signals.received is not None or status == -signal.SIGINT
             self._stop(self.config.grace_period if signalled else self.config.stop_grace, signalled)
         return status
 
