@@ -57,6 +57,27 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds the other ranks get to end once a rank failed (or the ranks the job needs finished) "
         "before they are killed",
     )
+    run.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="run the ranks as Ray actors on the Ray cluster at ADDRESS (without it: RAY_ADDRESS, a running "
+        'local cluster, else a new local one); needs `pip install "meshfit[ray]"`',
+    )
+    run.add_argument(
+        "--resources-per-proc",
+        default=None,
+        metavar="JSON",
+        help='with --ray: the Ray resources of each rank, e.g. \'{"CPU": 4, "GPU": 1}\' (default {"CPU": 1})',
+    )
+    run.add_argument(
+        "--placement",
+        default="PACK",
+        choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"],
+        help="with --ray: the placement group's strategy for the ranks' bundles",
+    )
     for launcher in _launchers():
         launcher.add_arguments(run)
     run.add_argument("-m", dest="module", default=None, help="run a module (like python -m)")
@@ -90,10 +111,30 @@ def main(argv: list[str] | None = None) -> int:
             stop_grace=args.stop_grace,
         )
         try:
-            return launch(config)
+            return launch(config, runner=_ray_runner(args))
         except ValueError as error:  # a misconfiguration found before any process started
             _parser().error(str(error))
+        except ImportError as error:  # --ray without Ray
+            print(f"meshfit launch: {error}", file=sys.stderr)
+            return 2
     return 2
+
+
+def _ray_runner(args: argparse.Namespace):
+    """With --ray, the runner that starts the ranks as Ray actors (`meshfit.ray_launch`); else None."""
+    if args.ray is None:
+        if args.resources_per_proc is not None:
+            _parser().error(
+                f"--resources-per-proc needs --ray. Received: --resources-per-proc {args.resources_per_proc}"
+            )
+        return None
+    from meshfit import ray_launch  # imports Ray only when it runs
+
+    try:
+        resources = ray_launch.parse_resources(args.resources_per_proc) if args.resources_per_proc else {"CPU": 1}
+    except ValueError as error:
+        _parser().error(str(error))
+    return ray_launch.RayRunner(ray_launch.RayOptions(args.ray or None, resources, args.placement))
 
 
 def _layout(args: argparse.Namespace) -> JobLayout:

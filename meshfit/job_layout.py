@@ -38,6 +38,9 @@ class JobStart:
     heartbeat_timeout: int
     #: A fresh secret for this start, when the layout `needs_authkey`; else "".
     authkey: str = ""
+    #: The address of the coordinator's machine: loopback for a job on this machine, rank 0's node's IP for
+    #: one on a Ray cluster (`meshfit launch --ray`).
+    coordinator_host: str = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -99,15 +102,18 @@ def status_text(status: int) -> str:
     return str(status)
 
 
-def distributed_env(port: int, processes: int, rank: int, heartbeat_timeout: int) -> dict[str, str]:
-    """What `cluster.initialize` reads to join a `jax.distributed` job of `processes` processes as `rank`."""
-    address = f"127.0.0.1:{port}"
+def distributed_env(
+    port: int, processes: int, rank: int, heartbeat_timeout: int, host: str = "127.0.0.1"
+) -> dict[str, str]:
+    """What `cluster.initialize` reads to join a `jax.distributed` job of `processes` processes as `rank`,
+    whose coordinator listens on `host` (loopback unless the job spans machines)."""
+    address = f"{host}:{port}"
     return {
         job_env.ENV_COORDINATOR: address,
         job_env.ENV_NUM_PROCESSES: str(processes),
         job_env.ENV_PROCESS_ID: str(rank),
         job_env.ENV_HEARTBEAT: str(heartbeat_timeout),
-        "JAX_COORDINATOR_BIND_ADDRESS": address,  # loopback only
+        "JAX_COORDINATOR_BIND_ADDRESS": address,  # that address only (loopback for a job on one machine)
     }
 
 
@@ -122,7 +128,9 @@ class DistributedJob(JobLayout):
         return self.processes
 
     def env(self, rank: int, start: JobStart) -> dict[str, str]:
-        return distributed_env(start.coordinator_port, self.processes, rank, start.heartbeat_timeout)
+        return distributed_env(
+            start.coordinator_port, self.processes, rank, start.heartbeat_timeout, start.coordinator_host
+        )
 
     def judge_exit(self, rank: int, status: int) -> ExitVerdict:
         return ExitVerdict(

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
 
@@ -114,6 +115,10 @@ class LaunchConfig:
     @property
     def nprocs(self) -> int:
         return self.layout.nprocs
+
+
+#: Runs one start of a job: `(config, attempt, log) -> status` (0, the first failure's, or -signal).
+Runner = Callable[["LaunchConfig", int, TextIO], int]
 
 
 def process_env(config: LaunchConfig, rank: int, start: JobStart, attempt: int, gpus: int) -> dict[str, str]:
@@ -343,14 +348,20 @@ def _gpus_to_assign(config: LaunchConfig) -> int:
     return gpus
 
 
-def launch(config: LaunchConfig, log: TextIO = sys.stderr) -> int:
-    """Runs the job, restarting it up to `max_restarts` times after a failure (not after a signal)."""
+def launch(config: LaunchConfig, log: TextIO = sys.stderr, runner: Runner | None = None) -> int:
+    """Runs the job, restarting it up to `max_restarts` times after a failure (not after a signal).
+
+    `runner` runs one start of the job and returns its status as `run_once` does (the default: processes on
+    this machine; `meshfit.ray_launch` brings one that runs them on a Ray cluster).
+    """
     if config.nprocs < 1:
         raise ValueError(f"--nprocs must be at least 1. Received: {config.nprocs}.")
-    _gpus_to_assign(config)  # a misconfiguration fails before any process starts
+    if runner is None:
+        _gpus_to_assign(config)  # a misconfiguration fails before any process starts
+        runner = run_once
     attempt = 0
     while True:
-        status = run_once(config, attempt, log)
+        status = runner(config, attempt, log)
         if status == 0 or -status in FORWARDED or attempt >= config.max_restarts:
             break
         attempt += 1

@@ -15,14 +15,13 @@ import os
 from typing import Any, NamedTuple
 
 
-def import_ray():
-    """The `ray` module, or an ImportError that says how to install it."""
+def import_ray(needed_by: str = 'ParameterServerStrategy(cluster="ray")'):
+    """The `ray` module, or an ImportError that says how to install it (and what `needed_by` it)."""
     try:
         import ray
     except ImportError as error:
         raise ImportError(
-            'ParameterServerStrategy(cluster="ray") needs Ray, which is not installed. '
-            'Install it with `pip install "meshfit[ray]"`.'
+            f'{needed_by} needs Ray, which is not installed. Install it with `pip install "meshfit[ray]"`.'
         ) from error
     return ray
 

@@ -14,14 +14,30 @@ down: the coordinator drops it and redoes its batch. It ends with status
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 
 import jax
 
 from meshfit.strategies.parameter_server import launcher, transport
 from meshfit.strategies.parameter_server.partition import Partition
 from meshfit.strategies.parameter_server.transport import HOLD_TIMEOUT, deadline, specs
+
+#: JSON {worker index: seconds} a worker sleeps after each gradient: what `worker_delays` is to one-host
+#: training, for the process transport (benchmarks/bench_parameter_server.py's straggler). Workers are
+#: indexed from 0 (rank - S under `--ps S`).
+ENV_SIMULATED_DELAYS = "MESHFIT_PS_WORKER_DELAYS"
+
+
+def simulated_delay() -> float:
+    """This worker's seconds of simulated device time per gradient (`ENV_SIMULATED_DELAYS`), 0 by default."""
+    text = os.environ.get(ENV_SIMULATED_DELAYS)
+    if not text:
+        return 0.0
+    index = int(os.environ["MESHFIT_PROCESS_ID"]) - int(os.environ.get(launcher.ENV_PS_SERVERS, "1"))
+    return float(json.loads(text).get(str(index), 0.0))
 
 
 class WorkerProgram:
@@ -66,6 +82,7 @@ def main() -> int:
     print(f"parameter-server worker pid {os.getpid()} connected", flush=True)
     program = None
     timeout = transport.server_timeout()
+    delay = simulated_delay()
     transport.watch_for_silence(conn, timeout, lambda: f"parameter-server worker pid {os.getpid()}")
     while True:
         try:
@@ -90,6 +107,8 @@ def main() -> int:
             _, job, pull_id, push_id, batch_items, parameters = message
             try:
                 out = program.run(pull_id, transport.from_wire(batch_items), parameters)
+                if delay:
+                    time.sleep(delay)
             except jax.errors.JaxRuntimeError as error:  # a transfer broke: the coordinator redoes the batch
                 conn.send(("failed", job, str(error)[:300]))
                 continue
