@@ -41,7 +41,8 @@ def child(argv: list[str], started: float, preempt_at: int | None) -> None:
     """Runs the example, printing each step and, at exit, the compile seconds, cache hits and first-step time."""
     import atexit
 
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # the example's default mesh
+    devices = int(os.environ.pop("BENCH_RESTART_DEVICES"))
+    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={devices}")  # 8: the example's mesh
     import jax
 
     import meshfit as mf
@@ -101,10 +102,11 @@ def run(args, backup: str, cache: bool) -> dict:
         f"--backup-dir={backup}",
         *([] if cache else ["--no-compilation-cache"]),
     ]
-    with Job([*argv, f"--preempt-at={args.steps_before}", f"--started={time.time()}"], timeout=600) as first:
+    env = {**os.environ, "BENCH_RESTART_DEVICES": str(args.devices)}
+    with Job([*argv, f"--preempt-at={args.steps_before}", f"--started={time.time()}"], 600, env) as first:
         if first.finish() != 143:
             raise RuntimeError(f"the preempted run exited {first.returncode}, not 143:\n{first.stderr[-2000:]}")
-    with Job([*argv, f"--started={time.time()}"], timeout=600) as resumed:
+    with Job([*argv, f"--started={time.time()}"], 600, env) as resumed:
         if resumed.finish() != 0:
             raise RuntimeError(f"the resumed run exited {resumed.returncode}:\n{resumed.stderr[-2000:]}")
     (numbers,) = re.findall(
@@ -132,11 +134,12 @@ def main():
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--steps-per-epoch", type=int, default=20)
+    parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (8: the example's 1x4x2 mesh)")
     parser.add_argument(
         "--steps-before", type=int, default=22, help="steps of the first run before its preemption (in epoch 2)"
     )
     args = parse_args(
-        parser, layers=1, d_model=32, heads=2, context=16, batch_size=8, steps_per_epoch=4, steps_before=5
+        parser, layers=1, d_model=32, heads=2, context=16, batch_size=8, steps_per_epoch=4, steps_before=5, devices=1
     )
     root = tempfile.mkdtemp(prefix="meshfit-bench-restart-")
     try:
