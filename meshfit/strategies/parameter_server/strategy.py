@@ -91,10 +91,11 @@ class ParameterServerStrategy(Strategy):
         num_servers: server actors the state is partitioned over
             (`cluster="ray"`, by `min_shard_size` as above); each applies the
             optimizer update to its part.
-        worker_options, server_options: Ray actor options for the workers
-            and the servers (`num_cpus`, `num_gpus`, `resources`,
-            `scheduling_strategy`, `runtime_env`, ...), over meshfit's
-            defaults (`num_cpus=1`; workers restarted by Ray, servers not).
+        worker_options: Ray actor options for the workers (`num_cpus`,
+            `num_gpus`, `resources`, `scheduling_strategy`, `runtime_env`,
+            ...), over meshfit's defaults (`num_cpus=1`; restarted by Ray).
+        server_options: the same for the servers (not restarted: a lost
+            server ends `fit`).
         server_timeout: seconds a server actor may leave a call unanswered
             before fit ends with an error naming it (`cluster="ray"`).
     """
