@@ -6,7 +6,6 @@ real process that joins the cluster by its address; the ranks are real processes
 
 import os
 import re
-import secrets
 import signal
 import sys
 import time
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 from helpers import MLP, classification_data
 from processes import Job, run
+from ray_clusters import token_cluster
 
 import meshfit as mf
 
@@ -23,32 +23,13 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
 WORKERS = os.path.join(os.path.dirname(__file__), "workers")
-AUTH = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
 
 
 @pytest.fixture(scope="module")
 def cluster():
     """A head without CPUs and two nodes of one CPU, with Ray token authentication on."""
-    from ray._private.authentication_test_utils import reset_auth_token_state
-    from ray.cluster_utils import Cluster
-
-    saved = {name: os.environ.get(name) for name in AUTH}
-    os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)})
-    reset_auth_token_state()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    for _ in range(2):
-        cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    try:
+    with token_cluster({"num_cpus": 0}, [{"num_cpus": 1}] * 2) as (cluster, _):
         yield cluster
-    finally:
-        cluster.shutdown()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        reset_auth_token_state()
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import pytest
 from helpers import MLP, assert_trees_close, classification_data
+from ray_clusters import token_cluster
 
 import meshfit as mf
 
@@ -28,33 +29,18 @@ pytestmark = pytest.mark.slow
 
 WORKERS = {"num_cpus": 0, "resources": {"ps_worker": 1}}
 SERVERS = {"num_cpus": 0, "resources": {"ps_server": 1}}
-AUTH = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
 
 
 @pytest.fixture(scope="module")
 def cluster():
     """Head (no CPUs, the servers' resource) and two worker nodes, with Ray token authentication on."""
-    from ray._private.authentication_test_utils import reset_auth_token_state
-    from ray.cluster_utils import Cluster
-
-    saved = {name: os.environ.get(name) for name in AUTH}
-    os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)})
-    reset_auth_token_state()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "resources": {"ps_server": 4}})
-    nodes = [cluster.add_node(num_cpus=0, resources={"ps_worker": 1}) for _ in range(2)]
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address)
-    try:
-        yield cluster, nodes
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        reset_auth_token_state()
+    head = {"num_cpus": 0, "resources": {"ps_server": 4}}
+    with token_cluster(head, [{"num_cpus": 0, "resources": {"ps_worker": 1}}] * 2) as (cluster, nodes):
+        ray.init(address=cluster.address)
+        try:
+            yield cluster, nodes
+        finally:
+            ray.shutdown()
 
 
 def ray_strategy(mode, servers=1, workers=2, **kwargs):
