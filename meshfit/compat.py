@@ -107,6 +107,50 @@ def preemption_sync_manager():
     return distributed.global_state.preemption_sync_manager
 
 
+#: Seconds process 0 waits at exit for its coordination service to stop before leaving it to the process's exit.
+COORDINATION_SHUTDOWN_GRACE = 1.0
+
+
+class _BoundedServiceShutdown:
+    """Stands in for JAX's coordination service so that its `shutdown()` waits at most `grace` seconds."""
+
+    def __init__(self, service, grace: float):
+        self.service, self.grace = service, grace
+
+    def shutdown(self) -> None:
+        stopper = threading.Thread(target=self.service.shutdown, daemon=True, name="meshfit-coordination-shutdown")
+        stopper.start()
+        stopper.join(self.grace)
+        if stopper.is_alive():
+            import logging
+
+            logging.getLogger("meshfit.cluster").warning(
+                "The coordination service still held a connection that is not one of the job's %.1f s after the "
+                "job ended; exiting without waiting for it (its sockets close with this process).",
+                self.grace,
+            )
+
+
+def bound_coordination_shutdown(grace: float = COORDINATION_SHUTDOWN_GRACE) -> None:
+    """Makes this process's `jax.distributed` shutdown wait at most `grace` seconds for its coordination service.
+
+    Why: process 0 runs the job's coordination service, whose shutdown (run by
+    JAX at exit, after every process has passed the shutdown barrier) stops
+    its gRPC server with a 5 s deadline (`xla/pjrt/distributed/service.cc`);
+    a connection that is not one of the job's and never speaks holds that
+    deadline to its end, so any local process could make every job exit 5 s
+    late. The job's own calls are answered in milliseconds; past `grace` the
+    server is left to the process's exit, which closes its sockets. JAX keeps
+    the service in `global_state.service` and calls only its `shutdown()`.
+    No-op in a process without the service.
+    """
+    from jax._src import distributed
+
+    service = distributed.global_state.service
+    if service is not None and not isinstance(service, _BoundedServiceShutdown):
+        distributed.global_state.service = _BoundedServiceShutdown(service, grace)
+
+
 def release_orbax_waiters() -> int:
     """Ends Orbax's background threads left waiting for a save that failed; returns how many.
 

@@ -292,3 +292,43 @@ def test_a_stopped_process_is_declared_dead_after_the_heartbeat_timeout(tmp_path
         other.proc.send_signal(signal.SIGCONT)
     assert status == -signal.SIGABRT and took < 20
     assert re.search(r"The following tasks are unhealthy \(stopped sending heartbeats\):\s+1\n", chief.stderr)
+
+
+# -- a stranger at the coordination service -----------------------------------------------------------------------
+
+HELD = """
+import os, sys, time
+import meshfit as mf
+mf.cluster.initialize()
+import jax, jax.numpy as jnp
+from jax.experimental import multihost_utils
+print("joined", flush=True)
+while not os.path.exists(sys.argv[1]):  # until the test holds its connection
+    time.sleep(0.05)
+total = multihost_utils.process_allgather(jnp.ones(2) * jax.process_index()).sum()
+print("ended", float(total), flush=True)
+"""
+
+
+def test_a_silent_connection_at_the_coordination_service_does_not_hold_process_0s_exit(tmp_path):
+    """A connection to JAX's coordination service that never speaks, held to the end: process 0 exits within
+    about a second of the job's end, not after the 5 s deadline its gRPC server gives such a connection."""
+    import socket
+
+    port, go = free_port(), tmp_path / "go"
+    env = {"MESHFIT_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "MESHFIT_NUM_PROCESSES": "2"}
+    ranks = [
+        processes.Job([sys.executable, "-c", HELD, str(go)], 120, clean_env({**env, "MESHFIT_PROCESS_ID": str(i)}))
+        for i in (0, 1)
+    ]
+    with ranks[0], ranks[1]:
+        for rank in ranks:
+            rank.wait_for("joined")
+        with socket.create_connection(("127.0.0.1", port), timeout=5):  # the service listens there now
+            go.touch()
+            ranks[0].wait_for("ended 2.0")
+            ended = time.monotonic()
+            statuses = [rank.finish(timeout=60) for rank in ranks]
+            took = time.monotonic() - ended
+    assert statuses == [0, 0], ranks[0].stderr[-3000:] + ranks[1].stderr[-3000:]
+    assert took < 3.5, f"process 0 exited {took:.1f} s after the job ended"
