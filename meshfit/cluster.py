@@ -30,6 +30,7 @@ __all__ = [
     "detected_cluster",
     "DEFAULT_INIT_TIMEOUT",
     "DEFAULT_HEARTBEAT_TIMEOUT",
+    "heartbeat_timeout",
 ]
 
 logger = logging.getLogger("meshfit")
@@ -137,7 +138,7 @@ def initialize(
     coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR)
     num_processes = num_processes if num_processes is not None else _int_env(ENV_NUM_PROCESSES)
     process_id = process_id if process_id is not None else _int_env(ENV_PROCESS_ID)
-    heartbeat = heartbeat_timeout_seconds or _int_env(ENV_HEARTBEAT) or DEFAULT_HEARTBEAT_TIMEOUT
+    heartbeat = heartbeat_timeout(heartbeat_timeout_seconds)
     if initialization_timeout is None:
         initialization_timeout = _int_env(ENV_INIT_TIMEOUT) or DEFAULT_INIT_TIMEOUT
     if initialization_timeout < 1:
@@ -186,6 +187,12 @@ def initialize(
     compat.bound_coordination_shutdown()  # a silent stranger at the service must not hold the exit
     logger.info("Joined a %d-process job as process %d.", jax.process_count(), jax.process_index())
     return jax.process_count() > 1
+
+
+def heartbeat_timeout(given: int | None = None) -> int:
+    """The seconds without heartbeats after which a job declares a process dead: `given`, else
+    `MESHFIT_HEARTBEAT_TIMEOUT`, else `DEFAULT_HEARTBEAT_TIMEOUT` (JAX's own default, 100 s, is longer)."""
+    return given or _int_env(ENV_HEARTBEAT) or DEFAULT_HEARTBEAT_TIMEOUT
 
 
 def complete_settings(

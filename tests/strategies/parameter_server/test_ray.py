@@ -259,7 +259,8 @@ def test_a_client_without_the_cluster_token_is_refused(cluster):
     cluster_, _ = cluster
     code = f"import ray; ray.init(address={cluster_.address!r}); print('connected')"
     env = {**clean_env(), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
-    env["RAY_gcs_rpc_server_connect_timeout_s"] = "3"  # Ray retries a refused connection for 20 s otherwise
+    env["RAY_gcs_rpc_server_connect_timeout_s"] = "3"
+    env["RAY_gcs_server_port_wait_time_s"] = "2"  # the driver retries a refused connection for 20 s otherwise
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode != 0 and "connected" not in result.stdout
     assert "AuthenticationError" in result.stderr and "InvalidAuthToken" in result.stderr, result.stderr[-2000:]
