@@ -144,7 +144,16 @@ def main():
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="MLP layer widths")
     parser.add_argument("--memory", action="store_true", help="the memory table instead of throughput")
-    args = parse_args(parser, repeats=1, batch=16, steps=4, sizes="32,64,64,32,16")
+    parser.add_argument(
+        "--meshes", default=";".join(MESHES), help=f"semicolon-separated, of {';'.join(MESHES)} (default: all)"
+    )
+    args = parse_args(
+        parser, repeats=1, batch=16, steps=4, sizes="32,64,64,32,16", meshes="data=8;data=2 x fsdp=2 x tensor=2"
+    )
+    meshes = {name.strip(): MESHES.get(name.strip()) for name in args.meshes.split(";")}
+    unknown = [name for name, mesh in meshes.items() if mesh is None]
+    if unknown:
+        parser.error(f"--meshes takes names of {list(MESHES)}. Received: {unknown}.")
     sizes = tuple(int(n) for n in args.sizes.split(","))
     rng = np.random.default_rng(0)
     x = rng.standard_normal((args.batch * args.steps, sizes[0]), dtype=np.float32)
@@ -158,7 +167,7 @@ def main():
         memory_table(sizes, x, y, args.batch)
         return
     table = []
-    for name, (axes, rules) in MESHES.items():
+    for name, (axes, rules) in meshes.items():
         strategy = mf.strategies.MeshStrategy(axes=axes, rules=rules, min_shard_size=1024)
         with strategy.scope():
             model = mf.Model(MLP(sizes, rngs=nnx.Rngs(0)))
