@@ -8,7 +8,7 @@
     partition    how a state is split over several server processes
     follower     server ranks 1..: replay rank 0's decisions on their part of the state
     worker       a worker process (`python -m meshfit.strategies.parameter_server.worker`)
-    transport    control connections, wire format, transfer servers
+    transport    authenticated connections and listeners, wire format
     launcher     what `meshfit launch --ps S --workers N` starts on each rank, and its MESHFIT_PS_* variables
     ray_cluster  cluster="ray": importing Ray, joining or starting a cluster
     ray_workers  RayWorkers and RayServers: worker and server actors as the driver drives them

@@ -1,15 +1,16 @@
 """Server rank 0 of a job with worker processes: it accepts the workers and the other servers and hands out work.
 
-The coordinator listens on the job's address (each connection is authenticated
-on a thread of its own, within `transport.HANDSHAKE_TIMEOUT`, so a stranger that
-stays silent, sends garbage or does not know the secret is dropped without
-holding up the others), pings everyone so that a hung
-rank 0 is noticed (`transport.watch_for_silence`), ships the gradient program
-to each worker, hands batches to idle workers and collects their gradients
-(`RemoteWorkers`, the engines' transport for worker processes). A worker whose
-connection drops, or that holds a batch past `worker_timeout`, is dropped and
-its batch is given to another worker. With several server processes, rank 0
-also sends each of its decisions to the others (`ServerGroup`).
+The coordinator listens on the job's address (`transport.Gate`: each
+connection is authenticated on a thread of its own, within
+`transport.HANDSHAKE_TIMEOUT`, so a stranger that stays silent, sends garbage
+or does not know the secret is dropped without holding up the others), pings
+everyone so that a hung rank 0 is noticed (`transport.watch_for_silence`),
+ships the gradient program to each worker, hands batches to idle workers and
+collects their gradients (`RemoteWorkers`, the engines' transport for worker
+processes). A worker whose connection drops, or that holds a batch past
+`worker_timeout`, is dropped and its batch is given to another worker. With
+several server processes, rank 0 also sends each of its decisions to the
+others (`ServerGroup`), with their parts of each gradient.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 import sys
 import threading
 import time
-from multiprocessing.connection import Listener, wait
+from multiprocessing.connection import wait
 from typing import NamedTuple
 
 import jax
@@ -28,28 +29,20 @@ import jax
 from meshfit.strategies.parameter_server import launcher, transport
 from meshfit.strategies.parameter_server.partition import TransferPlan
 from meshfit.strategies.parameter_server.server import Task, export_gradients
-from meshfit.strategies.parameter_server.transport import HOLD_TIMEOUT, Channel, deadline, specs
-
-_BACKLOG = 128  # connections the kernel queues for the accept thread (strangers may fill some)
-_MAX_HANDSHAKES = 64  # connections being authenticated at once; more are closed at once
-_ACCEPT_BACKOFF = 1.0  # the longest pause after a failed accept (out of file descriptors)
 
 
 class _Job(NamedTuple):
-    """A task handed to a worker: the parameter version it computes on, where its gradient waits."""
+    """A task handed to a worker: the parameter version it computes on, when it started."""
 
     task: Task
     version: int
-    push_id: int
     started: float
 
 
 class _Worker:
-    def __init__(self, conn, address: str, pid: int, connection):
+    def __init__(self, conn, pid: int):
         self.conn = conn
-        self.address = address
         self.pid = pid
-        self.transfer = connection
         self.job: _Job | None = None  # while busy
         self.alive = True
 
@@ -63,21 +56,15 @@ class Coordinator:
     """
 
     def __init__(self, expected_workers: int, expected_servers: int = 1, accept_timeout: float = 120.0):
-        # No authkey here: `Listener.accept` would run the handshake on the accept thread, unbounded.
-        self.listener = Listener(transport.address(), backlog=_BACKLOG)
-        self.key = transport.authkey()
-        self.server = None if transport.arrays_inline() else transport.transfer_server()
         self.workers: list[_Worker] = []
-        self.followers: dict[int, tuple] = {}  # server rank -> (conn, transfer address)
+        self.followers: dict[int, tuple] = {}  # server rank -> (channel, address of its listener for workers)
         self.lock = threading.Lock()
-        self.ids = itertools.count(1)  # ids of what rank 0's transfer server offers, and of jobs
+        self.ids = itertools.count(1)  # ids of jobs
         self.program = None
         self._ready = threading.Event()
         self._closed = threading.Event()
-        self._stranger_seen = threading.Event()
         self._expected = expected_workers, expected_servers - 1
-        self._accepting = threading.Thread(target=self._accept, daemon=True, name="ps-accept")
-        self._accepting.start()
+        self.gate = transport.Gate(transport.address(), transport.authkey(), self._admit)
         # Pings tell workers and other servers this process still runs: a stopped or hung
         # rank 0 goes silent, and they end the job after `server_timeout` instead of waiting forever.
         self._heartbeat = threading.Thread(
@@ -101,56 +88,14 @@ class Coordinator:
                 except OSError:
                     pass  # a lost worker is noticed and dropped by the main thread
 
-    def _accept(self) -> None:
-        """Accepts connections and hands each to a thread of its own: no peer can stop or block this loop."""
-        pause = 0.01
-        handshakes = threading.BoundedSemaphore(_MAX_HANDSHAKES)
-        while not self._closed.is_set():
-            try:
-                conn = self.listener.accept()
-            except OSError:  # closed, or out of file descriptors: back off rather than spin
-                if self._closed.wait(pause):
-                    return
-                pause = min(2 * pause, _ACCEPT_BACKOFF)
-                continue
-            pause = 0.01
-            if not handshakes.acquire(blocking=False):
-                conn.close()  # a flood of strangers: the job's own processes retry
-                continue
-            threading.Thread(target=self._admit, args=(conn, handshakes), daemon=True, name="ps-handshake").start()
-
-    def _admit(self, conn, handshakes: threading.BoundedSemaphore) -> None:
-        """Authenticates one connection and reads its hello within the bound; a stranger is closed (and the
-        first one said on stderr, so that someone probing the port is seen without flooding the log)."""
-        try:
-            hello = transport.handshake(conn, self.key, accepting=True, then=lambda c: c.recv())
-        except transport.HANDSHAKE_ERRORS as error:
-            conn.close()
-            if not self._stranger_seen.is_set():
-                self._stranger_seen.set()
-                why = f"{type(error).__name__}: {str(error) or 'silent, or closed'}"
-                print(
-                    f"ParameterServerStrategy: closed a connection to {os.environ.get(launcher.ENV_PS_ADDRESS)} "
-                    f"that did not complete the handshake ({why}); "
-                    "it is not one of the job's processes. Further ones are closed without a word.",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            return
-        finally:
-            handshakes.release()
-        if not (isinstance(hello, tuple) and len(hello) >= 4 and hello[0] == "hello"):
-            conn.close()
-            return
-        conn = Channel(conn)
+    def _admit(self, conn: transport.Channel, hello: tuple) -> None:
+        """Takes on an authenticated worker or server (`transport.Gate`)."""
         _, kind, address, pid = hello[:4]
         with self.lock:
             if kind == "server":
                 self.followers[hello[4]] = (conn, address)
-                conn.send(("coordinator", self.server.address()))
             else:
-                transfer = self.server.connect(address) if self.server is not None else None
-                self.workers.append(_Worker(conn, address, pid, transfer))
+                self.workers.append(_Worker(conn, pid))
                 if self.program is not None:
                     conn.send(self.program)
             if len(self.workers) >= self._expected[0] and len(self.followers) >= self._expected[1]:
@@ -158,7 +103,7 @@ class Coordinator:
 
     def group(self, layout) -> ServerGroup:
         """The servers (this one and the others, in rank order), for placing results and offering state."""
-        return ServerGroup(layout, self.server, [self.followers[r] for r in sorted(self.followers)], self.ids)
+        return ServerGroup(layout, [self.followers[r] for r in sorted(self.followers)])
 
     def set_program(self, exported, addresses: list[str], dims: list[int | None]) -> None:
         self.program = ("program", addresses, bytes(exported.serialize()), dims)
@@ -192,21 +137,20 @@ class Coordinator:
                 worker.conn.send(("stop",))
             except OSError:
                 pass
-        self.listener.close()
+        self.gate.close()
 
 
 class ServerGroup:
-    """Rank 0's side of the servers: what workers pull, where results go, what the others replay.
+    """Rank 0's side of the servers: what workers are sent, where results go, what the others replay.
 
-    With one server process it only offers rank 0's state and places results
-    on its devices; with several it also sends each decision to the others.
+    With one server process it only sends rank 0's state and places results
+    on its devices; with several it also sends each decision to the others,
+    and each its part of every result.
     """
 
-    def __init__(self, layout, transfer, followers, ids):
+    def __init__(self, layout, followers):
         self.layout = layout
-        self.transfer = transfer  # rank 0's transfer server
-        self.followers = followers  # [(conn, transfer address)] of ranks 1.., in rank order
-        self.ids = ids  # the ids rank 0's transfer server offers under, shared with the coordinator
+        self.followers = followers  # [(channel, address of its listener for workers)] of ranks 1.., in rank order
         self._plan: TransferPlan | None = None
 
     @property
@@ -215,41 +159,31 @@ class ServerGroup:
 
     @property
     def addresses(self) -> list[str]:
-        """Each server's transfer address, in rank order: where workers pull the parameters (none when they
-        come with each job: `transport.arrays_inline`)."""
-        if self.transfer is None:
-            return []
-        return [self.transfer.address()] + [address for _, address in self.followers]
+        """Where workers take the other servers' parts of the parameters, in rank order (none with one server)."""
+        return [address for _, address in self.followers]
 
     def plan(self, state) -> TransferPlan:
-        """What each server offers workers and takes of their results, for states shaped like `state`."""
+        """What each server sends workers and takes of their results, for states shaped like `state`."""
         if self._plan is None:
             self._plan = TransferPlan(self.layout, state, self.count)
         return self._plan
 
-    def offer(self, state, pull_ids: list[int]) -> list | None:
-        """Offers each server's part of `state` to workers, once per id; with arrays inline
-        (`transport.arrays_inline`), returns them as wire items to send with each job instead."""
-        if not pull_ids:
+    def offer(self, state, jobs: list[tuple[int, int]]) -> list | None:
+        """Rank 0's part of `state` as wire items, to send with each of these `(job id, worker pid)`; the other
+        servers are told to send theirs to the same workers."""
+        if not jobs:
             return None
-        variables = self.plan(state).offered(state, 0)
-        if self.transfer is None:
-            return transport.to_wire(variables)
-        self._send(("offer", pull_ids))
-        for pull_id in pull_ids:
-            self.transfer.await_pull(pull_id, variables, timeout=deadline(HOLD_TIMEOUT))
+        self._send(("offer", jobs))
+        return transport.to_wire(self.plan(state).offered(state, 0))
 
     def take(self, state, grads, model_state, increments, staleness: int | None):
-        """A worker's whole result (on rank 0) as server arrays; the other servers take their parts."""
+        """A worker's whole result (on rank 0) as server arrays; the other servers are sent their parts."""
         if self.count == 1:
             return self.layout.take(state, grads, model_state, increments)
         plan = self.plan(state)
         for server, (conn, _) in enumerate(self.followers, start=1):
-            take_id = next(self.ids)
-            self.transfer.await_pull(
-                take_id, plan.result_parts(server, grads, model_state, increments), timeout=deadline(HOLD_TIMEOUT)
-            )
-            conn.send(("apply", take_id, staleness))
+            parts = plan.result_parts(server, grads, model_state, increments)
+            conn.send(("apply", staleness, transport.to_wire(parts)))
         return plan.build(plan.result_parts(0, grads, model_state, increments))
 
     def finish(self) -> None:
@@ -264,8 +198,9 @@ class ServerGroup:
 class RemoteWorkers:
     """Worker processes reached through the coordinator: the engines' `Workers` under `meshfit launch --ps`.
 
-    Queued jobs go to idle workers with the published parameters (each server
-    offers its part); results are pulled back to rank 0's first server device.
+    Queued jobs go to idle workers with the published parameters (rank 0's
+    part with the batch, each other server's part from that server); results
+    come back whole to rank 0's first server device.
     A job a lost worker held (its process died, its connection broke, or it
     held the batch past `worker_timeout`) goes back to the front of the queue
     and is redone by another worker.
@@ -320,17 +255,11 @@ class RemoteWorkers:
                 continue
             try:
                 message = worker.conn.recv()
-                if message[0] == "failed":  # the worker could not pull: redo the batch
+                if message[0] == "failed":  # the worker did not get every server's part: redo the batch
                     worker.job = None
                     self.pending.appendleft(job.task)
                     continue
-                if worker.transfer is None:  # arrays inline: the gradients came with the message
-                    flat = [jax.device_put(a, self.strategy.server_device) for a in transport.from_wire(message[3])]
-                else:
-                    avals = [(a.shape, a.dtype) for a in self.exported.out_avals]
-                    flat = worker.transfer.pull(
-                        job.push_id, specs(avals, self.strategy.server_device), timeout=deadline()
-                    )
+                flat = [jax.device_put(a, self.strategy.server_device) for a in transport.from_wire(message[2])]
                 jax.block_until_ready(flat)
             except (EOFError, OSError, RuntimeError) as error:
                 self.pending.appendleft(job.task)
@@ -359,14 +288,13 @@ class RemoteWorkers:
                 break
             if worker.job is None:
                 assigned.append((worker, self.pending.popleft(), next(self.coordinator.ids)))
-        parameters = self.group.offer(self.state, [pull_id for _, _, pull_id in assigned])
-        for worker, task, pull_id in assigned:
-            push_id = next(self.coordinator.ids)
+        parameters = self.group.offer(self.state, [(job_id, worker.pid) for worker, _, job_id in assigned])
+        for worker, task, job_id in assigned:
             try:
                 batch = transport.to_wire((task.batch, task.rng, task.salt))
-                worker.conn.send(("work", pull_id, pull_id, push_id, batch, parameters))
+                worker.conn.send(("work", job_id, batch, parameters))
             except OSError as error:
                 self.pending.appendleft(task)
                 self.coordinator.drop(worker, str(error))
                 continue
-            worker.job = _Job(task, version=self.version, push_id=push_id, started=time.monotonic())
+            worker.job = _Job(task, version=self.version, started=time.monotonic())

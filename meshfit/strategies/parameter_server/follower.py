@@ -6,35 +6,81 @@ to workers and decides what happens when. It sends each decision to the other
 servers over the authenticated control channel (`coordinator.ServerGroup`),
 and they replay it:
 
-    ("offer", pull_ids)        offer this server's part of the parameters to workers
-    ("apply", take_id, s)      pull this server's part of a worker's result from
-                               rank 0 and apply it (s: its staleness, or None)
+    ("offer", [(job, pid)])    send this server's part of the parameters to the
+                               worker of each pid, for that job
+    ("apply", s, parts)        apply this server's part of a worker's result,
+                               which comes with the message (s: its staleness, or None)
     ("return",)                the end of one call of the train function
+
+Workers connect to each server of rank 1.. (`transport.Gate`, authenticated
+like rank 0's listener) when rank 0 sends them the gradient program, which
+carries the servers' addresses.
 """
 
 from __future__ import annotations
 
 import os
+import queue
+import threading
+
+import jax
 
 from meshfit.strategies.parameter_server import launcher, transport
 from meshfit.strategies.parameter_server.partition import TransferPlan
 from meshfit.strategies.parameter_server.server import ServerTrainFunction
-from meshfit.strategies.parameter_server.transport import HOLD_TIMEOUT, deadline
 
 
 class FollowerLink:
-    """A server of rank 1.. and its channel to rank 0: decisions in, result parts pulled from rank 0."""
+    """A server of rank 1.., its channel to rank 0 (decisions and result parts in) and its listener for
+    workers (each worker's connection, by pid, takes this server's parts of the parameters)."""
 
     def __init__(self):
         self.rank = int(os.environ[launcher.ENV_PS_SERVER_RANK])
         self.count = transport.server_count()
-        self.transfer = transport.transfer_server()
         self.timeout = transport.server_timeout()
+        self.workers: dict[int, transport.Channel] = {}  # pid -> its connection
+        self._outboxes: dict[int, queue.SimpleQueue] = {}  # pid -> parts to send it
+        self._joined = threading.Condition()
+        self.gate = transport.Gate(("127.0.0.1", 0), transport.authkey(), self._admit)
         self.conn = transport.connect()
-        self.conn.send(("hello", "server", self.transfer.address(), os.getpid(), self.rank))
-        _, coordinator_address = self.recv()
-        self.coordinator = self.transfer.connect(coordinator_address)
+        self.conn.send(("hello", "server", self.gate.address, os.getpid(), self.rank))
         transport.watch_for_silence(self.conn, self.timeout, lambda: f"parameter server rank {self.rank}")
+
+    def _admit(self, conn: transport.Channel, hello: tuple) -> None:
+        with self._joined:
+            old = self.workers.get(hello[3])
+            self.workers[hello[3]] = conn
+            self._joined.notify_all()
+        if old is not None:
+            old.close()
+
+    def send_part(self, pid: int, job: int, items: list) -> None:
+        """Sends this server's part of the parameters to the worker `pid` for `job`, from a thread of that
+        worker's: a worker that is slow to read, stopped or gone holds up no one else."""
+        if pid not in self._outboxes:
+            self._outboxes[pid] = queue.SimpleQueue()
+            threading.Thread(target=self._deliver, args=(pid,), daemon=True, name="ps-parts").start()
+        self._outboxes[pid].put((job, items))
+
+    def _deliver(self, pid: int) -> None:
+        """Sends the worker `pid` its parts, in order. It connects when it gets the program: each part waits
+        for that up to `transport.PULL_TIMEOUT`; one that finds no connection is dropped (the worker gives up
+        on its job, or rank 0 finds it gone, and the batch is redone)."""
+        outbox = self._outboxes[pid]
+        while True:
+            job, items = outbox.get()
+            with self._joined:
+                self._joined.wait_for(lambda: pid in self.workers, transport.PULL_TIMEOUT)
+                conn = self.workers.get(pid)
+            if conn is None:
+                continue
+            try:
+                conn.send(("part", job, items))
+            except OSError:  # the worker is gone
+                with self._joined:
+                    if self.workers.get(pid) is conn:
+                        del self.workers[pid]
+                conn.close()
 
     def recv(self):
         """rank 0's next decision; an error if the connection breaks or rank 0 goes silent."""
@@ -81,13 +127,13 @@ class FollowerEngine(ServerTrainFunction):
         while True:
             op = self.link.recv()
             if op[0] == "offer":
-                variables = self.plan.offered(self.state, server)
-                for pull_id in op[1]:
-                    self.link.transfer.await_pull(pull_id, variables, timeout=deadline(HOLD_TIMEOUT))
+                items = transport.to_wire(self.plan.offered(self.state, server))
+                for job, pid in op[1]:
+                    self.link.send_part(pid, job, items)
             elif op[0] == "apply":
-                _, take_id, staleness = op
-                parts = self.link.coordinator.pull(take_id, self.plan.result_specs(server, device), timeout=deadline())
-                self.apply(*self.plan.build(list(parts)), encoded=True)
+                _, staleness, items = op
+                parts = [jax.device_put(a, device) for a in transport.from_wire(items)]
+                self.apply(*self.plan.build(parts), encoded=True)
                 if staleness is not None:
                     self.staleness.append(staleness)
             elif op[0] == "return":

@@ -8,9 +8,9 @@ server process (`ServerLayout`): each large parameter and its optimizer state
 are split over the servers, and every update is one SPMD program in which each
 server updates its part.
 
-Workers pull each server's part of the parameters from that server
+Workers take each server's part of the parameters from that server
 (`Partition`). Results come back whole to rank 0, which must have a worker's
-whole result before it applies it; rank 0 then hands each other server its
+whole result before it applies it; rank 0 then sends each other server its
 part (`TransferPlan`). How rank 0 drives the others is in
 `coordinator.ServerGroup` and `follower`.
 """
@@ -23,14 +23,13 @@ import jax.numpy as jnp
 from meshfit.checkpoint import encode
 from meshfit.strategies import layout
 from meshfit.strategies.parameter_server.server import SERVER_AXIS, local
-from meshfit.strategies.parameter_server.transport import specs
 
 
 class Partition:
     """How the leaves of a tree are split over `count` server processes.
 
     `dims[i]` is the dimension leaf i is split along, in `count` equal parts in
-    server order, or None for a leaf kept whole: a worker pulls it from server
+    server order, or None for a leaf kept whole: a worker takes it from server
     0, and every server holds a copy in the server state.
     """
 
@@ -121,17 +120,17 @@ def local_tree(tree):
 class TransferPlan:
     """What moves between workers and server processes for states shaped like `state`.
 
-    The part of the parameters and module state each server offers workers
+    The part of the parameters and module state each server sends workers
     (`offered`), the part of a worker's result each server takes
-    (`result_parts`, `result_specs`), and how parts become global arrays over
-    the servers again (`build`).
+    (`result_parts`), and how parts become global arrays over the servers
+    again (`build`).
     """
 
     def __init__(self, layout, state, count: int):
         self.layout = layout
         self.count = count
         model_state = jax.eval_shape(encode, state.model_state)
-        self.pulled = Partition.of((state.params, model_state), count)  # what workers pull
+        self.pulled = Partition.of((state.params, model_state), count)  # what workers are sent
         self.grads = Partition.of(state.params, count)
         self.grad_shardings = [p.sharding for p in jax.tree.leaves(state.params)]
         self.grad_avals = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in jax.tree.leaves(state.params)]
@@ -140,7 +139,7 @@ class TransferPlan:
         self.trees = jax.tree.structure(state.params), jax.tree.structure(rest)
 
     def offered(self, state, server: int) -> list:
-        """Server `server`'s part of the parameters and module state, as workers pull it (this process's)."""
+        """Server `server`'s part of the parameters and module state, as workers are sent it (this process's)."""
         leaves = jax.tree.leaves((state.params, encode(local_tree(state.model_state))))
         if self.count == 1:  # one process, perhaps several devices: whole leaves from the first
             return jax.tree.leaves(self.layout.gather(leaves))
@@ -153,10 +152,6 @@ class TransferPlan:
         return self.grads.parts(jax.tree.leaves(grads), server, whole_everywhere=True) + jax.tree.leaves(
             (model_state, increments)
         )
-
-    def result_specs(self, server: int, device) -> list[jax.ShapeDtypeStruct]:
-        avals = self.grads.part_avals(self.grad_avals, server, whole_everywhere=True)
-        return specs(avals + [(a.shape, a.dtype) for a in self.rest_avals], device)
 
     def build(self, parts: list):
         """Global arrays over the servers from this process's parts: (grads, encoded module state, increments)."""

@@ -3,25 +3,27 @@
 `meshfit launch --ps S --workers N` gives every process its role and the
 job's address and secret in `MESHFIT_PS_*` variables (named in `launcher`).
 
-Control plane: `multiprocessing.connection` with an authkey (HMAC challenge on
-connect), loopback by default. Each side runs the challenge within
-`HANDSHAKE_TIMEOUT` (`handshake`): a peer that stays silent, sends garbage or
-does not know the secret is dropped, and holds nothing up. Messages are small tuples of ints and strings;
-batches travel as raw array bytes with their shape and dtype (`to_wire`), so
-nothing from the network is unpickled beyond the authenticated control tuples.
-Arrays (parameters to a worker, gradients back) move over that authenticated
-connection when the job has one server (`arrays_inline`), and through
-`jax.experimental.transfer` servers, one per process, when the state is
-partitioned over several. A transfer server's listeners take any local
-connection, and one that connects and stays silent stalls every later pull of
-that server past its timeout (jaxlib 0.10); so they are started only where the
-state is partitioned (see docs/parameter_server.md, "Limits").
+Every connection between the job's processes is a `multiprocessing.connection`
+with an authkey (HMAC challenge on connect), on loopback: each worker and each
+server of rank 1.. to rank 0 (the job's address), and, with several servers,
+each worker to each server of rank 1.. (its own listener, whose address rank 0
+sends the workers). A listener (`Gate`) runs the challenge of each connection
+on a thread of its own within `HANDSHAKE_TIMEOUT` (`handshake`): a peer that
+stays silent, sends garbage or does not know the secret is dropped, and holds
+nothing up. These are the job's only ports besides the servers' own
+`jax.distributed` job (S > 1).
+
+Messages are small tuples of ints and strings; arrays (batches, parameters,
+gradients) travel in them as raw bytes with their shape and dtype (`to_wire`),
+so nothing from the network is unpickled beyond the authenticated control
+tuples. A worker takes rank 0's part of the parameters with each batch and
+each other server's part from that server; it sends its gradients to rank 0,
+which sends each other server its part.
 """
 
 from __future__ import annotations
 
 import array
-import datetime
 import fcntl
 import os
 import socket
@@ -30,7 +32,7 @@ import termios
 import threading
 import time
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
 
 import jax
 import numpy as np
@@ -41,9 +43,8 @@ from meshfit.strategies.parameter_server import launcher
 # The exported gradient program takes a Batch; both ends must know its name.
 jax.export.register_namedtuple_serialization(Batch, serialized_name="meshfit.batch.Batch")
 
-#: How long an offered array waits to be pulled before its transfer server lets it go.
-HOLD_TIMEOUT = datetime.timedelta(seconds=120)
-PULL_TIMEOUT = datetime.timedelta(seconds=30)
+#: Seconds a worker waits for a server's part of the parameters (a server of rank 1.. sends it when rank 0 says).
+PULL_TIMEOUT = 30.0
 #: Seconds a control connection has to complete the HMAC handshake and say hello (milliseconds between the job's
 #: own processes); past it the connection is dropped.
 HANDSHAKE_TIMEOUT = 10.0
@@ -61,11 +62,6 @@ def role() -> str | None:
 def server_count() -> int:
     """How many server processes the job has (1 outside a `meshfit launch --ps` job)."""
     return int(os.environ.get(launcher.ENV_PS_SERVERS, "1"))
-
-
-def arrays_inline() -> bool:
-    """Whether arrays travel over the control connections (one server process) rather than transfer servers."""
-    return server_count() == 1
 
 
 def address() -> tuple[str, int]:
@@ -211,20 +207,22 @@ def handshake(conn: Connection, key: bytes, accepting: bool, timeout: float = HA
         raise
 
 
-def connect(timeout: float = 120.0) -> Channel:
-    """Connects to the coordinator, retrying while it starts up; a clear error if it does not answer in time.
+def connect(timeout: float = 120.0, where: tuple[str, int] | None = None, what: str = "coordinator") -> Channel:
+    """Connects to the coordinator (or the server at `where`, `what`), retrying while it starts up; a clear
+    error if it does not answer in time.
 
     Every attempt is bounded (connecting, then the handshake: `HANDSHAKE_TIMEOUT`),
     so something that holds the port without answering costs a retry, not the job.
     A rejected secret is an error at once: retrying cannot fix it.
     """
-    where, key = address(), authkey()
+    where, key = where or address(), authkey()
     give_up_at = time.monotonic() + timeout
     while True:
         left = give_up_at - time.monotonic()
         try:
             sock = socket.create_connection(where, timeout=max(0.1, min(HANDSHAKE_TIMEOUT, left)))
             sock.settimeout(None)  # a Connection needs a blocking socket; `handshake` bounds the wait
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # see `no_delay`
             conn = Connection(sock.detach())
             try:
                 handshake(conn, key, accepting=False, timeout=max(0.1, min(HANDSHAKE_TIMEOUT, left)))
@@ -235,7 +233,7 @@ def connect(timeout: float = 120.0) -> Channel:
         except AuthenticationError as error:
             if "rejected" in str(error):
                 raise RuntimeError(
-                    f"the parameter-server coordinator at {where[0]}:{where[1]} rejected this process's secret "
+                    f"the parameter-server {what} at {where[0]}:{where[1]} rejected this process's secret "
                     f"({launcher.ENV_PS_AUTHKEY}): it belongs to another job. Copy the MESHFIT_PS_* variables from "
                     "a running process of this job."
                 ) from None
@@ -244,7 +242,7 @@ def connect(timeout: float = 120.0) -> Channel:
             last_error = error
         if time.monotonic() > give_up_at:
             raise TimeoutError(
-                f"no parameter-server coordinator answered at {where[0]}:{where[1]} within {timeout:g} s "
+                f"no parameter-server {what} answered at {where[0]}:{where[1]} within {timeout:g} s "
                 f"(last attempt: {type(last_error).__name__}: {last_error}). Rank 0 failed or was not started "
                 "(see its output), or another program holds the port."
             ) from last_error
@@ -262,19 +260,84 @@ def from_wire(items) -> list[np.ndarray]:
     return [np.frombuffer(b, dtype=jax.numpy.dtype(d)).reshape(s) for d, s, b in items]
 
 
-def transfer_server():
-    """This process's `jax.experimental.transfer` server, on loopback: what moves arrays between processes."""
-    from jax.experimental import transfer
-
-    client = jax.local_devices()[0].client
-    return transfer.start_transfer_server(client, "127.0.0.1:0", ["127.0.0.1:0"])
-
-
-def deadline(delta: datetime.timedelta = PULL_TIMEOUT) -> datetime.datetime:
-    return datetime.datetime.now() + delta
+def no_delay(conn: Connection) -> None:
+    """Turns off Nagle's algorithm on `conn`: a `Connection` writes a message over 16 KiB as its length, then
+    its bytes, and Nagle would hold the bytes until the peer acknowledges the length (up to 40 ms of delayed
+    ACK on Linux) every time."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def specs(avals, device) -> list[jax.ShapeDtypeStruct]:
-    """What a transfer pull expects: these `(shape, dtype)` pairs, on `device`."""
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    return [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in avals]
+def parse_address(value: str) -> tuple[str, int]:
+    host, port = value.rsplit(":", 1)
+    return host, int(port)
+
+
+class Gate:
+    """A listener of the job's processes: it authenticates each connection on a thread of its own, within
+    `HANDSHAKE_TIMEOUT`, and hands `admit` the channel and hello of each one that knows the secret.
+
+    No peer can stop or block the accept loop: a stranger that stays silent,
+    sends garbage or does not know the secret is closed (the first one said on
+    stderr, so that someone probing the port is seen without flooding the log).
+    """
+
+    _BACKLOG = 128  # connections the kernel queues for the accept thread (strangers may fill some)
+    _MAX_HANDSHAKES = 64  # connections being authenticated at once; more are closed at once
+    _ACCEPT_BACKOFF = 1.0  # the longest pause after a failed accept (out of file descriptors)
+
+    def __init__(self, where: tuple[str, int], key: bytes, admit):
+        # No authkey here: `Listener.accept` would run the handshake on the accept thread, unbounded.
+        self.listener = Listener(where, backlog=self._BACKLOG)
+        host, port = self.listener.address
+        self.address = f"{host}:{port}"
+        self.key = key
+        self.admit = admit
+        self.closed = threading.Event()
+        self._stranger_seen = threading.Event()
+        self._handshakes = threading.BoundedSemaphore(self._MAX_HANDSHAKES)
+        threading.Thread(target=self._accept, daemon=True, name="ps-accept").start()
+
+    def _accept(self) -> None:
+        pause = 0.01
+        while not self.closed.is_set():
+            try:
+                conn = self.listener.accept()
+            except OSError:  # closed, or out of file descriptors: back off rather than spin
+                if self.closed.wait(pause):
+                    return
+                pause = min(2 * pause, self._ACCEPT_BACKOFF)
+                continue
+            pause = 0.01
+            if not self._handshakes.acquire(blocking=False):
+                conn.close()  # a flood of strangers: the job's own processes retry
+                continue
+            threading.Thread(target=self._admit, args=(conn,), daemon=True, name="ps-handshake").start()
+
+    def _admit(self, conn) -> None:
+        no_delay(conn)
+        try:
+            hello = handshake(conn, self.key, accepting=True, then=lambda c: c.recv())
+        except HANDSHAKE_ERRORS as error:
+            conn.close()
+            if not self._stranger_seen.is_set():
+                self._stranger_seen.set()
+                why = f"{type(error).__name__}: {str(error) or 'silent, or closed'}"
+                print(
+                    f"ParameterServerStrategy: closed a connection to {self.address} that did not complete the "
+                    f"handshake ({why}); it is not one of the job's processes. Further ones are closed without a "
+                    "word.",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return
+        finally:
+            self._handshakes.release()
+        if not (isinstance(hello, tuple) and len(hello) >= 4 and hello[0] == "hello"):
+            conn.close()
+            return
+        self.admit(Channel(conn), hello)
+
+    def close(self) -> None:
+        self.closed.set()
+        self.listener.close()

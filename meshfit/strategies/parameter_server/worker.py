@@ -3,9 +3,10 @@
 `meshfit launch --ps S --workers N` runs this on the worker ranks instead of
 the training script. A worker needs nothing of the script: the coordinator
 (server rank 0) sends it the gradient computation as serialized StableHLO
-(`jax.export`), then batches; the worker takes the parameters (sent with each
-batch by a single server, else pulled from each server's transfer server),
-computes and returns the gradients the same way, until told to stop.
+(`jax.export`), then batches with rank 0's part of the parameters; with
+several servers, each other server sends its part over the worker's
+authenticated connection to it. The worker computes and sends the gradients
+back to rank 0 as raw array bytes, until told to stop.
 
 A worker is never part of a `jax.distributed` job, so its death takes no one
 down: the coordinator drops it and redoes its batch. It ends with status
@@ -23,7 +24,6 @@ import jax
 
 from meshfit.strategies.parameter_server import launcher, transport
 from meshfit.strategies.parameter_server.partition import Partition
-from meshfit.strategies.parameter_server.transport import HOLD_TIMEOUT, deadline, specs
 
 #: JSON {worker index: seconds} a worker sleeps after each gradient: what `worker_delays` is to one-host
 #: training, for the process transport (benchmarks/bench_parameter_server.py's straggler). Workers are
@@ -41,25 +41,35 @@ def simulated_delay() -> float:
 
 
 class WorkerProgram:
-    """A worker's gradient program and where it pulls the parameters from (each server's part; no addresses:
-    they come with each job, `transport.arrays_inline`)."""
+    """A worker's gradient program, and its connections to the servers of rank 1.. (`addresses`, in rank
+    order; none with one server), which send it their parts of the parameters."""
 
-    def __init__(self, server, device, addresses: list[str], blob: bytes, dims: list[int | None]):
+    def __init__(self, device, addresses: list[str], blob: bytes, dims: list[int | None]):
         self.exported = jax.export.deserialize(bytearray(blob))
-        self.servers = [server.connect(address) for address in addresses]
-        self.partition = Partition(dims, max(1, len(addresses)))
+        self.servers = []
+        for rank, address in enumerate(addresses, start=1):
+            server = transport.connect(where=transport.parse_address(address), what=f"server (rank {rank})")
+            server.send(("hello", "worker", None, os.getpid()))
+            self.servers.append(server)
+        self.partition = Partition(dims, 1 + len(addresses))
         self.device = device
 
-    def run(self, pull_id: int, batch_leaves: list, parameters: list | None = None):
-        if parameters is not None:
-            state_leaves = [jax.device_put(a, self.device) for a in transport.from_wire(parameters)]
-        else:
-            avals = self.exported.in_avals[: len(self.partition.dims)]
-            parts = [
-                connection.pull(pull_id, specs(self.partition.part_avals(avals, k), self.device), timeout=deadline())
-                for k, connection in enumerate(self.servers)
-            ]
-            state_leaves = self.partition.assemble([list(p) for p in parts])
+    def part(self, rank: int, job: int) -> list:
+        """Server `rank`'s part of the parameters for `job` (older ones, of jobs this worker gave up, are
+        skipped); a `TimeoutError` if it does not come within `transport.PULL_TIMEOUT`."""
+        server = self.servers[rank - 1]
+        while True:
+            message = server.recv(
+                transport.PULL_TIMEOUT,
+                silent=lambda: TimeoutError(f"server rank {rank} sent nothing for {transport.PULL_TIMEOUT:g} s"),
+            )
+            if message[0] == "part" and message[1] == job:
+                return message[2]
+
+    def run(self, job: int, batch_leaves: list, parameters: list):
+        parts = [parameters] + [self.part(rank, job) for rank in range(1, self.partition.count)]
+        on_device = [[jax.device_put(a, self.device) for a in transport.from_wire(p)] for p in parts]
+        state_leaves = self.partition.assemble(on_device)
         args = jax.tree.unflatten(self.exported.in_tree, state_leaves + batch_leaves)
         out = self.exported.call(*args[0], **args[1])
         return jax.block_until_ready(out)
@@ -76,9 +86,8 @@ def main() -> int:
         )
         return 2
     device = jax.local_devices()[0]
-    server = None if transport.arrays_inline() else transport.transfer_server()
     conn = transport.connect()
-    conn.send(("hello", "worker", server and server.address(), os.getpid()))
+    conn.send(("hello", "worker", None, os.getpid()))
     print(f"parameter-server worker pid {os.getpid()} connected", flush=True)
     program = None
     timeout = transport.server_timeout()
@@ -101,22 +110,18 @@ def main() -> int:
         if kind == "stop":
             return 0
         if kind == "program":
-            program = WorkerProgram(server, device, *message[1:])
+            program = WorkerProgram(device, *message[1:])
             continue
         if kind == "work":
-            _, job, pull_id, push_id, batch_items, parameters = message
+            _, job, batch_items, parameters = message
             try:
-                out = program.run(pull_id, transport.from_wire(batch_items), parameters)
+                out = program.run(job, transport.from_wire(batch_items), parameters)
                 if delay:
                     time.sleep(delay)
-            except jax.errors.JaxRuntimeError as error:  # a transfer broke: the coordinator redoes the batch
-                conn.send(("failed", job, str(error)[:300]))
+            except (TimeoutError, EOFError, OSError) as error:  # a server's part did not come: the batch is redone
+                conn.send(("failed", job, f"{type(error).__name__}: {error}"[:300]))
                 continue
-            if server is None:
-                conn.send(("done", job, push_id, transport.to_wire(out)))
-                continue
-            server.await_pull(push_id, jax.tree.leaves(out), timeout=deadline(HOLD_TIMEOUT))
-            conn.send(("done", job, push_id))
+            conn.send(("done", job, transport.to_wire(out)))
 
 
 if __name__ == "__main__":
