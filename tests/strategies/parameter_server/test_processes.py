@@ -211,15 +211,19 @@ def test_a_stopped_parameter_server_ends_the_job_naming_it(tmp_path):
     assert re.search(r"\[launch\] worker rank [12] found the parameter server silent", job.stderr), job.stderr[-2000:]
 
 
-def test_strangers_at_every_port_neither_stop_nor_slow_the_job(tmp_path):
+@pytest.mark.parametrize("servers", [1, 2])
+def test_strangers_at_every_port_neither_stop_nor_slow_the_job(tmp_path, servers):
     """Silent, garbage and unauthenticated connections (tests/hostile.py) to every port the job's processes
     listen on, from start-up to the end: the job gives the undisturbed run's weights, bitwise, in under twice
-    its time. Sync mode without dropout, so that both runs compute the same updates."""
+    its time. Sync mode without dropout, so that both runs compute the same updates.
+
+    With 2 servers, the servers' listeners for workers and their `jax.distributed` job are attacked too;
+    workers listen on nothing."""
     import numpy as np
     from hostile import Strangers
 
     def train(weights, hostile):
-        argv = LAUNCH + ["--ps", "1", "--workers", "2", WORKER, "none", "--mode", "sync", "--dropout", "0"]
+        argv = LAUNCH + ["--ps", str(servers), "--workers", "2", WORKER, "none", "--mode", "sync", "--dropout", "0"]
         began = time.monotonic()
         with Job(argv + ["--epochs", "2", "--weights", str(weights)], timeout=300) as job:
             if hostile:
@@ -232,7 +236,9 @@ def test_strangers_at_every_port_neither_stop_nor_slow_the_job(tmp_path):
 
     undisturbed, _, _ = train(tmp_path / "undisturbed.npz", hostile=False)
     disturbed, strangers, out = train(tmp_path / "disturbed.npz", hostile=True)
-    assert out.count("ParameterServerStrategy: closed a connection to 127.0.0.1:") == 1, out[-3000:]
+    # One word from each server's listener (rank 0's for workers and servers, rank 1's for workers).
+    assert out.count("ParameterServerStrategy: closed a connection to 127.0.0.1:") == servers, out[-3000:]
+    assert len(strangers.ports) == servers, strangers.ports  # the servers listen; the workers do not
     listening = set().union(*strangers.ports.values())
     assert listening and all(count >= 3 * len(listening) for count in strangers.injected.values()), strangers.injected
     expected, got = np.load(tmp_path / "undisturbed.npz"), np.load(tmp_path / "disturbed.npz")
