@@ -40,18 +40,24 @@ def simulated_delay() -> float:
     return float(json.loads(text).get(str(index), 0.0))
 
 
-class WorkerProgram:
-    """A worker's gradient program, and its connections to the servers of rank 1.. (`addresses`, in rank
-    order; none with one server), which send it their parts of the parameters."""
-
-    def __init__(self, device, addresses: list[str], blob: bytes, dims: list[int | None]):
-        self.exported = jax.export.deserialize(bytearray(blob))
-        self.servers = []
-        for rank, address in enumerate(addresses, start=1):
+def connect_servers(addresses: list[str], connected: dict) -> list[transport.Channel]:
+    """This worker's connections to the servers of rank 1.. at `addresses` (in rank order), which send it
+    their parts of the parameters; made once (`connected`, by address) and kept for every later program."""
+    for rank, address in enumerate(addresses, start=1):
+        if address not in connected:
             server = transport.connect(where=transport.parse_address(address), what=f"server (rank {rank})")
             server.send(("hello", "worker", None, os.getpid()))
-            self.servers.append(server)
-        self.partition = Partition(dims, 1 + len(addresses))
+            connected[address] = server
+    return [connected[address] for address in addresses]
+
+
+class WorkerProgram:
+    """A worker's gradient program, and its connections to the servers of rank 1.. (none with one server)."""
+
+    def __init__(self, device, servers: list[transport.Channel], blob: bytes, dims: list[int | None]):
+        self.exported = jax.export.deserialize(bytearray(blob))
+        self.servers = servers
+        self.partition = Partition(dims, 1 + len(servers))
         self.device = device
 
     def part(self, rank: int, job: int) -> list:
@@ -89,7 +95,7 @@ def main() -> int:
     conn = transport.connect()
     conn.send(("hello", "worker", None, os.getpid()))
     print(f"parameter-server worker pid {os.getpid()} connected", flush=True)
-    program = None
+    program, connected = None, {}
     timeout = transport.server_timeout()
     delay = simulated_delay()
     transport.watch_for_silence(conn, timeout, lambda: f"parameter-server worker pid {os.getpid()}")
@@ -110,7 +116,8 @@ def main() -> int:
         if kind == "stop":
             return 0
         if kind == "program":
-            program = WorkerProgram(device, *message[1:])
+            _, addresses, blob, dims = message
+            program = WorkerProgram(device, connect_servers(addresses, connected), blob, dims)
             continue
         if kind == "work":
             _, job, batch_items, parameters = message
