@@ -6,6 +6,7 @@ import time
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Listener
 
+import numpy as np
 import pytest
 
 from meshfit.launch import free_port
@@ -88,3 +89,35 @@ def test_connecting_to_a_port_that_never_answers_gives_up_in_time(job_address):
             transport.connect(timeout=1.5)
         assert time.monotonic() - began < 4
         holder.close()
+
+
+def test_a_gate_admits_the_job_s_processes_past_strangers_that_hold_its_port(job_address, capfd):
+    """What every server's listener is (rank 0's for workers and servers, the others' for workers): silent,
+    garbage and wrong-secret connections, still open or in their handshake, hold up no process of the job."""
+    admitted = []
+    gate = transport.Gate(("127.0.0.1", 0), KEY, lambda channel, hello: admitted.append((channel, hello)))
+    where = transport.parse_address(gate.address)
+    silent = [socket.create_connection(where) for _ in range(3)]
+    with socket.create_connection(where) as garbage:
+        garbage.sendall(b"\x7f\xff\xff\xff" + b"x" * 1000)
+    with pytest.raises(AuthenticationError):
+        Client(where, authkey=b"another job's key")
+    began = time.monotonic()
+    channel = transport.connect(timeout=10, where=where, what="server (rank 1)")
+    channel.send(("hello", "worker", None, 1234))
+    while not admitted and time.monotonic() - began < 5:
+        time.sleep(0.01)
+    assert [hello for _, hello in admitted] == [("hello", "worker", None, 1234)]
+    assert time.monotonic() - began < 2  # not after the strangers' 10 s bound
+    admitted[0][0].send(("part", 1, transport.to_wire([np.array([[1.0, 2.0]], np.float32)])))
+    _, job, items = channel.recv(timeout=5, silent=TimeoutError)
+    assert job == 1 and transport.from_wire(items)[0].tolist() == [[1.0, 2.0]]
+    for sock in silent:
+        sock.close()
+    gate.close()
+    said = f"closed a connection to {gate.address} that did not complete"
+    err = capfd.readouterr().err
+    while said not in err and time.monotonic() - began < 5:  # the wrong secret's thread prints it
+        time.sleep(0.05)
+        err += capfd.readouterr().err
+    assert err.count(said) == 1, err  # once, for the first stranger only
