@@ -418,20 +418,25 @@ GARBLES = {
 # -- hostile peers: strangers at every port a job listens on (tests/hostile.py) ----------------------------
 
 DATA_PARALLEL_WORKER = os.path.join(TESTS, "workers", "train_data_parallel.py")
+
+
+def ps_job(servers: int):
+    """`meshfit launch --ps servers --workers 2`, sync, given the directory its weights go to."""
+    return lambda out: (
+        LAUNCH
+        + ["--ps", str(servers), "--workers", "2", PS_WORKER, "none", "--mode", "sync", "--dropout", "0"]
+        + ["--epochs", "2", "--weights", str(out / "weights.npz")]
+    )
+
+
 HOSTILE_JOBS = {
     # name -> (the `meshfit launch` job, given the file its result goes to; that file)
     "multi-worker-mirrored launch job (2 ranks)": (
         lambda out: LAUNCH + ["--nprocs", "2", "--devices-per-proc", "2", DATA_PARALLEL_WORKER, str(out)],
         "params.npz",
     ),
-    "parameter-server launch job (--ps 1 --workers 2, sync)": (
-        lambda out: (
-            LAUNCH
-            + ["--ps", "1", "--workers", "2", PS_WORKER, "none", "--mode", "sync", "--dropout", "0", "--epochs", "2"]
-            + ["--weights", str(out / "weights.npz")]
-        ),
-        "weights.npz",
-    ),
+    "parameter-server launch job (--ps 1 --workers 2, sync)": (ps_job(1), "weights.npz"),
+    "parameter-server launch job (--ps 2 --workers 2, sync)": (ps_job(2), "weights.npz"),
 }
 
 
