@@ -16,8 +16,8 @@ model of about 2 MB of parameters, 2 workers, async): about the parameter
 bytes / S, so server 0's traffic falls as S grows.
 
 With `--cluster processes` each mode runs as its own job of the process
-transport, `meshfit launch --ps 1 --workers 4` (this script on the server
-rank, the worker processes with `MESHFIT_PS_WORKER_DELAYS` for the
+transport, `meshfit launch --ps S --workers 4` (`--ps`, 1 by default; this
+script on the server ranks, the worker processes with `MESHFIT_PS_WORKER_DELAYS` for the
 straggler); the time is that of the second fit, as in-process.
 
 With `--node-loss` (Ray), a local 3-node Ray cluster (`ray.cluster_utils`:
@@ -101,8 +101,9 @@ def main():
         "--cluster",
         choices=["ray", "processes"],
         default=None,
-        help="run workers and servers as Ray actors, or as processes of `meshfit launch --ps 1 --workers 4`",
+        help="run workers and servers as Ray actors, or as processes of `meshfit launch --ps S --workers 4`",
     )
+    parser.add_argument("--ps", type=int, default=1, help="with --cluster processes: server processes (S)")
     parser.add_argument(
         "--node-loss", action="store_true", help="Ray: time from a worker node's loss to the job going on"
     )
@@ -139,18 +140,18 @@ def main():
 
 
 def processes(args):
-    """The straggler comparison on the process transport: one `meshfit launch --ps 1 --workers 4` job a mode."""
+    """The straggler comparison on the process transport: one `meshfit launch --ps S --workers 4` job a mode."""
     print(
         f"jax {jax.__version__}, 4 worker processes, {os.cpu_count()} cpus; {args.rows} rows per gradient, "
         f"simulated {args.base * 1e3:.0f} ms per gradient, straggler {3 * args.base * 1e3:.0f} ms"
     )
-    print("transport: processes (meshfit launch --ps 1 --workers 4)")
+    print(f"transport: processes (meshfit launch --ps {args.ps} --workers 4)")
     delays = {str(i): args.base for i in range(4)} | {"3": 3 * args.base}
     env = dict(os.environ, MESHFIT_PS_WORKER_DELAYS=json.dumps(delays))
     sps = {}
     for mode in ("sync", "async"):
         options = ["--base", str(args.base), "--rows", str(args.rows), "--steps", str(args.steps)]
-        command = [sys.executable, "-m", "meshfit.cli", "launch", "--ps", "1", "--workers", "4", __file__]
+        command = [sys.executable, "-m", "meshfit.cli", "launch", "--ps", str(args.ps), "--workers", "4", __file__]
         out = subprocess.run(
             command + [*options, "--epochs", str(args.epochs), "--inside", mode],
             env=env,
