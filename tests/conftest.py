@@ -8,6 +8,17 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Full float32 matmuls where a backend would round them (TF32 on NVIDIA GPUs): the tests compare
 # numbers against references to float32 tolerance. Inherited by the processes the tests start.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+# One persistent compilation cache for the run, shared by the xdist workers (they inherit this environment) and
+# every process the tests start: each program is still compiled for real once a run, and the many processes that
+# compile the same small programs (the ranks of a job, a resumed run, the next test's job) load it. Every program
+# is kept, as meshfit's own cache does. Tests of the cache itself run without it (`processes.without_suite_cache`).
+SUITE_CACHE = "JAX_COMPILATION_CACHE_DIR"
+if SUITE_CACHE not in os.environ:
+    import tempfile
+
+    os.environ[SUITE_CACHE] = tempfile.mkdtemp(prefix="meshfit-tests-jax-cache-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["MESHFIT_TESTS_OWN_CACHE"] = os.environ[SUITE_CACHE]  # removed by the process that made it
 
 import sys  # noqa: E402
 
@@ -21,3 +32,11 @@ def _compilation_cache_released():
     cache = sys.modules.get("meshfit.compilation_cache")
     if cache is not None and cache.directory() is not None:
         cache.release(cache.directory())
+
+
+def pytest_unconfigure(config):
+    made = os.environ.get("MESHFIT_TESTS_OWN_CACHE")
+    if made and not hasattr(config, "workerinput"):  # the main process, after its workers are gone
+        import shutil
+
+        shutil.rmtree(made, ignore_errors=True)

@@ -126,3 +126,12 @@ def run(argv: list[str], timeout: float, env: dict | None = None) -> Job:
     with Job(argv, timeout, env) as job:
         job.finish()
     return job
+
+
+#: What tests/conftest.py sets so that the run's processes share one compilation cache.
+SUITE_CACHE_VARIABLES = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
+
+
+def without_suite_cache(env: dict) -> dict:
+    """`env` without the run's shared compilation cache (tests/conftest.py): a process as started from a shell."""
+    return {k: v for k, v in env.items() if k not in SUITE_CACHE_VARIABLES}

@@ -5,7 +5,7 @@ import os
 import sys
 
 import pytest
-from processes import run
+from processes import run, without_suite_cache
 
 pytestmark = pytest.mark.slow  # each starts a Python process with JAX and compiles its contenders
 
@@ -25,7 +25,7 @@ def test_every_benchmark_is_collected():
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_benchmark_runs_in_smoke_mode(script):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # as from a shell: the script sets its own
+    env = without_suite_cache({k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})  # as from a shell
     job = run([sys.executable, os.path.join(BENCHMARKS, script), "--smoke"], timeout=240, env=env)
     assert job.returncode == 0, f"{script} --smoke exited {job.returncode}:\n{job.stderr[-3000:]}"
     assert job.stdout.strip(), f"{script} --smoke printed nothing"
