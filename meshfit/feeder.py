@@ -150,10 +150,14 @@ class Feeder:
         for count, stage in data.executions(epoch, stage_steps, start_step, pad_last=True):
             rows = self.executables.partial_rows_each(stage.mask)[:count]  # from the host mask, before placing
             placed = self.strategy.place_stage(stage)
-            calls = [
-                Call(train("staged", real), (placed, index))
-                for index, real in zip(self._indices[:count], rows, strict=True)
-            ]
+            if any(real is not None for real in rows):
+                calls = [
+                    Call(train("staged", real), (placed, index))
+                    for index, real in zip(self._indices[:count], rows, strict=True)
+                ]
+            else:  # every batch full (or steps that mask padding): one program
+                program = train("staged")
+                calls = [Call(program, (placed, index)) for index in self._indices[:count]]
             if not per_step:
                 yield Execution(count, calls)
                 continue
