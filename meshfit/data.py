@@ -99,12 +99,31 @@ def _num_rows(tree: Any, name: str) -> int:
     return sizes.pop()
 
 
-def _take(tree: Any, index: slice | np.ndarray) -> Any:
-    """The rows `index` (a slice, or an integer array) of each leaf."""
+#: Bytes to which gathered groups of batches are aligned: XLA's CPU client takes a host buffer so aligned
+#: without copying it first (placing a 0.5 MiB stage inside a fit: about 60 µs against 170 µs, session 15).
+HOST_ALIGNMENT = 64
+
+
+def _aligned_empty(shape: tuple, dtype) -> np.ndarray:
+    """An uninitialised array whose data starts at a multiple of `HOST_ALIGNMENT` bytes."""
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    buffer = np.empty(nbytes + HOST_ALIGNMENT, np.uint8)
+    offset = -buffer.ctypes.data % HOST_ALIGNMENT
+    return buffer[offset : offset + nbytes].view(dtype).reshape(shape)
+
+
+def _take(tree: Any, index: slice | np.ndarray, aligned: bool = False) -> Any:
+    """The rows `index` (a slice, or an integer array) of each leaf; with `aligned` an integer array gathers into
+    arrays aligned to `HOST_ALIGNMENT` bytes (groups of batches placed on the devices at once; a slice stays a view)."""
     if tree is None:
         return None
     if isinstance(index, slice):
         take = lambda a: a[index]  # noqa: E731 - a view
+    elif aligned:
+
+        def take(a):  # "clip" only so that `out` is written directly (the rows are in range): no buffered copy
+            return np.take(a, index, axis=0, out=_aligned_empty((len(index),) + a.shape[1:], a.dtype), mode="clip")
+
     else:
         take = lambda a: np.take(a, index, axis=0)  # noqa: E731 - about 2x faster than `a[index]` for rows
     return take(tree) if isinstance(tree, np.ndarray) else jax.tree.map(take, tree)
@@ -431,8 +450,9 @@ class ArrayData(DataSource):
         """A batch with the shapes of every batch (the first rows, unshuffled), to build the model."""
         return self._take_all(*self._rows(None, 0))
 
-    def _take_all(self, index: slice | np.ndarray, mask: np.ndarray) -> Batch:
-        return Batch(_take(self.x, index), _take(self.y, index), _take(self.sample_weight, index), mask)
+    def _take_all(self, index: slice | np.ndarray, mask: np.ndarray, aligned: bool = False) -> Batch:
+        x, y, weight = (_take(tree, index, aligned) for tree in (self.x, self.y, self.sample_weight))
+        return Batch(x, y, weight, mask)
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
         """Yields the batches of one epoch, from `start_step` on."""
@@ -465,8 +485,8 @@ class ArrayData(DataSource):
                 stacked = size if pad_last else count
                 rows += [(rows[0][0], np.zeros_like(rows[0][1]))] * (stacked - count)
                 index = np.concatenate([np.arange(i.start, i.stop) if isinstance(i, slice) else i for i, _ in rows])
-                mask = np.stack([m for _, m in rows])
-            batch = self._take_all(index, mask)  # all rows of the group in one gather
+                mask = np.stack([m for _, m in rows], out=_aligned_empty((len(rows), len(rows[0][1])), np.float32))
+            batch = self._take_all(index, mask, aligned=True)  # all rows of the group in one gather
             stacked = mask.shape[0]
             yield (
                 count,
@@ -481,7 +501,8 @@ class ArrayData(DataSource):
 
     def _full_masks(self, size: int) -> np.ndarray:
         if self._stacked_mask is None or self._stacked_mask.shape[0] != size:
-            self._stacked_mask = np.ones((size, self.local_rows), np.float32)
+            self._stacked_mask = _aligned_empty((size, self.local_rows), np.float32)
+            self._stacked_mask[...] = 1.0
         return self._stacked_mask
 
     def _contiguous_rows(self, global_step: int, count: int, size: int) -> slice | np.ndarray | None:

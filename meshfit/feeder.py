@@ -146,14 +146,19 @@ class Feeder:
     def _staged(self, data, epoch: int, start_step: int, stage_steps: int, per_step: bool) -> Iterator[Execution]:
         while len(self._indices) < stage_steps:
             self._indices.append(self.strategy.replicate(np.int32(len(self._indices))))
-        train = self.executables.train
+        train, real_rows = self.executables.train, self.executables.real_rows
+        usual = train("staged")
         for count, stage in data.executions(epoch, stage_steps, start_step, pad_last=True):
-            rows = self.executables.partial_rows_each(stage.mask)[:count]  # from the host mask, before placing
+            # Steps that need a partial batch's real rows read them from the host mask, before placing.
+            rows = self.executables.partial_rows_each(stage.mask)[:count] if real_rows else None
             placed = self.strategy.place_stage(stage)
-            calls = [
-                Call(train("staged", real), (placed, index))
-                for index, real in zip(self._indices[:count], rows, strict=True)
-            ]
+            if rows is not None and any(real is not None for real in rows):
+                calls = [
+                    Call(train("staged", real), (placed, index))
+                    for index, real in zip(self._indices[:count], rows, strict=True)
+                ]
+            else:  # every batch full, or steps that mask padding: the usual program
+                calls = [Call(usual, (placed, index)) for index in self._indices[:count]]
             if not per_step:
                 yield Execution(count, calls)
                 continue

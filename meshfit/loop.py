@@ -4,7 +4,8 @@ The loop walks epochs and batches, calls callbacks, and hands each batch to
 the model's `Session`, which dispatches compiled steps asynchronously. Values
 come back to the host only at logging points (the end of an epoch, or when a
 callback reads a per-batch value), and at most `2 * max_in_flight` executions
-are queued at once (`meshfit.in_flight.InFlight`), so slow collectives never pile up behind a
+are queued at once (`meshfit.in_flight.InFlight`; more, up to a few milliseconds
+of tiny steps, for a state on one device), so slow collectives never pile up behind a
 fast Python loop.
 
 The loop marks where its time goes on the session's `timer`

@@ -33,6 +33,18 @@ from meshfit.state_store import StateStore, wait_token
 from meshfit.step_report import StepReport
 from meshfit.steps import Steps
 
+#: The farthest apart the in-flight bound's marks may grow for a state on one device (`InFlight.max_spacing`).
+ONE_DEVICE_SPACING = 16
+
+
+def _on_one_device(state: TrainState) -> bool:
+    """Whether `state` lives on a single device of a single process (no collectives in its steps)."""
+    if jax.process_count() != 1:
+        return False
+    leaves = jax.tree.leaves(state)
+    sharding = getattr(leaves[0], "sharding", None) if leaves else None
+    return sharding is not None and len(sharding.device_set) == 1
+
 
 class Session:
     """A model's `TrainState`, its compiled programs and the position of the running fit.
@@ -40,7 +52,7 @@ class Session:
     Args:
         strategy: the model's strategy (placement, compilation, transfers).
         state: the initial state, already laid out by `strategy.place_state`.
-        max_in_flight: see `meshfit.in_flight.InFlight`.
+        max_in_flight: see `meshfit.in_flight.InFlight` (its `limit`).
         follow: see `meshfit.state_store.StateStore`.
     """
 
@@ -48,7 +60,8 @@ class Session:
         self.strategy = strategy
         self.store = StateStore(state, follow)
         self.cursor = FitCursor()
-        self.in_flight = InFlight(max_in_flight)
+        # On one device nothing waits on a collective: tiny executions may queue further apart.
+        self.in_flight = InFlight(max_in_flight, ONE_DEVICE_SPACING if _on_one_device(state) else None)
         self.executables: Executables | None = None  # set by `build`
         self.feeder: Feeder | None = None
         self.callbacks: list = []  # the running fit's (BackupAndRestore saves their state)

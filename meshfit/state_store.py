@@ -86,10 +86,17 @@ class StateStore:
     def advance(self, calls: Iterable, in_flight: InFlight) -> dict:
         """Runs each `(program, args)` call on the state (donated) and keeps what it returns; returns
         the last call's logs (device values). Each call counts against the `in_flight` bound."""
-        add = in_flight.add
-        for program, args in calls:
-            self._state, logs = program(self._state, *args)
-            add(wait_token(logs, self._state.step))
+        # `in_flight.add` written out: a count per call, the wait token picked only at a mark.
+        since, spacing = in_flight.since_mark, in_flight.spacing
+        try:
+            for program, args in calls:
+                self._state, logs = program(self._state, *args)
+                since += 1
+                if since >= spacing:
+                    in_flight.mark(wait_token(logs, self._state.step))
+                    since, spacing = 0, in_flight.spacing
+        finally:
+            in_flight.since_mark = since
         return logs
 
     # -- the host's count of optimizer steps --------------------------------------------------

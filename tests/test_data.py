@@ -37,6 +37,36 @@ def test_a_fit_prepares_the_next_fits_first_shuffle():
     np.testing.assert_array_equal(first_batch.x, x[prepared[:16]])
 
 
+def test_groups_of_shuffled_batches_are_gathered_into_aligned_arrays_with_the_same_rows():
+    """A stage is gathered straight into arrays aligned to HOST_ALIGNMENT bytes (a transfer that need not copy
+    first); their rows are those of the unaligned gather, batch by batch, partial batch and padding included."""
+    import ml_dtypes
+
+    from meshfit.data import HOST_ALIGNMENT
+
+    rng = np.random.default_rng(0)
+    x = {"a": rng.standard_normal((70, 3)).astype(np.float32), "b": rng.standard_normal(70).astype(ml_dtypes.bfloat16)}
+    y, weight = rng.integers(0, 4, 70).astype(np.int32), rng.random(70)
+    data = ArrayData(x, y, weight, batch_size=16, shuffle=True, seed=3)
+    batches = list(data.epoch(0))
+    stacked = [group for _, group in data.executions(0, 2)]
+    assert len(stacked) == 3  # 2 + 2 + the partial batch and a filler of padding
+    for i, group in enumerate(stacked):
+        for leaf in (group.x["a"], group.x["b"], group.y, group.sample_weight, group.mask):
+            assert leaf.__array_interface__["data"][0] % HOST_ALIGNMENT == 0
+        for j in range(2):
+            if 2 * i + j == len(batches):
+                assert not group.mask[j].any()  # the filler
+                continue
+            batch = batches[2 * i + j]
+            for got, want in zip(
+                (group.x["a"][j], group.x["b"][j], group.y[j], group.sample_weight[j], group.mask[j]),
+                (batch.x["a"], batch.x["b"], batch.y, batch.sample_weight, batch.mask),
+                strict=True,
+            ):
+                np.testing.assert_array_equal(got, want)
+
+
 def test_unshuffled_data_prepares_nothing():
     x, y = classification_data(n=64)
     data = ArrayData(x, y, batch_size=16, shuffle=False)

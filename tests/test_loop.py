@@ -262,3 +262,43 @@ def test_in_flight_waits_on_the_mark_one_limit_back():
     for i in range(11, 17):
         in_flight.add(Token(i, waits))
     assert waits == [3, 6, 13]  # after clear, counting starts afresh
+
+
+def test_in_flight_on_one_device_spaces_marks_further_while_they_come_fast(monkeypatch):
+    """Marks less than SHORT_INTERVAL apart double the spacing (to max_spacing); far apart, it halves back."""
+    import meshfit.in_flight as in_flight_lib
+
+    clock = [0.0]
+    monkeypatch.setattr(in_flight_lib, "perf_counter", lambda: clock[0])
+    waits = []
+    in_flight = InFlight(limit=2, max_spacing=8)
+    spacings = []
+    for i in range(1, 41):
+        clock[0] += in_flight_lib.SHORT_INTERVAL / 100  # tiny executions
+        in_flight.add(Token(i, waits))
+        spacings.append(in_flight.spacing)
+    assert waits == [2, 4, 6, 10, 18, 26]  # the previous mark, every 2, 4, then 8 executions
+    assert max(spacings) == 8 == in_flight.spacing  # never past max_spacing: at most 16 queued
+    for i in range(41, 81):
+        clock[0] += 2 * in_flight_lib.SHORT_INTERVAL  # slow executions: marks 8 or more intervals apart
+        in_flight.add(Token(i, waits))
+    assert in_flight.spacing == 2  # back at the limit
+    in_flight.clear()
+    assert in_flight.spacing == 2 and in_flight.since_mark == 0
+
+
+def test_in_flight_spacing_stays_at_the_limit_without_max_spacing():
+    waits = []
+    in_flight = InFlight(limit=3)
+    for i in range(1, 31):
+        in_flight.add(Token(i, waits))
+    assert waits == list(range(3, 28, 3)) and in_flight.spacing == 3
+
+
+def test_a_one_device_model_gets_the_adaptive_bound_and_a_mirrored_one_the_fixed_bound():
+    from meshfit.session import ONE_DEVICE_SPACING
+
+    assert make_model().session.in_flight.max_spacing == ONE_DEVICE_SPACING
+    with mf.strategies.MirroredStrategy().scope():
+        mirrored = make_model()
+    assert mirrored.session.in_flight.max_spacing == mirrored.session.in_flight.limit
