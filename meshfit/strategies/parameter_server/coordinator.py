@@ -55,8 +55,15 @@ class Coordinator:
     restarted by hand); servers may not.
     """
 
-    def __init__(self, expected_workers: int, expected_servers: int = 1, accept_timeout: float = 120.0):
+    def __init__(
+        self,
+        expected_workers: int,
+        expected_servers: int = 1,
+        accept_timeout: float = 120.0,
+        worker_timeout: float = 60.0,
+    ):
         self.workers: list[_Worker] = []
+        self.worker_timeout = worker_timeout  # also how long a send may wait on a worker that reads nothing
         self.followers: dict[int, tuple] = {}  # server rank -> (channel, address of its listener for workers)
         self.lock = threading.Lock()
         self.ids = itertools.count(1)  # ids of jobs
@@ -84,7 +91,7 @@ class Coordinator:
                 channels = [w.conn for w in self.workers if w.alive] + [c for c, _ in self.followers.values()]
             for channel in channels:
                 try:
-                    channel.send(("ping",))
+                    channel.send_if_idle(("ping",))
                 except OSError:
                     pass  # a lost worker is noticed and dropped by the main thread
 
@@ -95,9 +102,10 @@ class Coordinator:
             if kind == "server":
                 self.followers[hello[4]] = (conn, address)
             else:
+                transport.bound_sends(conn, self.worker_timeout)
                 self.workers.append(_Worker(conn, pid))
                 if self.program is not None:
-                    conn.send(self.program)
+                    self._send_program(self.workers[-1])
             if len(self.workers) >= self._expected[0] and len(self.followers) >= self._expected[1]:
                 self._ready.set()
 
@@ -110,7 +118,13 @@ class Coordinator:
         with self.lock:
             for worker in self.workers:
                 if worker.alive:
-                    worker.conn.send(self.program)
+                    self._send_program(worker)
+
+    def _send_program(self, worker: _Worker) -> None:
+        try:
+            worker.conn.send(self.program)
+        except OSError as error:  # gone, or it read nothing for worker_timeout (a stopped process)
+            self.drop(worker, f"the gradient program could not be sent: {error}")
 
     def live(self) -> list[_Worker]:
         with self.lock:

@@ -179,7 +179,7 @@ class ParameterServerStrategy(Strategy):
             worker_processes = int(os.environ[launcher.ENV_PS_WORKERS])
             self.num_replicas_in_sync = worker_processes if mode == "sync" else 1
             if role == "coordinator":
-                self._coordinator = Coordinator(worker_processes, servers)
+                self._coordinator = Coordinator(worker_processes, servers, worker_timeout=self.worker_timeout)
             else:
                 self._link = FollowerLink()
 

@@ -27,6 +27,7 @@ import array
 import fcntl
 import os
 import socket
+import struct
 import sys
 import termios
 import threading
@@ -144,6 +145,17 @@ class Channel:
     def send(self, message) -> None:
         with self._lock:
             self.conn.send(message)
+
+    def send_if_idle(self, message) -> bool:
+        """Sends `message` unless another thread is sending on this channel (then the peer hears that);
+        returns whether it was sent. For heartbeats, which must not queue behind a send to a stopped peer."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            self.conn.send(message)
+        finally:
+            self._lock.release()
+        return True
 
     def recv(self, timeout: float | None = None, silent=None):
         """The next message other than a ping; with `timeout`, raises `silent()` when rank 0 says nothing."""
@@ -266,6 +278,19 @@ def no_delay(conn: Connection) -> None:
     ACK on Linux) every time."""
     with socket.socket(fileno=os.dup(conn.fileno())) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def bound_sends(channel: Channel, seconds: float) -> None:
+    """Makes a send on `channel` fail with an `OSError` once the peer has taken no bytes for `seconds`.
+
+    Why: a send blocks when the peer's socket buffer is full, and a stopped
+    (SIGSTOP) or hung worker stops reading: with parameters larger than the
+    buffers (a few MiB), rank 0 would wait on it forever instead of dropping
+    it after `worker_timeout`, as it does for a worker that does not answer.
+    """
+    whole = int(seconds)
+    with socket.socket(fileno=os.dup(channel.fileno())) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
 
 
 def parse_address(value: str) -> tuple[str, int]:

@@ -121,3 +121,30 @@ def test_a_gate_admits_the_job_s_processes_past_strangers_that_hold_its_port(job
         time.sleep(0.05)
         err += capfd.readouterr().err
     assert err.count(said) == 1, err  # once, for the first stranger only
+
+
+def test_a_send_to_a_peer_that_reads_nothing_fails_after_the_bound():
+    """A stopped worker reads nothing: a send larger than the sockets' buffers fails with an OSError once the
+    bound passes (rank 0 then drops the worker) instead of blocking for ever, and a heartbeat does not queue
+    behind it."""
+    listener = Listener(("127.0.0.1", 0))
+    reader = Client(listener.address)  # never reads
+    channel = transport.Channel(listener.accept())
+    transport.bound_sends(channel, 0.5)
+    pinged = {}
+
+    def heartbeat():  # while the large send blocks
+        time.sleep(0.2)
+        pinged["sent"] = channel.send_if_idle(("ping",))
+
+    beat = threading.Thread(target=heartbeat)
+    started = time.monotonic()
+    beat.start()
+    with pytest.raises(OSError):
+        channel.send(("work", np.zeros(96 * 2**20, np.uint8).tobytes()))  # past loopback's buffers (tens of MiB)
+    took = time.monotonic() - started
+    beat.join()
+    assert 0.4 < took < 20, took
+    assert pinged["sent"] is False
+    for end in (reader, channel, listener):
+        end.close()
