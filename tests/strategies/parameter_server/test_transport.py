@@ -132,16 +132,18 @@ def test_a_send_to_a_peer_that_reads_nothing_fails_after_the_bound():
     channel = transport.Channel(listener.accept())
     transport.bound_sends(channel, 0.5)
     pinged = {}
+    work = ("work", np.zeros(96 * 2**20, np.uint8).tobytes())  # past loopback's buffers (tens of MiB)
 
-    def heartbeat():  # while the large send blocks
-        time.sleep(0.2)
+    def heartbeat():  # once the large send is under way (its first bytes arrived), while it blocks
+        while not reader.poll(0.01):
+            pass
         pinged["sent"] = channel.send_if_idle(("ping",))
 
     beat = threading.Thread(target=heartbeat)
-    started = time.monotonic()
     beat.start()
+    started = time.monotonic()
     with pytest.raises(OSError):
-        channel.send(("work", np.zeros(96 * 2**20, np.uint8).tobytes()))  # past loopback's buffers (tens of MiB)
+        channel.send(work)
     took = time.monotonic() - started
     beat.join()
     assert 0.4 < took < 20, took
