@@ -1,5 +1,6 @@
 """Small models, data and assertions shared by the tests."""
 
+import importlib.util
 import os
 
 import jax
@@ -24,6 +25,17 @@ class MLP(nnx.Module):
         if self.dropout is not None:
             x = self.dropout(x)
         return self.out(x)
+
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
+
+
+def load_example(name: str, module_name: str | None = None):
+    """examples/<name>.py imported as a module (under `module_name`, default `name`), without running its main."""
+    spec = importlib.util.spec_from_file_location(module_name or name, os.path.join(EXAMPLES, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def classification_data(n=64, din=4, classes=3, seed=0):

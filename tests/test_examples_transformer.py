@@ -1,15 +1,11 @@
 """examples/transformer_lm.py trains (loss falls) and samples on the 8 simulated devices of conftest.py."""
 
-import importlib.util
-import os
-
 import jax
 import pytest
+from helpers import load_example
 from jax.sharding import PartitionSpec as P
 
 pytestmark = pytest.mark.slow  # trains the examples for seconds each (the fast tier leaves these out)
-
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "transformer_lm.py")
 
 TINY = [
     "--epochs",
@@ -39,10 +35,7 @@ TINY = [
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("transformer_lm", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("transformer_lm")
 
 
 @pytest.mark.parametrize(

@@ -6,27 +6,21 @@ cuDNN on the CPU is a clear error; the scanned stack's program does not grow wit
 trains through `fit` under MeshStrategy on the 8 simulated devices.
 """
 
-import importlib.util
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import load_example
 from jax.sharding import PartitionSpec as P
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "transformer_lm.py")
 SMALL = {"vocab": 64, "context": 16, "layers": 3, "d_model": 32, "heads": 4}
 
 
 @pytest.fixture(scope="module")
 def lm():
-    spec = importlib.util.spec_from_file_location("transformer_lm_options", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("transformer_lm", "transformer_lm_options")
 
 
 def tokens(batch=2, time=16, vocab=64, seed=0):
