@@ -5,7 +5,9 @@ meshfit promises about saved files:
   * a directory that holds files meshfit did not write is never used, and one
     writer at a time holds it (`meshfit.dirlock`);
   * an older checkpoint is deleted only after a newer one is complete (Orbax
-    writes to a temporary directory and renames it when done);
+    writes to a temporary directory and renames it when done), and deleting
+    one first renames it out of the listing (`DELETED`), so a crash while it
+    is deleted never leaves a half-deleted checkpoint that looks complete;
   * every array's fingerprint is recorded, and a state with NaN or Inf can be
     refused (`meshfit.integrity`);
   * a restore first compares the saved shapes and dtypes with the template: a
@@ -48,6 +50,9 @@ MARKER = "meshfit_checkpoints.json"
 PROBE = ".meshfit-probe-"
 #: The longest marker read (it is a few dozen bytes): a huge file there is damage, not something to load.
 MARKER_LIMIT = 4096
+#: Where Orbax renames a rotated-out checkpoint before meshfit deletes it (`todelete_subdir`): the rename is
+#: atomic, the delete is not, and a step directory half deleted by a crash would still be listed as complete.
+DELETED = ".meshfit-deleted"
 STATE, META = "state", "meta"
 FINGERPRINTS = "fingerprints"
 UNREADABLE = ".unreadable"
@@ -122,7 +127,9 @@ def own_names(entries: list[str]) -> list[str]:
     return [
         e
         for e in entries
-        if e in (MARKER, LOCK_NAME) or e.startswith(PROBE) or (e.startswith(temporary) and e.endswith(".tmp"))
+        if e in (MARKER, LOCK_NAME, DELETED)
+        or e.startswith(PROBE)
+        or (e.startswith(temporary) and e.endswith(".tmp"))
     ]
 
 
@@ -375,13 +382,17 @@ class CheckpointDir:
                         "writable (not a read-only mount) and has free space."
                     ) from error
             options = ocp.CheckpointManagerOptions(  # meshfit's thread writes synchronously through Orbax
-                max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save and not self._background
+                max_to_keep=max_to_keep,
+                create=True,
+                enable_async_checkpointing=async_save and not self._background,
+                todelete_subdir=DELETED,
             )
         try:
             if not read_only and jax.process_index() == 0:
                 if not os.path.lexists(os.path.join(self.directory, MARKER)):
                     write_marker(self.directory, kind)
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=(STATE, META))
+            self._empty_deleted()  # what a crashed writer was deleting
         except BaseException:
             self._lock.release()
             raise
@@ -392,6 +403,17 @@ class CheckpointDir:
 
     def _path(self, step: int) -> str:
         return os.path.join(self.directory, str(step))
+
+    def _empty_deleted(self) -> None:
+        """Deletes the checkpoints Orbax rotated out (renamed into `DELETED`); only process 0, the writer.
+
+        Never follows a link: `rmtree` refuses one (and `check_directory` refused the directory if one was there).
+        """
+        if self.read_only or jax.process_index() != 0:
+            return
+        deleted = os.path.join(self.directory, DELETED)
+        if os.path.lexists(deleted):
+            shutil.rmtree(deleted, ignore_errors=True)
 
     # -- writing -----------------------------------------------------------------------
 
@@ -433,6 +455,7 @@ class CheckpointDir:
             raise RuntimeError(f"{self.directory!r} was opened read-only.")
         with _timed("previous"):
             self._finish_background()  # at most one save in flight; its error surfaces here
+        self._empty_deleted()
         if step in self.manager.all_steps():
             if if_exists == "error":
                 raise FileExistsError(
@@ -499,6 +522,7 @@ class CheckpointDir:
                 with _timed("background"):
                     report = pending.result()
                     self._write(step, snapshot, {**meta, FINGERPRINTS: report.fingerprints}, probe=False)
+                self._empty_deleted()
             except BaseException as error:  # noqa: BLE001 - kept for the next save, wait or close to raise
                 self._write_error = error
 
@@ -525,6 +549,7 @@ class CheckpointDir:
             self.manager.wait_until_finished()
         except Exception as error:
             raise self._write_failed(error) from error
+        self._empty_deleted()
 
     # -- reading -----------------------------------------------------------------------
 
@@ -668,8 +693,8 @@ class CheckpointDir:
             path = os.path.join(self.directory, name)
             if UNREADABLE in name:
                 kept.append(name)
-            elif name.split(".")[0].isdigit() and os.path.isdir(path) and not os.path.islink(path):
-                # <step>, <step>.orbax-checkpoint-tmp...; a link is not meshfit's and is kept
+            elif (name.split(".")[0].isdigit() or name == DELETED) and os.path.isdir(path) and not os.path.islink(path):
+                # <step>, <step>.orbax-checkpoint-tmp..., rotated-out steps; a link is not meshfit's and is kept
                 shutil.rmtree(path)
             elif name in (MARKER, LOCK_NAME):
                 os.remove(path)

@@ -354,3 +354,43 @@ def test_a_sigkill_during_a_background_save_leaves_the_previous_checkpoint_compl
             assert {float(v) for v in np.unique(np.asarray(state["b"]))} == {step}
     finally:
         ckpt.close()
+
+
+def test_a_rotated_out_checkpoint_leaves_the_listing_whole_before_it_is_deleted(tmp_path):
+    """Deleting a directory tree is not atomic: a crash part-way used to leave a step directory that Orbax still
+    listed as complete (seen in CI after a SIGKILL: step 1 with its state and no JSON part). Orbax now renames it
+    into `.meshfit-deleted` first, which meshfit empties; what a crashed writer left there is deleted on open."""
+    from meshfit.checkpoint import DELETED
+
+    state = {"w": np.ones((8, 8), np.float32)}
+    ckpt = CheckpointDir(tmp_path / "c", "backup", max_to_keep=1, async_save=False)
+    try:
+        ckpt.save(1, state, {}, wait=True)
+        ckpt.save(2, state, {}, wait=True)  # rotates step 1 out
+        assert ckpt.steps() == [2]
+        assert not os.path.exists(tmp_path / "c" / "1") and not os.path.exists(tmp_path / "c" / DELETED)
+    finally:
+        ckpt.close()
+    half_deleted = tmp_path / "c" / DELETED / "1" / "state"  # a crash in the middle of the delete
+    half_deleted.mkdir(parents=True)
+    (half_deleted / "part").write_bytes(b"x" * 100)
+    reopened = CheckpointDir(tmp_path / "c", "backup", max_to_keep=1)
+    try:
+        assert reopened.steps() == [2]
+        assert not os.path.exists(tmp_path / "c" / DELETED)
+    finally:
+        reopened.close()
+
+
+def test_a_symlink_where_rotated_out_checkpoints_go_is_refused(tmp_path):
+    from meshfit.checkpoint import DELETED
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_bytes(b"mine")
+    directory = tmp_path / "c"
+    directory.mkdir()
+    os.symlink(outside, directory / DELETED)
+    with pytest.raises(safe_files.PlantedFile, match=DELETED):
+        CheckpointDir(directory, "backup")
+    assert (outside / "keep").read_bytes() == b"mine"
