@@ -86,12 +86,13 @@ def breakdown(x, y, epochs: int, rounds: int) -> None:
     program, args = take_epochs()[0][0].calls[0]
     placed_epochs = take_epochs()
 
-    def program_only():
-        state = store.latest
+    def program_only():  # on the state's leaves, as `StateStore.advance` calls a `LeafProgram`
+        leaves, structure = jax.tree.flatten(store.latest)
+        run = program.on(structure)
         for _ in range(steps):
-            state, _logs = program(state, *args)
-        jax.block_until_ready(state)
-        store.replace(state)
+            leaves, _logs = run(leaves, *args)
+        jax.block_until_ready(leaves)
+        store.replace(structure.unflatten(leaves))
 
     def placed():
         for execution in (e for epoch_executions in placed_epochs for e in epoch_executions):

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from meshfit import compat, step_report
+from meshfit.leaf_programs import LeafProgram
 from meshfit.state import TrainState
 from meshfit.step_report import StepReport
 from meshfit.steps import Steps
@@ -55,7 +56,7 @@ class Executables:
         single = strategy.train_function(steps, False) if stacked else self._train
         staged = None
         if not stacked and strategy.capabilities.stages_batches:
-            staged = strategy.compile(steps.staged_train_step, donate_argnums=(0,))
+            staged = LeafProgram(strategy.compile, steps.staged_train_step)
         self._trains = {"execution": self._train, "single": single, "staged": staged}
         self._evaluate = strategy.compile(steps.multi_eval_step if stacked else steps.eval_step, donate_argnums=(1,))
         self._predict = strategy.compile(steps.multi_predict_step if stacked else steps.predict_step)
@@ -193,7 +194,7 @@ class Executables:
                 if kind == "single":
                     program = self.strategy.train_function(steps, False)
                 elif kind == "staged":
-                    program = self.strategy.compile(steps.staged_train_step, donate_argnums=(0,))
+                    program = LeafProgram(self.strategy.compile, steps.staged_train_step)
                 else:
                     program = self.strategy.compile(steps.eval_step, donate_argnums=(1,))
                 self._by_rows[key] = program

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+import jax
+
 from meshfit.in_flight import InFlight
+from meshfit.leaf_programs import LeafProgram
 from meshfit.state import TrainState
 from meshfit.terms import LOSS_KEY
 
@@ -18,6 +21,10 @@ class StateStore:
     under asynchronous strategies), or `latest` (without waiting for batches
     in flight), and replaces it through `replace`, `reset` or `restore`.
 
+    Between steps compiled on the state's leaves (`meshfit.leaf_programs`) the
+    store keeps the flat list of leaves and rebuilds the `TrainState` only when
+    something reads it.
+
     Args:
         state: the initial state, already laid out by the strategy.
         follow: called with each state set from outside a step and at the end
@@ -26,7 +33,10 @@ class StateStore:
     """
 
     def __init__(self, state: TrainState, follow: Callable[[TrainState], None] | None = None):
-        self._state = state
+        self._state: TrainState | None = state
+        # The state as a flat list of leaves and its structure, between leaf steps (`_state` is None then).
+        self._leaves: list | None = None
+        self._structure = None
         self._follow = follow or (lambda state: None)
         self._follow(state)
         self._step = 0  # optimizer steps taken, counted on the host
@@ -42,13 +52,15 @@ class StateStore:
         ones, reading it costs nothing and joins no other process, so reads
         that need no exact position (shapes, the learning rate, a summary) use it.
         """
+        if self._state is None:
+            self._state = self._structure.unflatten(self._leaves)
         return self._state
 
     @property
     def state(self) -> TrainState:
         """The state after every batch handed out so far (see `settle`): what savers write."""
         self.settle()
-        return self._state
+        return self.latest
 
     def settle(self) -> dict | None:
         """Applies every batch handed out but not yet applied (asynchronous strategies).
@@ -60,18 +72,23 @@ class StateStore:
         drained = self.drain() if self.drain is not None else None
         if drained is None:
             return None
-        self._state, logs = drained
+        state, logs = drained
+        self._set(state)
         return logs
+
+    def _set(self, state: TrainState) -> None:
+        self._state, self._leaves = state, None
 
     def replace(self, state: TrainState) -> None:
         """Replaces the state from outside a step (weights set, a learning rate changed, a restore)."""
-        self._state = state
+        self._set(state)
         self._follow(state)
         self._step_known = False  # a restored state may hold another step: the next fit reads it
 
     def reset(self, state: TrainState) -> None:
         """A fresh start (`compile`): the state at step 0, nothing in flight."""
-        self._state, self._step, self._step_known, self.drain = state, 0, True, None
+        self._set(state)
+        self._step, self._step_known, self.drain = 0, True, None
         self._follow(state)
 
     def restore(self, state: TrainState, step: int) -> None:
@@ -81,22 +98,39 @@ class StateStore:
 
     def replace_metrics(self, metrics) -> None:
         """Sets the loss and metric accumulators (fresh ones at an epoch's start)."""
-        self._state = self._state._replace(metrics=metrics)
+        self._set(self.latest._replace(metrics=metrics))
 
     def advance(self, calls: Iterable, in_flight: InFlight) -> dict:
         """Runs each `(program, args)` call on the state (donated) and keeps what it returns; returns
-        the last call's logs (device values). Each call counts against the `in_flight` bound."""
+        the last call's logs (device values). Each call counts against the `in_flight` bound.
+
+        A `LeafProgram` runs on the state's leaves, kept flat from one such call to the next.
+        """
         # `in_flight.add` written out: a count per call, the wait token picked only at a mark.
         since, spacing = in_flight.since_mark, in_flight.spacing
+        leaves, structure, state = self._leaves, self._structure, self._state
+        last, run = None, None  # the last leaf program and its compiled form for `structure`
         try:
             for program, args in calls:
-                self._state, logs = program(self._state, *args)
+                if type(program) is LeafProgram:
+                    if leaves is None:
+                        leaves, structure = jax.tree.flatten(state)
+                    if program is not last:
+                        last, run = program, program.on(structure)
+                    leaves, logs = run(leaves, *args)
+                    state = None
+                else:
+                    if state is None:
+                        state = structure.unflatten(leaves)
+                    state, logs = program(state, *args)
+                    leaves = None
                 since += 1
                 if since >= spacing:
-                    in_flight.mark(wait_token(logs, self._state.step))
+                    in_flight.mark(wait_token(logs, lambda: (state or structure.unflatten(leaves)).step))
                     since, spacing = 0, in_flight.spacing
         finally:
             in_flight.since_mark = since
+            self._leaves, self._structure, self._state = leaves, structure, state
         return logs
 
     # -- the host's count of optimizer steps --------------------------------------------------
@@ -112,19 +146,19 @@ class StateStore:
     def begin_fit(self, to_host: Callable) -> None:
         """Reads the step from the device once if the state was set from outside since the last fit."""
         if not self._step_known:
-            self._step = int(to_host(self._state.step))
+            self._step = int(to_host(self.latest.step))
         self._step_known = False  # until this fit ends normally, the count may run ahead of the state
 
     def end_fit(self, finished: bool) -> None:
         """After a fit that `finished`, the host count matches the state, so the next need not read it."""
         self._step_known = finished
-        self._follow(self._state)
+        self._follow(self.latest)
 
 
-def wait_token(logs: dict, fallback):
+def wait_token(logs: dict, fallback: Callable):
     """A device value of a step's logs to wait on for the in-flight bound: the loss, else the first value (a
-    custom step's logs may have no "loss"), else `fallback` (the state's step: a step whose logs are empty)."""
+    custom step's logs may have no "loss"), else `fallback()` (the state's step: a step whose logs are empty)."""
     token = logs.get(LOSS_KEY)
     if token is None:
-        token = next(iter(logs.values()), fallback)
-    return token
+        token = next(iter(logs.values()), None)
+    return fallback() if token is None else token
