@@ -253,5 +253,5 @@ def one_of(stacked: Any, i: int) -> Any:
 
 
 def _cache_size(program) -> int:
-    """Compilations of a jitted program (or of the one a synchronous train function wraps); 0 otherwise."""
-    return compat.compilations(getattr(program, "step", program))
+    """Compilations of a jitted program or a `LeafProgram` (a synchronous train function); 0 otherwise."""
+    return compat.compilations(program)

@@ -112,7 +112,7 @@ class StateStore:
         last, run = None, None  # the last leaf program and its compiled form for `structure`
         try:
             for program, args in calls:
-                if type(program) is LeafProgram:
+                if isinstance(program, LeafProgram):
                     if leaves is None:
                         leaves, structure = jax.tree.flatten(state)
                     if program is not last:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 
+from meshfit.leaf_programs import LeafProgram
 from meshfit.strategies import placement
 
 if TYPE_CHECKING:
@@ -92,16 +93,11 @@ class TrainFunction(Protocol):
         nothing is ever left in flight (synchronous training)."""
 
 
-class CompiledTrainFunction:
-    """A synchronous `TrainFunction`: a compiled step, applied before the next call returns its state."""
+class CompiledTrainFunction(LeafProgram):
+    """A synchronous `TrainFunction`: a step compiled on the state's leaves (`meshfit.leaf_programs`),
+    applied before the next call returns its state."""
 
-    __slots__ = ("step",)
-
-    def __init__(self, step: Callable[[Any, Any], tuple[Any, dict[str, Any]]]):
-        self.step = step
-
-    def __call__(self, state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
-        return self.step(state, batch)
+    __slots__ = ()
 
     def drain(self) -> None:
         return None
@@ -226,7 +222,7 @@ class Strategy(ABC):
         asynchronously, its `drain` applies what is in flight.
         """
         fn = steps.multi_train_step if stacked else steps.train_step
-        return CompiledTrainFunction(self.compile(fn, donate_argnums=(0,)))
+        return CompiledTrainFunction(self.compile, fn)
 
     def to_host(self, tree: Any) -> Any:
         """Fetches a pytree of device arrays as numpy (a host sync)."""
