@@ -66,4 +66,6 @@ def _on_leaves(step: Callable, structure) -> Callable:
             )
         return new_leaves, logs
 
+    # Named as the step (`jit(train_step)` in compilation logs and JAX's monitoring), not as this wrapper.
+    on_leaves.__name__ = on_leaves.__qualname__ = getattr(step, "__name__", "step")
     return on_leaves
