@@ -21,7 +21,8 @@ class Batch(NamedTuple):
         x: the inputs (an array, or a dict/tuple/list of arrays).
         y: the targets, shaped like the model's outputs (None: none, e.g. for `predict`).
         sample_weight: per-sample weights: one array, or one per output (None: all 1).
-        mask: 1.0 for each real row, 0.0 for each padding row (a partial batch padded to the full size).
+        mask: 1.0 for each real row, 0.0 for each padding row (a partial batch padded to the full size);
+            None in a compiled step's batch where every batch of the input is full (`meshfit.feeder`).
     """
 
     x: Any

@@ -115,17 +115,19 @@ class Feeder:
             for count, calls in data.executions(epoch, spe, start_step, pad_last=False, place=placed_calls):
                 yield Execution(count, calls)
             return
+        full = _all_full(data)
         for count, host in data.executions(epoch, spe, start_step, pad_last=False):
-            yield Execution(count, self._calls_of(host, self.strategy.distribute_batch))
+            yield Execution(count, self._calls_of(host, self.strategy.distribute_batch, full))
 
-    def _calls_of(self, host, lay_out: Callable) -> list[Call]:
+    def _calls_of(self, host, lay_out: Callable, full: bool = False) -> list[Call]:
         """The calls that train a host execution.
 
         K stacked batches run as one call of the K-step program, unless the
         group is a short last group (stacked on a leading axis of fewer than
         K) or holds a partial batch under a scalar loss (the K-step scan is one
         program for all K): then its batches run one by one through the
-        single-step program.
+        single-step program. With `full` (every batch of the input is full)
+        the K-step program's batches go without their mask (`_all_full`).
         """
         executables = self.executables
         if not executables.stacked:
@@ -134,7 +136,7 @@ class Feeder:
         short = groups < executables.steps_per_execution
         if short or any(real is not None for real in executables.partial_rows_each(host.mask)):
             return self._single_calls([one_of(host, i) for i in range(groups)], lay_out)
-        return [Call(executables.train("execution"), (lay_out(host, True),))]
+        return [Call(executables.train("execution"), (lay_out(host._replace(mask=None) if full else host, True),))]
 
     def _single_calls(self, batches: list, lay_out: Callable) -> list[Call]:
         train = self.executables.train
@@ -148,10 +150,11 @@ class Feeder:
             self._indices.append(self.strategy.replicate(np.int32(len(self._indices))))
         train, real_rows = self.executables.train, self.executables.real_rows
         usual = train("staged")
+        full = _all_full(data)
         for count, stage in data.executions(epoch, stage_steps, start_step, pad_last=True):
             # Steps that need a partial batch's real rows read them from the host mask, before placing.
             rows = self.executables.partial_rows_each(stage.mask)[:count] if real_rows else None
-            placed = self.strategy.place_stage(stage)
+            placed = self.strategy.place_stage(stage._replace(mask=None) if full else stage)
             if rows is not None and any(real is not None for real in rows):
                 calls = [
                     Call(train("staged", real), (placed, index))
@@ -164,3 +167,11 @@ class Feeder:
                 continue
             for call in calls:
                 yield Execution(1, [call])
+
+
+def _all_full(data) -> bool:
+    """Whether every batch `data` gives is full, as every process knows alike (in-memory arrays whose
+    batch size divides the samples): its steps then take batches without a mask, and the compiled step
+    has no sums of it to make (`meshfit.steps.with_rows_all_real`). A filler batch that completes a
+    stage is never trained."""
+    return data.random_access and not data.has_partial_batches

@@ -485,6 +485,7 @@ class StepFunctions(ScannedSteps):
         )
 
     def train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+        batch = with_rows_all_real(batch)
         rng, step_rng = state.rng, None
         if self.adapter.uses_rng:
             rng, step_rng = (jax.random.key_data(k) for k in jax.random.split(jax.random.wrap_key_data(rng)))
@@ -504,6 +505,15 @@ class StepFunctions(ScannedSteps):
         params, model_state = variables
         y_pred, _ = self._apply(params, model_state, batch.x, None, False)
         return y_pred
+
+
+def with_rows_all_real(batch: Batch) -> Batch:
+    """`batch`, with a mask of ones if it came without one (an input whose batches are all full,
+    `meshfit.feeder`): a constant, so the mask's sums and the loss's divisor fold away when compiled."""
+    if batch.mask is not None:
+        return batch
+    rows = jax.tree.leaves(batch.x)[0].shape[0]
+    return batch._replace(mask=jnp.ones((rows,), jnp.float32))
 
 
 def _per_sample(sample_weight):
