@@ -171,7 +171,7 @@ class Feeder:
 
 def _all_full(data) -> bool:
     """Whether every batch `data` gives is full, as every process knows alike (in-memory arrays whose
-    batch size divides the samples): its steps then take batches without a mask, and the compiled step
-    has no sums of it to make (`meshfit.steps.with_rows_all_real`). A filler batch that completes a
-    stage is never trained."""
+    batch size divides the samples): its steps then take batches without a mask, which the compiled
+    step makes itself (`meshfit.steps.with_rows_all_real`): none is gathered, placed or picked. A filler
+    batch that completes a stage is never trained."""
     return data.random_access and not data.has_partial_batches

@@ -508,12 +508,17 @@ class StepFunctions(ScannedSteps):
 
 
 def with_rows_all_real(batch: Batch) -> Batch:
-    """`batch`, with a mask of ones if it came without one (an input whose batches are all full,
-    `meshfit.feeder`): a constant, so the mask's sums and the loss's divisor fold away when compiled."""
+    """`batch`, with a mask of ones made on the device if it came without one (an input whose batches are
+    all full, `meshfit.feeder`: no mask is gathered, placed or picked from a stage).
+
+    The ones pass an optimization barrier, so the step compiles as for a masked batch and trains bitwise
+    as it does: folding the constant away changed XLA:CPU's schedule of the large MLP's update kernels,
+    6 % slower on two cores (benchmarks/RESULTS.md, session 16).
+    """
     if batch.mask is not None:
         return batch
     rows = jax.tree.leaves(batch.x)[0].shape[0]
-    return batch._replace(mask=jnp.ones((rows,), jnp.float32))
+    return batch._replace(mask=jax.lax.optimization_barrier(jnp.ones((rows,), jnp.float32)))
 
 
 def _per_sample(sample_weight):
