@@ -10,10 +10,13 @@ import meshfit.feeder as feeder_lib
 from meshfit.inputs import data_source
 
 
-def make_model(optimizer="adam"):
+def make_model(optimizer="adam", steps_per_execution=1):
     model = mf.Model(MLP())
     model.compile(
-        optimizer=optimizer, loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"]
+        optimizer=optimizer,
+        loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        steps_per_execution=steps_per_execution,
     )
     return model
 
@@ -135,13 +138,7 @@ def test_batches_that_are_all_full_train_without_a_mask_as_they_do_with_one(monk
     def fit(keep_masks):
         if keep_masks:
             monkeypatch.setattr(feeder_lib, "_all_full", lambda data: False)
-        model = mf.Model(MLP())
-        model.compile(
-            optimizer="adam",
-            loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
-            steps_per_execution=steps_per_execution,
-        )
+        model = make_model(steps_per_execution=steps_per_execution)
         history = model.fit(x, y, batch_size=16, epochs=3, verbose=0)
         monkeypatch.undo()
         return model, history
