@@ -127,9 +127,7 @@ def own_names(entries: list[str]) -> list[str]:
     return [
         e
         for e in entries
-        if e in (MARKER, LOCK_NAME, DELETED)
-        or e.startswith(PROBE)
-        or (e.startswith(temporary) and e.endswith(".tmp"))
+        if e in (MARKER, LOCK_NAME, DELETED) or e.startswith(PROBE) or (e.startswith(temporary) and e.endswith(".tmp"))
     ]
 
 

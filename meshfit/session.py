@@ -209,7 +209,8 @@ class Session:
         """One evaluation execution on the current weights; returns the new accumulators and logs."""
         state = self.store.latest
         metrics, logs = self.executables.evaluate((state.params, state.model_state), metrics, host_batch)
-        self.in_flight.add(wait_token(logs, lambda: metrics))
+        token = wait_token(logs)
+        self.in_flight.add(metrics if token is None else token)
         return metrics, logs
 
     def predict(self, host_batch):

@@ -126,7 +126,10 @@ class StateStore:
                     leaves = None
                 since += 1
                 if since >= spacing:
-                    in_flight.mark(wait_token(logs, lambda: (state or structure.unflatten(leaves)).step))
+                    token = wait_token(logs)
+                    if token is None:  # a step whose logs are empty: the state's step count
+                        token = (state if state is not None else structure.unflatten(leaves)).step
+                    in_flight.mark(token)
                     since, spacing = 0, in_flight.spacing
         finally:
             in_flight.since_mark = since
@@ -155,10 +158,8 @@ class StateStore:
         self._follow(self.latest)
 
 
-def wait_token(logs: dict, fallback: Callable):
+def wait_token(logs: dict):
     """A device value of a step's logs to wait on for the in-flight bound: the loss, else the first value (a
-    custom step's logs may have no "loss"), else `fallback()` (the state's step: a step whose logs are empty)."""
+    custom step's logs may have no "loss"); None for empty logs."""
     token = logs.get(LOSS_KEY)
-    if token is None:
-        token = next(iter(logs.values()), None)
-    return fallback() if token is None else token
+    return next(iter(logs.values()), None) if token is None else token
