@@ -405,13 +405,21 @@ class CheckpointDir:
     def _empty_deleted(self) -> None:
         """Deletes the checkpoints Orbax rotated out (renamed into `DELETED`); only process 0, the writer.
 
-        Never follows a link: `rmtree` refuses one (and `check_directory` refused the directory if one was there).
+        Only the folder's entries: Orbax may be renaming the next one into it (its finalize thread, when
+        it saves asynchronously), so the folder itself stays. Never follows a link (and `check_directory`
+        refused the directory if the folder was one).
         """
         if self.read_only or jax.process_index() != 0:
             return
         deleted = os.path.join(self.directory, DELETED)
-        if os.path.lexists(deleted):
-            shutil.rmtree(deleted, ignore_errors=True)
+        if os.path.islink(deleted) or not os.path.isdir(deleted):
+            return
+        for entry in os.scandir(deleted):
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
 
     # -- writing -----------------------------------------------------------------------
 
