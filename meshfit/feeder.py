@@ -151,10 +151,14 @@ class Feeder:
         train, real_rows = self.executables.train, self.executables.real_rows
         usual = train("staged")
         full = _all_full(data)
-        for count, stage in data.executions(epoch, stage_steps, start_step, pad_last=True):
+
+        def rows_and_placed(stage):
             # Steps that need a partial batch's real rows read them from the host mask, before placing.
-            rows = self.executables.partial_rows_each(stage.mask)[:count] if real_rows else None
-            placed = self.strategy.place_stage(stage._replace(mask=None) if full else stage)
+            rows = self.executables.partial_rows_each(stage.mask) if real_rows else None
+            return rows, self.strategy.place_stage(stage._replace(mask=None) if full else stage)
+
+        for count, (rows, placed) in data.executions(epoch, stage_steps, start_step, True, rows_and_placed):
+            rows = None if rows is None else rows[:count]
             if rows is not None and any(real is not None for real in rows):
                 calls = [
                     Call(train("staged", real), (placed, index))

@@ -3,6 +3,7 @@
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
 from helpers import MLP, classification_data
@@ -38,8 +39,9 @@ def test_a_fit_prepares_the_next_fits_first_shuffle():
 
 
 def test_groups_of_shuffled_batches_are_gathered_into_aligned_arrays_with_the_same_rows():
-    """A stage is gathered straight into arrays aligned to HOST_ALIGNMENT bytes (a transfer that need not copy
-    first); their rows are those of the unaligned gather, batch by batch, partial batch and padding included."""
+    """A stage (a group given to `place`) is gathered straight into arrays aligned to HOST_ALIGNMENT bytes (a
+    transfer that need not copy first); their rows are those of the unaligned gather, batch by batch, partial
+    batch and padding included. A group without `place` goes into a compiled call as it is: the same rows."""
     import ml_dtypes
 
     from meshfit.data import HOST_ALIGNMENT
@@ -49,11 +51,13 @@ def test_groups_of_shuffled_batches_are_gathered_into_aligned_arrays_with_the_sa
     y, weight = rng.integers(0, 4, 70).astype(np.int32), rng.random(70)
     data = ArrayData(x, y, weight, batch_size=16, shuffle=True, seed=3)
     batches = list(data.epoch(0))
-    stacked = [group for _, group in data.executions(0, 2)]
+    stacked = [group for _, group in data.executions(0, 2, place=lambda group: group)]
     assert len(stacked) == 3  # 2 + 2 + the partial batch and a filler of padding
     for i, group in enumerate(stacked):
         for leaf in (group.x["a"], group.x["b"], group.y, group.sample_weight, group.mask):
             assert leaf.__array_interface__["data"][0] % HOST_ALIGNMENT == 0
+        unplaced = [g for _, g in data.executions(0, 2)][i]
+        jax.tree.map(np.testing.assert_array_equal, unplaced, group)
         for j in range(2):
             if 2 * i + j == len(batches):
                 assert not group.mask[j].any()  # the filler
