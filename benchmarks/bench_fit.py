@@ -8,9 +8,11 @@ times, on the same data and optimizer:
   * raw_scan:  the same loop running 32 steps per call in a `lax.scan`;
   * meshfit32: `model.fit` with `steps_per_execution=32`;
   * keras:     Keras 3 on its JAX backend, if installed (`pip install meshfit[bench]`).
-Runs alternate between contenders and the median of `--repeats` timings is kept.
+Runs alternate between contenders and the median of the rounds is kept: `--repeats` rounds at least,
+more for short fits (up to `--min-seconds` of timing a model).
 
-    python benchmarks/bench_fit.py [--repeats 5] [--epochs 3] [--only tiny] [--tiny-steps-per-epoch 512 128]
+    python benchmarks/bench_fit.py [--repeats 5] [--min-seconds 4] [--epochs 3] [--only tiny]
+        [--tiny-steps-per-epoch 512 128]
 
 The tiny MLP runs twice: with 512 steps an epoch (fits of about 40 ms: throughput) and with 128 (fits of
 about 10 ms, where the fixed costs of a call of fit show: checks, callbacks, the first batch's gather).
@@ -19,6 +21,7 @@ about 10 ms, where the fixed costs of a call of fit show: checks, callbacks, the
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import statistics
@@ -147,7 +150,7 @@ def paired_ratio(times: dict, ours: str, baseline: str) -> float:
     return statistics.median(b / o for b, o in zip(times[baseline], times[ours], strict=True))
 
 
-def bench(name, sizes, batch, steps_per_epoch, epochs, repeats):
+def bench(name, sizes, batch, steps_per_epoch, epochs, repeats, min_seconds=0.0):
     x, y = make_data(batch * steps_per_epoch, sizes[0], sizes[-1])
     contenders = {
         "raw": raw_epochs(sizes, x, y, batch, epochs),
@@ -160,6 +163,13 @@ def bench(name, sizes, batch, steps_per_epoch, epochs, repeats):
         contenders["keras"] = keras_go
     for go in contenders.values():  # compile and warm up
         go()
+    round_start = time.perf_counter()
+    for go in contenders.values():  # a round's time, compiled
+        go()
+    round_s = time.perf_counter() - round_start
+    # Short fits (the tiny MLP's take 10-40 ms) vary by several % from round to round on a shared machine:
+    # they get more rounds, up to `min_seconds` of timing in all.
+    repeats = max(repeats, min(50, math.ceil(min_seconds / round_s)))
     times = {k: [] for k in contenders}
     for _ in range(repeats):
         for k, go in contenders.items():
@@ -168,7 +178,7 @@ def bench(name, sizes, batch, steps_per_epoch, epochs, repeats):
             times[k].append(time.perf_counter() - t0)
     steps = steps_per_epoch * epochs
     sps = {k: steps / statistics.median(v) for k, v in times.items()}
-    print(f"\n{name}: batch {batch}, {steps_per_epoch} steps/epoch, {epochs} epochs/run, median of {repeats}")
+    print(f"\n{name}: batch {batch}, {steps_per_epoch} steps/epoch, {epochs} epochs/run, median of {repeats} rounds")
     for k, v in sps.items():
         print(f"  {k:14s} {v:10.1f} steps/s   {1e6 / v:8.1f} us/step")
     print(
@@ -186,7 +196,13 @@ def bench(name, sizes, batch, steps_per_epoch, epochs, repeats):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="rounds at least (each contender once a round)")
+    parser.add_argument(
+        "--min-seconds",
+        type=float,
+        default=4.0,
+        help="more rounds for short fits, up to this much timing a model (at most 50 rounds)",
+    )
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--large-steps-per-epoch", type=int, default=64, help="epoch length of the large MLP")
     parser.add_argument("--only", choices=["large", "tiny"], help="run one of the two models")
@@ -198,16 +214,24 @@ def main():
         help="epoch lengths of the tiny MLP's runs: 512 measures throughput; 128 makes a fit "
         "last about 10 ms, so fit's fixed costs (setup, epoch ends) weigh too",
     )
-    args = parse_args(parser, repeats=1, epochs=1, tiny_steps_per_epoch=[32], large_steps_per_epoch=32)
+    args = parse_args(parser, repeats=1, min_seconds=0.0, epochs=1, tiny_steps_per_epoch=[32], large_steps_per_epoch=32)
     print(
         f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}), "
         f"{os.cpu_count()} cpus, {platform.processor() or platform.machine()}"
     )
     if args.only != "tiny":
-        bench("MLP 784-512-512-10", (784, 512, 512, 10), 128, args.large_steps_per_epoch, args.epochs, args.repeats)
+        bench(
+            "MLP 784-512-512-10",
+            (784, 512, 512, 10),
+            128,
+            args.large_steps_per_epoch,
+            args.epochs,
+            args.repeats,
+            args.min_seconds,
+        )
     if args.only != "large":
         for steps_per_epoch in args.tiny_steps_per_epoch:
-            bench("MLP 64-64-10", (64, 64, 10), 32, steps_per_epoch, args.epochs, args.repeats)
+            bench("MLP 64-64-10", (64, 64, 10), 32, steps_per_epoch, args.epochs, args.repeats, args.min_seconds)
 
 
 if __name__ == "__main__":
