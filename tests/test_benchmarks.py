@@ -12,10 +12,11 @@ pytestmark = pytest.mark.slow  # each starts a Python process with JAX and compi
 BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
 HELPERS = {"smoke.py"}  # modules the benchmarks import, not benchmarks
 OWN_TESTS = {"bench_plan.py"}  # smoke-run by a test of their own that also checks what they print
+CHECKLISTS = {"gpu_checklist.py"}  # runs benchmarks on a lent GPU: its commands are checked below
 SCRIPTS = sorted(
     name
     for name in map(os.path.basename, glob.glob(os.path.join(BENCHMARKS, "*.py")))
-    if name not in HELPERS | OWN_TESTS
+    if name not in HELPERS | OWN_TESTS | CHECKLISTS
 )
 
 
@@ -29,3 +30,16 @@ def test_benchmark_runs_in_smoke_mode(script):
     job = run([sys.executable, os.path.join(BENCHMARKS, script), "--smoke"], timeout=240, env=env)
     assert job.returncode == 0, f"{script} --smoke exited {job.returncode}:\n{job.stderr[-3000:]}"
     assert job.stdout.strip(), f"{script} --smoke printed nothing"
+
+
+def test_every_command_of_the_gpu_checklist_parses_and_a_wrong_flag_is_caught():
+    checklist = os.path.join(BENCHMARKS, "gpu_checklist.py")
+    job = run([sys.executable, checklist, "--check"], timeout=120)
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert job.stdout.count("flags parse") >= 6, job.stdout
+    wrong = (
+        f"import sys; sys.path.insert(0, {BENCHMARKS!r}); import gpu_checklist as g; "
+        "g.check(g.STAGES[0]._replace(args=('--no-such-flag',)))"
+    )
+    job = run([sys.executable, "-c", wrong], timeout=120)
+    assert job.returncode == 2 and "--no-such-flag" in job.stderr, (job.returncode, job.stderr[-3000:])
