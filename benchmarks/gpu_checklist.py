@@ -34,32 +34,33 @@ class Stage(NamedTuple):
     minutes: int  # about how long it takes on an H100/H200 (compilation included)
 
 
-DECODER_1B = ("--preset", "1b", "--scan-layers", "--position", "rope", "--attention", "cudnn")
-FAST = ("--remat", "minimal", "--loss-chunk", "512", "--policies", "mixed_bfloat16")
+def decoder(name: str, what: str, preset: str, contenders: str, batch: int, repeats: int, minutes: int) -> Stage:
+    """`bench_transformer.py` on the fast decoder options (docs/performance.md, "Fast decoder options")."""
+    fast = ("--scan-layers", "--position", "rope", "--attention", "cudnn", "--remat", "minimal", "--loss-chunk", "512")
+    sizes = ("--batch", str(batch), "--steps", "10", "--repeats", str(repeats))
+    args = ("--preset", preset, *fast, "--policies", "mixed_bfloat16", "--contenders", contenders, *sizes)
+    return Stage(name, what, "bench_transformer.py", args, minutes)
+
 
 STAGES = (
-    Stage(
+    decoder(
         "mfu",
         "issue 30 item 1: MFU >= 50 % of a >= 1 B decoder through fit, and meshfit / hand-written >= 0.98",
-        "bench_transformer.py",
-        (*DECODER_1B, *FAST, "--contenders", "raw,meshfit", "--batch", "8", "--steps", "10", "--repeats", "3"),
-        8,
+        "1b",
+        "raw,meshfit",
+        batch=8,
+        repeats=3,
+        minutes=8,
     ),
-    Stage(
-        "350m",
-        "issue 30 item 1: the table's smallest size, 350 M (meshfit only)",
-        "bench_transformer.py",
-        ("--preset", "350m", "--scan-layers", "--position", "rope", "--attention", "cudnn", *FAST)
-        + ("--contenders", "meshfit", "--batch", "16", "--steps", "10", "--repeats", "2"),
-        5,
-    ),
-    Stage(
+    decoder("350m", "issue 30 item 1: the table's smallest size, 350 M (meshfit only)", "350m", "meshfit", 16, 2, 5),
+    decoder(
         "2b",
         "issue 30 item 1: the largest preset that trains in bf16 with Adam on one 80 GB GPU (meshfit only)",
-        "bench_transformer.py",
-        ("--preset", "2b", "--scan-layers", "--position", "rope", "--attention", "cudnn", *FAST)
-        + ("--contenders", "meshfit", "--batch", "8", "--steps", "10", "--repeats", "2"),
-        8,
+        "2b",
+        "meshfit",
+        batch=8,
+        repeats=2,
+        minutes=8,
     ),
     Stage(
         "fit",
