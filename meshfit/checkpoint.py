@@ -620,13 +620,34 @@ class CheckpointDir:
         host = jax.tree.map(
             lambda new, old: new if isinstance(old, jax.Array) else np.asarray(new), restored, encode(template)
         )
-        altered = integrity.mismatched(meta.get(FINGERPRINTS, {}), integrity.report(host).fingerprints)
+        altered = integrity.mismatched(meta.get(FINGERPRINTS, {}), self._report(host).result().fingerprints)
         if altered:
             raise CheckpointDamaged(
                 f"the data of {len(altered)} array(s) in {os.path.join(self._path(step), STATE)} changed on disk "
                 f"since it was written (fingerprint mismatch: {', '.join(altered[:SHOWN_MISMATCHES])})"
             )
         return decode(restored, template), meta
+
+    def non_finite(self, state) -> list[str]:
+        """Paths of `state`'s arrays that hold NaN or Inf, computed as this directory's saves compute them.
+
+        A state saved here compiles no second program for the check (see `_report`).
+        """
+        return self._report(encode(state)).non_finite()
+
+    def _report(self, tree) -> integrity.PendingReport:
+        """The fingerprints and finiteness of `tree`, from the program this directory's saves compile.
+
+        Saves that copy the state on its devices compute the report with the copy, in one program
+        (`integrity.snapshot`). A restore or a check that computed it alone would compile a second
+        program for the same arrays, which a restarted job then finds in no compilation cache (1.1-1.3 s
+        each for the example transformer on the CPU, `benchmarks/bench_restart.py`). The copy is dropped
+        at once: it costs what every save of this directory costs, one copy of the state while the
+        program runs.
+        """
+        if self._background:
+            return integrity.snapshot(tree)[1]
+        return integrity.start_report(tree)
 
     def _mismatch(self, step: int, what: str) -> CheckpointMismatch:
         return CheckpointMismatch(

@@ -10,6 +10,7 @@ import shutil
 import stat
 import warnings
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -296,6 +297,31 @@ def test_a_background_save_writes_the_state_of_its_step_although_the_next_step_d
     assert meta["note"] == "one"
     np.testing.assert_array_equal(np.asarray(restored["w"]), expected["w"])
     assert int(restored["count"]) == 7
+
+
+def test_a_restore_and_the_finiteness_check_reuse_the_program_the_background_saves_compiled(tmp_path):
+    """A restarted job finds in its compilation cache only what the run before it compiled: the restore's
+    fingerprints and the end-of-fit finiteness check come from the save's copy-and-report program, not from
+    a second program for the same arrays (1.1-1.3 s each for the example transformer on the CPU)."""
+    import jax.numpy as jnp
+
+    from meshfit import integrity
+    from meshfit.compat import compilations
+
+    state = {"w": jnp.arange(37.0 * 29).reshape(37, 29), "n": jnp.array(3, jnp.int32)}  # shapes no other test uses
+    state = jax.device_put(state, jax.devices()[0])  # placed, as a model's state is (and a restored one)
+    alone_before, with_copy_before = compilations(integrity._device_report), compilations(integrity._device_snapshot)
+    ckpt = CheckpointDir(tmp_path / "c", "checkpoint", async_save=True)
+    try:
+        ckpt.save(1, state, {}, wait=True)
+        restored, _ = ckpt.restore(1, jax.tree.map(jnp.zeros_like, state))
+        assert ckpt.non_finite(restored) == []
+        assert ckpt.non_finite({**state, "w": state["w"].at[0, 0].set(jnp.nan)}) == ["w"]
+    finally:
+        ckpt.close()
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.asarray(state["w"]))
+    assert compilations(integrity._device_report) == alone_before  # no second program
+    assert compilations(integrity._device_snapshot) == with_copy_before + 1  # one, for saves, restores and checks
 
 
 def test_a_failed_background_save_raises_at_the_next_save_wait_or_close_and_keeps_the_previous(tmp_path):

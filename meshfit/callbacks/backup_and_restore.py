@@ -7,7 +7,7 @@ import os
 import re
 import shutil
 
-from meshfit import compilation_cache, integrity
+from meshfit import compilation_cache
 from meshfit.callbacks.base import Callback, state_keys
 from meshfit.checkpoint import CheckpointDir, NonFiniteState
 from meshfit.checkpoint_schema import BACKUP, Backup
@@ -264,7 +264,7 @@ class BackupAndRestore(Callback):
         self.close()
         if not self.delete_checkpoint or directory is None:
             return
-        if self._ended_non_finite(logs):
+        if self._ended_non_finite(directory, logs):
             if self.model.strategy.is_chief:
                 print(
                     f"BackupAndRestore: training ended on a non-finite loss or state (NaN or Inf), so the "
@@ -284,11 +284,11 @@ class BackupAndRestore(Callback):
                 flush=True,
             )
 
-    def _ended_non_finite(self, logs) -> bool:
+    def _ended_non_finite(self, directory, logs) -> bool:
         loss = (logs or {}).get("loss")
         if self._refused_step is not None or (loss is not None and not math.isfinite(float(loss))):
             return True
-        return bool(integrity.report(self.context.latest).non_finite())
+        return bool(directory.non_finite(self.context.latest))  # the program its saves compiled: no new one
 
     def close(self) -> None:
         """Waits for the backup being written and releases the directory (also after a failed fit).
