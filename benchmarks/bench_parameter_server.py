@@ -148,6 +148,7 @@ def processes(args):
     print(f"transport: processes (meshfit launch --ps {args.ps} --workers 4)")
     delays = {str(i): args.base for i in range(4)} | {"3": 3 * args.base}
     env = dict(os.environ, MESHFIT_PS_WORKER_DELAYS=json.dumps(delays))
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # 5+ processes on one GPU: none may reserve 75 % of it
     sps = {}
     for mode in ("sync", "async"):
         options = ["--base", str(args.base), "--rows", str(args.rows), "--steps", str(args.steps)]

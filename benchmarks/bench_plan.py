@@ -10,7 +10,10 @@ pick is the fastest measured.
 
 Measured memory: where the platform reports it (`memory_stats()`, GPU/TPU),
 each candidate runs in a process of its own and its `peak_bytes_in_use` is
-read; on the CPU, what device 0 holds after the steps
+read. The parent has compiled the plan on the device first: unless the user
+set it, `XLA_PYTHON_CLIENT_PREALLOCATE=false` is set before JAX starts, so the
+parent does not reserve 75 % of the GPU's memory and starve its children
+(which inherit the setting; each child prints the value it ran with); on the CPU, what device 0 holds after the steps
 (`meshfit.memory.live_bytes`: state, staged batches, accumulators) plus the
 compiled step's temporaries. On the CPU the devices are simulated (8 on the
 host's cores): the measured step times are those of simulated devices, and
@@ -26,6 +29,8 @@ from __future__ import annotations
 import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# Before JAX starts: a parent that reserved 75 % of the GPU would leave its measuring children too little.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -121,7 +126,8 @@ def main() -> None:
     args.steps = args.steps or (10 if args.smoke else 20)
     factory, x, y, rules, devices = setup(args.smoke, args.batch_size)
     if args.one is not None:
-        print(json.dumps(measure_one(args.one, args, factory, x, y, rules, devices)))
+        got = measure_one(args.one, args, factory, x, y, rules, devices)
+        print(json.dumps(got | {"preallocate": os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE")}))
         return
     remat = [False] if args.smoke else None
     planned = mf.plan(
@@ -133,7 +139,7 @@ def main() -> None:
     alone = args.isolate or bool(jax.devices()[0].memory_stats())  # GPU/TPU: a fresh peak per candidate
     cpu = jax.devices()[0].platform == "cpu"
     time_label = "measured (simulated devices)" if cpu else "measured"
-    print(f"{'layout':<11} {'remat':<5} {'peak predicted':>14} {'measured':>10} {'ratio':>6}   ", end="")
+    print(f"{'layout':<22} {'remat':<5} {'peak predicted':>14} {'measured':>10} {'ratio':>6}   ", end="")
     print(f"{'step predicted':>14} {time_label:>28} {'ratio':>7}")
     measured = {}
     for i, candidate in enumerate(compiled):
@@ -144,10 +150,13 @@ def main() -> None:
         measured[i] = got
         predicted_ms, measured_ms = candidate.step_seconds * 1e3, got["seconds"] * 1e3
         print(
-            f"{candidate.layout.name:<11} {str(candidate.remat):<5} {candidate.peak_bytes / 2**20:>10.2f} MiB "
+            f"{candidate.layout.name:<22} {str(candidate.remat):<5} {candidate.peak_bytes / 2**20:>10.2f} MiB "
             f"{got['peak'] / 2**20:>6.2f} MiB {got['peak'] / candidate.peak_bytes:>6.2f}   "
             f"{predicted_ms:>11.3f} ms {measured_ms:>25.2f} ms {measured_ms / predicted_ms:>7.1f}"
         )
+    if alone:
+        seen = sorted({str(got.get("preallocate")) for got in measured.values() if "error" not in got})
+        print(f"each candidate measured in a process of its own, XLA_PYTHON_CLIENT_PREALLOCATE={','.join(seen)}")
     failed = [i for i in measured if "error" in measured[i]]
     for i in failed:
         print(f"{compiled[i].layout.name} remat={compiled[i].remat} failed: {measured[i]['error']}")

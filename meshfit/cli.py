@@ -64,7 +64,9 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="ADDRESS",
         help="run the ranks as Ray actors on the Ray cluster at ADDRESS (without it: RAY_ADDRESS, a running "
-        'local cluster, else a new local one); needs `pip install "meshfit[ray]"`',
+        'local cluster, else a new local one); needs `pip install "meshfit[ray]"`. Run the cluster with '
+        "RAY_AUTH_MODE=token and the nodes on a private network: the ranks' own ports (meshfit's handshake, "
+        "JAX's coordination service, gloo) listen unauthenticated on the node's address (docs/multi_host.md)",
     )
     run.add_argument(
         "--resources-per-proc",

@@ -45,12 +45,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(default: meshfit.roofline.DEVICE_SPECS)",
     )
     parser.add_argument(
+        "--measure",
+        type=int,
+        default=0,
+        metavar="K",
+        help="time the K best-predicted candidates that fit with a few real steps each (creating their "
+        "parameters, one candidate at a time) and rank those by the time measured (default 0: none; the "
+        "roofline's step time is a lower bound)",
+    )
+    parser.add_argument(
         "--host-devices", type=int, default=0, help="simulate N CPU devices (when XLA_FLAGS is not set)"
     )
 
 
 def run(args: argparse.Namespace) -> int:
     """Plans as the arguments say and prints the table."""
+    if args.measure < 0:
+        raise ValueError(f"--measure takes how many candidates to time, an int >= 0. Received: {args.measure}.")
     if args.host_devices > 0 and "XLA_FLAGS" not in os.environ and "jax" not in sys.modules:
         os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.host_devices}"
     import jax  # noqa: PLC0415  (after XLA_FLAGS)
@@ -76,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         batch_sizes=args.batch_size,
         rules=() if args.rules is None else load(args.rules, "--rules"),
         device_spec=None if args.device_spec is None else DeviceSpec(*peaks(args.device_spec)),
+        measure=args.measure,
     )
     print(result)
     return 0

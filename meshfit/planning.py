@@ -8,14 +8,19 @@ abstract=True)`: shapes and shardings, the factory run under `nnx.eval_shape`
 only), compiles the train step exactly as `fit` would (`model.step_report`:
 the strategy's compilation of the model's own steps) and reads XLA's memory
 and cost analyses of it. Nothing runs. Each candidate's step time is
-predicted by a roofline (`meshfit.roofline`), and candidates over the
-memory limit are marked as not fitting.
+predicted by a roofline (`meshfit.roofline`): a lower bound, as no step
+runs faster than its device's peaks (on a GPU a real step took 3x it). So
+`measure=K` times the K best-predicted candidates that fit with a few real
+steps each (their parameters created then, one candidate at a time, each
+freed before the next) and ranks those by the time measured. Candidates over
+the memory limit are marked as not fitting.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import inspect
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -35,6 +40,9 @@ from meshfit.strategies.mirrored import MirroredStrategy
 #: The mesh axes a plan factors the devices into, in `MeshStrategy` order.
 MESH_AXES = ("data", "fsdp", "tensor")
 
+#: Timed steps per measured candidate (after one untimed step that compiles).
+MEASURE_STEPS = 3
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -44,9 +52,10 @@ class Layout:
 
     @property
     def name(self) -> str:
+        """ "mirrored", or the mesh's axes over more than one device: "fsdp=8", "data=2,fsdp=4"."""
         if self.axes is None:
             return "mirrored"
-        return "mesh " + "x".join(str(size) for _, size in self.axes)
+        return ",".join(f"{axis}={size}" for axis, size in self.axes if size > 1) or f"{self.axes[0][0]}=1"
 
     def strategy(
         self,
@@ -83,9 +92,12 @@ class Candidate:
         batch_size: the global batch size.
         remat: the value given to the factory's `remat=` argument (None: the factory has none).
         report: XLA's analyses of the compiled train step, per device (None where it did not compile).
-        time: the roofline's step time (`meshfit.roofline.StepTime`, seconds; None without a report).
+        time: the roofline's step time (`meshfit.roofline.StepTime`, seconds; None without a report): a
+            lower bound, the step at the device's peaks.
         memory_limit: bytes one device may hold (None: no limit).
         error: why the candidate could not be compiled (a rule that does not divide a dimension), else None.
+        measured_seconds: seconds per real step, where `plan(measure=K)` timed this candidate, else None.
+        measure_error: why this candidate's real steps failed (out of memory, for one), else None.
     """
 
     layout: Layout
@@ -95,6 +107,8 @@ class Candidate:
     time: StepTime | None
     memory_limit: int | None
     error: str | None = None
+    measured_seconds: float | None = None
+    measure_error: str | None = None
     _strategy: Callable[[], Any] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
@@ -111,19 +125,27 @@ class Candidate:
 
     @property
     def fits(self) -> bool:
-        """Compiled, and its peak within the memory limit."""
-        return self.report is not None and (self.margin is None or self.margin >= 0)
+        """Compiled, its peak within the memory limit, and (where measured) its real steps ran."""
+        return self.report is not None and (self.margin is None or self.margin >= 0) and self.measure_error is None
 
     @property
     def step_seconds(self) -> float | None:
+        """The roofline's step time: a lower bound."""
         return None if self.time is None else self.time.total
 
     @property
     def samples_per_second(self) -> float | None:
-        """The predicted global samples per second."""
+        """The predicted global samples per second (an upper bound, from the roofline's time)."""
         if self.time is None or self.time.total <= 0:
             return None
         return self.batch_size / self.time.total
+
+    @property
+    def measured_samples_per_second(self) -> float | None:
+        """The global samples per second of the real steps, where measured."""
+        if not self.measured_seconds:
+            return None
+        return self.batch_size / self.measured_seconds
 
     def strategy(self) -> MirroredStrategy | MeshStrategy:
         """A ready strategy in this candidate's layout, over the plan's devices with its rules."""
@@ -135,14 +157,16 @@ class Plan:
     """The candidates of `meshfit.plan`, best first.
 
     Attributes:
-        candidates: those that fit, by predicted samples/s (fastest first); then those over the
-            memory limit (smallest peak first); then those that did not compile.
+        candidates: those measured (`measure=K`), by measured samples/s; then the others that fit, by
+            predicted samples/s (fastest first); then those over the memory limit (smallest peak first),
+            or whose real steps failed; then those that did not compile.
         device_kind: the kind of the planned devices.
         num_devices: how many.
         spec: the `DeviceSpec` the roofline used.
         memory_limit: bytes one device may hold (None: no limit).
         compiled: how many candidates were compiled (each once).
         seconds: how long planning took.
+        measured: how many candidates were timed with real steps (`measure=K`).
     """
 
     candidates: list[Candidate]
@@ -152,10 +176,11 @@ class Plan:
     memory_limit: int | None
     compiled: int
     seconds: float
+    measured: int = 0
 
     @property
     def best(self) -> Candidate:
-        """The fastest candidate that fits; a ValueError when none does."""
+        """The fastest candidate that fits (measured, where `measure=K` timed some); a ValueError when none does."""
         if not self.candidates or not self.candidates[0].fits:
             raise ValueError(
                 f"No candidate fits in memory_limit={_bytes(self.memory_limit)} per device. Received: "
@@ -182,6 +207,7 @@ def plan(
     rules: Rules = (),
     logical_axis_rules: Any = None,
     device_spec: DeviceSpec | None = None,
+    measure: int = 0,
 ) -> Plan:
     """Compiles the train step for every layout, batch size and remat choice, creating no parameter.
 
@@ -204,6 +230,10 @@ def plan(
         logical_axis_rules: a `MeshStrategy`'s logical axis rules, likewise.
         device_spec: the device's peaks for the roofline (default: `meshfit.roofline.DEVICE_SPECS` for
             the device kind; `HOST_CPU` on CPU).
+        measure: how many of the best-predicted candidates that fit to time with real steps (default 0:
+            none). Each is built for real, one at a time, trained for one step that compiles and then
+            `MEASURE_STEPS` timed steps, and freed before the next; those measured are ranked by the
+            time measured, ahead of the rest. The roofline's time is a lower bound; this is the real one.
 
     Returns:
         A `Plan`: `plan.best.strategy()` is a ready strategy; `print(plan)` prints the table.
@@ -211,7 +241,7 @@ def plan(
     Example:
         >>> p = mf.plan(lambda: MLP(rngs=nnx.Rngs(0)), x[:64], y[:64],
         ...             compile=dict(optimizer="adam", loss="sparse_categorical_crossentropy"),
-        ...             batch_sizes=[64, 256])
+        ...             batch_sizes=[64, 256], measure=2)
         >>> print(p)
         >>> with p.best.strategy().scope(): ...
     """
@@ -231,6 +261,11 @@ def plan(
     if not batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batch_sizes):
         raise ValueError(f"`batch_sizes` must be positive ints. Received: batch_sizes={batch_sizes!r}.")
     remats = _remat_choices(factory, remat)
+    if isinstance(measure, bool) or not isinstance(measure, int) or measure < 0:
+        raise ValueError(
+            "`measure` is how many of the best-predicted candidates to time with real steps, an int >= 0. "
+            f"Received: measure={measure!r}."
+        )
     if memory_limit is None:
         memory_limit = (devices[0].memory_stats() or {}).get("bytes_limit")
     elif isinstance(memory_limit, bool) or not isinstance(memory_limit, int) or memory_limit <= 0:
@@ -252,22 +287,29 @@ def plan(
         try:
             report = _compile(factory, choice, strategy_of(layout)(), compile, x, y, batch_size)
         except ValueError as error:  # a layout rule or batch this mesh cannot take
-            return Candidate(layout, batch_size, choice, None, None, memory_limit, str(error), strategy_of(layout))
+            return Candidate(
+                layout, batch_size, choice, None, None, memory_limit, str(error), _strategy=strategy_of(layout)
+            )
         time_ = roofline.step_time(report, spec)
-        return Candidate(layout, batch_size, choice, report, time_, memory_limit, None, strategy_of(layout))
+        return Candidate(layout, batch_size, choice, report, time_, memory_limit, None, _strategy=strategy_of(layout))
 
     # One after another: compiling in a pool of threads took as long on a 2-core host (RESULTS.md).
     candidates = [compile_one(job) for job in jobs]
     if all(c.error for c in candidates):
         raise ValueError(f"No candidate compiled. The first error: {candidates[0].error}")
+    candidates = sorted(candidates, key=_rank)
+    timed = [c for c in candidates if c.fits][:measure]
+    measured = {id(c): _measure(factory, c, compile, x, y) for c in timed}
+    candidates = sorted((measured.get(id(c), c) for c in candidates), key=_rank)
     return Plan(
-        candidates=sorted(candidates, key=_rank),
+        candidates=candidates,
         device_kind=devices[0].device_kind,
         num_devices=len(devices),
         spec=spec,
         memory_limit=memory_limit,
         compiled=sum(c.report is not None for c in candidates),
         seconds=time.perf_counter() - start,
+        measured=len(timed),
     )
 
 
@@ -279,6 +321,34 @@ def _compile(factory, remat, strategy, compile_args, x, y, batch_size: int) -> S
         model.compile(**compile_args)
     grow = lambda a: np.resize(np.asarray(a), (batch_size, *np.shape(a)[1:]))  # noqa: E731
     return model.step_report(jax.tree.map(grow, x), jax.tree.map(grow, y))
+
+
+def _measure(factory, candidate: Candidate, compile_args, x, y) -> Candidate:
+    """`candidate` with the seconds of its real steps: built, one untimed step (it compiles), then
+    `MEASURE_STEPS` timed ones, each waited for; the model is freed (and JAX's caches cleared) before
+    returning, so that the next candidate starts from the memory this one started from."""
+    build = factory if candidate.remat is None else functools.partial(factory, remat=candidate.remat)
+    grow = lambda a: np.resize(np.asarray(a), (candidate.batch_size, *np.shape(a)[1:]))  # noqa: E731
+    xs, ys = jax.tree.map(grow, x), jax.tree.map(grow, y)
+    model = None
+    try:
+        with candidate.strategy().scope():
+            model = Model(build)
+            model.compile(**compile_args)
+        model.train_on_batch(xs, ys)  # compiles; not timed
+        jax.block_until_ready(model.params)
+        start = time.perf_counter()
+        for _ in range(MEASURE_STEPS):
+            model.train_on_batch(xs, ys)  # its logs are pulled to the host: each step is waited for
+        jax.block_until_ready(model.params)
+        seconds = (time.perf_counter() - start) / MEASURE_STEPS
+        return dataclasses.replace(candidate, measured_seconds=seconds)
+    except jax.errors.JaxRuntimeError as error:  # out of memory: the prediction was wrong, the row says so
+        return dataclasses.replace(candidate, measure_error=str(error).strip().splitlines()[0][:200])
+    finally:
+        del model
+        gc.collect()
+        jax.clear_caches()
 
 
 def _remat_choices(factory: Callable[..., Any], remat: Sequence[Any] | None) -> list[Any]:
@@ -321,11 +391,13 @@ def _rows(tree: Any, name: str) -> int:
 
 
 def _rank(candidate: Candidate) -> tuple:
+    if candidate.fits and candidate.measured_seconds is not None:
+        return (0, -candidate.measured_samples_per_second)
     if candidate.fits:
-        return (0, -(candidate.samples_per_second or 0.0))
+        return (1, -(candidate.samples_per_second or 0.0))
     if candidate.report is not None:
-        return (1, candidate.peak_bytes)
-    return (2, 0)
+        return (2, candidate.peak_bytes)
+    return (3, 0)
 
 
 # -- the table ---------------------------------------------------------------------------------------
@@ -353,20 +425,36 @@ def format_plan(result: Plan) -> str:
     spec = result.spec
     header = (
         f"Plan: {result.num_devices} x {result.device_kind}, memory limit {_bytes(result.memory_limit)} per device; "
-        f"{result.compiled} candidates compiled in {result.seconds:.1f} s; roofline {spec.peak_flops / 1e12:g} "
+        f"{result.compiled} candidates compiled{f', {result.measured} measured,' if result.measured else ''} in "
+        f"{result.seconds:.1f} s; roofline {spec.peak_flops / 1e12:g} "
         f"TFLOP/s, memory {spec.memory_bandwidth / 1e9:g} GB/s, interconnect {spec.interconnect_bandwidth / 1e9:g} GB/s"
     )
-    columns = ("layout", "batch", "remat", "peak/device", "margin", "GFLOP/dev", "collectives/dev", "step", "samples/s")
+    columns = (
+        "layout",
+        "batch",
+        "remat",
+        "peak/device",
+        "margin",
+        "GFLOP/dev",
+        "collectives/dev",
+        "step ≥ (roofline)",
+        "step measured",
+        "samples/s",
+    )
     rows = []
     for c in result.candidates:
         remat = "-" if c.remat is None else str(c.remat)
         if c.report is None:
-            rows.append((c.layout.name, str(c.batch_size), remat, "-", "does not compile", "", "", "", ""))
+            rows.append((c.layout.name, str(c.batch_size), remat, "-", "does not compile", "", "", "", "", ""))
             continue
         collectives = " ".join(
             f"{_SHORT[k]} {_bytes(c.report.collectives[k])}" for k in COLLECTIVE_KINDS if c.report.collectives.get(k)
         )
-        margin = "no limit" if c.margin is None else ("" if c.fits else "OVER ") + _bytes(abs(c.margin))
+        margin = "no limit" if c.margin is None else ("" if c.margin >= 0 else "OVER ") + _bytes(abs(c.margin))
+        if c.measured_seconds is not None:
+            measured, samples = f"{c.measured_seconds * 1e3:,.2f} ms", f"{c.measured_samples_per_second:,.0f}"
+        else:
+            measured, samples = ("failed" if c.measure_error else ""), f"≤ {c.samples_per_second:,.0f}"
         rows.append(
             (
                 c.layout.name,
@@ -377,13 +465,27 @@ def format_plan(result: Plan) -> str:
                 f"{max(c.report.flops, c.report.device_flops) / 1e9:,.3f}",
                 collectives or "none",
                 f"{c.step_seconds * 1e3:,.2f} ms ({c.time.bound})",
-                f"{c.samples_per_second:,.0f}",
+                measured,
+                samples,
             )
         )
     widths = [max(len(col), *(len(r[i]) for r in rows)) for i, col in enumerate(columns)]
     line = lambda cells: "  ".join(cell.ljust(w) for cell, w in zip(cells, widths, strict=True)).rstrip()  # noqa: E731
     text = [header, line(columns), line(["-" * w for w in widths])] + [line(r) for r in rows]
+    text.append(
+        "step ≥ (roofline): a lower bound, the step at the device's peak FLOP/s and bandwidths; real steps take longer."
+    )
+    if result.measured:
+        text.append(
+            f"step measured: {MEASURE_STEPS} real steps each of the {result.measured} best-predicted candidates that "
+            "fit, ranked first by it; samples/s: measured, else ≤ the roofline's."
+        )
+    else:
+        text.append("Time the best with real steps: measure=K (meshfit plan --measure K); samples/s: ≤ the roofline's.")
     errors = [c for c in result.candidates if c.error]
     if errors:
         text.append(f"Did not compile: {errors[0].layout.name}: {errors[0].error}")
+    failed = [c for c in result.candidates if c.measure_error]
+    if failed:
+        text.append(f"Real steps failed: {failed[0].layout.name}: {failed[0].measure_error}")
     return "\n".join(text)

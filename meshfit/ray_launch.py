@@ -10,6 +10,11 @@ JAX trainer does, but for meshfit's own strategies (MultiWorkerMirrored, Mesh) a
 
 The script (and `cwd`) must be where every node can read it: the same path on a shared filesystem, or
 in the image every node runs. Ray is imported only here, only for `--ray`.
+
+Security is the cluster's: run it with Ray's token authentication (`RAY_AUTH_MODE=token`), and keep the
+nodes on a private network, since the ranks' own ports (meshfit's handshake and JAX's coordination service
+on rank 0's node address, gloo's TCP in every rank) listen there without authentication
+(docs/multi_host.md, "Securing a `--ray` job").
 """
 
 from __future__ import annotations

@@ -58,7 +58,10 @@ def device_spec(device_kind: str) -> DeviceSpec | None:
 
 
 class StepTime(NamedTuple):
-    """A step's predicted seconds on one device, by part.
+    """A step's predicted seconds on one device, by part: a lower bound, the device at its peaks.
+
+    No launch overhead, imperfect overlap or host time is counted: a real step takes longer (on an H100, a
+    1B decoder's step took 3x its roofline). `meshfit.plan(measure=K)` times real steps.
 
     Attributes:
         compute: FLOPs / peak FLOP/s.

@@ -1,5 +1,7 @@
 """`meshfit.plan`: every layout compiled abstractly, none over the memory limit picked, the pick trains."""
 
+import gc
+
 import jax
 import numpy as np
 import pytest
@@ -37,10 +39,12 @@ def state_bytes(din=32, hidden=256, dout=10) -> int:
     return 3 * 4 * (din * hidden + hidden + hidden * dout + dout)
 
 
-def test_layouts_are_mirrored_and_every_factorisation():
-    assert [layout.name for layout in layouts(2)] == ["mirrored", "mesh 1x2x1", "mesh 1x1x2"]
+def test_layouts_are_mirrored_and_every_factorisation_named_by_its_axes():
+    assert [layout.name for layout in layouts(2)] == ["mirrored", "fsdp=2", "tensor=2"]
     eight = layouts(8)
     assert len(eight) == 1 + 10 - 1  # ordered triples of divisors whose product is 8, but 8x1x1: Mirrored
+    names = {layout.name for layout in eight}
+    assert {"fsdp=8", "data=2,fsdp=4", "data=2,fsdp=2,tensor=2", "tensor=8"} < names and len(names) == len(eight)
     assert all(np.prod([size for _, size in layout.axes]) == 8 for layout in eight[1:])
     assert Layout().strategy(jax.devices()[:2]).num_replicas_in_sync == 2
 
@@ -69,6 +73,7 @@ def test_plan_shards_what_does_not_fit_replicated_without_creating_or_running_an
     assert all(not c.fits for c in result.candidates[len(fitting) :])
     text = str(result)
     assert "10 candidates compiled in" in text and "OVER" in text and best.layout.name in text.splitlines()[3]
+    assert "step ≥ (roofline)" in text.splitlines()[1] and "a lower bound" in text.splitlines()[-2]
 
     strategy = best.strategy()
     assert isinstance(strategy, mf.strategies.MeshStrategy)
@@ -107,7 +112,7 @@ def test_a_layout_whose_rules_cannot_split_a_parameter_is_listed_as_not_compilin
     rules = [(r"hidden/kernel", (None, "tensor"))]  # 5 hidden units do not split over 2 devices
     result = mf.plan(lambda: Recorded(hidden=5), x, y, compile=COMPILE, devices=jax.devices()[:2], rules=rules)
     failed = [c for c in result.candidates if c.error]
-    assert {c.layout.name for c in failed} == {"mesh 1x1x2"} and result.compiled == 2
+    assert {c.layout.name for c in failed} == {"tensor=2"} and result.compiled == 2
     assert result.candidates[-1] is failed[0] and not failed[0].fits
     assert "does not divide it" in failed[0].error and "does not compile" in str(result)
 
@@ -121,6 +126,38 @@ def test_best_says_so_when_nothing_fits():
         _ = result.best
 
 
+@pytest.mark.slow
+def test_measure_times_the_best_predicted_with_real_steps_ranks_them_by_it_and_frees_them():
+    x, y = classification_data(n=16, din=32, classes=10)
+    Recorded.built.clear(), Recorded.calls.clear()
+    gc.collect()  # what earlier tests left unreferenced goes now, not during the plan
+    before = {id(a) for a in jax.live_arrays()}
+    unmeasured = mf.plan(lambda: Recorded(hidden=64), x, y, compile=COMPILE, devices=jax.devices()[:2])
+    assert unmeasured.measured == 0 and Recorded.calls == [] and "measure=K" in str(unmeasured)
+    result = mf.plan(lambda: Recorded(hidden=64), x, y, compile=COMPILE, devices=jax.devices()[:2], measure=2)
+    after = jax.live_arrays()
+    assert len(after) == len(before) and {id(a) for a in after} == before  # each measured model, Adam, batch freed
+    assert Recorded.calls  # real steps ran (the parameters are made inside a jitted function: built stays False)
+
+    first, second, third = result.candidates
+    assert result.measured == 2 and third.measured_seconds is None
+    assert first.measured_seconds > 0 and second.measured_seconds > 0
+    assert first.measured_samples_per_second >= second.measured_samples_per_second  # ranked by what was measured
+    best_predicted = {c.layout.name for c in unmeasured.candidates[:2]}
+    assert {first.layout.name, second.layout.name} == best_predicted and result.best is first
+
+    lines = str(result).splitlines()
+    assert "3 candidates compiled, 2 measured, in" in lines[0]
+    header = lines[1]
+    assert "step ≥ (roofline)" in header and "step measured" in header
+    at = header.index("step measured")
+    rows = {line.split()[0]: line for line in lines[3:6]}
+    assert set(rows) == {"mirrored", "fsdp=2", "tensor=2"}  # the layouts named by their axes
+    assert rows[first.layout.name][at:].startswith(f"{first.measured_seconds * 1e3:,.2f} ms")
+    assert rows[third.layout.name][at:].split()[0] == "≤"  # no measured time: blank, then the bound on samples/s
+    assert lines[6].startswith("step ≥ (roofline): a lower bound") and "3 real steps each" in lines[7]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -129,6 +166,8 @@ def test_best_says_so_when_nothing_fits():
         (dict(batch_sizes=[0]), r"`batch_sizes` must be positive ints. Received: batch_sizes=\[0\]"),
         (dict(remat=(False, True)), "this factory has none. Received: remat=\\(False, True\\)"),
         (dict(devices=[]), "Received: devices=\\[\\]"),
+        (dict(measure=-1), "`measure` is how many .* an int >= 0. Received: measure=-1"),
+        (dict(measure="2"), "Received: measure='2'"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_compiles(kwargs, message):
