@@ -45,6 +45,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(default: meshfit.roofline.DEVICE_SPECS)",
     )
     parser.add_argument(
+        "--quiet", action="store_true", help="no progress bar on stderr (it names the candidate being compiled)"
+    )
+    parser.add_argument(
         "--host-devices", type=int, default=0, help="simulate N CPU devices (when XLA_FLAGS is not set)"
     )
 
@@ -76,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         batch_sizes=args.batch_size,
         rules=() if args.rules is None else load(args.rules, "--rules"),
         device_spec=None if args.device_spec is None else DeviceSpec(*peaks(args.device_spec)),
+        verbose=0 if args.quiet else 1,
     )
     print(result)
     return 0

@@ -121,6 +121,19 @@ def test_best_says_so_when_nothing_fits():
         _ = result.best
 
 
+@pytest.mark.slow
+def test_verbose_names_each_candidate_on_stderr_and_zero_shows_nothing(capfd):
+    x, y = classification_data(n=8, din=32, classes=10)
+    mf.plan(Recorded, x, y, compile=COMPILE, devices=jax.devices()[:1], batch_sizes=[8, 16], verbose=1)
+    out, err = capfd.readouterr()
+    assert out == ""
+    for name in ("mirrored, batch 8, remat False", "mirrored, batch 16, remat True"):
+        assert name in err
+    assert "Compiling" in err
+    mf.plan(Recorded, x, y, compile=COMPILE, devices=jax.devices()[:1], verbose=0)
+    assert capfd.readouterr() == ("", "")
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -129,6 +142,7 @@ def test_best_says_so_when_nothing_fits():
         (dict(batch_sizes=[0]), r"`batch_sizes` must be positive ints. Received: batch_sizes=\[0\]"),
         (dict(remat=(False, True)), "this factory has none. Received: remat=\\(False, True\\)"),
         (dict(devices=[]), "Received: devices=\\[\\]"),
+        (dict(verbose="yes"), "`verbose` must be 0, 1 or .auto.. Received: verbose=.yes."),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_compiles(kwargs, message):

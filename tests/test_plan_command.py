@@ -37,6 +37,10 @@ def test_plan_prints_the_table(tmp_path):
     assert lines[0].endswith("roofline 1 TFLOP/s, memory 100 GB/s, interconnect 10 GB/s")
     assert lines[1].split()[:4] == ["layout", "batch", "remat", "peak/device"]
     assert [line.split()[:3] for line in lines[3:]] == [["mirrored", "8", "False"], ["mirrored", "8", "True"]]
+    assert "mirrored, batch 8, remat False" in result.stderr  # the progress bar names each candidate
+
+    quiet = subprocess.run([*command, "--quiet"], capture_output=True, text=True, timeout=300)
+    assert quiet.returncode == 0 and "Compiling" not in quiet.stderr, quiet.stderr
 
 
 def test_rows_and_byte_counts_are_read_or_refused_clearly():
