@@ -751,7 +751,8 @@ def main(argv=None, callbacks=()) -> dict:
         return {"model": model, "report": report, "report_without_remat": without_remat}
     callbacks = list(callbacks)
     if args.backup_dir:
-        goodput = mf.callbacks.Goodput(record_every=1.0)  # a record a second: a kill loses at most that to "down"
+        # A record a second: a kill loses at most that to "down"; the table prints at the end of fit.
+        goodput = mf.callbacks.Goodput(record_every=1.0)
         backup = mf.callbacks.BackupAndRestore(
             args.backup_dir, save_freq=args.backup_freq, compilation_cache=not args.no_compilation_cache
         )
@@ -767,8 +768,6 @@ def main(argv=None, callbacks=()) -> dict:
         validation_steps=args.validation_steps,
         verbose=args.verbose,
     )
-    if args.backup_dir and chief:
-        print(goodput.ledger)
     losses = history.history["loss"]
     val_losses = history.history["val_loss"]
     text_out = (

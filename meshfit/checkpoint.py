@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import threading
@@ -323,6 +324,26 @@ def _is_resource_error(error: Exception) -> bool:
     return isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in str(error)
 
 
+class _ReadOnlyNotice(logging.Filter):
+    """Drops Orbax's "Given directory is read only=..." warning: a load opens its directory read-only on
+    purpose, so the warning would tell a user nothing on every `load_model` and `load_weights`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Given directory is read only")
+
+
+@contextlib.contextmanager
+def _without_read_only_notice():
+    """While opening a directory read-only: Orbax's logger (absl's, "absl") drops that one warning; every
+    other message, and that one from any other code after the opening, still goes out."""
+    logger, notice = logging.getLogger("absl"), _ReadOnlyNotice()
+    logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notice)
+
+
 class CheckpointDir:
     """Numbered checkpoints of a state pytree and a JSON dict in one directory.
 
@@ -366,8 +387,10 @@ class CheckpointDir:
         self._writer: threading.Thread | None = None
         self._write_error: BaseException | None = None
         self._probed = False
-        if read_only:
-            options = ocp.CheckpointManagerOptions(read_only=True, enable_async_checkpointing=False)
+        if read_only:  # (no saving interval, nothing created: what read_only means, so Orbax warns of no change)
+            options = ocp.CheckpointManagerOptions(
+                read_only=True, enable_async_checkpointing=False, save_interval_steps=0, create=False
+            )
         else:
             check_directory(self.directory, kind)
             if jax.process_index() == 0:
@@ -389,7 +412,8 @@ class CheckpointDir:
             if not read_only and jax.process_index() == 0:
                 if not os.path.lexists(os.path.join(self.directory, MARKER)):
                     write_marker(self.directory, kind)
-            self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=(STATE, META))
+            with _without_read_only_notice() if read_only else contextlib.nullcontext():
+                self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=(STATE, META))
             self._empty_deleted()  # what a crashed writer was deleting
         except BaseException:
             self._lock.release()

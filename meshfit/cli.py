@@ -80,6 +80,11 @@ def _parser() -> argparse.ArgumentParser:
         choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"],
         help="with --ray: the placement group's strategy for the ranks' bundles",
     )
+    run.add_argument(
+        "--verbose",
+        action="store_true",
+        help="pass on every line the processes print, also gloo's connection lines (dropped by default)",
+    )
     for launcher in _launchers():
         launcher.add_arguments(run)
     run.add_argument("-m", dest="module", default=None, help="run a module (like python -m)")
@@ -111,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             heartbeat_timeout=args.heartbeat_timeout,
             grace_period=args.grace_period,
             stop_grace=args.stop_grace,
+            verbose=args.verbose,
         )
         try:
             return launch(config, runner=_ray_runner(args))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -43,6 +44,9 @@ from meshfit.job_layout import JobLayout, JobStart, status_text
 GRACE_SECONDS = 5.0  # after a rank failed: the others get this long to end before SIGKILL
 PREEMPTION_GRACE_SECONDS = 60.0  # after a signal to the launcher: time for the ranks' preemption backups
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: What gloo (JAX's CPU collectives) prints to each process's stdout from C++ as the processes connect, one
+#: line per device: nothing a user acts on, so the launcher drops it unless `--verbose`.
+GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. ")
 
 
 def free_port() -> int:
@@ -111,6 +115,8 @@ class LaunchConfig:
     #: Seconds the other ranks get to end once the job is over (a rank failed, or the ranks the job needs
     #: finished) before what is left is killed.
     stop_grace: float = GRACE_SECONDS
+    #: Pass on every line of the ranks' output, also gloo's connection lines (`GLOO_CONNECTED`).
+    verbose: bool = False
 
     @property
     def nprocs(self) -> int:
@@ -145,8 +151,12 @@ def _set_devices(env: dict[str, str], config: LaunchConfig, rank: int, gpus: int
             env.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def _pump(stream, rank: int, out) -> None:
+def _pump(stream, rank: int, out, verbose: bool = False) -> None:
+    """Copies a rank's output to `out`, each line prefixed with its rank; gloo's connection lines only when
+    `verbose`."""
     for line in iter(stream.readline, ""):
+        if not verbose and GLOO_CONNECTED.match(line):
+            continue
         out.write(f"[rank {rank}] {line}" if line.endswith("\n") else f"[rank {rank}] {line}\n")
         out.flush()
     stream.close()
@@ -308,7 +318,7 @@ def run_once(config: LaunchConfig, attempt: int, log: TextIO = sys.stderr) -> in
                     preexec_fn=_die_with_parent(),
                 )
                 procs.append(proc)
-                pump = threading.Thread(target=_pump, args=(proc.stdout, rank, sys.stdout), daemon=True)
+                pump = threading.Thread(target=_pump, args=(proc.stdout, rank, sys.stdout, config.verbose), daemon=True)
                 pump.start()
                 pumps.append(pump)
             exits = _Exits(procs)

@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, overload
 
 import jax
 import jax.numpy as jnp
@@ -864,6 +864,33 @@ class Model:
                 if finished and errors:
                     raise errors[0]
         return history
+
+    @overload  # (so that a type checker knows `evaluate(..., return_dict=True)["accuracy"]` is a float)
+    def evaluate(
+        self,
+        x: Any = None,
+        y: Any = None,
+        batch_size: int | None = None,
+        verbose: int | str = "auto",
+        sample_weight: Any = None,
+        steps: int | None = None,
+        callbacks: Sequence[callbacks_lib.Callback] | None = None,
+        *,
+        return_dict: Literal[True],
+    ) -> dict[str, float]: ...
+
+    @overload
+    def evaluate(
+        self,
+        x: Any = None,
+        y: Any = None,
+        batch_size: int | None = None,
+        verbose: int | str = "auto",
+        sample_weight: Any = None,
+        steps: int | None = None,
+        callbacks: Sequence[callbacks_lib.Callback] | None = None,
+        return_dict: bool = False,
+    ) -> float | list[float] | dict[str, float]: ...
 
     def evaluate(
         self,

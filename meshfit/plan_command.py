@@ -54,6 +54,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "roofline's step time is a lower bound)",
     )
     parser.add_argument(
+        "--quiet", action="store_true", help="no progress bar on stderr (it names the candidate being compiled)"
+    )
+    parser.add_argument(
         "--host-devices", type=int, default=0, help="simulate N CPU devices (when XLA_FLAGS is not set)"
     )
 
@@ -88,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         rules=() if args.rules is None else load(args.rules, "--rules"),
         device_spec=None if args.device_spec is None else DeviceSpec(*peaks(args.device_spec)),
         measure=args.measure,
+        verbose=0 if args.quiet else 1,
     )
     print(result)
     return 0

@@ -22,12 +22,14 @@ import dataclasses
 import functools
 import gc
 import inspect
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
+from tqdm.std import tqdm
 
 from meshfit import roofline
 from meshfit.model import Model
@@ -208,6 +210,7 @@ def plan(
     logical_axis_rules: Any = None,
     device_spec: DeviceSpec | None = None,
     measure: int = 0,
+    verbose: int | str = "auto",
 ) -> Plan:
     """Compiles the train step for every layout, batch size and remat choice, creating no parameter.
 
@@ -234,6 +237,9 @@ def plan(
             none). Each is built for real, one at a time, trained for one step that compiles and then
             `MEASURE_STEPS` timed steps, and freed before the next; those measured are ranked by the
             time measured, ahead of the rest. The roofline's time is a lower bound; this is the real one.
+        verbose: 1 shows a progress bar on stderr naming the candidate being compiled (a plan of a large
+            model on many devices compiles for minutes); 0 shows nothing; "auto" (default) shows it when
+            stderr is a terminal.
 
     Returns:
         A `Plan`: `plan.best.strategy()` is a ready strategy; `print(plan)` prints the table.
@@ -249,6 +255,8 @@ def plan(
     devices = list(devices) if devices is not None else jax.devices()
     if not devices:
         raise ValueError("plan needs at least one device. Received: devices=[].")
+    if verbose not in (0, 1, "auto"):
+        raise ValueError(f"`verbose` must be 0, 1 or 'auto'. Received: verbose={verbose!r}.")
     if not isinstance(compile, Mapping) or ("loss" not in compile and "optimizer" not in compile):
         raise ValueError(
             "`compile` takes the arguments of Model.compile, e.g. dict(optimizer='adam', loss='mse'). "
@@ -294,7 +302,7 @@ def plan(
         return Candidate(layout, batch_size, choice, report, time_, memory_limit, None, _strategy=strategy_of(layout))
 
     # One after another: compiling in a pool of threads took as long on a 2-core host (RESULTS.md).
-    candidates = [compile_one(job) for job in jobs]
+    candidates = [compile_one(job) for job in _progress(jobs, verbose)]
     if all(c.error for c in candidates):
         raise ValueError(f"No candidate compiled. The first error: {candidates[0].error}")
     candidates = sorted(candidates, key=_rank)
@@ -311,6 +319,16 @@ def plan(
         seconds=time.perf_counter() - start,
         measured=len(timed),
     )
+
+
+def _progress(jobs: list[tuple[Layout, int, Any]], verbose: int | str):
+    """Yields `jobs`, showing on stderr (when `verbose` asks) a bar that names the candidate being compiled."""
+    show = verbose == 1 or (verbose == "auto" and sys.stderr.isatty())
+    with tqdm(jobs, desc="Compiling", unit="candidate", file=sys.stderr, disable=not show, leave=False) as bar:
+        for job in bar:
+            layout, batch_size, choice = job
+            bar.set_postfix_str(f"{layout.name}, batch {batch_size}" + ("" if choice is None else f", remat {choice}"))
+            yield job
 
 
 def _compile(factory, remat, strategy, compile_args, x, y, batch_size: int) -> StepReport:

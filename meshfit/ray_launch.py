@@ -31,7 +31,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
 
 from meshfit.job_layout import DistributedJob, JobStart, status_text
-from meshfit.launch import LaunchConfig, _die_with_parent, _Signals, free_port, process_command, process_env
+from meshfit.launch import (
+    GLOO_CONNECTED,
+    LaunchConfig,
+    _die_with_parent,
+    _Signals,
+    free_port,
+    process_command,
+    process_env,
+)
 
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 #: Seconds to wait for the cluster to place every rank's bundle before giving up.
@@ -263,7 +271,8 @@ class _Job:
                 self.order.append((rank, LOST))
                 continue
             for line in lines:
-                sys.stdout.write(f"[rank {rank}] {line}")
+                if self.config.verbose or not GLOO_CONNECTED.match(line):
+                    sys.stdout.write(f"[rank {rank}] {line}")
             sys.stdout.flush()
             if status is None:
                 self.reads[self.actors[rank].read.remote(0.2)] = rank

@@ -206,6 +206,17 @@ def test_more_gpus_asked_for_than_the_machine_has_is_refused_before_anything_sta
     assert "JAX_PLATFORMS=cpu" in result.stderr and "[rank" not in result.stdout
 
 
+def test_gloo_connection_lines_are_dropped_unless_verbose():
+    job = ("--nprocs", "2", "--devices-per-proc", "1", os.path.join(WORKERS, "allgather.py"))
+    quiet, verbose = run(launch_cmd(*job), timeout=120), run(launch_cmd("--verbose", *job), timeout=120)
+    for result in (quiet, verbose):
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert sorted(re.findall(r"^\[rank (\d)\] gathered \[0, 1\]$", result.stdout, re.M)) == ["0", "1"]
+    assert "Gloo" not in quiet.stdout + quiet.stderr
+    connected = re.findall(r"^\[rank (\d)\] \[Gloo\] Rank \d is connected to 1 peer ranks", verbose.stdout, re.M)
+    assert sorted(connected) == ["0", "1"], verbose.stdout
+
+
 def test_launch_help_shows_the_defaults():
     result = run(launch_cmd("--help"), timeout=60)
     assert "(default: 60.0)" in result.stdout and "--grace-period" in result.stdout

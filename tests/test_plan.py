@@ -158,6 +158,18 @@ def test_measure_times_the_best_predicted_with_real_steps_ranks_them_by_it_and_f
     assert lines[6].startswith("step ≥ (roofline): a lower bound") and "3 real steps each" in lines[7]
 
 
+def test_verbose_names_each_candidate_on_stderr_and_zero_shows_nothing(capfd):
+    x, y = classification_data(n=8, din=32, classes=10)
+    mf.plan(Recorded, x, y, compile=COMPILE, devices=jax.devices()[:1], batch_sizes=[8, 16], verbose=1)
+    out, err = capfd.readouterr()
+    assert out == ""
+    for name in ("mirrored, batch 8, remat False", "mirrored, batch 16, remat True"):
+        assert name in err
+    assert "Compiling" in err
+    mf.plan(Recorded, x, y, compile=COMPILE, devices=jax.devices()[:1], verbose=0)
+    assert capfd.readouterr() == ("", "")
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -168,6 +180,7 @@ def test_measure_times_the_best_predicted_with_real_steps_ranks_them_by_it_and_f
         (dict(devices=[]), "Received: devices=\\[\\]"),
         (dict(measure=-1), "`measure` is how many .* an int >= 0. Received: measure=-1"),
         (dict(measure="2"), "Received: measure='2'"),
+        (dict(verbose="yes"), "`verbose` must be 0, 1 or .auto.. Received: verbose=.yes."),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_compiles(kwargs, message):

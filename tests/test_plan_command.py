@@ -42,6 +42,10 @@ def test_plan_prints_the_table(tmp_path):
     at = lines[1].index("step measured")
     assert lines[3][at:].split()[1] == "ms" and lines[4][at:].split()[0] == "≤"  # measured; not measured: blank
     assert lines[5].startswith("step ≥ (roofline): a lower bound") and lines[6].startswith("step measured: 3 real")
+    assert "mirrored, batch 8, remat False" in result.stderr  # the progress bar names each candidate
+
+    quiet = subprocess.run([*command, "--quiet"], capture_output=True, text=True, timeout=300)
+    assert quiet.returncode == 0 and "Compiling" not in quiet.stderr, quiet.stderr
 
 
 def test_measure_must_be_a_count():

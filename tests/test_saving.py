@@ -82,6 +82,24 @@ def test_weights_round_trip_and_no_silent_overwrite(tmp_path):
     assert sorted(p for p in os.listdir(tmp_path / "w") if p.isdigit()) == ["1"]  # the new one replaced the old
 
 
+def test_loads_print_no_read_only_warning_and_orbax_still_warns_elsewhere(tmp_path, caplog, capfd):
+    import orbax.checkpoint as ocp
+
+    model = mf.Model(MLP(din=4, hidden=8, dout=3))
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    model.save(tmp_path / "model")
+    model.save_weights(tmp_path / "weights")
+    capfd.readouterr()
+    with caplog.at_level("INFO"):
+        model.load_weights(tmp_path / "weights")
+        mf.load_model(tmp_path / "model", MLP(din=4, hidden=8, dout=3))
+    assert not [r.getMessage() for r in caplog.records if "read only" in r.getMessage()]
+    assert "read only" not in capfd.readouterr().err
+    with caplog.at_level("INFO"):  # the filter lasts only while meshfit opens a directory
+        ocp.CheckpointManager(tmp_path / "model", options=ocp.CheckpointManagerOptions(read_only=True)).close()
+    assert any(r.getMessage().startswith("Given directory is read only") for r in caplog.records)
+
+
 def test_refuses_foreign_and_wrong_kind_directories(tmp_path):
     model, _, _ = trained(mf.strategies.OneDeviceStrategy(), epochs=1)
     (tmp_path / "data").mkdir()

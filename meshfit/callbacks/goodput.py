@@ -14,6 +14,7 @@ import jax
 from meshfit import safe_files
 from meshfit.callbacks.backup_and_restore import BackupAndRestore
 from meshfit.callbacks.base import Callback
+from meshfit.callbacks.progbar_logger import print_msg
 from meshfit.fit_timer import PHASES
 
 #: The buckets of a ledger, in the order a table prints them. The phases of a fit are
@@ -119,12 +120,9 @@ class Ledger:
         return dataclasses.replace(self, **{name: getattr(self, name) + value for name, value in seconds.items()})
 
     def logs(self) -> dict[str, float]:
-        """`goodput`, `time_<bucket>` (seconds), `time_wall` and `lost_steps`: what goes into the epoch logs."""
-        logs = {"goodput": self.goodput}
-        logs.update({f"time_{name}": value for name, value in self.seconds().items()})
-        logs["time_wall"] = self.wall
-        logs["lost_steps"] = float(self.lost_steps)
-        return logs
+        """`goodput`, `time_lost` and `time_down` (seconds): what goes into the epoch logs. Three keys, not
+        one per bucket, so that a progress bar's line stays readable; every bucket is in the ledger."""
+        return {"goodput": self.goodput, "time_lost": self.lost, "time_down": self.down}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -191,20 +189,24 @@ class Goodput(Callback):
     `BackupAndRestore` nothing is written and no batch hook runs.
 
     At the end of each epoch and of `fit` it adds `goodput` (steps time /
-    wall-clock time), `time_<bucket>` (seconds), `time_wall` and
-    `lost_steps` to the logs, which History, CSVLogger and TensorBoard then
-    record (meshfit runs it before the others). `Goodput().ledger` is the
-    ledger (a `Ledger`); `print` it for a table.
+    wall-clock time), `time_lost` and `time_down` (seconds) to the logs,
+    which History, CSVLogger and TensorBoard then record (meshfit runs it
+    before the others); at the end of `fit` process 0 prints the whole table.
+    `Goodput().ledger` is the ledger (a `Ledger`, every bucket); `print` it
+    for the table.
 
     Args:
         record_every: seconds between records of the running ledger (0: after every batch).
         record_path: where the record goes; default: next to the fit's `BackupAndRestore` directory.
+        verbose: 1 prints the table at the end of `fit` (on process 0); 0 prints nothing.
     """
 
     adds_epoch_logs = True
 
-    def __init__(self, record_every: float = 10.0, record_path: str | os.PathLike | None = None):
+    def __init__(self, record_every: float = 10.0, record_path: str | os.PathLike | None = None, *, verbose: int = 1):
         super().__init__()
+        if verbose not in (0, 1):
+            raise ValueError(f"`verbose` must be 0 or 1. Received: verbose={verbose!r}.")
         if isinstance(record_every, bool) or not isinstance(record_every, (int, float)) or record_every < 0:
             raise ValueError(
                 f"`record_every` must be a number of seconds >= 0. Received: record_every={record_every!r}."
@@ -216,6 +218,7 @@ class Goodput(Callback):
             )
         self.record_every = float(record_every)
         self.record_path = None if record_path is None else os.fspath(record_path)
+        self.verbose = verbose
         self._base: Ledger | None = None  # the job's ledger up to the running fit's start
         self._final: Ledger | None = None  # the ledger when the last fit closed
         self._running = False
@@ -290,8 +293,11 @@ class Goodput(Callback):
         self._write_record()
 
     def on_train_end(self, logs=None):
+        ledger = self.ledger
         if logs is not None:
-            logs.update(self.ledger.logs())
+            logs.update(ledger.logs())
+        if self.verbose:
+            print_msg(str(ledger))
         if self._path is not None and os.path.lexists(self._path):
             os.remove(self._path)  # the fit finished: nothing is lost (a link: the link alone goes)
         self._path = None

@@ -11,6 +11,7 @@ use so that only process 0 prints in a multi-host run.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 
@@ -48,6 +49,17 @@ class _Bar(tqdm):
         d["count"] = self.count
         d["info"] = self.info
         return d
+
+
+def _screen_size(file) -> tuple[int | None, int | None]:
+    """`(columns, rows)` of the terminal `file` writes to, each 80 x 24 where the terminal reports none (a
+    pseudo-terminal nobody sized says 0 x 0, which tqdm reads as -1 and draws empty lines with);
+    `(None, None)` when `file` is no terminal (a pipe, a file, a StringIO): lines are not trimmed."""
+    try:
+        size = os.get_terminal_size(file.fileno())
+    except (AttributeError, OSError, ValueError):  # no fileno, not a terminal, closed
+        return None, None
+    return size.columns if size.columns > 0 else 80, size.lines if size.lines > 0 else 24
 
 
 def _to_number(value):
@@ -181,6 +193,7 @@ class ProgbarLogger(Callback):
         self._last_update = -math.inf
         if self.verbose == 1 and is_chief():
             known = self.target is not None and self.target > 0
+            ncols, nrows = _screen_size(self._file())
             self._bar = _Bar(
                 count=self._count_str(0),
                 total=self.target if known else None,
@@ -190,6 +203,8 @@ class ProgbarLogger(Callback):
                 miniters=1,
                 leave=True,
                 dynamic_ncols=False,
+                ncols=ncols,
+                nrows=nrows,
             )
 
     def _close_bar(self):

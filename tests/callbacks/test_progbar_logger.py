@@ -1,5 +1,8 @@
 import io
+import os
+import pty
 import re
+import sys
 
 import jax.numpy as jnp
 import pytest
@@ -60,6 +63,31 @@ def test_verbose_1(tmp_path):
     assert len(re.findall(final, out)) == 2
     assert out.endswith("\n")
     assert "7.0000" not in out  # validation inside fit is not shown
+
+
+def test_a_terminal_that_reports_no_width_still_shows_the_metrics(monkeypatch):
+    """A fresh pseudo-terminal reports 0 columns and 0 rows (as some CI runners and containers do)."""
+    leader, follower = pty.openpty()
+    assert os.get_terminal_size(follower) == (0, 0)
+    terminal = open(follower, "w", buffering=1)  # noqa: SIM115  (closed below)
+    monkeypatch.setattr(sys, "stdout", terminal)  # tqdm reads the size of sys.stdout's terminal
+    try:
+        _fit(ProgbarLogger(interval=0), epochs=2, steps=5)
+    finally:
+        terminal.close()
+    out = b""
+    while chunk := _read_or_empty(leader):
+        out += chunk
+    os.close(leader)
+    final = re.findall(r"5/5 \S+ \d+s \d+(?:ms|us|s)/step - loss: 0\.2500 - accuracy: 0\.5000", out.decode())
+    assert len(final) == 2, out
+
+
+def _read_or_empty(fd):
+    try:
+        return os.read(fd, 65536)
+    except OSError:  # EIO: the other end is closed and everything was read
+        return b""
 
 
 def test_verbose_2():

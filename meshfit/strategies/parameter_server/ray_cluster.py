@@ -11,8 +11,11 @@ process exits.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 from typing import Any, NamedTuple
+
+logger = logging.getLogger("meshfit")
 
 
 def import_ray(needed_by: str = 'ParameterServerStrategy(cluster="ray")'):
@@ -33,20 +36,44 @@ def connect(actors: int) -> bool:
     running on this machine (`ray start --head`), else a new local one, with a
     logical CPU for each of the job's `actors` at least (a laptop's few cores
     must not leave actors waiting). Started here, it is shut down at exit.
+    Logs (logger "meshfit") which cluster it joined and why; a warning when
+    that is a cluster found running on this machine, which nothing named.
     """
     ray = import_ray()
     if ray.is_initialized():
+        _say_which(ray, "initialized by this process before the strategy", logging.INFO)
         return False
     address = os.environ.get("RAY_ADDRESS") or None
     if address not in (None, "local"):
         ray.init()
+        _say_which(ray, f"named by RAY_ADDRESS={address}", logging.INFO)
     else:
         try:
             ray.init(address=address, num_cpus=max(os.cpu_count() or 1, actors))
+            _say_which(ray, "started by this process (shut down when it exits)", logging.INFO)
         except ValueError:  # a cluster already runs on this machine: join it with the resources it has
             ray.init()
+            _say_which(
+                ray,
+                "already running on this machine, as ray.init() joins one when RAY_ADDRESS is unset; set "
+                "RAY_ADDRESS=local for a new cluster of this process's own, or RAY_ADDRESS=ADDRESS to name one",
+                logging.WARNING,
+            )
     atexit.register(ray.shutdown)
     return True
+
+
+def _say_which(ray, how: str, level: int) -> None:
+    """Logs the address and live nodes of the Ray cluster this process is connected to, and `how` it came to."""
+    nodes = sum(node.get("Alive", False) for node in ray.nodes())
+    address = ray.get_runtime_context().gcs_address
+    logger.log(
+        level,
+        'ParameterServerStrategy(cluster="ray") runs on the Ray cluster at %s (%d nodes): %s.',
+        address,
+        nodes,
+        how,
+    )
 
 
 class Placement(NamedTuple):

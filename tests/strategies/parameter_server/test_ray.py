@@ -264,3 +264,24 @@ def test_a_client_without_the_cluster_token_is_refused(cluster):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode != 0 and "connected" not in result.stdout
     assert "AuthenticationError" in result.stderr and "InvalidAuthToken" in result.stderr, result.stderr[-2000:]
+
+
+def test_the_strategy_says_which_cluster_it_joined_and_warns_of_one_found_unnamed(cluster, caplog):
+    from meshfit.strategies.parameter_server import ray_cluster
+
+    cluster_, _ = cluster
+    with caplog.at_level("INFO", logger="meshfit"):
+        assert ray_cluster.connect(3) is False  # this process initialized Ray (the fixture): kept
+    said = [r.getMessage() for r in caplog.records if r.name == "meshfit"]
+    assert said == [
+        f'ParameterServerStrategy(cluster="ray") runs on the Ray cluster at {cluster_.address} (3 nodes): '
+        "initialized by this process before the strategy."
+    ]
+    # A process that did not initialize Ray, with no RAY_ADDRESS: ray.init() joins the cluster running here.
+    code = "from meshfit.strategies.parameter_server import ray_cluster; print(ray_cluster.connect(3))"
+    env = {**clean_env(), **{name: os.environ[name] for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0 and result.stdout.strip() == "True", result.stderr[-2000:]
+    assert f"runs on the Ray cluster at {cluster_.address} (3 nodes): already running on this machine" in (
+        result.stderr
+    ), result.stderr[-2000:]
