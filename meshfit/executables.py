@@ -44,22 +44,26 @@ class Executables:
         strategy: compiles each program and decides how training runs (`train_function`).
         steps: the model's steps (`meshfit.steps.Steps`; the strategy may swap in its own gradients).
         steps_per_execution: steps run by one call of the loop (a `lax.scan` over K stacked batches).
+        eager: run every program un-jitted, op by op (`compile(run_eagerly=True)`): each call runs the
+            step's Python (a `print`, a breakpoint) under `jax.disable_jit()`, to the same numbers.
     """
 
-    def __init__(self, strategy, steps: Steps, steps_per_execution: int = 1):
+    def __init__(self, strategy, steps: Steps, steps_per_execution: int = 1, eager: bool = False):
         self.strategy = strategy
         self.steps = steps = strategy.step_functions(steps)
         self.steps_per_execution = steps_per_execution
         self.stacked = stacked = steps_per_execution > 1
-        self._train = strategy.train_function(steps, stacked)
+        self.eager = eager
+        self._train = self._maybe_eager(strategy.train_function(steps, stacked))
         # A short last group of an epoch runs step by step (compiled on first use).
-        single = strategy.train_function(steps, False) if stacked else self._train
+        single = self._maybe_eager(strategy.train_function(steps, False)) if stacked else self._train
         staged = None
         if not stacked and strategy.capabilities.stages_batches:
-            staged = LeafProgram(strategy.compile, steps.staged_train_step)
+            staged = self._maybe_eager(LeafProgram(strategy.compile, steps.staged_train_step))
         self._trains = {"execution": self._train, "single": single, "staged": staged}
-        self._evaluate = strategy.compile(steps.multi_eval_step if stacked else steps.eval_step, donate_argnums=(1,))
-        self._predict = strategy.compile(steps.multi_predict_step if stacked else steps.predict_step)
+        evaluate = strategy.compile(steps.multi_eval_step if stacked else steps.eval_step, donate_argnums=(1,))
+        self._evaluate = self._maybe_eager(evaluate)
+        self._predict = self._maybe_eager(strategy.compile(steps.multi_predict_step if stacked else steps.predict_step))
         self._fresh_metrics = None  # compiled on first use, to lay out fresh accumulators like the first
         self._report: tuple | None = None  # (batch shape, StepReport) of `step_report`
         # Steps that need real rows: the programs for partial batches, by kind and real rows (module docstring).
@@ -69,6 +73,9 @@ class Executables:
         self._real_rows_refusal = strategy.capabilities.scalar_loss_refusal if self.real_rows else None
         self._by_rows: dict[tuple[str, int], Callable] = {}
         self._by_rows_lock = threading.Lock()  # the input's reading thread asks too
+
+    def _maybe_eager(self, program):
+        return Eager(program) if self.eager and program is not None else program
 
     # -- training -------------------------------------------------------------------------
 
@@ -197,7 +204,7 @@ class Executables:
                     program = LeafProgram(self.strategy.compile, steps.staged_train_step)
                 else:
                     program = self.strategy.compile(steps.eval_step, donate_argnums=(1,))
-                self._by_rows[key] = program
+                self._by_rows[key] = program = self._maybe_eager(program)
         return program
 
     @property
@@ -245,6 +252,22 @@ class Executables:
         leaf = jax.tree.leaves(state.params)[0]
         devices = sorted(leaf.sharding.device_set, key=lambda d: d.id)
         return step_report.analyse(lowered, compiled, rows, devices, jaxpr)
+
+
+class Eager:
+    """A program run un-jitted: each call runs its Python under `jax.disable_jit()` (op by op, as
+    Keras's `run_eagerly`); anything else (`drain`) is the program's own. Nothing is compiled, so
+    `compilations` counts 0 for it."""
+
+    def __init__(self, program: Callable) -> None:
+        self.program = program
+
+    def __call__(self, *args: Any) -> Any:
+        with jax.disable_jit():
+            return self.program(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.program, name)
 
 
 def one_of(stacked: Any, i: int) -> Any:

@@ -26,8 +26,9 @@ from meshfit.preemption import Preempted, PreemptionWatch
 
 
 def host_logs(logs, to_host: Callable) -> dict[str, float]:
-    """Pulls a dict of device scalars to Python floats (a host sync)."""
-    return {k: float(v) for k, v in to_host(logs).items()} if logs else {}
+    """Pulls a dict of device values to the host (a host sync): scalars as Python floats, a metric with one
+    value per class (`F1Score(average=None)`) as a numpy array, as Keras logs it."""
+    return {k: float(v) if np.ndim(v) == 0 else np.asarray(v) for k, v in to_host(logs).items()} if logs else {}
 
 
 def fit_loop(

@@ -63,6 +63,9 @@ __all__ = [
     "Precision",
     "Recall",
     "AUC",
+    "FBetaScore",
+    "F1Score",
+    "R2Score",
     "accuracy",
     "binary_accuracy",
     "categorical_accuracy",
@@ -125,6 +128,8 @@ class Metric:
 
     def update_state(self, *args: Any, **kwargs: Any) -> None:
         if self._state is None:
+            if len(args) >= 2:
+                self.build(args[0], args[1])
             self.reset_state()
         self._state = self.update(self._state, *args, **kwargs)
 
@@ -149,6 +154,10 @@ class Metric:
     def stateless_reset_state(self):
         """`init()`: fresh accumulators (Keras's name)."""
         return self.init()
+
+    def build(self, y_true: Any, y_pred: Any) -> None:
+        """Learns what `init` needs from the shapes of a batch's `y_true` and `y_pred` (arrays or
+        `jax.ShapeDtypeStruct`s); `compile` calls it on the first batch. Most metrics need nothing."""
 
     def get_config(self) -> dict[str, Any]:
         """The constructor's arguments: `type(self)(**self.get_config())` is an equal metric.
@@ -1035,6 +1044,234 @@ class AUC(Metric):
 # Lookup.
 # ---------------------------------------------------------------------------
 
+# ---------------------------------------------------------------------------
+# Scores over classes: F-beta and R^2 (accumulators shaped by the number of classes).
+# ---------------------------------------------------------------------------
+
+
+def _two_dims(who: str, y_true: Any, y_pred: Any) -> int:
+    """The number of classes (columns) of 2D `y_true` and `y_pred`; a ValueError otherwise."""
+    t_shape, p_shape = _shape(y_true), _shape(y_pred)
+    if len(t_shape) != 2 or len(p_shape) != 2:
+        raise ValueError(
+            f"{who} expects 2D inputs with shape (batch_size, output_dim). Received input shapes: "
+            f"y_pred.shape={p_shape} and y_true.shape={t_shape}."
+        )
+    return int(p_shape[-1])
+
+
+class _ClassScore(Metric):
+    """A metric whose accumulators have one entry per class: `build` learns how many."""
+
+    def __init__(self, name: str | None = None, dtype: DTypeLike | None = None) -> None:
+        super().__init__(name=name, dtype=dtype)
+        self.num_classes: int | None = None
+
+    def _classes(self) -> int:
+        if self.num_classes is None:
+            raise ValueError(
+                f"{type(self).__name__} learns the number of classes from the first batch: call "
+                "`build(y_true, y_pred)` (compile does it) or `update_state` before `init`."
+            )
+        return self.num_classes
+
+
+class FBetaScore(_ClassScore):
+    """The F-beta score per class, or averaged, as `keras.metrics.FBetaScore`.
+
+    Sums of true positives, false positives, false negatives and label
+    weights per class are accumulated (exact across batches and replicas);
+    the score is computed from them at the end.
+
+    Args:
+        average: None (a score per class), "micro" (from counts over all
+            classes), "macro" (mean of the classes' scores) or "weighted"
+            (the classes' scores weighted by their label counts).
+        beta: weight of recall against precision (a float > 0).
+        threshold: predictions above it count positive; None: each row's
+            highest prediction counts positive (ties too; 0 never does).
+    """
+
+    def __init__(
+        self,
+        average: str | None = None,
+        beta: float = 1.0,
+        threshold: float | None = None,
+        name: str = "fbeta_score",
+        dtype: DTypeLike | None = None,
+    ) -> None:
+        super().__init__(name=name, dtype=dtype)
+        if average not in (None, "micro", "macro", "weighted"):
+            raise ValueError(
+                "Invalid `average` argument value. Expected one of: {None, 'micro', 'macro', 'weighted'}. "
+                f"Received: average={average!r}"
+            )
+        if not isinstance(beta, float) or beta <= 0.0:
+            raise ValueError(f"`beta` must be a Python float > 0. Received: beta={beta!r}.")
+        if threshold is not None and (not isinstance(threshold, float) or not 0.0 < threshold <= 1.0):
+            raise ValueError(f"`threshold` must be a Python float with 0 < threshold <= 1. Received: {threshold!r}.")
+        self.average = average
+        self.beta = beta
+        self.threshold = threshold
+
+    def build(self, y_true: Any, y_pred: Any) -> None:
+        self.num_classes = _two_dims(type(self).__name__, y_true, y_pred)
+
+    def init(self) -> dict[str, jax.Array]:
+        shape = (self._classes(),)
+        return {k: _zeros(shape) for k in ("true_positives", "false_positives", "false_negatives", "weights")}
+
+    def update(
+        self, state: dict[str, jax.Array], y_true: ArrayLike, y_pred: ArrayLike, sample_weight: ArrayLike | None = None
+    ) -> dict[str, jax.Array]:
+        y_true = jnp.asarray(y_true, self.dtype)
+        y_pred = jnp.asarray(y_pred, self.dtype)
+        if self.threshold is None:
+            top = jnp.max(y_pred, axis=-1, keepdims=True)
+            y_pred = jnp.logical_and(y_pred >= top, jnp.abs(y_pred) > 1e-9)
+        else:
+            y_pred = y_pred > self.threshold
+        y_pred = y_pred.astype(self.dtype)
+
+        def weighted_sum(values: jax.Array) -> jax.Array:
+            if sample_weight is not None:
+                weights = jnp.reshape(jnp.asarray(sample_weight, self.dtype), (-1, 1))
+                values = _weigh(values, weights)
+            return jnp.sum(values, axis=0).astype(jnp.float32)
+
+        return {
+            "true_positives": state["true_positives"] + weighted_sum(y_pred * y_true),
+            "false_positives": state["false_positives"] + weighted_sum(y_pred * (1 - y_true)),
+            "false_negatives": state["false_negatives"] + weighted_sum((1 - y_pred) * y_true),
+            "weights": state["weights"] + weighted_sum(y_true),
+        }
+
+    def compute(self, state: dict[str, jax.Array]) -> jax.Array:
+        tp, fp, fn = state["true_positives"], state["false_positives"], state["false_negatives"]
+        if self.average == "micro":
+            tp, fp, fn = jnp.sum(tp), jnp.sum(fp), jnp.sum(fn)
+        precision = tp / (tp + fp + EPSILON)
+        recall = tp / (tp + fn + EPSILON)
+        beta2 = self.beta**2
+        score = precision * recall / (beta2 * precision + recall + EPSILON) * (1 + beta2)
+        if self.average == "weighted":
+            weights = state["weights"] / (jnp.sum(state["weights"]) + EPSILON)
+            return jnp.sum(score * weights)
+        if self.average is not None:
+            return jnp.mean(score)
+        return score
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "average": self.average, "beta": self.beta, "threshold": self.threshold}
+
+
+class F1Score(FBetaScore):
+    """The F1 score (`FBetaScore` with beta 1), as `keras.metrics.F1Score`; see `FBetaScore`."""
+
+    def __init__(
+        self,
+        average: str | None = None,
+        threshold: float | None = None,
+        name: str = "f1_score",
+        dtype: DTypeLike | None = None,
+    ) -> None:
+        super().__init__(average=average, beta=1.0, threshold=threshold, name=name, dtype=dtype)
+
+    def get_config(self) -> dict[str, Any]:
+        config = super().get_config()
+        del config["beta"]
+        return config
+
+
+class R2Score(_ClassScore):
+    """The coefficient of determination, as `keras.metrics.R2Score`.
+
+    Weighted sums of `y`, `y**2` and squared residuals per output are
+    accumulated (exact across batches and replicas). Rows of weight 0 (the
+    padding of partial batches) are not counted in `num_samples` either.
+
+    Args:
+        class_aggregation: "uniform_average" (mean over outputs),
+            "variance_weighted_average" (weighted by each output's variance)
+            or None (a score per output).
+        num_regressors: for the adjusted R^2, the number of independent
+            variables (0: the plain R^2). With too few samples the plain R^2
+            is returned (Keras also warns; a compiled step cannot).
+    """
+
+    def __init__(
+        self,
+        class_aggregation: str | None = "uniform_average",
+        num_regressors: int = 0,
+        name: str = "r2_score",
+        dtype: DTypeLike | None = None,
+    ) -> None:
+        super().__init__(name=name, dtype=dtype)
+        if class_aggregation not in (None, "uniform_average", "variance_weighted_average"):
+            raise ValueError(
+                "Invalid value for argument `class_aggregation`. Expected one of "
+                f"(None, 'uniform_average', 'variance_weighted_average'). Received: {class_aggregation!r}"
+            )
+        if num_regressors < 0:
+            raise ValueError(f"`num_regressors` must be >= 0. Received: num_regressors={num_regressors!r}")
+        self.class_aggregation = class_aggregation
+        self.num_regressors = int(num_regressors)
+
+    def build(self, y_true: Any, y_pred: Any) -> None:
+        t_shape, p_shape = _shape(y_true), _shape(y_pred)
+        if len(t_shape) == len(p_shape) - 1 and p_shape[-1:] == (1,):  # Keras's squeeze_or_expand_to_same_rank
+            t_shape = (*t_shape, 1)
+        self.num_classes = _two_dims(type(self).__name__, np.zeros(t_shape), np.zeros(p_shape))
+
+    def init(self) -> dict[str, jax.Array]:
+        shape = (self._classes(),)
+        return {**{k: _zeros(shape) for k in ("sum", "squared_sum", "residual", "count")}, "num_samples": _zeros()}
+
+    def update(
+        self, state: dict[str, jax.Array], y_true: ArrayLike, y_pred: ArrayLike, sample_weight: ArrayLike | None = None
+    ) -> dict[str, jax.Array]:
+        y_true = jnp.asarray(y_true, self.dtype)
+        y_pred = jnp.asarray(y_pred, self.dtype)
+        y_true, y_pred = squeeze_or_expand_to_same_rank(y_true, y_pred)
+        weights = jnp.ones((), self.dtype) if sample_weight is None else jnp.asarray(sample_weight, self.dtype)
+        if weights.ndim == 1:
+            weights = weights[:, None]
+        weights = jnp.broadcast_to(weights, y_true.shape)
+        weighted = _weigh(y_true, weights)
+        column = lambda v: jnp.sum(v, axis=0).astype(jnp.float32)  # noqa: E731
+        return {
+            "sum": state["sum"] + column(weighted),
+            "squared_sum": state["squared_sum"] + column(y_true * weighted),
+            "residual": state["residual"] + column(_weigh((y_true - y_pred) ** 2, weights)),
+            "count": state["count"] + column(weights),
+            "num_samples": state["num_samples"] + jnp.sum(weights != 0).astype(jnp.float32),
+        }
+
+    def compute(self, state: dict[str, jax.Array]) -> jax.Array:
+        mean = state["sum"] / state["count"]
+        total = state["squared_sum"] - state["sum"] * mean
+        raw = 1 - state["residual"] / total
+        raw = jnp.where(jnp.isinf(raw), 0.0, raw)
+        if self.class_aggregation == "uniform_average":
+            score = jnp.mean(raw)
+        elif self.class_aggregation == "variance_weighted_average":
+            score = jnp.sum(total * raw) / jnp.sum(total)
+        else:
+            score = raw
+        if self.num_regressors:
+            n, p = state["num_samples"], float(self.num_regressors)
+            adjusted = 1.0 - (1.0 - score) * (n - 1.0) / (n - p - 1.0)
+            score = jnp.where(p < n - 1, adjusted, score)
+        return score
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            **super().get_config(),
+            "class_aggregation": self.class_aggregation,
+            "num_regressors": self.num_regressors,
+        }
+
+
 _CLASSES = (
     Accuracy,
     BinaryAccuracy,
@@ -1064,6 +1301,9 @@ _CLASSES = (
     Precision,
     Recall,
     AUC,
+    FBetaScore,
+    F1Score,
+    R2Score,
 )
 
 # Same keys as keras.metrics.get: class names, their snake case, short aliases.
@@ -1082,6 +1322,7 @@ _NAMES.update(
         "MAPE": MeanAbsolutePercentageError,
         "msle": MeanSquaredLogarithmicError,
         "MSLE": MeanSquaredLogarithmicError,
+        "fbeta_score": FBetaScore,
     }
 )
 
@@ -1180,10 +1421,18 @@ def get(identifier: Any, *, y_true: ArrayLike = None, y_pred: ArrayLike = None, 
 
     Args:
         identifier: a string, `Metric`, `Loss` or callable.
-        y_true: labels or their `jax.ShapeDtypeStruct` (for "accuracy").
-        y_pred: predictions or their `jax.ShapeDtypeStruct` (for "accuracy").
+        y_true: labels or their `jax.ShapeDtypeStruct` (for "accuracy", and
+            passed to the metric's `build`: F1Score learns its classes).
+        y_pred: predictions or their `jax.ShapeDtypeStruct` (likewise).
         loss: the loss, used for "accuracy" only when shapes are not given.
     """
+    metric = _get(identifier, y_true, y_pred, loss)
+    if y_true is not None and y_pred is not None:
+        metric.build(y_true, y_pred)
+    return metric
+
+
+def _get(identifier: Any, y_true: ArrayLike, y_pred: ArrayLike, loss: Any) -> Metric:
     if isinstance(identifier, Metric):
         return identifier
     if isinstance(identifier, str):

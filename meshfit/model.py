@@ -60,6 +60,7 @@ class CompileSettings:
         steps_per_execution: batches run inside one compiled call.
         dtype_policy: the `meshfit.precision.DTypePolicy` the steps compute under.
         gradient_accumulation_steps: batches whose mean gradient makes one update (1: every batch).
+        run_eagerly: the steps run un-jitted, op by op (`compile(run_eagerly=True)` or `jit_compile=False`).
     """
 
     tx: Any
@@ -72,6 +73,7 @@ class CompileSettings:
     dtype_policy: precision.DTypePolicy = precision.get("float32")
     gradient_accumulation_steps: int = 1
     loss_weights: Any = None
+    run_eagerly: bool = False
 
 
 class Model:
@@ -188,6 +190,65 @@ class Model:
             for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
         ]
 
+    @property
+    def trainable_weights(self) -> list[jax.Array]:
+        """The trainable parameters as live device arrays, in `get_weights()` order (sorted module paths;
+        `weight_names()[:len(model.trainable_weights)]` names them). Keras returns Variables; here
+        arrays, which `set_weights` replaces."""
+        return jax.tree.leaves(self._weight_trees()[0])
+
+    @property
+    def non_trainable_weights(self) -> list[jax.Array]:
+        """The non-trainable weights (frozen parameters, BatchNorm statistics) as live device arrays,
+        after the trainable ones in `get_weights()` and `weight_names()` order."""
+        return jax.tree.leaves(self._weight_trees()[1])
+
+    @property
+    def weights(self) -> list[jax.Array]:
+        """`trainable_weights + non_trainable_weights`, named by `weight_names()`, in that order."""
+        return self.trainable_weights + self.non_trainable_weights
+
+    def get_config(self) -> dict:
+        """What the model is, as JSON: the module's class, the seed, the strategy and the compile record.
+
+        Code is not JSON: rebuild the module yourself and `meshfit.load_model`
+        (or `set_weights`) the weights into it. `"compile"` is
+        `get_compile_config()` (None before `compile`).
+        """
+        module = type(self._adapter.module)
+        return {
+            "module": f"{module.__module__}.{module.__qualname__}",
+            "seed": self.seed,
+            "strategy": repr(self.strategy),
+            "weights": {name: list(a.shape) for name, a in zip(self.weight_names(), self.weights, strict=True)},
+            "compile": self.get_compile_config(),
+        }
+
+    def __call__(self, x: Any, training: bool = False) -> Any:
+        """The outputs for one batch `x` as numpy, under the model's strategy (`predict_on_batch`).
+
+        Keras's `model(x)`. Only inference: with `training=True` a forward pass
+        would update no state here; train with `fit` or `train_on_batch`, or
+        call `stateless_call` in a custom step.
+        """
+        if training:
+            raise ValueError(
+                "model(x) runs inference only. Received: training=True. Use fit / train_on_batch to train, or "
+                "model.stateless_call(params, model_state, x, training=True) inside a custom train_step."
+            )
+        return self.predict_on_batch(x)
+
+    def export(self, path: str | os.PathLike, overwrite: bool = False) -> None:
+        """Writes the forward pass for serving, callable with JAX alone; see `meshfit.export`.
+
+        `path` holds `forward.jax` (serialized StableHLO with a symbolic batch
+        dimension) and `weights.npz`. An existing non-empty `path` is refused
+        unless `overwrite=True`.
+        """
+        from meshfit import export as export_lib
+
+        export_lib.export_model(self, path, overwrite=overwrite)
+
     def get_weights(self) -> list[np.ndarray]:
         """All weights as numpy arrays: the trainable parameters in `jax.tree.leaves`
         order (sorted module paths), then the non-trainable ones (e.g. BatchNorm
@@ -236,6 +297,8 @@ class Model:
         steps_per_execution: int = 1,
         dtype_policy: str | precision.DTypePolicy | None = None,
         gradient_accumulation_steps: int | None = None,
+        run_eagerly: bool = False,
+        jit_compile: bool | str = "auto",
     ) -> None:
         """Configures the model for training (Keras's `compile`).
 
@@ -278,8 +341,21 @@ class Model:
                 one of K x B). The accumulators live in the optimizer state,
                 so a backup taken mid-accumulation resumes exactly. An
                 `optax.MultiSteps` optimizer does the same.
+            run_eagerly: run the train, evaluate and predict steps un-jitted,
+                op by op (under `jax.disable_jit()`), to debug them: a `print`
+                or a breakpoint in a custom `train_step` runs at every step
+                with concrete arrays. Same numbers as the compiled steps, far
+                slower; `steps_per_execution` still groups batches (a Python
+                loop over them). Under the parameter server, the workers' steps stay compiled.
+            jit_compile: True or "auto" (the default): the steps are compiled
+                with XLA. False: not compiled, which on JAX is what Keras does
+                too: the same as `run_eagerly=True`.
         """
         self._check_strategy("compile")
+        if not isinstance(run_eagerly, bool):
+            raise ValueError(f"`run_eagerly` must be True or False. Received: run_eagerly={run_eagerly!r}.")
+        if jit_compile not in (True, False, "auto"):
+            raise ValueError(f'`jit_compile` must be True, False or "auto". Received: jit_compile={jit_compile!r}.')
         policy = mixed_precision.global_policy() if dtype_policy is None else precision.get(dtype_policy)
         if policy.loss_scaling and not self.strategy.capabilities.loss_scaling:
             raise ValueError(
@@ -356,6 +432,7 @@ class Model:
             dtype_policy=policy,
             gradient_accumulation_steps=accumulate,
             loss_weights=loss_weights,
+            run_eagerly=run_eagerly or jit_compile is False,
         )
         access = _optimizer_state_access(self.session)
         if tx is None:
@@ -372,6 +449,16 @@ class Model:
     @property
     def compiled(self) -> bool:
         return self._compiled is not None
+
+    @property
+    def run_eagerly(self) -> bool:
+        """Whether the steps run un-jitted (`compile(run_eagerly=True)` or `jit_compile=False`)."""
+        return self._compiled is not None and self._compiled.run_eagerly
+
+    @property
+    def jit_compile(self) -> bool:
+        """Whether the steps are compiled with XLA (the opposite of `run_eagerly`)."""
+        return not self.run_eagerly
 
     @property
     def compile_settings(self) -> CompileSettings | None:
@@ -496,7 +583,7 @@ class Model:
             layout = MetricsLayout(compiled if keeps_compiled else None, trackers)
             parts = parts._replace(layout=layout)
             steps = ModelSteps(self, layout, adapter.uses_rng, compiled.scalar_losses)
-        self.session.build(steps, c.steps_per_execution)  # raises before it changes anything
+        self.session.build(steps, c.steps_per_execution, c.run_eagerly)  # raises before it changes anything
         self._step_parts = parts
         self._example_batch = batch  # the shape `step_report` compiles for
         self._built_with_targets = y_true is not None

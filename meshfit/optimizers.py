@@ -10,6 +10,7 @@ compiled step call passes, which costs host time on small models.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -24,6 +25,11 @@ from meshfit import schedules
 from meshfit.strategies import placement
 
 __all__ = [
+    "Adam",
+    "AdamW",
+    "SGD",
+    "RMSprop",
+    "Adagrad",
     "get",
     "names",
     "factory_of",
@@ -106,6 +112,7 @@ def get(
     clipnorm: float | None = None,
     clipvalue: float | None = None,
     global_clipnorm: float | None = None,
+    weight_decay: float | None = None,
     **overrides: Any,
 ) -> optax.GradientTransformation:
     """Returns an optax transform for a Keras optimizer name or passes one through.
@@ -117,9 +124,21 @@ def get(
         clipnorm: clip each gradient array to this L2 norm (Keras's `clipnorm`).
         clipvalue: clip each gradient element to `[-clipvalue, clipvalue]`.
         global_clipnorm: clip all gradients together to this global L2 norm.
+        weight_decay: Keras's decoupled weight decay: each step also subtracts
+            `learning_rate * weight_decay * param` from every parameter. For an
+            optimizer whose optax factory takes `weight_decay` ("adamw",
+            "lamb", ...) it is that argument. None: none (or the factory's default).
         **overrides: keyword arguments for the optax factory, e.g. `learning_rate=3e-4`.
     """
     clipping = _clipping(clipnorm, clipvalue, global_clipnorm)
+    if weight_decay is not None:
+        if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or weight_decay < 0:
+            raise ValueError(f"`weight_decay` must be a number >= 0. Received: weight_decay={weight_decay!r}.")
+        if not isinstance(identifier, str):
+            raise ValueError(
+                "`weight_decay` applies to optimizer names; an optax transformation comes configured already "
+                f"(add optax.add_decayed_weights to it). Received: weight_decay={weight_decay!r}."
+            )
     if isinstance(identifier, optax.MultiSteps):
         if clipping:
             raise ValueError(
@@ -142,6 +161,12 @@ def get(
                 f"Unknown optimizer name {identifier!r}. Expected one of {names()}, or an optax.GradientTransformation."
             )
         factory, defaults = _FACTORIES[key]
+        if weight_decay is not None:
+            if "weight_decay" in inspect.signature(factory).parameters:
+                overrides = {**overrides, "weight_decay": weight_decay}
+            else:
+                factory = _decoupled_weight_decay(factory)
+                overrides = {**overrides, "weight_decay": weight_decay}
         # A numpy scalar as its Python value: optax would keep `np.float32(1e-3)` static, out of the state.
         kwargs = {k: v.item() if isinstance(v, np.generic) else v for k, v in {**defaults, **overrides}.items()}
         static = tuple(k for k in kwargs if k != "learning_rate" and not callable(kwargs[k]))
@@ -154,6 +179,183 @@ def get(
         "`optimizer` must be an optimizer name (one of "
         f"{names()}), an optax.GradientTransformation or an optax.MultiSteps. Received: {identifier!r} "
         f"of type {type(identifier).__name__}."
+    )
+
+
+def _decoupled_weight_decay(factory: Callable[..., optax.GradientTransformation]) -> Callable:
+    """`factory` with Keras's decoupled weight decay added: `param -= learning_rate * weight_decay * param`.
+
+    The decay is added to the optimizer's own update (which already holds the
+    learning rate), so it never enters a momentum or a second moment, as in
+    Keras's `BaseOptimizer._apply_weight_decay`. `inject_hyperparams` calls it with the
+    learning rate as a value (a schedule already evaluated at the step).
+    """
+
+    def with_decay(learning_rate, *args, weight_decay: float = 0.0, **kwargs):
+        inner = factory(learning_rate, *args, **kwargs)
+        return optax.chain(inner, optax.add_decayed_weights(-learning_rate * weight_decay))
+
+    with_decay.__name__ = f"{factory.__name__}_with_weight_decay"
+    signature = inspect.signature(factory)  # what `inject_hyperparams` reads to bind the arguments
+    decay = inspect.Parameter("weight_decay", inspect.Parameter.KEYWORD_ONLY, default=0.0)
+    params = [p for p in signature.parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
+    with_decay.__signature__ = signature.replace(parameters=[*params, decay])
+    return with_decay
+
+
+def _keras_optimizer(name: str, keras_names: dict[str, str], **arguments: Any) -> optax.GradientTransformation:
+    """`get(name, ...)` with Keras's argument names renamed to optax's (`beta_1` -> `b1`)."""
+    amsgrad = arguments.pop("amsgrad", False)
+    if amsgrad:
+        raise ValueError(
+            "amsgrad=True is not built in: optax's `optax.amsgrad` takes the maximum of the bias-corrected second "
+            "moment, Keras of the raw one, so the steps differ. Received: amsgrad=True. Pass "
+            "optimizer=optax.amsgrad(learning_rate) for optax's variant, or leave amsgrad=False."
+        )
+    own = {keras_names.get(k, k): v for k, v in arguments.items()}
+    return get(name, **own)
+
+
+_ADAM_NAMES = {"beta_1": "b1", "beta_2": "b2", "epsilon": "eps"}
+
+
+def Adam(  # noqa: N802 (Keras's name)
+    learning_rate: float | Callable = 1e-3,
+    beta_1: float = 0.9,
+    beta_2: float = 0.999,
+    epsilon: float = 1e-7,
+    amsgrad: bool = False,
+    weight_decay: float | None = None,
+    clipnorm: float | None = None,
+    clipvalue: float | None = None,
+    global_clipnorm: float | None = None,
+) -> optax.GradientTransformation:
+    """Keras's `Adam` with its arguments and defaults: `get("adam", ...)`, so it compiles, saves and
+    loads as the name does.
+
+    Keras puts `epsilon` outside the bias correction of the second moment and
+    optax inside it: steps agree to about `epsilon / sqrt(v)` relative (1e-6 for
+    gradients near 0.1). `amsgrad=True` is refused (optax's variant differs).
+
+    Example:
+        >>> model.compile(optimizer=meshfit.optimizers.Adam(1e-3, clipnorm=1.0), loss="mse")
+    """
+    return _keras_optimizer(
+        "adam",
+        _ADAM_NAMES,
+        learning_rate=learning_rate,
+        beta_1=beta_1,
+        beta_2=beta_2,
+        epsilon=epsilon,
+        amsgrad=amsgrad,
+        weight_decay=weight_decay,
+        clipnorm=clipnorm,
+        clipvalue=clipvalue,
+        global_clipnorm=global_clipnorm,
+    )
+
+
+def AdamW(  # noqa: N802 (Keras's name)
+    learning_rate: float | Callable = 1e-3,
+    weight_decay: float = 0.004,
+    beta_1: float = 0.9,
+    beta_2: float = 0.999,
+    epsilon: float = 1e-7,
+    amsgrad: bool = False,
+    clipnorm: float | None = None,
+    clipvalue: float | None = None,
+    global_clipnorm: float | None = None,
+) -> optax.GradientTransformation:
+    """Keras's `AdamW` (decoupled weight decay, default 0.004): `get("adamw", ...)`; see `Adam`."""
+    return _keras_optimizer(
+        "adamw",
+        _ADAM_NAMES,
+        learning_rate=learning_rate,
+        weight_decay=weight_decay,
+        beta_1=beta_1,
+        beta_2=beta_2,
+        epsilon=epsilon,
+        amsgrad=amsgrad,
+        clipnorm=clipnorm,
+        clipvalue=clipvalue,
+        global_clipnorm=global_clipnorm,
+    )
+
+
+def SGD(  # noqa: N802 (Keras's name)
+    learning_rate: float | Callable = 0.01,
+    momentum: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float | None = None,
+    clipnorm: float | None = None,
+    clipvalue: float | None = None,
+    global_clipnorm: float | None = None,
+) -> optax.GradientTransformation:
+    """Keras's `SGD` (with momentum and Nesterov momentum): `get("sgd", ...)`, the same steps as Keras's."""
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum <= 1:
+        raise ValueError(f"`momentum` must be a float in [0, 1]. Received: momentum={momentum!r}.")
+    extra = {"momentum": momentum, "nesterov": bool(nesterov)} if momentum else {}  # (Nesterov of 0 is SGD)
+    return _keras_optimizer(
+        "sgd",
+        {},
+        learning_rate=learning_rate,
+        weight_decay=weight_decay,
+        clipnorm=clipnorm,
+        clipvalue=clipvalue,
+        global_clipnorm=global_clipnorm,
+        **extra,
+    )
+
+
+def RMSprop(  # noqa: N802 (Keras's name)
+    learning_rate: float | Callable = 1e-3,
+    rho: float = 0.9,
+    momentum: float = 0.0,
+    epsilon: float = 1e-7,
+    centered: bool = False,
+    weight_decay: float | None = None,
+    clipnorm: float | None = None,
+    clipvalue: float | None = None,
+    global_clipnorm: float | None = None,
+) -> optax.GradientTransformation:
+    """Keras's `RMSprop` (`epsilon` inside the square root, as in Keras): `get("rmsprop", ...)`."""
+    extra = {"momentum": momentum} if momentum else {}
+    if centered:
+        extra["centered"] = True
+    return _keras_optimizer(
+        "rmsprop",
+        {"rho": "decay", "epsilon": "eps"},
+        learning_rate=learning_rate,
+        rho=rho,
+        epsilon=epsilon,
+        weight_decay=weight_decay,
+        clipnorm=clipnorm,
+        clipvalue=clipvalue,
+        global_clipnorm=global_clipnorm,
+        **extra,
+    )
+
+
+def Adagrad(  # noqa: N802 (Keras's name)
+    learning_rate: float | Callable = 1e-3,
+    initial_accumulator_value: float = 0.1,
+    epsilon: float = 1e-7,
+    weight_decay: float | None = None,
+    clipnorm: float | None = None,
+    clipvalue: float | None = None,
+    global_clipnorm: float | None = None,
+) -> optax.GradientTransformation:
+    """Keras's `Adagrad`: `get("adagrad", ...)`, the same steps as Keras's."""
+    return _keras_optimizer(
+        "adagrad",
+        {"epsilon": "eps"},
+        learning_rate=learning_rate,
+        initial_accumulator_value=initial_accumulator_value,
+        epsilon=epsilon,
+        weight_decay=weight_decay,
+        clipnorm=clipnorm,
+        clipvalue=clipvalue,
+        global_clipnorm=global_clipnorm,
     )
 
 

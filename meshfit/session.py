@@ -146,9 +146,10 @@ class Session:
     def steps_per_execution(self) -> int:
         return self.executables.steps_per_execution
 
-    def build(self, steps: Steps, steps_per_execution: int = 1) -> None:
-        """Compiles the programs (once per batch shape, on first use) and sets fresh metric accumulators."""
-        self.executables = Executables(self.strategy, steps, steps_per_execution)
+    def build(self, steps: Steps, steps_per_execution: int = 1, eager: bool = False) -> None:
+        """Compiles the programs (once per batch shape, on first use; `eager`: runs them un-jitted) and
+        sets fresh metric accumulators."""
+        self.executables = Executables(self.strategy, steps, steps_per_execution, eager)
         self.feeder = Feeder(self.executables)
         self.store.drain = self.executables.drain
         self._spare_metrics = None

@@ -602,3 +602,77 @@ def test_bad_arguments():
         metrics.AUC(curve="ROCK")
     with pytest.raises(ValueError, match="one metric per threshold"):
         metrics.Precision(thresholds=[0.3, 0.6])
+
+
+# -- F-beta and R^2: accumulators per class, Keras's numbers ----------------------------------------------
+
+SCORE_CASES = [
+    ("F1Score", dict()),
+    ("F1Score", dict(average="micro")),
+    ("F1Score", dict(average="macro", threshold=0.4)),
+    ("F1Score", dict(average="weighted")),
+    ("FBetaScore", dict(beta=2.0, average="macro", threshold=0.5)),
+    ("FBetaScore", dict(beta=0.5)),
+    ("R2Score", dict()),
+    ("R2Score", dict(class_aggregation=None)),
+    ("R2Score", dict(class_aggregation="variance_weighted_average", num_regressors=2)),
+]
+
+
+def _score_batches(name, seed, weighted):
+    rng = np.random.default_rng(seed)
+    batches = []
+    for rows in (16, 16, 9):
+        if name == "R2Score":
+            y_true = rng.normal(size=(rows, 3)).astype("float32")
+            y_pred = (y_true + 0.7 * rng.normal(size=(rows, 3))).astype("float32")
+        else:
+            y_true = (rng.random((rows, 4)) < 0.4).astype("float32")
+            y_pred = np.clip(0.6 * y_true + 0.6 * rng.random((rows, 4)), 0, 1).astype("float32")
+        weight = rng.uniform(0.5, 2.0, rows).astype("float32") if weighted else None
+        batches.append((y_true, y_pred, weight))
+    return batches
+
+
+@pytest.mark.parametrize("name, kwargs", SCORE_CASES, ids=[f"{n}-{k}" for n, k in SCORE_CASES])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_fbeta_and_r2_match_keras_over_batches_and_merged_replicas(keras, name, kwargs, weighted):
+    batches = _score_batches(name, 7, weighted)
+    theirs = getattr(keras.metrics, name)(**kwargs)
+    ours = getattr(metrics, name)(**kwargs)
+    for y_true, y_pred, weight in batches:
+        theirs.update_state(y_true, y_pred, sample_weight=weight)
+        ours.update_state(y_true, y_pred, sample_weight=weight)
+    expected = np.asarray(theirs.result())
+    close(ours.result(), expected, rtol=1e-5, atol=1e-6)
+    # As two replicas would: each half of every batch (the last padded with weight-0 rows), merged by summing.
+    fresh = getattr(metrics, name)(**kwargs)
+    fresh.build(batches[0][0], batches[0][1])
+    update = jax.jit(fresh.update)
+    halves = [fresh.init(), fresh.init()]
+    for y_true, y_pred, weight in batches:
+        rows = len(y_true)
+        weight = np.ones(rows, "float32") if weight is None else weight
+        pad = 16 - rows
+        y_true, y_pred = (np.concatenate([a, np.zeros((pad, a.shape[1]), "float32")]) for a in (y_true, y_pred))
+        weight = np.concatenate([weight, np.zeros(pad, "float32")])
+        for i in range(2):
+            part = slice(8 * i, 8 * (i + 1))
+            halves[i] = update(halves[i], y_true[part], y_pred[part], weight[part])
+    close(fresh.compute(metrics.Metric.merge(*halves)), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_fbeta_and_r2_names_config_and_errors():
+    assert isinstance(metrics.get("f1_score", y_true=np.zeros((2, 3)), y_pred=np.zeros((2, 3))), metrics.F1Score)
+    assert type(metrics.get("fbeta_score")) is metrics.FBetaScore
+    assert type(metrics.get("r2_score")) is metrics.R2Score
+    f1 = metrics.F1Score(average="macro", threshold=0.3)
+    assert metrics.F1Score(**f1.get_config()).get_config() == f1.get_config()
+    r2 = metrics.R2Score(class_aggregation=None, num_regressors=1)
+    assert metrics.R2Score(**r2.get_config()).get_config() == r2.get_config()
+    with pytest.raises(ValueError, match="learns the number of classes"):
+        metrics.F1Score().init()
+    with pytest.raises(ValueError, match="2D inputs"):
+        metrics.F1Score().build(np.zeros(4), np.zeros(4))
+    with pytest.raises(ValueError, match="average"):
+        metrics.F1Score(average="mean")

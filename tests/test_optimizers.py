@@ -93,3 +93,67 @@ def test_an_optimizer_reads_and_sets_the_learning_rate_through_its_state_access_
     optimizer.learning_rate = 0.025
     assert float(held["opt_state"].hyperparams["learning_rate"]) == pytest.approx(0.025)
     assert optimizer.learning_rate == pytest.approx(0.025) and optimizer.iterations == 7
+
+
+# -- Keras's optimizer classes: the same steps as keras.optimizers on the same gradients ----------------
+
+KERAS_CASES = [
+    ("Adam", dict(learning_rate=0.01)),
+    ("Adam", dict(learning_rate=0.01, weight_decay=0.1, clipnorm=0.5)),
+    ("AdamW", dict(learning_rate=0.01)),
+    ("SGD", dict()),
+    ("SGD", dict(learning_rate=0.1, momentum=0.9)),
+    ("SGD", dict(learning_rate=0.1, momentum=0.9, nesterov=True, weight_decay=0.01, global_clipnorm=0.5)),
+    ("RMSprop", dict(learning_rate=0.01)),
+    ("RMSprop", dict(learning_rate=0.01, momentum=0.5, centered=True, weight_decay=0.05)),
+    ("Adagrad", dict(learning_rate=0.1, clipvalue=0.2)),
+]
+
+
+@pytest.mark.parametrize("name, kwargs", KERAS_CASES)
+def test_keras_optimizer_classes_take_the_steps_keras_takes(name, kwargs):
+    import jax.numpy as jnp
+    import keras
+
+    rng = np.random.default_rng(0)
+    w0 = rng.normal(size=(4, 3)).astype("float32")
+    grads = [rng.normal(size=(4, 3)).astype("float32") * 0.3 for _ in range(5)]
+    variable = keras.Variable(w0.copy())
+    reference = getattr(keras.optimizers, name)(**kwargs)
+    reference.build([variable])
+    tx = getattr(mf.optimizers, name)(**kwargs)
+    params = {"w": jnp.asarray(w0)}
+    state = tx.init(params)
+    for g in grads:
+        reference.apply_gradients([(jnp.asarray(g), variable)])
+        updates, state = tx.update({"w": jnp.asarray(g)}, state, params)
+        params = optax.apply_updates(params, updates)
+    assert np.abs(np.asarray(variable.value) - w0).max() > 5e-3  # the steps moved the weights
+    # Adam's epsilon sits outside Keras's bias correction and inside optax's: ~1e-6 apart.
+    np.testing.assert_allclose(np.asarray(params["w"]), np.asarray(variable.value), rtol=1e-5, atol=5e-6)
+
+
+def test_a_keras_optimizer_object_compiles_saves_and_loads_as_its_name(tmp_path):
+    x, y = classification_data(n=64)
+    model = mf.Model(MLP())
+    model.compile(optimizer=mf.optimizers.Adam(3e-3, weight_decay=0.01), loss="sparse_categorical_crossentropy")
+    assert model.optimizer.learning_rate == pytest.approx(3e-3)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    record = model.get_compile_config()["optimizer"]
+    assert record["name"] == "adam" and record["config"]["weight_decay"] == 0.01
+    model.save(tmp_path / "m")
+    loaded = mf.load_model(tmp_path / "m", MLP())
+    assert mf.optimizers.recipe_of(loaded.compile_settings.tx) == mf.optimizers.recipe_of(model.compile_settings.tx)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    loaded.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    for a, b in zip(model.get_weights(), loaded.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_keras_optimizer_arguments_are_checked():
+    with pytest.raises(ValueError, match="amsgrad=True"):
+        mf.optimizers.Adam(amsgrad=True)
+    with pytest.raises(ValueError, match="weight_decay"):
+        mf.optimizers.SGD(weight_decay=-1.0)
+    with pytest.raises(ValueError, match="momentum"):
+        mf.optimizers.SGD(momentum=2.0)
