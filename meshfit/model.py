@@ -445,11 +445,25 @@ class Model:
                 f"{_describe(self._input_spec)} (after the batch dimension), received {_describe(spec)}."
             )
 
+    def _policy_adapter(self) -> tuple[Any, precision.DTypePolicy]:
+        """The module adapter in the compiled dtype policy's compute dtype, and that policy.
+
+        Every call meshfit makes of the module (output shapes, the steps, `predict`) goes through it, so a
+        module that computes in bfloat16 only is never called with float32 activations or weights.
+        Before `compile`, the global policy (`meshfit.mixed_precision`).
+        """
+        policy = mixed_precision.global_policy() if self._compiled is None else self._compiled.dtype_policy
+        if policy.name == "float32":
+            return self._adapter, policy
+        return self._adapter.with_compute_dtype(policy.compute_dtype), policy
+
     def _output_spec(self, batch: Batch) -> Any:
+        """The outputs' shapes and dtypes for `batch`, traced (nothing runs) under the dtype policy as the step."""
         state = self.session.latest
+        adapter, policy = self._policy_adapter()
         try:
             return jax.eval_shape(
-                lambda p, s, x: self._adapter.apply(p, s, x, training=False, rng=None)[0],
+                lambda p, s, x: forward(adapter, policy, p, s, x, None, False)[0],
                 state.params,
                 state.model_state,
                 batch.x,
@@ -479,14 +493,13 @@ class Model:
         loss_terms = outputs_lib.resolve_losses(c.loss, c.loss_weights, outputs)
         metric_terms = outputs_lib.resolve_metrics(c.metrics, c.weighted, outputs, y_true, y_pred, c.loss_id)
         self._check_targets(batch, loss_terms, metric_terms)
-        policy = c.dtype_policy
+        adapter, policy = self._policy_adapter()
         if custom:
             self._check_custom_steps(custom, policy)
             if y_true is not None:  # (a custom step sees a partial batch's real rows: nothing to refuse)
                 loss_terms = outputs_lib.find_scalar_losses(loss_terms, y_true, y_pred)
         else:
             loss_terms = self._find_scalar_losses(loss_terms, y_true, y_pred)  # after every check of the arguments
-        adapter = self._adapter if policy.name == "float32" else self._adapter.with_compute_dtype(policy.compute_dtype)
         compiled = StepFunctions(adapter, loss_terms, c.tx, metric_terms, policy)
         steps, parts = compiled, _StepParts(adapter, policy, compiled, None)
         if custom:
