@@ -19,7 +19,7 @@ import numpy as np
 import optax
 
 from meshfit import callbacks as callbacks_lib
-from meshfit import cluster, inputs, mixed_precision, precision, saving, utils
+from meshfit import cluster, inputs, label_check, mixed_precision, precision, saving, utils
 from meshfit import data as data_lib
 from meshfit import losses as losses_lib
 from meshfit import metrics as metrics_lib
@@ -137,6 +137,7 @@ class Model:
         self._shuffle_orders = data_lib.ShuffleOrders()  # computed ahead by one fit for the next
         self._example_batch: Batch | None = None
         self._outputs: list[Output] = []  # the module's outputs, known from the first batch
+        self._label_ranges: tuple[label_check.LabelRange, ...] = ()  # the targets read as class ids
         self._built_with_targets = False  # the steps were built from a batch with targets
         # What the step methods below use, set when the steps are built: the adapter and dtype policy of
         # `stateless_call`, the built-in steps (the compiled loss and metrics), the `state.metrics` layout.
@@ -493,6 +494,7 @@ class Model:
         loss_terms = outputs_lib.resolve_losses(c.loss, c.loss_weights, outputs)
         metric_terms = outputs_lib.resolve_metrics(c.metrics, c.weighted, outputs, y_true, y_pred, c.loss_id)
         self._check_targets(batch, loss_terms, metric_terms)
+        self._label_ranges = label_check.label_ranges(loss_terms, metric_terms, y_pred)
         adapter, policy = self._policy_adapter()
         if custom:
             self._check_custom_steps(custom, policy)
@@ -689,6 +691,14 @@ class Model:
             orders=self._shuffle_orders,
         )
 
+    def _check_labels(self, *sources: data_lib.DataSource | None) -> None:
+        """Has each source check its class-id targets against the model's classes before a step takes them
+        (arrays now, once; an iterable as it reads each batch): out-of-range ids raise, never train silently."""
+        check = label_check.checker(self._label_ranges)
+        for source in sources:
+            if source is not None:
+                source.set_label_check(check)
+
     def _first_batch(self, data: data_lib.DataSource) -> Batch:
         batch = data.peek()
         if not isinstance(data, (data_lib.ArrayData, data_lib.IterableData)):  # the user's own source
@@ -823,7 +833,7 @@ class Model:
             if class_weight is not None:
                 sample_weight = _class_weights(y, class_weight, sample_weight)
             data = self._make_data(x, y, sample_weight, batch_size, shuffle=shuffle, steps=steps_per_epoch)
-            val_data = None
+            all_data, val_data = data, None  # (before a validation split: sample numbers as the user's)
             if validation_split:
                 if not isinstance(data, data_lib.ArrayData):
                     raise ValueError(
@@ -840,6 +850,7 @@ class Model:
             if first.y is None and self._needs_targets("train_step"):
                 raise ValueError("`fit()` needs targets: pass `y`, or a dataset yielding (x, y) pairs.")
             self._build(first)
+            self._check_labels(all_data, val_data if all_data is data else None)
             self.session.executables.check_batches(data)
             if val_data is not None:
                 self._check_input(self._first_batch(val_data))
@@ -917,6 +928,7 @@ class Model:
         if first.y is None and self._needs_targets("test_step"):
             raise ValueError("`evaluate()` needs targets: pass `y`, or a dataset yielding (x, y) pairs.")
         self._build(first)
+        self._check_labels(data)
         self.session.executables.check_batches(data)
         callback_list = self._one_pass_callbacks(callbacks, verbose, steps or data.steps_per_epoch)
         logs = evaluate_loop(self, data, callbacks=callback_list, steps=steps)
