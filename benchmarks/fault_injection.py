@@ -5,7 +5,7 @@ wrote are altered, a different model loads the backups, a second job writes into
 the same directory, a backup directory is made read-only, a parameter server is
 stopped with SIGSTOP, symlinks to files outside are planted at the names meshfit
 writes in a model, checkpoint or backup directory (with the pid of the process
-about to write there), a saved model's compile settings are garbled. Most trials
+about to write there), a saved model's compile settings are garbled, a rerun's labels are out of range. Most trials
 run the resumable worker of the test suite (`tests/workers/train_resumable.py`: an MLP with dropout, EarlyStopping,
 ReduceLROnPlateau and BackupAndRestore) and compares the final weights and History
 bitwise with an uninterrupted run.
@@ -225,6 +225,19 @@ def mismatch(base, reference):
     status, output = worker(base / "other", backup, "--hidden", "48")
     lost = snapshot(backup) != before or status == 0
     status, _ = worker(out, backup)  # the right model still resumes from them
+    return status == 0 and same(out, reference), lost
+
+
+def bad_labels(base, reference):
+    """A run with backups is killed; its rerun with a label out of range must fail before any step or restore,
+    naming the sample, and leave the backups as they were; the run with the right labels then resumes exactly."""
+    out, backup = base / "out", base / "backup"
+    worker(out, backup, "--slow", "0.02", stop_at=14)
+    before = snapshot(backup)
+    status, output = worker(out, backup, "--bad-label", "5")
+    clear = status != 0 and "class ids in [0, 3)" in output and "Received: 7 at sample 5 of y" in output
+    lost = not clear or "\nstep " in output or snapshot(backup) != before or not before
+    status, _ = worker(out, backup)
     return status == 0 and same(out, reference), lost
 
 
@@ -557,6 +570,7 @@ def main() -> None:
     ):
         trial(tally, f"newest backup damaged: {how}", lambda how=how: corrupt(fresh(), base / "ref", how))
     trial(tally, "resume with a different model", lambda: mismatch(fresh(), base / "ref"))
+    trial(tally, "out-of-range labels", lambda: bad_labels(fresh(), base / "ref"))
     trial(tally, "SIGTERM (preemption)", lambda: sigterm(fresh(), base / "ref", repeat=False))
     trial(tally, "SIGTERM repeated every 50 ms", lambda: sigterm(fresh(), base / "ref", repeat=True))
     trial(tally, "SIGTERM while fit sets up", lambda: sigterm_in_setup(fresh(), base / "ref"))

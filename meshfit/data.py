@@ -264,6 +264,11 @@ class DataSource(ABC):
         on the devices at once."""
         return sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(self.peek()))
 
+    def set_label_check(self, check: Callable[[Any, Callable[[int], str]], None]) -> None:
+        """Has `check(y, at)` raise before a step takes targets with class ids out of range
+        (`meshfit.label_check`); `at(row)` says where a row is. A source of your own checks nothing here."""
+        del check
+
     @abstractmethod
     def get_state(self) -> dict:
         """The position in the input, as JSON-like values and numpy arrays."""
@@ -529,6 +534,11 @@ class ArrayData(DataSource):
     def set_state(self, state: dict) -> None:
         del state
 
+    def set_label_check(self, check: Callable[[Any, Callable[[int], str]], None]) -> None:
+        """Checks every target now, once (numpy on the host): the arrays do not change."""
+        if self.y is not None:
+            check(self.y, lambda row: f"sample {row} of y")
+
     def split(self, fraction: float) -> tuple[ArrayData, ArrayData]:
         """Keras's `validation_split`: the last `fraction` of samples, taken before shuffling."""
         if not 0.0 < fraction < 1.0:
@@ -632,6 +642,8 @@ class IterableData(DataSource):
         self._pushback: collections.deque = collections.deque()
         self._position: dict | None = None  # the position after the last element the loop took
         self.exhausted = False
+        self._first_spec: dict | None = None  # feature shapes and dtype kinds of the first batch
+        self._label_check: Callable | None = None
 
     def _next_element(self) -> tuple[Any, dict | None]:
         """The next element and the position after it."""
@@ -687,7 +699,12 @@ class IterableData(DataSource):
             next(self._iterator)
         self._consumed = state.get("consumed", 0)
 
-    def _to_batch(self, element: Any) -> Batch:
+    def set_label_check(self, check: Callable[[Any, Callable[[int], str]], None]) -> None:
+        """Checks each batch's targets as it is read (on the reading thread when reading ahead)."""
+        self._label_check = check
+
+    def _to_batch(self, element: Any, index: int) -> Batch:
+        """Batch number `index` of this epoch (from 0), checked against the first and padded."""
         x, y, sw = unpack_element(element)
         x, y = _to_numpy(x), None if y is None else _to_numpy(y)
         check_numeric(x, "x (a batch the dataset yielded)")
@@ -696,6 +713,9 @@ class IterableData(DataSource):
         rows = _num_rows(x, "x")
         if rows == 0:
             raise ValueError("The dataset yielded an empty batch (0 samples). Every batch needs samples.")
+        self._check_spec({"x": x, "y": y}, index)
+        if self._label_check is not None and y is not None:
+            self._label_check(y, lambda row: f"batch {index} of the epoch (counting from 0), row {row}")
         if self.padded_batch_size is None:
             self.padded_batch_size = _round_up(rows, self.batch_multiple)
         elif rows > self.padded_batch_size:  # at least doubles: at most log2(largest / first) growths
@@ -703,6 +723,25 @@ class IterableData(DataSource):
         if y is not None and _num_rows(y, "y") != rows:
             raise ValueError(f"A batch has {rows} inputs but {_num_rows(y, 'y')} targets; they must match.")
         return make_batch(x, y, sw, self.padded_batch_size)
+
+    def _check_spec(self, parts: dict, index: int) -> None:
+        """Raises unless `parts` have the first batch's feature shapes (after the batch axis) and dtype kinds."""
+        spec = {
+            name: jax.tree.map(lambda a: (tuple(np.shape(a)[1:]), np.asarray(a).dtype.kind), tree)
+            for name, tree in parts.items()
+            if tree is not None
+        }
+        if self._first_spec is None:
+            self._first_spec = spec
+            return
+        for name, tree in spec.items():
+            expected = self._first_spec.get(name)
+            if tree != expected:
+                raise ValueError(
+                    f"Batch {index} of the epoch (counting from 0) has {name} of feature shape and dtype kind "
+                    f"{_describe_spec(tree)}; the first batch had {_describe_spec(expected)}. Every batch must "
+                    f"have the first one's shapes after the batch axis: pad or crop them alike."
+                )
 
     def _epoch_items(self, epoch: int, start_step: int = 0) -> Iterator[tuple[Batch, tuple]]:
         """One epoch's batches, each with its `(element, position after it)`; sets `exhausted` if a
@@ -731,7 +770,7 @@ class IterableData(DataSource):
                     )
                 return
             if step >= start_step:
-                yield self._to_batch(read[0]), read
+                yield self._to_batch(read[0], step), read
             step += 1
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
@@ -822,14 +861,29 @@ class IterableData(DataSource):
         """The first batch, without losing it for a later epoch (to build the model)."""
         try:
             if self.reiterable:
-                return self._to_batch(next(iter(self.data)))
+                return self._to_batch(next(iter(self.data)), 0)
             read = self._next_element()
         except StopIteration:
             raise ValueError(
                 "The dataset is empty: it yielded no batches. Pass data with at least one batch."
             ) from None
         self._pushback.appendleft(read)
-        return self._to_batch(read[0])
+        return self._to_batch(read[0], 0)
+
+
+def _describe_spec(spec: Any) -> str:
+    """`(4,) float` for one array; a dict or list of them for several (numpy's dtype kind letters spelled out)."""
+    kinds = {"f": "float", "i": "int", "u": "uint", "b": "bool", "c": "complex"}
+
+    def one(leaf: tuple) -> str:
+        return f"{leaf[0]} {kinds.get(leaf[1], leaf[1])}"
+
+    def is_leaf(node: Any) -> bool:
+        return isinstance(node, tuple) and len(node) == 2 and isinstance(node[1], str)
+
+    if spec is None:
+        return "none"
+    return one(spec) if is_leaf(spec) else str(jax.tree.map(one, spec, is_leaf=is_leaf))
 
 
 def pad_batch(batch: Batch, rows: int) -> Batch:

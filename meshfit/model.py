@@ -19,7 +19,7 @@ import numpy as np
 import optax
 
 from meshfit import callbacks as callbacks_lib
-from meshfit import cluster, inputs, mixed_precision, precision, saving, utils
+from meshfit import cluster, inputs, label_check, mixed_precision, precision, saving, utils
 from meshfit import data as data_lib
 from meshfit import losses as losses_lib
 from meshfit import metrics as metrics_lib
@@ -139,6 +139,7 @@ class Model:
         self._shuffle_orders = data_lib.ShuffleOrders()  # computed ahead by one fit for the next
         self._example_batch: Batch | None = None
         self._outputs: list[Output] = []  # the module's outputs, known from the first batch
+        self._label_ranges: tuple[label_check.LabelRange, ...] = ()  # the targets read as class ids
         self._built_with_targets = False  # the steps were built from a batch with targets
         # What the step methods below use, set when the steps are built: the adapter and dtype policy of
         # `stateless_call`, the built-in steps (the compiled loss and metrics), the `state.metrics` layout.
@@ -532,11 +533,25 @@ class Model:
                 f"{_describe(self._input_spec)} (after the batch dimension), received {_describe(spec)}."
             )
 
+    def _policy_adapter(self) -> tuple[Any, precision.DTypePolicy]:
+        """The module adapter in the compiled dtype policy's compute dtype, and that policy.
+
+        Every call meshfit makes of the module (output shapes, the steps, `predict`) goes through it, so a
+        module that computes in bfloat16 only is never called with float32 activations or weights.
+        Before `compile`, the global policy (`meshfit.mixed_precision`).
+        """
+        policy = mixed_precision.global_policy() if self._compiled is None else self._compiled.dtype_policy
+        if policy.name == "float32":
+            return self._adapter, policy
+        return self._adapter.with_compute_dtype(policy.compute_dtype), policy
+
     def _output_spec(self, batch: Batch) -> Any:
+        """The outputs' shapes and dtypes for `batch`, traced (nothing runs) under the dtype policy as the step."""
         state = self.session.latest
+        adapter, policy = self._policy_adapter()
         try:
             return jax.eval_shape(
-                lambda p, s, x: self._adapter.apply(p, s, x, training=False, rng=None)[0],
+                lambda p, s, x: forward(adapter, policy, p, s, x, None, False)[0],
                 state.params,
                 state.model_state,
                 batch.x,
@@ -566,14 +581,14 @@ class Model:
         loss_terms = outputs_lib.resolve_losses(c.loss, c.loss_weights, outputs)
         metric_terms = outputs_lib.resolve_metrics(c.metrics, c.weighted, outputs, y_true, y_pred, c.loss_id)
         self._check_targets(batch, loss_terms, metric_terms)
-        policy = c.dtype_policy
+        self._label_ranges = label_check.label_ranges(loss_terms, metric_terms, y_pred)
+        adapter, policy = self._policy_adapter()
         if custom:
             self._check_custom_steps(custom, policy)
             if y_true is not None:  # (a custom step sees a partial batch's real rows: nothing to refuse)
                 loss_terms = outputs_lib.find_scalar_losses(loss_terms, y_true, y_pred)
         else:
             loss_terms = self._find_scalar_losses(loss_terms, y_true, y_pred)  # after every check of the arguments
-        adapter = self._adapter if policy.name == "float32" else self._adapter.with_compute_dtype(policy.compute_dtype)
         compiled = StepFunctions(adapter, loss_terms, c.tx, metric_terms, policy)
         steps, parts = compiled, _StepParts(adapter, policy, compiled, None)
         if custom:
@@ -763,6 +778,14 @@ class Model:
             orders=self._shuffle_orders,
         )
 
+    def _check_labels(self, *sources: data_lib.DataSource | None) -> None:
+        """Has each source check its class-id targets against the model's classes before a step takes them
+        (arrays now, once; an iterable as it reads each batch): out-of-range ids raise, never train silently."""
+        check = label_check.checker(self._label_ranges)
+        for source in sources:
+            if source is not None:
+                source.set_label_check(check)
+
     def _first_batch(self, data: data_lib.DataSource) -> Batch:
         batch = data.peek()
         if not isinstance(data, (data_lib.ArrayData, data_lib.IterableData)):  # the user's own source
@@ -897,7 +920,7 @@ class Model:
             if class_weight is not None:
                 sample_weight = _class_weights(y, class_weight, sample_weight)
             data = self._make_data(x, y, sample_weight, batch_size, shuffle=shuffle, steps=steps_per_epoch)
-            val_data = None
+            all_data, val_data = data, None  # (before a validation split: sample numbers as the user's)
             if validation_split:
                 if not isinstance(data, data_lib.ArrayData):
                     raise ValueError(
@@ -914,6 +937,7 @@ class Model:
             if first.y is None and self._needs_targets("train_step"):
                 raise ValueError("`fit()` needs targets: pass `y`, or a dataset yielding (x, y) pairs.")
             self._build(first)
+            self._check_labels(all_data, val_data if all_data is data else None)
             self.session.executables.check_batches(data)
             if val_data is not None:
                 self._check_input(self._first_batch(val_data))
@@ -1018,6 +1042,7 @@ class Model:
         if first.y is None and self._needs_targets("test_step"):
             raise ValueError("`evaluate()` needs targets: pass `y`, or a dataset yielding (x, y) pairs.")
         self._build(first)
+        self._check_labels(data)
         self.session.executables.check_batches(data)
         callback_list = self._one_pass_callbacks(callbacks, verbose, steps or data.steps_per_epoch)
         logs = evaluate_loop(self, data, callbacks=callback_list, steps=steps)

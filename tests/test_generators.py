@@ -136,3 +136,41 @@ def test_a_one_shot_validation_generator_too_large_to_keep_warns(monkeypatch):
             verbose=0,
         )
     assert len(history.history["val_loss"]) == 1 and len(history.history["loss"]) == 3
+
+
+def _stream(x, y, bad_batch=None, rows=16, change=None):
+    """Batches of `rows`; batch `bad_batch` gets label 7 at row 5, or its features changed by `change`."""
+    for i in range(len(x) // rows):
+        xb, yb = x[i * rows : (i + 1) * rows], y[i * rows : (i + 1) * rows].copy()
+        if i == bad_batch:
+            if change is None:
+                yb[5] = 7
+            else:
+                xb = change(xb)
+        yield xb, yb
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_streamed_label_out_of_range_is_refused_before_a_step_uses_its_batch(prefetch):
+    """Read here or ahead on the reading thread: the error comes when the loop takes batch 4, before its step."""
+    x, y = classification_data(n=96)
+    model = compiled(mf.Model(MLP()))
+    stream = data_lib.IterableData(_stream(x, y, bad_batch=4), prefetch=prefetch)
+    with pytest.raises(ValueError, match=r"\[0, 3\).*Received: 7 at batch 4 of the epoch \(counting from 0\), row 5"):
+        model.fit(stream, verbose=0)
+    assert model.session.step == 4  # batches 0 to 3 trained; batch 4 reached no step
+
+
+@pytest.mark.parametrize(
+    "change,says",
+    [
+        (lambda xb: xb[:, :3], r"Batch 2 .* x of .* kind \(3,\) float; the first batch had \(4,\) float"),
+        (lambda xb: (xb * 10).astype(np.int32), r"Batch 2 .* \(4,\) int; the first batch had \(4,\) float"),
+    ],
+)
+def test_a_batch_unlike_the_first_is_refused_by_number(change, says):
+    x, y = classification_data(n=64)
+    model = compiled(mf.Model(MLP()))
+    with pytest.raises(ValueError, match=says):
+        model.fit(_stream(x, y, bad_batch=2, change=change), verbose=0)
+    assert model.session.step == 2

@@ -1,8 +1,10 @@
 """meshfit.mixed_precision: Keras's global dtype policy, used by `compile` when it is given none."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from helpers import MLP, classification_data
 
 import meshfit as mf
@@ -83,3 +85,41 @@ def test_a_saved_model_reloads_under_its_own_policy_whatever_the_global(tmp_path
     loaded = mf.load_model(tmp_path / "m", MLP(seed=2))
     assert loaded.compile_settings.dtype_policy.name == "mixed_bfloat16"
     np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+
+
+class NeedsBFloat16(nnx.Module):
+    """Refuses to run unless its input and weights are bfloat16, as cuDNN's attention refuses float32."""
+
+    def __init__(self, din=4, dout=3, rngs=None):
+        self.dense = nnx.Linear(din, dout, rngs=rngs or nnx.Rngs(0))
+
+    def __call__(self, x):
+        kinds = {x.dtype, self.dense.kernel[...].dtype, self.dense.bias[...].dtype}
+        if kinds != {jnp.dtype(jnp.bfloat16)}:
+            raise TypeError(f"NeedsBFloat16 computes in bfloat16 only. Received: {sorted(map(str, kinds))}.")
+        return self.dense(x)
+
+
+def test_every_call_of_the_module_runs_under_the_compiled_policy():
+    x, y = classification_data(n=32)
+    model = mf.Model(NeedsBFloat16())
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", dtype_policy="mixed_bfloat16")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert set(model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)) == {"loss"}
+    assert model.predict(x, batch_size=16, verbose=0).dtype == np.float32
+    assert "step" in model.summary(print_fn=None).lower()
+    assert model.step_report(x[:16], y[:16]).flops > 0
+    plan = mf.plan(
+        NeedsBFloat16,
+        x[:8],
+        y[:8],
+        compile=dict(optimizer="adam", loss="sparse_categorical_crossentropy", dtype_policy="mixed_bfloat16"),
+        devices=jax.devices()[:1],
+    )
+    assert plan.candidates and plan.candidates[0].report is not None
+
+
+def test_predict_without_compile_uses_the_global_policy():
+    mp.set_global_policy("mixed_bfloat16")
+    x, _ = classification_data(n=16)
+    assert mf.Model(NeedsBFloat16()).predict(x, batch_size=8, verbose=0).shape == (16, 3)

@@ -730,3 +730,27 @@ def test_planted_symlinks_at_meshfit_names_are_refused_by_name_and_nothing_outsi
     (tmp_path / "used" / MARKER).write_bytes(marker)
     assert fit_keeping_backups(tmp_path / "used", 2).optimizer.iterations == 8
     assert linked_meshfit_names(tmp_path / "used") == [] and read_all(tmp_path / "outside") == victims
+
+
+def test_labels_out_of_range_mid_stream_end_fit_with_the_backups_kept(tmp_path):
+    """A ValueError from batch 5's labels ends the fit; the backups before it stay, whole, for the next run."""
+    x, y = classification_data(n=96)
+
+    def stream():
+        for i in range(6):
+            yb = y[i * 16 : (i + 1) * 16].copy()
+            if i == 5:
+                yb[2] = -1
+            yield x[i * 16 : (i + 1) * 16], yb
+
+    model = mf.Model(MLP(), seed=3)
+    model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    backup = mf.callbacks.BackupAndRestore(tmp_path / "b", save_freq=2)
+    with pytest.raises(ValueError, match="Received: -1 at batch 5 of the epoch"):
+        model.fit(stream(), verbose=0, callbacks=[backup])
+    assert model.session.step == 5
+    assert sorted(int(p) for p in os.listdir(tmp_path / "b") if p.isdigit()) == [2, 4]
+    resumed = mf.Model(MLP(), seed=3)
+    resumed.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    resumed.fit(x[:80], y[:80], batch_size=16, verbose=0, callbacks=[mf.callbacks.BackupAndRestore(tmp_path / "b")])
+    assert resumed.session.step == 5  # resumed at step 4: one batch of the epoch left

@@ -40,6 +40,7 @@ def main():
         help="in the first attempt of a launched job, rank 1 SIGKILLs itself at this step",
     )
     parser.add_argument("--hidden", type=int, default=32, help="width of the hidden layer (another model)")
+    parser.add_argument("--bad-label", type=int, default=None, help="give this sample the label 7 (of 3 classes)")
     parser.add_argument(
         "--sigterm-in-setup",
         action="store_true",
@@ -64,6 +65,8 @@ def main():
     from helpers import MLP, classification_data
 
     x, y = classification_data(n=200)
+    if args.bad_label is not None:
+        y[args.bad_label] = 7
     with strategy.scope():
         model = mf.Model(MLP(din=4, hidden=args.hidden, dout=3, dropout=0.2), seed=7)
         model.compile(
