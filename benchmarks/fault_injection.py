@@ -5,7 +5,9 @@ wrote are altered, a different model loads the backups, a second job writes into
 the same directory, a backup directory is made read-only, a parameter server is
 stopped with SIGSTOP, symlinks to files outside are planted at the names meshfit
 writes in a model, checkpoint or backup directory (with the pid of the process
-about to write there), a saved model's compile settings are garbled, a rerun's labels are out of range. Most trials
+ about to write there), a saved model's compile settings are garbled, a rerun's labels are out of
+ range, another user (uid 65534, as root) owns or opens the backup directory, plants compiled
+ programs or a FIFO in its compilation cache, or replaces Goodput's record. Most trials
 run the resumable worker of the test suite (`tests/workers/train_resumable.py`: an MLP with dropout, EarlyStopping,
 ReduceLROnPlateau and BackupAndRestore) and compares the final weights and History
 bitwise with an uninterrupted run.
@@ -28,6 +30,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -428,6 +431,89 @@ GARBLES = {
 }
 
 
+# -- untrusted directories: another local user ("nobody") got there first or planted files inside ------------
+
+NOBODY = 65534
+CACHE = ".compilation_cache"
+
+
+def untrusted_backup_dir(base, reference, how):
+    """A backup directory another user made first (mode 0777), or one of the job's own that others can write to:
+    refused before any step, nothing written there; once it is the user's alone, the job runs exactly."""
+    out, backup = base / "out", base / "backup"
+    backup.mkdir()
+    os.chmod(backup, 0o777)
+    if how == "another user's (mode 0777)":
+        os.chown(backup, NOBODY, NOBODY)
+    status, output = worker(out, backup)
+    refused = status != 0 and "UntrustedDirectory" in output and not re.search(r"^step \d+$", output, re.M)
+    print(f"    {how}: {'refused before any step' if refused else said(status, output)}", flush=True)
+    written = os.listdir(backup) != []
+    shutil.rmtree(backup)
+    status, _ = worker(out, backup)
+    return status == 0 and same(out, reference), not refused, written
+
+
+def cache_entries(backup) -> dict[str, str]:
+    """The backup's cached programs by function name (`jit_<name>`): file name."""
+    cache = backup / CACHE
+    return {name.rsplit("-", 2)[0]: name for name in os.listdir(cache) if name.endswith("-cache")}
+
+
+def planted_cache_entry(base, reference, how):
+    """After a SIGKILL, another user's files at the names of the programs the resumed job looks up: programs
+    compiled for another job (steps_per_execution=2), or a FIFO at the train step's name. They are moved aside
+    unread: the resume is exact and ends within its bound."""
+    out, backup = base / "out", base / "backup"
+    worker(out, backup, "--slow", "0.02", stop_at=20)
+    victims = cache_entries(backup)
+    if how == "another job's programs":
+        other = base / "other-backup"
+        worker(base / "other", other, "--spe", "2", "--slow", "0.02", stop_at=20)
+        for function, name in cache_entries(other).items():
+            if function in victims:
+                shutil.copyfile(other / CACHE / name, backup / CACHE / victims[function])
+                os.chown(backup / CACHE / victims[function], NOBODY, NOBODY)
+    else:
+        (step,) = [name for function, name in victims.items() if "train_step" in function]
+        os.remove(backup / CACHE / step)
+        os.mkfifo(backup / CACHE / step)
+    status, output = worker(out, backup)
+    moved = "JAX must not" in output
+    print(f"    {how}: {'moved aside, ' if moved else ''}{said(status, output)}", flush=True)
+    return status == 0 and same(out, reference), not moved
+
+
+def plant_record(path, how) -> None:
+    if how == "symlink":
+        os.symlink(path.parent.parent / "outside.txt", path)
+    elif how == "FIFO":
+        os.mkfifo(path)
+    elif how == "garbage":
+        path.write_bytes(b"\xff{not json")
+    else:  # another user's, with a forged ledger
+        path.write_text(json.dumps({"steps": 1e9, "step": 20, "job": "forged"}))
+        os.chown(path, NOBODY, NOBODY)
+
+
+def planted_goodput_record(base, reference, how):
+    """After a SIGKILL of a job with Goodput, its record inside the backup directory replaced: the resume
+    completes exactly (the record is ignored with a warning), and nothing outside is written."""
+    out, backup, ledger = base / "out", base / "backup", base / "ledger.json"
+    (base / "outside.txt").write_text("precious")
+    worker(out, backup, "--goodput", str(ledger), "--slow", "0.02", stop_at=20)
+    record = backup / ".goodput.json"
+    if os.path.lexists(record):
+        os.remove(record)
+    plant_record(record, how)
+    status, output = worker(out, backup, "--goodput", str(ledger))
+    print(f"    {how}: {said(status, output)}", flush=True)
+    outside = (base / "outside.txt").read_text() != "precious"
+    (mine, _), (theirs, _) = result(out), result(reference)  # History holds Goodput's times: the weights alone
+    exact = len(mine) == len(theirs) and all(np.array_equal(x, y) for x, y in zip(mine, theirs, strict=True))
+    return status == 0 and exact, status != 0, outside
+
+
 # -- hostile peers: strangers at every port a job listens on (tests/hostile.py) ----------------------------
 
 DATA_PARALLEL_WORKER = os.path.join(TESTS, "workers", "train_data_parallel.py")
@@ -584,6 +670,13 @@ def main() -> None:
     for name, garble in GARBLES.items():
         trial(tally, "hostile directory: garbled saved config", lambda n=name, g=garble: garbled_config(fresh(), n, g))
 
+    if os.geteuid() == 0:  # another user's files need chown
+        for how in ("another user's (mode 0777)", "yours, mode 0777"):
+            trial(tally, "untrusted backup directory", lambda h=how: untrusted_backup_dir(fresh(), base / "ref", h))
+        for how in ("another job's programs", "FIFO at the train step's name"):
+            trial(tally, "planted cache entry", lambda h=how: planted_cache_entry(fresh(), base / "ref", h))
+        for how in ("symlink", "FIFO", "garbage", "another user's"):
+            trial(tally, "planted Goodput record", lambda h=how: planted_goodput_record(fresh(), base / "ref", h))
     hostile_peers(tally, fresh)
     shutil.rmtree(root, ignore_errors=True)
     print()

@@ -19,6 +19,9 @@ meshfit promises about saved files:
     or mesh than the one that saved them;
   * a save that fails (read-only or full disk) raises `CheckpointWriteError`
     and leaves no Orbax thread behind that would keep the process alive;
+  * a directory it writes into is made with mode 0700, and one already there
+    is used only if it is the user's and no one else can write to it
+    (`meshfit.trusted_dirs`): its contents decide what a resumed job runs;
   * meshfit's own files (lock, marker, its temporaries, probes) are never
     written through a symlink, and a directory where one of their names is a
     symlink is refused before anything is written (`meshfit.safe_files`).
@@ -41,7 +44,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from meshfit import integrity, safe_files
+from meshfit import integrity, safe_files, trusted_dirs
 from meshfit.compat import release_orbax_waiters
 from meshfit.dirlock import LOCK_NAME, DirectoryLock, DirectoryLocked
 from meshfit.trees import is_key, path_name
@@ -348,7 +351,8 @@ class CheckpointDir:
     """Numbered checkpoints of a state pytree and a JSON dict in one directory.
 
     Args:
-        directory: where checkpoints go (created if missing).
+        directory: where checkpoints go (created with mode 0700 if missing; an existing one must be the
+            user's and writable by no one else, `meshfit.trusted_dirs`, when writing).
         kind: what this directory is for ("backup", "checkpoint", "model",
             "weights"); a directory is only ever reused for the same kind.
         max_to_keep: how many complete checkpoints to keep (None: all).
@@ -392,11 +396,14 @@ class CheckpointDir:
                 read_only=True, enable_async_checkpointing=False, save_interval_steps=0, create=False
             )
         else:
+            trusted_dirs.check(self.directory, f"{kind} directory")  # before anything there is read
             check_directory(self.directory, kind)
             if jax.process_index() == 0:
                 try:
-                    os.makedirs(self.directory, exist_ok=True)
+                    trusted_dirs.ensure(self.directory, f"{kind} directory")  # made 0700
                     self._lock.acquire()
+                except trusted_dirs.UntrustedDirectory:
+                    raise
                 except OSError as error:
                     raise CheckpointWriteError(
                         f"Cannot write {kind} checkpoints into {self.directory!r}: {error}. Check that it is "

@@ -248,7 +248,7 @@ def test_a_marker_temporary_planted_after_the_directory_was_checked_is_never_wri
 
 @pytest.mark.slow
 @pytest.mark.parametrize("umask", [0o002, 0o022], ids=["umask 002", "umask 022"])
-def test_created_directories_follow_the_umask_and_none_is_world_writable(tmp_path, umask):
+def test_created_directories_are_0700_their_parents_0755_less_the_umask_and_none_is_world_writable(tmp_path, umask):
     model = mf.Model(MLP())
     model.compile(optimizer="adam", loss="mse")
     previous = os.umask(umask)
@@ -256,7 +256,8 @@ def test_created_directories_follow_the_umask_and_none_is_world_writable(tmp_pat
         model.save(tmp_path / "new" / "model")
     finally:
         os.umask(previous)
-    assert stat.S_IMODE(os.stat(tmp_path / "new" / "model").st_mode) == 0o777 & ~umask
+    assert stat.S_IMODE(os.stat(tmp_path / "new" / "model").st_mode) == 0o700  # its contents are trusted
+    assert stat.S_IMODE(os.stat(tmp_path / "new").st_mode) == 0o755 & ~umask  # a missing parent
     modes = {
         os.path.join(root, name): os.stat(os.path.join(root, name)).st_mode
         for root, dirs, files in os.walk(tmp_path / "new")

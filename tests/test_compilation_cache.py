@@ -1,18 +1,26 @@
 """The persistent compilation cache: where it goes, whose choice wins, and a restarted process that loads it."""
 
+import glob
 import os
+import shutil
+import signal
+import socket
+import stat
 import sys
 import textwrap
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from helpers import MLP, classification_data
 from processes import run, without_suite_cache
 
 import meshfit as mf
 from meshfit import compilation_cache
+from meshfit.trusted_dirs import UntrustedDirectory
 
 
 @pytest.fixture(autouse=True)
@@ -141,3 +149,169 @@ def test_a_restarted_process_loads_the_train_step_from_the_cache(tmp_path):
     train_step = [name for name in first["compiled"] if "train_step" in name]
     assert train_step and not first["loaded"], first
     assert set(train_step) <= set(resumed["loaded"]) and not set(train_step) & set(resumed["compiled"]), resumed
+
+
+# -- what meshfit trusts: a cache of the user's alone, and only regular files of theirs in it -----------------
+
+
+def test_use_makes_the_cache_0700_and_refuses_one_others_can_write_to(tmp_path):
+    cache = compilation_cache.use(tmp_path / "new")
+    assert os.stat(cache).st_mode & 0o777 == 0o700
+    compilation_cache.release(cache)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(UntrustedDirectory, match=r"others can write to it \(mode 0777\)"):
+        compilation_cache.use(shared)
+    assert compilation_cache.directory() is None
+    with pytest.warns(UserWarning, match="No persistent compilation cache .* others can write"):
+        assert compilation_cache.default_to(shared) is None
+    assert os.listdir(shared) == []
+
+
+@pytest.fixture
+def alarm():
+    """Fails a test that blocks (an entry opened that a FIFO makes wait for ever) instead of hanging the suite."""
+
+    def blocked(signum, frame):
+        raise TimeoutError("blocked for 30 s: an entry of the cache was opened")
+
+    previous = signal.signal(signal.SIGALRM, blocked)
+    signal.alarm(30)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a foreign file needs chown (root)")
+def test_entries_jax_must_not_read_are_moved_aside_unopened_and_the_user_s_files_stay(tmp_path, alarm):
+    cache, outside = tmp_path / "cache", tmp_path / "outside"
+    cache.mkdir(mode=0o700)
+    outside.write_bytes(b"precious")
+    (cache / "mine-cache").write_bytes(b"compiled by me")
+    os.mkfifo(cache / "fifo-cache")
+    (cache / "link-cache").symlink_to(outside)
+    (cache / "dir-cache").mkdir()
+    (cache / "foreign-cache").write_bytes(b"another program")
+    os.chown(cache / "foreign-cache", 65534, 65534)
+    os.link(outside, cache / "hardlink-cache")
+    listening = socket.socket(socket.AF_UNIX)
+    listening.bind(str(cache / "socket-cache"))
+    planted = {"fifo-cache", "link-cache", "dir-cache", "foreign-cache", "hardlink-cache", "socket-cache"}
+    with pytest.warns(UserWarning, match="moved 6 entries JAX must not load"):
+        compilation_cache.use(cache)
+    listening.close()
+    (folder,) = [name for name in os.listdir(cache) if name.startswith(compilation_cache.QUARANTINE_PREFIX)]
+    assert set(os.listdir(cache)) == {"mine-cache", folder}
+    assert set(os.listdir(cache / folder)) == planted and os.stat(cache / folder).st_mode & 0o777 == 0o700
+    assert stat.S_ISFIFO(os.lstat(cache / folder / "fifo-cache").st_mode)  # moved, not opened nor replaced
+    assert outside.read_bytes() == b"precious" and (cache / "mine-cache").read_bytes() == b"compiled by me"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compilation_cache.use(cache)  # nothing more to move; the quarantine folder stays as it is
+    assert set(os.listdir(cache / folder)) == planted
+    compilation_cache.release(str(cache))
+    assert compilation_cache.remove(cache) == [folder]  # deleting the cache keeps what was moved aside
+    assert os.listdir(cache) == [folder]
+
+
+def test_a_cache_the_user_configured_is_kept_with_one_warning_if_others_can_write_to_it(tmp_path):
+    theirs = tmp_path / "team-cache"
+    theirs.mkdir()
+    os.chmod(theirs, 0o775)
+    jax.config.update("jax_compilation_cache_dir", str(theirs))
+    try:
+        with pytest.warns(UserWarning, match=r"you configured, .* is not yours alone \(others can write"):
+            assert compilation_cache.default_to(tmp_path / "backup-cache") == str(theirs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert compilation_cache.default_to(tmp_path / "backup-cache") == str(theirs)  # once
+    finally:
+        compilation_cache.jax_cache.reset_cache()
+        jax.config.update("jax_compilation_cache_dir", None)
+    assert not (tmp_path / "backup-cache").exists()
+
+
+def _fit(backup, learning_rate, epochs):
+    """A fit with BackupAndRestore keeping its backups and cache; the last epoch's loss. JAX's in-memory caches
+    are emptied after it, so the next fit's programs come from the persistent cache or a new compile."""
+    x, y = classification_data(n=64)
+    model = mf.Model(MLP(), seed=7)
+    model.compile(optimizer=optax.sgd(learning_rate), loss="sparse_categorical_crossentropy")
+    backup = mf.callbacks.BackupAndRestore(backup, delete_checkpoint=False)
+    try:
+        return model.fit(x, y, batch_size=16, epochs=epochs, verbose=0, callbacks=[backup]).history["loss"][-1]
+    finally:
+        jax.clear_caches()
+
+
+def _plant_programs(victim, source, owner=None):
+    """Copies each program compiled into `source`'s cache over the entry of the same function in `victim`'s:
+    the resumed job would load `source`'s program for its own."""
+    caches = [os.path.join(d, compilation_cache.BACKUP_CACHE_NAME) for d in (victim, source)]
+    named = [{n.rsplit("-", 2)[0]: n for n in compiled_files(c)} for c in caches]
+    for function, entry in named[0].items():
+        if function in named[1]:
+            shutil.copyfile(os.path.join(caches[1], named[1][function]), os.path.join(caches[0], entry))
+            if owner is not None:
+                os.chown(os.path.join(caches[0], entry), owner, owner)
+
+
+@pytest.mark.slow  # seven small fits
+@pytest.mark.skipif(os.geteuid() != 0, reason="another user's files need chown (root)")
+def test_a_program_planted_in_the_cache_by_another_user_never_runs(tmp_path):
+    """The train step of a fit with another learning rate, planted under the names of a backup's cached
+    programs: with the files the user's own the job runs it (the attack is real); planted by another user in a
+    directory of the user's, they are moved aside and the loss is the undisturbed one; in a directory others
+    own and can write to, the job is refused before any step and nothing there changes."""
+    for name in ("undisturbed", "mine", "theirs", "open", "source"):
+        _fit(tmp_path / name, 0.5 if name == "source" else 0.1, 1)
+    undisturbed = _fit(tmp_path / "undisturbed", 0.1, 2)
+
+    _plant_programs(tmp_path / "mine", tmp_path / "source")  # written as the user: trusted, as any file of theirs
+    assert _fit(tmp_path / "mine", 0.1, 2) != undisturbed
+
+    _plant_programs(tmp_path / "theirs", tmp_path / "source", owner=65534)
+    with pytest.warns(UserWarning, match="JAX must not load"):
+        assert _fit(tmp_path / "theirs", 0.1, 2) == undisturbed
+
+    opened = tmp_path / "open"
+    _plant_programs(opened, tmp_path / "source", owner=65534)
+    for path in (opened, opened / compilation_cache.BACKUP_CACHE_NAME):
+        os.chown(path, 65534, 65534)
+        os.chmod(path, 0o777)
+    before = {p: os.lstat(p) for p in glob.glob(f"{opened}/**", recursive=True)}
+    with pytest.raises(UntrustedDirectory, match=r"uid 65534 \(nobody\), not to you"):
+        _fit(opened, 0.1, 2)
+    assert {p: os.lstat(p) for p in glob.glob(f"{opened}/**", recursive=True)} == before
+
+
+FIFO_FIT = textwrap.dedent(
+    """
+    import sys
+    from helpers import MLP, classification_data
+    import meshfit as mf
+    x, y = classification_data(n=64)
+    model = mf.Model(MLP())
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")  # as fit_with_backup
+    backup = mf.callbacks.BackupAndRestore(sys.argv[1], delete_checkpoint=False)
+    print("loss", model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[backup]).history["loss"][-1])
+    """
+)
+
+
+@pytest.mark.slow  # a fit, then one in a new process
+def test_a_fifo_at_a_cached_program_s_name_does_not_hang_the_fit(tmp_path):
+    """JAX would block reading a FIFO at the name of the program it looks up; the new process moves it aside."""
+    backup = tmp_path / "backup"
+    fit_with_backup(backup, delete_checkpoint=False)
+    cache = backup / compilation_cache.BACKUP_CACHE_NAME
+    (step,) = [name for name in compiled_files(cache) if "train_step" in name]
+    os.remove(cache / step)
+    os.mkfifo(cache / step)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = without_suite_cache({**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])})
+    done = run([sys.executable, "-c", FIFO_FIT, str(backup)], timeout=120, env=env)
+    assert done.returncode == 0 and "loss" in done.stdout, done.stderr[-2000:]
+    (folder,) = [name for name in os.listdir(cache) if name.startswith(compilation_cache.QUARANTINE_PREFIX)]
+    assert stat.S_ISFIFO(os.lstat(cache / folder / step).st_mode)

@@ -372,3 +372,25 @@ def test_planted_symlinks_at_meshfit_names_are_refused_by_name_and_nothing_outsi
     model.save(directory)
     assert linked_meshfit_names(directory) == [] and read_all(tmp_path / "outside") == victims
     assert same_weights(model, mf.load_model(directory, MLP(seed=3)))
+
+
+def test_a_saved_model_s_directory_is_made_0700_and_one_others_can_write_to_is_refused(tmp_path):
+    x, y = classification_data(n=32)
+    model = mf.Model(MLP())
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    model.save(tmp_path / "model")
+    model.save_weights(tmp_path / "weights")
+    assert {os.stat(tmp_path / d).st_mode & 0o777 for d in ("model", "weights")} == {0o700}
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    for save in (model.save, model.save_weights):
+        with pytest.raises(PermissionError, match=r"others can write to it \(mode 0777\)"):
+            save(shared)
+    assert os.listdir(shared) == []
+    if os.geteuid() == 0:
+        os.chmod(shared, 0o755)
+        os.chown(shared, 65534, 65534)
+        with pytest.raises(PermissionError, match=r"uid 65534 \(nobody\), not to you"):
+            model.save(shared)
+        assert os.listdir(shared) == []

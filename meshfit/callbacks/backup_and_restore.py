@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import shutil
 
 from meshfit import compilation_cache
 from meshfit.callbacks.base import Callback, state_keys
@@ -76,8 +75,11 @@ class BackupAndRestore(Callback):
     deleted (`delete_checkpoint=True`), as in Keras.
 
     Args:
-        backup_dir: directory for the backups; a directory holding anything
-            else is refused.
+        backup_dir: directory for the backups, created with mode 0700; a
+            directory holding anything else, or one that is not yours alone
+            (another user's, or writable by group or others: whoever can write
+            there decides what the job resumes and runs) is refused before any
+            step (`meshfit.trusted_dirs`).
         save_freq: "epoch", or a number of batches between backups.
         delete_checkpoint: delete the backups when training finishes.
         max_to_keep: complete backups kept on disk.
@@ -275,12 +277,12 @@ class BackupAndRestore(Callback):
                 )
             return
         if self._own_cache is not None and self.model.strategy.is_chief:
-            shutil.rmtree(self._own_cache, ignore_errors=True)
+            compilation_cache.remove(self._own_cache)  # but what was moved aside in it
         kept = directory.remove_complete()
         if kept and self.model.strategy.is_chief:
             print(
                 f"BackupAndRestore: deleted the backups but kept {kept} in {directory.directory} "
-                "(moved aside as unreadable; meshfit never deletes them).",
+                "(moved aside: unreadable backups, or cache entries JAX must not load; meshfit never deletes them).",
                 flush=True,
             )
 

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
 import os
 import socket
+import stat
 import time
 import uuid
+import warnings
 
 import jax
 
-from meshfit import safe_files
+from meshfit import safe_files, trusted_dirs
 from meshfit.callbacks.backup_and_restore import BackupAndRestore
 from meshfit.callbacks.base import Callback
 from meshfit.callbacks.progbar_logger import print_msg
@@ -26,6 +30,8 @@ BUCKETS = ("startup", *PHASES, "idle", "lost", "down")
 
 #: A record is a few hundred bytes; more is not one.
 _RECORD_BYTES = 1 << 16
+#: The name of process 0's record inside the backup directory (process i: `.goodput.<i>.json`).
+RECORD_NAME = ".goodput.json"
 _IMPORTED_AT = time.time()
 _start_times: dict[int, float] = {}  # by pid: read once per process
 
@@ -129,8 +135,29 @@ class Ledger:
 
     @classmethod
     def from_dict(cls, values: dict) -> Ledger:
-        fields = {field.name for field in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in fields})
+        """The ledger `to_dict` wrote; every field is checked (`ValueError` naming the first wrong one) and
+        unknown keys are ignored, as a ledger is read back from files."""
+        if not isinstance(values, dict):
+            raise ValueError(f"Expected a ledger as a JSON object. Received: {type(values).__name__}.")
+        found = {}
+        for field in dataclasses.fields(cls):
+            if field.name not in values:
+                continue
+            value = values[field.name]
+            if field.type == "str":
+                ok = isinstance(value, str) and len(value) <= 1024
+            elif field.type == "int":
+                ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
+            else:  # seconds, or a time.time(): finite and >= 0
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                ok = ok and value >= 0
+                value = float(value) if ok else value
+            if not ok:
+                raise ValueError(
+                    f"Expected the ledger's {field.name!r} to be {_EXPECTED[field.type]}. Received: {value!r:.80}."
+                )
+            found[field.name] = value
+        return cls(**found)
 
     def __str__(self) -> str:
         wall = self.wall
@@ -145,6 +172,9 @@ class Ledger:
             lines.append(f"{name:<12}{value:>10.2f}{value / wall if wall else 0:>9.1%}{note}")
         lines.append(f"{'total':<12}{wall:>10.2f}{1 if wall else 0:>9.1%}")
         return "\n".join(lines)
+
+
+_EXPECTED = {"str": "a string", "int": "an integer >= 0", "float": "a finite number >= 0"}
 
 
 def _with_record(saved: Ledger, last: Ledger | None) -> Ledger:
@@ -183,10 +213,15 @@ class Goodput(Callback):
     The ledger travels in the backup (`BackupAndRestore`), so a resumed run's
     ledger covers every process of the job. To know how far a killed process
     got past its last backup, Goodput keeps a record of its running ledger
-    next to the backup directory (`<backup_dir>.goodput.json`), rewritten
-    atomically at most every `record_every` seconds and at each epoch's end;
-    steps after the last record count as down time. Without a
-    `BackupAndRestore` nothing is written and no batch hook runs.
+    inside the backup directory (`<backup_dir>/.goodput.json`, made 0700 and
+    the user's alone: `meshfit.trusted_dirs`), rewritten atomically at most
+    every `record_every` seconds and at each epoch's end; steps after the last
+    record count as down time. Without a `BackupAndRestore` nothing is
+    written and no batch hook runs. The record is read back as data: a record
+    that is not a regular file of the user's (a symlink, a FIFO, a directory,
+    another user's file) or whose fields are not numbers and strings in range
+    is ignored with a warning naming it, and one that cannot be written stops
+    the recording with a warning; neither stops the fit.
 
     At the end of each epoch and of `fit` it adds `goodput` (steps time /
     wall-clock time), `time_lost` and `time_down` (seconds) to the logs,
@@ -197,7 +232,8 @@ class Goodput(Callback):
 
     Args:
         record_every: seconds between records of the running ledger (0: after every batch).
-        record_path: where the record goes; default: next to the fit's `BackupAndRestore` directory.
+        record_path: where the record goes; default: inside the fit's `BackupAndRestore` directory. Its
+            directory is made 0700 or must be yours alone, as a backup directory (refused before any step).
         verbose: 1 prints the table at the end of `fit` (on process 0); 0 prints nothing.
     """
 
@@ -252,6 +288,7 @@ class Goodput(Callback):
             self._base = dataclasses.replace(self._final.plus(idle=began - self._final.ended_at), ended_at=began)
         self._running = True
         self._path = self._record_path()
+        self._warned = False
         vars(self).pop("on_train_batch_end", None)
         if self._path is not None:  # batch hooks only where a record is kept (they make the loop go step by step)
             self.on_train_batch_end = self._record_when_due
@@ -265,7 +302,12 @@ class Goodput(Callback):
         work (as far as its last record tells), and the time until this process started is down time."""
         if not state:
             return
-        merged = _with_record(Ledger.from_dict(state), self._read_record())
+        try:
+            saved = Ledger.from_dict(state)
+        except ValueError as error:  # not a ledger meshfit wrote: this fit's ledger starts afresh
+            self._warn(f"ignored the ledger in the backup being restored: {error}")
+            return
+        merged = _with_record(saved, self._read_record())
         began = self.context.timer.started_at
         if merged.process == _this_process():  # a fit of this process failed and this one resumes it
             self._base = dataclasses.replace(merged.plus(idle=began - merged.ended_at), ended_at=began)
@@ -298,8 +340,9 @@ class Goodput(Callback):
             logs.update(ledger.logs())
         if self.verbose:
             print_msg(str(ledger))
-        if self._path is not None and os.path.lexists(self._path):
-            os.remove(self._path)  # the fit finished: nothing is lost (a link: the link alone goes)
+        if self._path is not None and not os.path.isdir(self._path):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self._path)  # the fit finished: nothing is lost (a link: the link alone goes)
         self._path = None
 
     def close(self) -> None:
@@ -314,33 +357,66 @@ class Goodput(Callback):
     # -- the record of the running ledger --------------------------------------------------------
 
     def _record_path(self) -> str | None:
+        index = jax.process_index()
         if self.record_path is not None:
+            trusted_dirs.ensure(os.path.dirname(os.path.abspath(self.record_path)), "Goodput record directory")
             return self.record_path
         backups = [cb for cb in self.context.callbacks if isinstance(cb, BackupAndRestore)]
         if not backups:
             return None
-        index = jax.process_index()
-        suffix = ".goodput.json" if index == 0 else f".goodput.{index}.json"
-        return os.path.normpath(backups[0].backup_dir) + suffix
+        name = RECORD_NAME if index == 0 else f".goodput.{index}.json"
+        return os.path.join(os.path.abspath(backups[0].backup_dir), name)
+
+    def _warn(self, what: str) -> None:
+        """One warning a fit about its record; the fit goes on."""
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"Goodput: {what}", stacklevel=3)
 
     def _write_record(self) -> None:
         """Writes the running ledger atomically (a new file renamed over the old one, never through a planted
         link: `meshfit.safe_files`; no fsync: a killed process's writes stay with the OS, and a machine that
-        lost power loses the whole job's time anyway)."""
+        lost power loses the whole job's time anyway). A record that cannot be written (something else in its
+        place, a full disk) stops the recording with a warning; a backup directory already deleted at the
+        fit's end (by process 0, while another process records) ends it silently."""
         if self._path is None:
             return
         partial = f"{self._path}.{os.getpid()}.partial"
-        safe_files.write_new(partial, json.dumps(self.ledger.to_dict()).encode())
         try:
-            safe_files.replace(partial, self._path)
-        except OSError:
-            os.unlink(partial)
-            raise
+            safe_files.write_new(partial, json.dumps(self.ledger.to_dict()).encode())
+            try:
+                safe_files.replace(partial, self._path)
+            except OSError:
+                os.unlink(partial)
+                raise
+        except OSError as error:
+            if os.path.isdir(os.path.dirname(self._path)):
+                self._warn(f"not recording the ledger in {self._path!r} any more: {error}".splitlines()[0])
+            self._path = None
+            vars(self).pop("on_train_batch_end", None)
 
     def _read_record(self) -> Ledger | None:
-        if self._path is None or not os.path.lexists(self._path):
+        """The record, read as data; None (with one warning naming it) when it is not a regular file of the
+        user's or its fields are not what a ledger holds: the time after the backup then counts as down time."""
+        if self._path is None:
+            return None
+        try:
+            info = os.lstat(self._path)
+        except FileNotFoundError:
+            return None
+        except OSError as error:
+            self._warn(f"ignored the record {self._path!r}: {error}")
+            return None
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_nlink != 1:
+            kind = "a regular file" if stat.S_ISREG(info.st_mode) else "not a regular file"
+            owner = trusted_dirs.user_name(info.st_uid)
+            self._warn(
+                f"ignored the record {self._path!r}: expected a regular file of yours, found {kind} of uid "
+                f"{owner} with {info.st_nlink} link(s) (mode {stat.filemode(info.st_mode)}); not read."
+            )
             return None
         try:
             return Ledger.from_dict(json.loads(safe_files.read_regular(self._path, _RECORD_BYTES)))
-        except (OSError, ValueError, TypeError):
-            return None  # a damaged or planted record: the time after the backup counts as down time
+        except (OSError, ValueError, TypeError, RecursionError) as error:
+            self._warn(f"ignored the record {self._path!r}, not a ledger: {str(error)[:200]}")
+            return None

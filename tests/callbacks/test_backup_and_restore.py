@@ -754,3 +754,44 @@ def test_labels_out_of_range_mid_stream_end_fit_with_the_backups_kept(tmp_path):
     resumed.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
     resumed.fit(x[:80], y[:80], batch_size=16, verbose=0, callbacks=[mf.callbacks.BackupAndRestore(tmp_path / "b")])
     assert resumed.session.step == 5  # resumed at step 4: one batch of the epoch left
+
+
+# -- a directory whose contents decide what the job resumes and runs: the user's alone ------------------------
+
+
+class CountSteps(mf.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.steps = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps += 1
+
+
+def test_the_backup_directory_is_made_0700(tmp_path):
+    x, y = classification_data(n=32)
+    model = mf.Model(MLP())
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    backup = mf.callbacks.BackupAndRestore(tmp_path / "backup", delete_checkpoint=False, compilation_cache=False)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[backup])
+    assert os.stat(tmp_path / "backup").st_mode & 0o777 == 0o700
+
+
+@pytest.mark.parametrize("owner, mode", [(65534, 0o755), (None, 0o777), (None, 0o770)])
+def test_a_backup_directory_another_user_owns_or_others_can_write_to_is_refused_before_any_step(tmp_path, owner, mode):
+    if owner is not None and os.geteuid() != 0:
+        pytest.skip("chown to another user needs root")
+    backup = tmp_path / "backup"
+    backup.mkdir()
+    os.chmod(backup, mode)
+    if owner is not None:
+        os.chown(backup, owner, owner)
+    x, y = classification_data(n=32)
+    model = mf.Model(MLP())
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    counted = CountSteps()
+    with pytest.raises(PermissionError, match=f"backup directory '{backup}'") as refusal:
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[mf.callbacks.BackupAndRestore(backup), counted])
+    why = "uid 65534 (nobody), not to you" if owner else f"others can write to it (mode 0{mode:o})"
+    assert why in str(refusal.value) and len(str(refusal.value).splitlines()) <= 3
+    assert counted.steps == 0 and os.listdir(backup) == []  # refused before any step, nothing written

@@ -4,9 +4,11 @@ SIGKILLed and resumed process."""
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -14,8 +16,7 @@ from helpers import MLP, classification_data
 from processes import Job, run
 
 import meshfit as mf
-from meshfit.callbacks.goodput import BUCKETS, Ledger, process_start_time
-from meshfit.safe_files import PlantedFile
+from meshfit.callbacks.goodput import BUCKETS, RECORD_NAME, Ledger, process_start_time
 
 WORKER = os.path.join(os.path.dirname(__file__), "..", "workers", "train_resumable.py")
 
@@ -152,7 +153,8 @@ def test_a_fit_resumed_in_the_same_process_counts_lost_steps_and_no_down_time(tm
     with pytest.raises(RuntimeError, match="failing on purpose"):
         model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=failing)
     crashed = failing[-1].ledger
-    assert crashed.step == 8 and os.path.exists(f"{tmp_path / 'backup'}.goodput.json")
+    assert crashed.step == 8 and os.path.exists(tmp_path / "backup" / RECORD_NAME)  # inside the backup directory
+    assert os.listdir(tmp_path) == ["backup"]  # nothing beside it
     resumed = callbacks()
     model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=resumed)
     ledger = resumed[-1].ledger
@@ -190,16 +192,18 @@ def test_a_sigkilled_and_resumed_run_reports_its_lost_work_and_the_time_between(
 
 
 @pytest.mark.slow
-def test_a_link_planted_at_the_record_is_refused_and_its_target_untouched(tmp_path):
+def test_a_link_planted_at_the_record_is_not_followed_and_the_fit_completes(tmp_path):
     outside = tmp_path / "outside.txt"
     outside.write_text("not meshfit's")
-    os.symlink(outside, f"{tmp_path / 'backup'}.goodput.json")
+    (tmp_path / "backup").mkdir()
+    os.symlink(outside, tmp_path / "backup" / RECORD_NAME)
     x, y = classification_data(n=128, din=16, classes=4)
     callbacks = [mf.callbacks.BackupAndRestore(tmp_path / "backup"), mf.callbacks.Goodput(record_every=0)]
-    with pytest.raises(PlantedFile):
+    with pytest.warns(UserWarning, match=f"Goodput: not recording the ledger in .*{RECORD_NAME}"):
         new_model().fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=callbacks)
     assert outside.read_text() == "not meshfit's"
-    assert not [name for name in os.listdir(tmp_path) if name.endswith(".partial")]
+    assert callbacks[1].ledger.step == 4
+    assert not [name for name in os.listdir(tmp_path / "backup") if name.endswith(".partial")]
 
 
 def test_a_ledger_adds_prints_and_reads_back():
@@ -253,3 +257,59 @@ def test_a_preempted_run_loses_no_work_and_counts_the_restart_as_down_time(tmp_p
     assert ledger.processes == 2 and ledger.step == 40
     assert ledger.down >= 0.5  # from the backup at the stop to the new process's start
     assert ledger.wall == pytest.approx(saved["finished_at"] - began, rel=0.02)
+
+
+def _plant_fifo(path):
+    os.mkfifo(path)
+
+
+def _plant_foreign(path):
+    path.write_text(json.dumps(Ledger(steps=1e6, step=8, job="forged").to_dict()))
+    os.chown(path, 65534, 65534)
+
+
+#: What another user (or a damaged disk) may leave at the record's name, and how to plant it.
+PLANTED_RECORDS = {
+    "symlink": lambda path: os.symlink(path.parent.parent / "outside.txt", path),
+    "fifo": _plant_fifo,
+    "directory": lambda path: path.mkdir(),
+    "garbage": lambda path: path.write_bytes(b"\xff{not json"),
+    "non-numeric field": lambda path: path.write_text(json.dumps({"steps": "lots", "step": 8})),
+    "negative time": lambda path: path.write_text(json.dumps({"down": -5.0, "step": 8})),
+    "infinite time": lambda path: path.write_text('{"lost": Infinity, "step": 8}'),
+    "foreign": _plant_foreign,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="a foreign file needs chown (root)")
+def test_a_planted_or_garbled_record_is_ignored_with_one_warning_and_the_resumed_fit_completes(tmp_path):
+    """A fit fails after its backup at step 6; whatever stands at the record's name, the resume completes,
+    warns once naming the record, counts the time after the backup as down time, and writes only inside the
+    backup directory."""
+    x, y = classification_data(n=320, din=16, classes=4)
+    crashed = tmp_path / "crashed"
+
+    def callbacks(backup, *more):
+        return [*more, mf.callbacks.BackupAndRestore(backup, save_freq=3, async_save=False), mf.callbacks.Goodput()]
+
+    with pytest.raises(RuntimeError, match="failing on purpose"):
+        new_model().fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=callbacks(crashed, FailAtStep(8)))
+    (tmp_path / "outside.txt").write_text("not meshfit's")
+    for name, plant in PLANTED_RECORDS.items():
+        base = tmp_path / name.replace(" ", "-")
+        shutil.copytree(crashed, base / "backup", symlinks=True)
+        os.chmod(base, 0o700)
+        os.remove(base / "backup" / RECORD_NAME)
+        plant(base / "backup" / RECORD_NAME)
+        resumed = callbacks(base / "backup")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            new_model().fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=resumed)
+        said = [str(w.message) for w in caught if "Goodput" in str(w.message)]
+        assert len(said) == 1 and f"ignored the record '{base / 'backup' / RECORD_NAME}'" in said[0], (name, said)
+        ledger = resumed[-1].ledger
+        assert ledger.step == 10 and ledger.lost_steps == 0 and ledger.job != "forged", name
+        assert all(np.isfinite(v) and v >= 0 for v in ledger.seconds().values()), name
+        assert set(os.listdir(base)) <= {"backup"}, name  # nothing written beside the backup directory
+    assert (tmp_path / "outside.txt").read_text() == "not meshfit's"

@@ -179,3 +179,17 @@ def test_planted_symlinks_are_refused_by_name_and_nothing_outside_changes(tmp_pa
     assert os.listdir(outside / "dir") == [] and steps_in(tmp_path / "ck") == [1]
     assert read_all(outside) == victims
     assert linked_meshfit_names(tmp_path / "ck") == []
+
+
+def test_the_checkpoint_directory_is_made_0700_and_one_others_can_write_to_is_refused(tmp_path):
+    x, y = classification_data(n=32)
+    model = mf.Model(MLP())
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[mf.callbacks.ModelCheckpoint(tmp_path / "ckpt")])
+    assert os.stat(tmp_path / "ckpt").st_mode & 0o777 == 0o700
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(PermissionError, match=r"others can write to it \(mode 0777\)"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[mf.callbacks.ModelCheckpoint(shared)])
+    assert os.listdir(shared) == []
