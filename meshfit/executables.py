@@ -232,6 +232,10 @@ class Executables:
             self._report = (shape, self._compile_report(state, host_batch))
         return self._report[1]
 
+    def train_step_jaxpr(self, state: TrainState, host_batch):
+        """The train step's `ClosedJaxpr` for one batch shaped like `host_batch`: traced, not compiled or run."""
+        return jax.make_jaxpr(self.steps.train_step)(_abstract(state), _abstract(host_batch))
+
     def _compile_report(self, state: TrainState, host_batch) -> StepReport:
         batch = self.strategy.distribute_batch(host_batch, False)
         train_step = self.strategy.compile(self.steps.train_step, donate_argnums=(0,))  # as fit compiles it
@@ -245,6 +249,11 @@ class Executables:
         leaf = jax.tree.leaves(state.params)[0]
         devices = sorted(leaf.sharding.device_set, key=lambda d: d.id)
         return step_report.analyse(lowered, compiled, rows, devices, jaxpr)
+
+
+def _abstract(tree: Any) -> Any:
+    """Shapes and dtypes of a tree's arrays: what tracing reads (no buffer is touched)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype) if hasattr(a, "dtype") else a, tree)
 
 
 def one_of(stacked: Any, i: int) -> Any:

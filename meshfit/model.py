@@ -135,7 +135,6 @@ class Model:
         self.stop_training = False
         self.history: callbacks_lib.History | None = None
         self._shuffle_orders = data_lib.ShuffleOrders()  # computed ahead by one fit for the next
-        self._example_batch: Batch | None = None
         self._outputs: list[Output] = []  # the module's outputs, known from the first batch
         self._built_with_targets = False  # the steps were built from a batch with targets
         # What the step methods below use, set when the steps are built: the adapter and dtype policy of
@@ -496,9 +495,8 @@ class Model:
             layout = MetricsLayout(compiled if keeps_compiled else None, trackers)
             parts = parts._replace(layout=layout)
             steps = ModelSteps(self, layout, adapter.uses_rng, compiled.scalar_losses)
-        self.session.build(steps, c.steps_per_execution)  # raises before it changes anything
+        self.session.build(steps, c.steps_per_execution, batch)  # raises before it changes anything
         self._step_parts = parts
-        self._example_batch = batch  # the shape `step_report` compiles for
         self._built_with_targets = y_true is not None
 
     def _check_custom_steps(self, custom: set[str], policy: precision.DTypePolicy) -> None:
@@ -1036,7 +1034,7 @@ class Model:
             data = self._make_data(x, y, None, len(jax.tree.leaves(x)[0]), what="step_report")
             self._build(self._first_batch(data))
             return self.session.step_report(self._first_batch(data))
-        batch = self._example_batch
+        batch = self.session.example_batch
         trains_on_it = bool({"train_step", "compute_loss"} & self._custom_methods()) or (
             batch is not None and batch.y is not None and self.compile_settings.loss is not None
         )
@@ -1062,7 +1060,7 @@ class Model:
             self._adapter.non_trainable_weights(state.model_state),
             state.opt_state,
         )
-        batch = self._example_batch
+        batch = self.session.example_batch
         if self.session.built and batch is not None and batch.y is not None and self.compile_settings.loss is not None:
             text += "\n" + format_step_report(self.session.step_report(batch))
         if print_fn is not None:
