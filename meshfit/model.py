@@ -19,7 +19,7 @@ import numpy as np
 import optax
 
 from meshfit import callbacks as callbacks_lib
-from meshfit import cluster, inputs, mixed_precision, precision, saving, utils
+from meshfit import cluster, inputs, keras_names, mixed_precision, precision, saving, utils
 from meshfit import data as data_lib
 from meshfit import losses as losses_lib
 from meshfit import metrics as metrics_lib
@@ -235,6 +235,7 @@ class Model:
         steps_per_execution: int = 1,
         dtype_policy: str | precision.DTypePolicy | None = None,
         gradient_accumulation_steps: int | None = None,
+        auto_scale_loss: bool = True,
     ) -> None:
         """Configures the model for training (Keras's `compile`).
 
@@ -277,9 +278,14 @@ class Model:
                 one of K x B). The accumulators live in the optimizer state,
                 so a backup taken mid-accumulation resumes exactly. An
                 `optax.MultiSteps` optimizer does the same.
+            auto_scale_loss: Keras's switch for loss scaling under
+                "mixed_float16": meshfit always scales there (True); False is
+                refused under that policy and changes nothing under the others.
         """
         self._check_strategy("compile")
         policy = mixed_precision.global_policy() if dtype_policy is None else precision.get(dtype_policy)
+        if not auto_scale_loss and policy.loss_scaling:
+            keras_names.refuse("Model.compile", "auto_scale_loss", auto_scale_loss)
         if policy.loss_scaling and not self.strategy.capabilities.loss_scaling:
             raise ValueError(
                 f"dtype_policy={policy.name!r} scales the loss inside the training step, which {self.strategy!r} "
@@ -1067,8 +1073,19 @@ class Model:
             print_fn(text)
         return text
 
-    def save(self, path: str | os.PathLike, overwrite: bool = True) -> None:
+    def save(
+        self,
+        path: str | os.PathLike | None = None,
+        overwrite: bool = True,
+        zipped: bool | None = None,
+        *,
+        filepath: str | os.PathLike | None = None,
+    ) -> None:
         """Saves weights, optimizer state, step and compile settings (Orbax); see `meshfit.load_model`.
+
+        `path` (Keras's `filepath=` too) is a directory: `"model.keras"` makes a
+        directory of that name. Keras's `zipped=False` is what meshfit writes;
+        `zipped=True` is refused (zip the directory yourself).
 
         The compile settings are written as JSON: names, meshfit's built-in
         losses and metrics with their arguments (`SparseCategoricalCrossentropy(
@@ -1085,6 +1102,11 @@ class Model:
         one is complete, so a crash mid-save leaves one of them whole. A directory
         meshfit did not write, or of saved weights or checkpoints, is refused.
         """
+        path = keras_names.alias("Model.save", "filepath", filepath, "path", path)
+        if path is None:
+            raise TypeError("Model.save() needs where to save: `path=` (or Keras's `filepath=`).")
+        if zipped:
+            keras_names.refuse("Model.save", "zipped", zipped)
         saving.save_model(self, path, overwrite=overwrite)
 
     def save_weights(self, path: str | os.PathLike, overwrite: bool = True) -> None:

@@ -730,3 +730,10 @@ def test_planted_symlinks_at_meshfit_names_are_refused_by_name_and_nothing_outsi
     (tmp_path / "used" / MARKER).write_bytes(marker)
     assert fit_keeping_backups(tmp_path / "used", 2).optimizer.iterations == 8
     assert linked_meshfit_names(tmp_path / "used") == [] and read_all(tmp_path / "outside") == victims
+
+
+def test_kerass_double_checkpoint_keeps_the_previous_backup(tmp_path):
+    """Keras's positional order (backup_dir, save_freq, double_checkpoint): True keeps at least two backups."""
+    keras_style = mf.callbacks.BackupAndRestore(tmp_path, "epoch", True, max_to_keep=1)
+    assert keras_style.double_checkpoint and keras_style.max_to_keep == 2
+    assert mf.callbacks.BackupAndRestore(tmp_path, max_to_keep=1).max_to_keep == 1
