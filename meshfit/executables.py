@@ -239,6 +239,10 @@ class Executables:
             self._report = (shape, self._compile_report(state, host_batch))
         return self._report[1]
 
+    def train_step_jaxpr(self, state: TrainState, host_batch):
+        """The train step's `ClosedJaxpr` for one batch shaped like `host_batch`: traced, not compiled or run."""
+        return jax.make_jaxpr(self.steps.train_step)(_abstract(state), _abstract(host_batch))
+
     def _compile_report(self, state: TrainState, host_batch) -> StepReport:
         batch = self.strategy.distribute_batch(host_batch, False)
         train_step = self.strategy.compile(self.steps.train_step, donate_argnums=(0,))  # as fit compiles it
@@ -268,6 +272,11 @@ class Eager:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.program, name)
+
+
+def _abstract(tree: Any) -> Any:
+    """Shapes and dtypes of a tree's arrays: what tracing reads (no buffer is touched)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype) if hasattr(a, "dtype") else a, tree)
 
 
 def one_of(stacked: Any, i: int) -> Any:

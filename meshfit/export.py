@@ -40,22 +40,31 @@ FORWARD = "forward.jax"
 WEIGHTS = "weights.npz"
 
 
-def export_model(model, path: str | os.PathLike, overwrite: bool = False) -> None:
-    """Writes `model`'s forward pass and weights to the directory `path` (see the module docstring)."""
+def export_forward(
+    path: str | os.PathLike,
+    *,
+    batch: Any,
+    state: Any,
+    strategy: Any,
+    adapter: Any,
+    policy: Any,
+    overwrite: bool = False,
+) -> None:
+    """Writes a model's forward pass and weights to the directory `path` (see the module docstring).
+
+    `batch` is a host batch of the shapes the model was built for (None: never called on data), `state`
+    its `TrainState`, `strategy` where that state lies, `adapter` and `policy` how its module is called.
+    """
     path = os.path.abspath(os.fspath(path))
     _check_target(path, overwrite)
-    batch = model._example_batch
     if batch is None:
         raise ValueError(
             "export() needs the model's input shapes: call predict, evaluate or fit on data first "
             "(e.g. model.predict(x[:1])). Received: a model never called on data."
         )
-    state = model.session.latest
     tree = (state.params, state.model_state)
     leaves, treedef = jax.tree.flatten(tree)
-    host = [np.asarray(a) for a in jax.tree.leaves(model.strategy.to_host(leaves))]
-    parts = model._step_parts
-    adapter, policy = parts.adapter, parts.policy
+    host = [np.asarray(a) for a in jax.tree.leaves(strategy.to_host(leaves))]
 
     def serve(weights: list, x: Any) -> Any:
         params, model_state = jax.tree.unflatten(treedef, weights)

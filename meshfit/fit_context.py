@@ -58,6 +58,11 @@ class FitContext:
         (`with context.timer.phase("checkpoint"): ...`); Goodput reads `totals()`."""
         return self._session.timer
 
+    def train_step_jaxpr(self):
+        """The train step's jaxpr (`jax.core.ClosedJaxpr`) for the batch shape the fit was built with:
+        traced on the host, nothing compiled or run; None before the model is built."""
+        return self._session.train_step_jaxpr()
+
     def position(self) -> Position:
         """Where the running fit stands, with the state settled to match it."""
         return self._session.position()

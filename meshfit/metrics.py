@@ -87,6 +87,14 @@ def _weigh(values: jax.Array, weights: jax.Array) -> jax.Array:
     return jnp.where(weights == 0, jnp.zeros((), values.dtype), values * weights)
 
 
+#: meshfit's metric contract, as errors about a Keras-style metric show it.
+_CONTRACT = (
+    "Implement `init()` -> a dict of accumulators (each Keras `add_weight` a key: {'tp': jnp.zeros(())}), "
+    "`update(state, y_true, y_pred, sample_weight=None)` -> the new dict, and `compute(state)` -> the value "
+    "(see 'Smaller differences' in docs/keras.md)."
+)
+
+
 class Metric:
     """Base class of pure, summable metrics.
 
@@ -105,7 +113,22 @@ class Metric:
         self._state = None
 
     def init(self) -> dict[str, jax.Array]:
-        raise NotImplementedError(f"{type(self).__name__} must implement `init()`.")
+        if type(self).update_state is not Metric.update_state or type(self).result is not Metric.result:
+            raise TypeError(
+                f"{type(self).__name__} implements Keras's stateful `update_state`/`result`; meshfit's metrics are "
+                f"pure. {_CONTRACT}"
+            )
+        raise NotImplementedError(f"{type(self).__name__} must implement `init()`. {_CONTRACT}")
+
+    def add_weight(self, *args: Any, **kwargs: Any) -> None:
+        """Keras's way to hold a metric's variables, which a compiled, sharded step cannot assign: a `TypeError`
+        showing meshfit's contract."""
+        raise TypeError(
+            f"{type(self).__name__}.add_weight(): meshfit's metrics hold no variables (Keras's stateful "
+            f"contract). {_CONTRACT}"
+        )
+
+    add_variable = add_weight
 
     def update(
         self, state: dict[str, jax.Array], y_true: ArrayLike, y_pred: ArrayLike, sample_weight: ArrayLike | None = None

@@ -19,7 +19,7 @@ import numpy as np
 import optax
 
 from meshfit import callbacks as callbacks_lib
-from meshfit import cluster, inputs, label_check, mixed_precision, precision, saving, utils
+from meshfit import cluster, inputs, keras_names, label_check, mixed_precision, precision, saving, utils
 from meshfit import data as data_lib
 from meshfit import losses as losses_lib
 from meshfit import metrics as metrics_lib
@@ -137,7 +137,6 @@ class Model:
         self.stop_training = False
         self.history: callbacks_lib.History | None = None
         self._shuffle_orders = data_lib.ShuffleOrders()  # computed ahead by one fit for the next
-        self._example_batch: Batch | None = None
         self._outputs: list[Output] = []  # the module's outputs, known from the first batch
         self._label_ranges: tuple[label_check.LabelRange, ...] = ()  # the targets read as class ids
         self._built_with_targets = False  # the steps were built from a batch with targets
@@ -248,7 +247,16 @@ class Model:
         """
         from meshfit import export as export_lib
 
-        export_lib.export_model(self, path, overwrite=overwrite)
+        parts = self._step_parts
+        export_lib.export_forward(
+            path,
+            batch=self.session.example_batch,
+            state=self.session.latest,
+            strategy=self.strategy,
+            adapter=None if parts is None else parts.adapter,
+            policy=None if parts is None else parts.policy,
+            overwrite=overwrite,
+        )
 
     def get_weights(self) -> list[np.ndarray]:
         """All weights as numpy arrays: the trainable parameters in `jax.tree.leaves`
@@ -295,11 +303,12 @@ class Model:
         loss_weights: Any = None,
         metrics: Any = None,
         weighted_metrics: Any = None,
+        run_eagerly: bool = False,
         steps_per_execution: int = 1,
+        jit_compile: bool | str = "auto",
+        auto_scale_loss: bool = True,
         dtype_policy: str | precision.DTypePolicy | None = None,
         gradient_accumulation_steps: int | None = None,
-        run_eagerly: bool = False,
-        jit_compile: bool | str = "auto",
     ) -> None:
         """Configures the model for training (Keras's `compile`).
 
@@ -351,6 +360,9 @@ class Model:
             jit_compile: True or "auto" (the default): the steps are compiled
                 with XLA. False: not compiled, which on JAX is what Keras does
                 too: the same as `run_eagerly=True`.
+            auto_scale_loss: Keras's switch for loss scaling under
+                "mixed_float16": meshfit always scales there (True); False is
+                refused under that policy and changes nothing under the others.
         """
         self._check_strategy("compile")
         if not isinstance(run_eagerly, bool):
@@ -358,6 +370,8 @@ class Model:
         if jit_compile not in (True, False, "auto"):
             raise ValueError(f'`jit_compile` must be True, False or "auto". Received: jit_compile={jit_compile!r}.')
         policy = mixed_precision.global_policy() if dtype_policy is None else precision.get(dtype_policy)
+        if not auto_scale_loss and policy.loss_scaling:
+            keras_names.refuse("Model.compile", "auto_scale_loss", auto_scale_loss)
         if policy.loss_scaling and not self.strategy.capabilities.loss_scaling:
             raise ValueError(
                 f"dtype_policy={policy.name!r} scales the loss inside the training step, which {self.strategy!r} "
@@ -598,9 +612,8 @@ class Model:
             layout = MetricsLayout(compiled if keeps_compiled else None, trackers)
             parts = parts._replace(layout=layout)
             steps = ModelSteps(self, layout, adapter.uses_rng, compiled.scalar_losses)
-        self.session.build(steps, c.steps_per_execution, c.run_eagerly)  # raises before it changes anything
+        self.session.build(steps, c.steps_per_execution, batch, eager=c.run_eagerly)  # raises before changing anything
         self._step_parts = parts
-        self._example_batch = batch  # the shape `step_report` compiles for
         self._built_with_targets = y_true is not None
 
     def _check_custom_steps(self, custom: set[str], policy: precision.DTypePolicy) -> None:
@@ -1175,7 +1188,7 @@ class Model:
             data = self._make_data(x, y, None, len(jax.tree.leaves(x)[0]), what="step_report")
             self._build(self._first_batch(data))
             return self.session.step_report(self._first_batch(data))
-        batch = self._example_batch
+        batch = self.session.example_batch
         trains_on_it = bool({"train_step", "compute_loss"} & self._custom_methods()) or (
             batch is not None and batch.y is not None and self.compile_settings.loss is not None
         )
@@ -1201,15 +1214,26 @@ class Model:
             self._adapter.non_trainable_weights(state.model_state),
             state.opt_state,
         )
-        batch = self._example_batch
+        batch = self.session.example_batch
         if self.session.built and batch is not None and batch.y is not None and self.compile_settings.loss is not None:
             text += "\n" + format_step_report(self.session.step_report(batch))
         if print_fn is not None:
             print_fn(text)
         return text
 
-    def save(self, path: str | os.PathLike, overwrite: bool = True) -> None:
+    def save(
+        self,
+        path: str | os.PathLike | None = None,
+        overwrite: bool = True,
+        zipped: bool | None = None,
+        *,
+        filepath: str | os.PathLike | None = None,
+    ) -> None:
         """Saves weights, optimizer state, step and compile settings (Orbax); see `meshfit.load_model`.
+
+        `path` (Keras's `filepath=` too) is a directory: `"model.keras"` makes a
+        directory of that name. Keras's `zipped=False` is what meshfit writes;
+        `zipped=True` is refused (zip the directory yourself).
 
         The compile settings are written as JSON: names, meshfit's built-in
         losses and metrics with their arguments (`SparseCategoricalCrossentropy(
@@ -1226,6 +1250,11 @@ class Model:
         one is complete, so a crash mid-save leaves one of them whole. A directory
         meshfit did not write, or of saved weights or checkpoints, is refused.
         """
+        path = keras_names.alias("Model.save", "filepath", filepath, "path", path)
+        if path is None:
+            raise TypeError("Model.save() needs where to save: `path=` (or Keras's `filepath=`).")
+        if zipped:
+            keras_names.refuse("Model.save", "zipped", zipped)
         saving.save_model(self, path, overwrite=overwrite)
 
     def save_weights(self, path: str | os.PathLike, overwrite: bool = True) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import jax
 
+from meshfit.batch import Batch
 from meshfit.executables import Executables
 from meshfit.feeder import Execution, Feeder
 from meshfit.fit_context import FitContext
@@ -63,6 +64,7 @@ class Session:
         # On one device nothing waits on a collective: tiny executions may queue further apart.
         self.in_flight = InFlight(max_in_flight, ONE_DEVICE_SPACING if _on_one_device(state) else None)
         self.executables: Executables | None = None  # set by `build`
+        self.example_batch: Batch | None = None  # the host batch the programs were built for (set by `build`)
         self.feeder: Feeder | None = None
         self.callbacks: list = []  # the running fit's (BackupAndRestore saves their state)
         self.timer = FitTimer()  # where a fit's time goes: `fit` runs inside it; the loop and savers mark it
@@ -95,7 +97,7 @@ class Session:
     def reset(self, state: TrainState) -> None:
         """A fresh start (`compile`): the state at step 0, compiled programs dropped."""
         self.store.reset(state)
-        self.executables = self.feeder = self._spare_metrics = None
+        self.executables = self.feeder = self._spare_metrics = self.example_batch = None
 
     # -- a fit -----------------------------------------------------------------------------
 
@@ -146,10 +148,16 @@ class Session:
     def steps_per_execution(self) -> int:
         return self.executables.steps_per_execution
 
-    def build(self, steps: Steps, steps_per_execution: int = 1, eager: bool = False) -> None:
-        """Compiles the programs (once per batch shape, on first use; `eager`: runs them un-jitted) and
-        sets fresh metric accumulators."""
+    def build(
+        self, steps: Steps, steps_per_execution: int = 1, example_batch: Batch | None = None, eager: bool = False
+    ) -> None:
+        """Compiles the programs (once per batch shape, on first use; `eager`: runs them un-jitted) and sets
+        fresh metric accumulators.
+
+        `example_batch`: a host batch of the shape the programs are built for (`step_report`, `train_step_jaxpr`).
+        """
         self.executables = Executables(self.strategy, steps, steps_per_execution, eager)
+        self.example_batch = example_batch
         self.feeder = Feeder(self.executables)
         self.store.drain = self.executables.drain
         self._spare_metrics = None
@@ -158,6 +166,12 @@ class Session:
     def step_report(self, host_batch) -> StepReport:
         """The cost of the train step for one batch shaped like `host_batch` (compiled, not run)."""
         return self.executables.step_report(self.store.latest, host_batch)
+
+    def train_step_jaxpr(self):
+        """The jaxpr of the train step for the example batch (traced, not compiled); None before `build`."""
+        if self.executables is None or self.example_batch is None:
+            return None
+        return self.executables.train_step_jaxpr(self.store.latest, self.example_batch)
 
     # -- metric accumulators ---------------------------------------------------------------
 

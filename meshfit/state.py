@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import dis
+import sys
 from typing import Any, NamedTuple
 
 import jax
+
+_UNPACK = dis.opmap["UNPACK_SEQUENCE"]
+
+#: Keras's JAX backend's `state` tuples, by length: train_step's, test_step's, predict_step's.
+_KERAS_STATES = {
+    4: "(trainable_variables, non_trainable_variables, optimizer_variables, metrics_variables)",
+    3: "(trainable_variables, non_trainable_variables, metrics_variables)",
+    2: "(trainable_variables, non_trainable_variables)",
+}
 
 
 class TrainState(NamedTuple):
@@ -30,3 +41,18 @@ class TrainState(NamedTuple):
     step: jax.Array
     rng: jax.Array | None
     loss_scale: Any = None
+
+    def __iter__(self):
+        """The fields, as a tuple's; unpacking into another number of names (Keras's `state` tuples) raises
+        a `ValueError` that shows the port, where Python would raise a bare "too many values to unpack"."""
+        frame = sys._getframe(1)
+        code = frame.f_code.co_code
+        at = frame.f_lasti
+        if at >= 0 and code[at] == _UNPACK and code[at + 1] != len(self._fields):
+            keras = _KERAS_STATES.get(code[at + 1], f"{code[at + 1]} values")
+            raise ValueError(
+                f"`state` is a meshfit.TrainState with fields {self._fields}, not Keras's {keras}. "
+                "Port: `params, model_state, opt_state, metrics = state.params, state.model_state, "
+                "state.opt_state, state.metrics` (see docs/customizing_fit.md)."
+            )
+        return tuple.__iter__(self)

@@ -374,3 +374,25 @@ def test_sigkilled_custom_step_resumes_bitwise_from_backup_and_restore(tmp_path)
     assert history == reference_history
     for key, value in reference_weights.items():
         np.testing.assert_array_equal(weights[key], value)
+
+
+class KerasUnpacking(mf.Model):
+    """A train_step ported from Keras's JAX backend without changing how it reads `state`."""
+
+    def train_step(self, state, data):
+        trainable_variables, non_trainable_variables, optimizer_variables, metrics_variables = state
+        return {}, state
+
+
+def test_unpacking_state_as_kerass_tuple_shows_the_port():
+    x, y = classification_data(n=16)
+    model = KerasUnpacking(MLP())
+    model.compile(optimizer="sgd", loss=XENT)
+    with pytest.raises(
+        ValueError,
+        match=r"`state` is a meshfit.TrainState .*not Keras's \(trainable_variables.*"
+        r"Port: `params, model_state, opt_state, metrics = state.params, state.model_state",
+    ):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    params, model_state, opt_state, metrics, step, rng, loss_scale = model.session.state  # meshfit's own length
+    assert step == 0 and loss_scale is None

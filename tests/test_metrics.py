@@ -8,7 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import MLP, classification_data
 
+import meshfit as mf
 from meshfit import losses, metrics
 
 # Keras, an optional test dependency imported by the `keras` fixture, needs JAX.
@@ -676,3 +678,35 @@ def test_fbeta_and_r2_names_config_and_errors():
         metrics.F1Score().build(np.zeros(4), np.zeros(4))
     with pytest.raises(ValueError, match="average"):
         metrics.F1Score(average="mean")
+
+
+class KerasTruePositives(mf.metrics.Metric):
+    """A metric written to Keras's stateful contract: variables made by `add_weight` and assigned to."""
+
+    def __init__(self, name="true_positives", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.true_positives = self.add_weight(name="tp", initializer="zeros")
+
+
+class KerasResultOnly(mf.metrics.Metric):
+    """Keras's `update_state`/`result` without `add_weight` (state kept in Python attributes)."""
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.total = getattr(self, "total", 0.0) + float(jnp.sum(y_pred))
+
+    def result(self):
+        return self.total
+
+
+def test_a_keras_stateful_metric_is_shown_meshfits_contract():
+    contract = r"Implement `init\(\)` -> a dict of accumulators .*`update\(state, y_true, y_pred, sample_weight=None\)`"
+    with pytest.raises(TypeError, match=r"KerasTruePositives.add_weight\(\): meshfit's metrics hold no variables.*"):
+        KerasTruePositives()
+    with pytest.raises(TypeError, match=contract):
+        KerasTruePositives()
+    model = mf.Model(MLP())
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=[KerasResultOnly()])
+    x, y = classification_data(n=8)
+    with pytest.raises(TypeError, match=r"KerasResultOnly implements Keras's stateful `update_state`/`result`.*"):
+        model.fit(x, y, batch_size=8, verbose=0)
+    assert int(model.session.state.step) == 0

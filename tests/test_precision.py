@@ -306,7 +306,7 @@ def test_layers_that_fix_their_dtype_compute_in_the_policy_dtype_too():
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", dtype_policy="mixed_bfloat16")
     model.fit(tokens, labels, batch_size=16, epochs=1, verbose=0)
     session = model.session
-    batch = session.strategy.distribute_batch(model._example_batch, False)
+    batch = session.strategy.distribute_batch(model.session.example_batch, False)
     jaxpr = jax.make_jaxpr(session.steps.train_step)(session.state, batch)
     dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
     assert dots and all(e.outvars[0].aval.dtype == jnp.bfloat16 for e in dots)

@@ -53,7 +53,7 @@ def test_the_jaxpr_count_agrees_with_xla_where_both_exist():
     """The FLOP count used where a backend has no cost analysis of a lowered program (the CUDA plugin)."""
     model = fitted()
     session = model.session
-    batch = session.strategy.distribute_batch(model._example_batch, False)
+    batch = session.strategy.distribute_batch(model.session.example_batch, False)
     counted = jaxpr_flops(jax.make_jaxpr(session.steps.train_step)(session.state, batch))
     assert counted == pytest.approx(model.step_report().flops, rel=0.2)  # no elementwise work: ~13 % here
 

@@ -81,6 +81,8 @@ class BackupAndRestore(Callback):
             there decides what the job resumes and runs) is refused before any
             step (`meshfit.trusted_dirs`).
         save_freq: "epoch", or a number of batches between backups.
+        double_checkpoint: Keras's name for keeping the previous backup to fall
+            back on: meshfit always does (`max_to_keep=2`); True keeps at least two.
         delete_checkpoint: delete the backups when training finishes.
         max_to_keep: complete backups kept on disk.
         async_save: write in the background while training continues.
@@ -103,6 +105,7 @@ class BackupAndRestore(Callback):
         self,
         backup_dir,
         save_freq="epoch",
+        double_checkpoint: bool = False,
         delete_checkpoint: bool = True,
         max_to_keep: int = 2,
         async_save: bool = True,
@@ -114,7 +117,8 @@ class BackupAndRestore(Callback):
         self.backup_dir = os.fspath(backup_dir)
         self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint
-        self.max_to_keep = max_to_keep
+        self.double_checkpoint = double_checkpoint
+        self.max_to_keep = max(max_to_keep, 2) if double_checkpoint else max_to_keep
         self.async_save = async_save
         self.device_copy = device_copy
         self.compilation_cache = compilation_cache

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import string
 
+from meshfit import keras_names
 from meshfit.callbacks.early_stopping import MonitorCallback
 from meshfit.callbacks.progbar_logger import print_msg
 from meshfit.checkpoint import CheckpointDir, finish_replacement, open_for_saving, replace_directory, staging_path
@@ -21,10 +22,14 @@ def _has_fields(path: str) -> bool:
         return False
 
 
+#: Keras's file suffixes: a path ending in one names one save (a directory here), not a directory of checkpoints.
+KERAS_SUFFIXES = (".keras", ".weights.h5")
+
+
 class ModelCheckpoint(MonitorCallback):
     """Saves the model (or its weights) every epoch or every N batches.
 
-    Two forms of `directory`:
+    Two forms of `directory` (Keras's name, `filepath=`, is accepted too):
 
     * a plain path: checkpoints go to numbered subdirectories of it (an Orbax
       `CheckpointManager`: the epoch number, 1-based, for `save_freq="epoch"`,
@@ -41,7 +46,11 @@ class ModelCheckpoint(MonitorCallback):
       `"ckpt/model-{epoch:02d}-{val_loss:.2f}"`. Each save writes one model
       (`meshfit.load_model(path, module)` reads it) or, with
       `save_weights_only`, one set of weights, into the formatted path,
-      replacing what an earlier save wrote there.
+      replacing what an earlier save wrote there. A path ending in Keras's
+      `.keras` or `.weights.h5` is of this form too, with or without fields:
+      `"ckpt/{epoch}.keras"` writes the directories `ckpt/1.keras`, `ckpt/2.keras`,
+      ..., each holding a meshfit saved model, and `.weights.h5` saves the
+      weights only (Keras's `save_weights_only=True`).
 
     Writing happens in a background thread, so training continues while a
     checkpoint is written. With `overwrite=False`, checkpoints already on disk
@@ -65,11 +74,12 @@ class ModelCheckpoint(MonitorCallback):
             until it is written. False: no extra device memory, the loop waits
             for the fingerprints and the copy to the host (`CheckpointDir`).
         overwrite: replace checkpoints an earlier run (or save) wrote, as Keras does (True).
+        filepath: Keras's name for `directory` (pass one of them).
     """
 
     def __init__(
         self,
-        directory,
+        directory=None,
         monitor: str = "val_loss",
         verbose: int = 0,
         save_best_only: bool = False,
@@ -81,19 +91,25 @@ class ModelCheckpoint(MonitorCallback):
         async_save: bool = True,
         overwrite: bool = True,
         device_copy: bool = True,
+        *,
+        filepath=None,
     ):
+        directory = keras_names.alias("ModelCheckpoint", "filepath", filepath, "directory", directory)
+        if directory is None:
+            raise TypeError("ModelCheckpoint() needs where to save: `directory=` (or Keras's `filepath=`).")
+        directory = os.fspath(directory)
         super().__init__(monitor=monitor, mode=mode, baseline=initial_value_threshold)
         self.save_policy = from_save_freq(save_freq)
-        self.directory = os.fspath(directory)
+        self.directory = directory
         self.verbose = verbose
         self.save_best_only = save_best_only
-        self.save_weights_only = save_weights_only
+        self.save_weights_only = save_weights_only or directory.endswith(".weights.h5")
         self.save_freq = save_freq
         self.max_to_keep = max_to_keep
         self.async_save = async_save
         self.device_copy = device_copy
         self.overwrite = overwrite
-        self.formatted = _has_fields(self.directory)
+        self.formatted = _has_fields(directory) or directory.endswith(KERAS_SUFFIXES)
         self._dir: CheckpointDir | None = None
         self._earlier = False  # the directory held an earlier run's checkpoints when this run opened it
         self._epoch = 0
@@ -134,6 +150,8 @@ class ModelCheckpoint(MonitorCallback):
         or the numbered checkpoint in `directory`."""
         if not self.formatted:
             return os.path.join(os.path.abspath(self.directory), "<step>")
+        if not _has_fields(self.directory):  # a Keras file name: one path for every save
+            return self.directory
         fields = {"epoch": self._epoch + 1, **logs}
         if batch is not None and "batch" not in logs:
             fields["batch"] = batch + 1

@@ -8,6 +8,10 @@ Same layout and tags as Keras's `keras.callbacks.TensorBoard`: event files in
 `<weight>/histogram` every `histogram_freq` epochs. With `profile_batch`, a
 `jax.profiler` trace of those training batches goes to `<log_dir>/train/plugins/profile/<run>/`
 (`*.xplane.pb` for TensorBoard's profile plugin, `*.trace.json.gz` for Perfetto).
+With `write_graph` (Keras's default), the train step's jaxpr goes to
+`<log_dir>/train/train_step.jaxpr.txt` and to the text summary `train_step_jaxpr`
+at each `fit`'s start: JAX programs have no TensorBoard graph. Keras's
+`write_images` and `embeddings_*` have nothing to act on in a Flax model and warn.
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ from __future__ import annotations
 import itertools
 import os
 import time
+import warnings
 
 import jax
 import numpy as np
 
+from meshfit import keras_names
 from meshfit.callbacks.base import Callback
 from meshfit.callbacks.progbar_logger import is_chief
 
@@ -53,6 +59,12 @@ class TensorBoard(Callback):
             the model's weights (`model.get_weights()`, named by
             `model.weight_names()` when the model has it, else `weight_<i>`).
             0 disables them.
+        write_graph: write the train step's jaxpr at the start of each `fit`
+            (`<log_dir>/train/train_step.jaxpr.txt` and the text summary
+            `train_step_jaxpr`, in TensorBoard's Text tab), as Keras writes
+            its graph. Tracing the step once costs what the first step's
+            trace costs (no compilation).
+        write_images: Keras's weight images; ignored (a warning).
         write_steps_per_second: whether to log the training steps per second
             (`epoch_steps_per_second`, and `batch_steps_per_second` on the
             batches written).
@@ -66,22 +78,35 @@ class TensorBoard(Callback):
             nothing. With `steps_per_execution`, tracing starts at the first
             call that begins at or after `start` and stops after the call
             that reaches `stop`. Process 0 traces.
+        embeddings_freq, embeddings_metadata: Keras's Projector data; ignored
+            (a warning): a Flax module has no `Embedding` layers to find.
     """
 
     def __init__(
         self,
         log_dir="logs",
         histogram_freq=0,
-        *,
+        write_graph=True,
+        write_images=False,
         write_steps_per_second=False,
         update_freq="epoch",
         profile_batch=0,
+        embeddings_freq=0,
+        embeddings_metadata=None,
     ):
         super().__init__()
+        for name, value, default in (
+            ("write_images", write_images, False),
+            ("embeddings_freq", embeddings_freq, 0),
+            ("embeddings_metadata", embeddings_metadata, None),
+        ):
+            if value != default:
+                keras_names.warn_ignored("TensorBoard", name, value)
         self._profile_range = _profile_range(profile_batch)
         self._summary_writer_cls = _import_summary_writer()
         self.log_dir = os.fspath(log_dir)
         self.histogram_freq = histogram_freq
+        self.write_graph = write_graph
         self.write_steps_per_second = write_steps_per_second
         update_freq = 1 if update_freq == "batch" else update_freq
         if update_freq != "epoch" and (
@@ -132,6 +157,8 @@ class TensorBoard(Callback):
         self._global_train_batch = 0
         self._epoch_base = 0
         self._traced = False
+        if self.write_graph and is_chief():
+            self._write_graph()
 
     def on_train_end(self, logs=None):
         self._stop_trace()
@@ -195,6 +222,31 @@ class TensorBoard(Callback):
             writer.flush()
 
     # Helpers.
+    def _write_graph(self):
+        """The train step's jaxpr as a file and a text summary (traced on the host: nothing compiled or run)."""
+        if not hasattr(self.model, "fit_context"):  # not a meshfit Model: no step to trace
+            return
+        try:
+            jaxpr = self.context.train_step_jaxpr()
+        except Exception as error:  # the graph is an aid: a step that cannot be traced apart does not stop fit
+            warnings.warn(
+                f"TensorBoard(write_graph=True) could not trace the train step: {type(error).__name__}: {error}. "
+                "Pass write_graph=False to skip it.",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
+        if jaxpr is None:
+            return
+        text = str(jaxpr)
+        os.makedirs(self._train_dir, exist_ok=True)
+        with open(os.path.join(self._train_dir, "train_step.jaxpr.txt"), "w") as f:
+            f.write(text)
+        # Indented: Markdown shows it as code, lines and spacing kept.
+        writer = self._train_writer
+        writer.add_text("train_step_jaxpr", "\n".join("    " + line for line in text.splitlines()), self._iterations())
+        writer.flush()
+
     def _stop_trace(self):
         if self._tracing:
             self._tracing = False

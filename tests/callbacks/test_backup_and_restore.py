@@ -795,3 +795,10 @@ def test_a_backup_directory_another_user_owns_or_others_can_write_to_is_refused_
     why = "uid 65534 (nobody), not to you" if owner else f"others can write to it (mode 0{mode:o})"
     assert why in str(refusal.value) and len(str(refusal.value).splitlines()) <= 3
     assert counted.steps == 0 and os.listdir(backup) == []  # refused before any step, nothing written
+
+
+def test_kerass_double_checkpoint_keeps_the_previous_backup(tmp_path):
+    """Keras's positional order (backup_dir, save_freq, double_checkpoint): True keeps at least two backups."""
+    keras_style = mf.callbacks.BackupAndRestore(tmp_path, "epoch", True, max_to_keep=1)
+    assert keras_style.double_checkpoint and keras_style.max_to_keep == 2
+    assert mf.callbacks.BackupAndRestore(tmp_path, max_to_keep=1).max_to_keep == 1

@@ -132,6 +132,30 @@ def test_formatted_paths_as_keras(tmp_path):
         fit_with(mf.callbacks.ModelCheckpoint(pattern, save_weights_only=True), epochs=1)  # another kind
 
 
+def test_keras_filepath_and_suffixes(tmp_path):
+    """Keras's `filepath=`: `{epoch}.keras` names one saved model per epoch (a directory), `.weights.h5` weights
+    only, and a plain `best.keras` one save replaced each time."""
+    model, _, snapshots = fit_with(mf.callbacks.ModelCheckpoint(filepath=str(tmp_path / "ckpt" / "{epoch}.keras")), 2)
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["1.keras", "2.keras"]
+    loaded = mf.load_model(tmp_path / "ckpt" / "1.keras", MLP(seed=1))
+    for a, b in zip(loaded.get_weights(), snapshots[1][0], strict=True):
+        np.testing.assert_array_equal(a, b)
+    weights = mf.callbacks.ModelCheckpoint(filepath=tmp_path / "best.weights.h5", save_best_only=True)
+    assert weights.save_weights_only
+    _, history, snapshots = fit_with(weights, epochs=3)
+    best = int(np.argmin(history.history["val_loss"])) + 1
+    restored = mf.Model(MLP(seed=1))
+    restored.load_weights(tmp_path / "best.weights.h5")
+    for a, b in zip(restored.get_weights(), snapshots[best][0], strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="holds meshfit weights checkpoints"):  # weights only: not a model
+        mf.load_model(tmp_path / "best.weights.h5", MLP(seed=1))
+    with pytest.raises(TypeError, match="`filepath` .Keras's name. and `directory`"):
+        mf.callbacks.ModelCheckpoint(tmp_path / "a", filepath=tmp_path / "b")
+    with pytest.raises(TypeError, match="needs where to save"):
+        mf.callbacks.ModelCheckpoint()
+
+
 @pytest.mark.slow
 def test_formatted_path_with_log_keys_and_save_best_only(tmp_path):
     pattern = str(tmp_path / "w-{epoch}-{val_loss:.3f}")

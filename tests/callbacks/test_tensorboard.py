@@ -246,3 +246,47 @@ def test_each_of_several_optimizers_logs_its_learning_rate(tmp_path):
     assert train["epoch_generator_learning_rate"] == [(0, pytest.approx(2e-3)), (1, pytest.approx(2e-3))]
     assert train["epoch_discriminator_learning_rate"] == [(0, pytest.approx(1e-3)), (1, pytest.approx(1e-3))]
     assert {"epoch_d_loss", "epoch_g_loss"} <= set(train)
+
+
+def read_texts(directory):
+    """The text summaries of every event file in `directory`, by tag."""
+    texts = {}
+    for path in sorted(glob.glob(os.path.join(directory, "events.out.tfevents.*"))):
+        data, pos = open(path, "rb").read(), 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length])
+            pos += 12 + length + 4
+            for value in event.summary.value:
+                if value.metadata.plugin_data.plugin_name == "text":
+                    texts.setdefault(value.tag, []).append(value.tensor.string_val[0].decode())
+    return texts
+
+
+def test_write_graph_writes_the_train_steps_jaxpr(tmp_path):
+    """Keras's `write_graph` (on by default, as in Keras): the train step's jaxpr as a file and a text summary."""
+    x, y = classification_data(n=32)
+    model = mf.Model(MLP())
+    model.compile(optimizer="sgd", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[TensorBoard(tmp_path / "on")])
+    text = (tmp_path / "on" / "train" / "train_step.jaxpr.txt").read_text()
+    assert "{ lambda" in text and "dot_general" in text  # a jaxpr, with the step's matrix products
+    (summary,) = read_texts(tmp_path / "on" / "train")["train_step_jaxpr/text_summary"]
+    assert [line[4:] for line in summary.splitlines()] == text.splitlines()  # indented: Markdown code
+    # Keras's positional order: log_dir, histogram_freq, write_graph.
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[TensorBoard(tmp_path / "off", 0, False)])
+    assert not (tmp_path / "off" / "train" / "train_step.jaxpr.txt").exists()
+    assert read_texts(tmp_path / "off" / "train") == {}
+
+
+@pytest.mark.parametrize(
+    "argument, words",
+    [
+        ({"write_images": True}, "no weight images.*histogram_freq"),
+        ({"embeddings_freq": 1}, "no Projector data"),
+        ({"embeddings_metadata": {"emb": "meta.tsv"}}, "no Projector data"),
+    ],
+)
+def test_kerass_arguments_with_nothing_to_do_in_jax_warn(tmp_path, argument, words):
+    with pytest.warns(UserWarning, match=f"TensorBoard\\({next(iter(argument))}=.*is ignored: {words}"):
+        TensorBoard(tmp_path, **argument)
