@@ -13,7 +13,8 @@ for SIGINT), without saving: what is half-written stays incomplete (Orbax lists
 a checkpoint only once its commit marker is written), so the newest complete
 backup is the one a restart resumes from. A second signal of the same kind, at
 least `REPEAT_AFTER` seconds after the first and while no preemption backup is
-being written, ends the process at once.
+being written, ends the process at once. `end(keep=True)` leaves the bound
+in force past the block (after a SIGTERM the process is on its way out).
 
 A main thread that holds the GIL in C the whole time (an extension that never
 releases it) also stops this thread: no Python code can bound that.
