@@ -3,7 +3,8 @@
 Every fault is real: processes are killed with SIGKILL or SIGTERM, files Orbax
 wrote are altered, a different model loads the backups, a second job writes into
 the same directory, a backup directory is made read-only, a parameter server is
-stopped with SIGSTOP, symlinks to files outside are planted at the names meshfit
+stopped with SIGSTOP, a callback hangs and SIGTERM must still end the process
+within its bound, symlinks to files outside are planted at the names meshfit
 writes in a model, checkpoint or backup directory (with the pid of the process
  about to write there), a saved model's compile settings are garbled, a rerun's labels are out of
  range, another user (uid 65534, as root) owns or opens the backup directory, plants compiled
@@ -256,6 +257,36 @@ def sigterm_in_setup(base, reference):
     out, backup = base / "out", base / "backup"
     status, _ = worker(out, backup, "--sigterm-in-setup")
     lost = status != 143 or steps_in(backup) != [1]
+    status, _ = worker(out, backup)
+    return status == 0 and same(out, reference), lost
+
+
+HANG_TIMEOUT = 3.0  # the preemption_timeout of the hung worker
+
+
+def sigterm_in_hang(base, reference):
+    """A callback that never returns (it opens a FIFO no one writes) at step 13, then SIGTERM: the process
+    must end with 143 within its preemption_timeout (no step boundary comes, so nothing is saved), and the
+    backup before the hang must resume exactly."""
+    out, backup, fifo = base / "out", base / "backup", base / "fifo"
+    os.mkfifo(fifo)
+    argv = [sys.executable, WORKER, str(out), str(backup), "--slow", "0.02"]
+    with Job(
+        argv + ["--hang-at-step", "13", str(fifo), "--preemption-timeout", str(HANG_TIMEOUT)], timeout=BOUND
+    ) as job:
+        try:
+            job.wait_for(r"hanging at step 13$")
+            time.sleep(0.5)
+            sent = time.monotonic()
+            job.proc.send_signal(signal.SIGTERM)
+            status = job.finish()
+        except AssertionError as error:
+            raise Hang(str(error)[:300]) from None
+    took = time.monotonic() - sent
+    print(f"    ended {took:.1f} s after the SIGTERM (bound {HANG_TIMEOUT:g} s), status {status}", flush=True)
+    if took > HANG_TIMEOUT + 10:
+        raise Hang(f"the process ended {took:.1f} s after the SIGTERM, past its {HANG_TIMEOUT:g} s bound")
+    lost = status != 143 or "no step boundary came" not in job.stderr or not steps_in(backup)
     status, _ = worker(out, backup)
     return status == 0 and same(out, reference), lost
 
@@ -660,6 +691,7 @@ def main() -> None:
     trial(tally, "SIGTERM (preemption)", lambda: sigterm(fresh(), base / "ref", repeat=False))
     trial(tally, "SIGTERM repeated every 50 ms", lambda: sigterm(fresh(), base / "ref", repeat=True))
     trial(tally, "SIGTERM while fit sets up", lambda: sigterm_in_setup(fresh(), base / "ref"))
+    trial(tally, "SIGTERM during a hang", lambda: sigterm_in_hang(fresh(), base / "ref"))
     trial(tally, "second job on the same backup directory", lambda: two_writers(fresh(), base / "ref"))
     trial(tally, "backup directory read-only", lambda: read_only(fresh(), base / "ref"))
     trial(tally, LAUNCH_FAULT, lambda: launcher_sigterm(fresh(), base / "ref2"))

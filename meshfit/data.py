@@ -99,6 +99,9 @@ def _num_rows(tree: Any, name: str) -> int:
     return sizes.pop()
 
 
+#: Seconds a fit that stops waits for its read-ahead thread before leaving it, stuck in the input, behind.
+STUCK_READER_WAIT = 5.0
+
 #: Bytes to which gathered groups of batches are aligned: XLA's CPU client takes a host buffer so aligned
 #: without copying it first (placing a 0.5 MiB stage inside a fit: about 60 µs against 170 µs, session 15).
 HOST_ALIGNMENT = 64
@@ -809,7 +812,9 @@ class IterableData(DataSource):
 
         When the loop stops taking (an early stop, an error), the thread stops at
         the next execution, and the elements of executions not taken go back to
-        the front of the input, with their positions.
+        the front of the input, with their positions. A thread stuck in the
+        input itself (a read that never returns) is left behind after
+        `STUCK_READER_WAIT` seconds, so a preempted or interrupted fit can end.
         """
         ready: queue.Queue = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
@@ -849,13 +854,14 @@ class IterableData(DataSource):
                 yield count, execution
         finally:
             stop.set()
-            thread.join()
-            left = []
-            while not ready.empty():
-                item = ready.get_nowait()
-                if item[0] == "execution":
-                    left.extend(item[3])
-            self._pushback.extendleft(reversed(left + untaken))
+            thread.join(timeout=STUCK_READER_WAIT)
+            if not thread.is_alive():  # else stuck reading the input: what it holds is lost with it
+                left = []
+                while not ready.empty():
+                    item = ready.get_nowait()
+                    if item[0] == "execution":
+                        left.extend(item[3])
+                self._pushback.extendleft(reversed(left + untaken))
 
     def peek(self) -> Batch:
         """The first batch, without losing it for a later epoch (to build the model)."""

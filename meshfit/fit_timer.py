@@ -112,6 +112,11 @@ class FitTimer:
         """A context manager: the time inside it (less nested phases) is `name`'s (one of `PHASES`)."""
         return self._phases[name]
 
+    def current(self) -> str | None:
+        """The phase open now on the fit's thread (None outside a fit); may be read from another thread."""
+        stack = self._stack if self._thread is not None else None
+        return stack[-1] if stack else None
+
     def totals(self) -> dict[str, float]:
         """Seconds per phase so far, the open phase counted up to now (zeros before the first `start`)."""
         totals = dict(self._totals)

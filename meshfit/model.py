@@ -31,7 +31,7 @@ from meshfit.custom_steps import STEP_METHODS, MetricsLayout, ModelSteps
 from meshfit.fit_context import FitContext
 from meshfit.loop import evaluate_loop, fit_loop, host_logs, predict_loop
 from meshfit.modules import adapt
-from meshfit.preemption import PreemptionWatch
+from meshfit.preemption import DEFAULT_PREEMPTION_TIMEOUT, PreemptionWatch
 from meshfit.session import Session
 from meshfit.state import TrainState
 from meshfit.step_report import StepReport
@@ -928,7 +928,11 @@ class Model:
                 f"`validation_freq` must be a positive int or a list of epochs. Received: {validation_freq!r}."
             )
         # Armed before anything compiles or restores: a SIGTERM from now on ends in a backup.
-        watch = PreemptionWatch() if any(_handles_preemption(cb) for cb in callbacks or ()) else None
+        watch = (
+            PreemptionWatch(_preemption_timeout(callbacks), timer=self.session.timer)
+            if any(_handles_preemption(cb) for cb in callbacks or ())
+            else None
+        )
         with watch or contextlib.nullcontext(), self.session.timer:  # the timer: where the fit's time goes
             if class_weight is not None:
                 sample_weight = _class_weights(y, class_weight, sample_weight)
@@ -1376,6 +1380,15 @@ def _handles_preemption(callback: callbacks_lib.Callback) -> bool:
     return isinstance(callback, callbacks_lib.Callback) and (
         callback.handles_preemption or type(callback).on_preemption is not callbacks_lib.Callback.on_preemption
     )
+
+
+def _preemption_timeout(callbacks: Sequence[callbacks_lib.Callback]) -> float | None:
+    """The bound on a fit's end after SIGTERM or SIGINT: the shortest `preemption_timeout` its callbacks set."""
+    timeouts = [
+        getattr(cb, "preemption_timeout", DEFAULT_PREEMPTION_TIMEOUT) for cb in callbacks if _handles_preemption(cb)
+    ]
+    bounded = [t for t in timeouts if t is not None]
+    return min(bounded) if bounded else None
 
 
 def _describe(spec: Any) -> str:

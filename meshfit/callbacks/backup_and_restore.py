@@ -11,6 +11,7 @@ from meshfit.callbacks.base import Callback, state_keys
 from meshfit.checkpoint import CheckpointDir, NonFiniteState
 from meshfit.checkpoint_schema import BACKUP, Backup
 from meshfit.fit_cursor import Position
+from meshfit.preemption import DEFAULT_PREEMPTION_TIMEOUT
 from meshfit.save_policy import (
     AFTER_BATCH,
     AT_EPOCH_END,
@@ -71,8 +72,11 @@ class BackupAndRestore(Callback):
     ends on a non-finite loss keeps its backups. Only one job at a time may
     write into `backup_dir` (a lock file). On SIGTERM (preemption), `fit`
     saves a backup at the next step boundary and raises `meshfit.Preempted`
-    (exit status 143). After a `fit` that ends normally the backups are
-    deleted (`delete_checkpoint=True`), as in Keras.
+    (exit status 143); if the fit has not ended `preemption_timeout` seconds
+    after the SIGTERM (no step boundary came: a hung compile, input, callback
+    or collective), the process logs what it waited for and exits with 143
+    without saving, the newest complete backup intact. After a `fit` that
+    ends normally the backups are deleted (`delete_checkpoint=True`), as in Keras.
 
     Args:
         backup_dir: directory for the backups, created with mode 0700; a
@@ -97,6 +101,19 @@ class BackupAndRestore(Callback):
             unless a cache was already chosen
             (`JAX_COMPILATION_CACHE_DIR`, `mf.compilation_cache.use`); a path
             puts them there; False leaves JAX's setting alone.
+        preemption_timeout: seconds from a SIGTERM (or SIGINT) to the
+            process's end at the latest, even with the main thread stuck in C
+            (`meshfit.preemption.DEFAULT_PREEMPTION_TIMEOUT`, 25 s: within the
+            30 s grace period of Kubernetes, SLURM and GCE preemptions). Past
+            it the process exits with 143 (130 after SIGINT) without saving.
+            None: wait for the step boundary however long it takes.
+
+    Example:
+
+    ```python
+    backup = mf.callbacks.BackupAndRestore("/ckpt/run1", save_freq=100, preemption_timeout=25)
+    model.fit(dataset, epochs=10, steps_per_epoch=1000, callbacks=[backup])
+    ```
     """
 
     handles_preemption = True
@@ -111,8 +128,19 @@ class BackupAndRestore(Callback):
         async_save: bool = True,
         compilation_cache: bool | str | os.PathLike = True,
         device_copy: bool = True,
+        preemption_timeout: float | None = DEFAULT_PREEMPTION_TIMEOUT,
     ):
         super().__init__()
+        if preemption_timeout is not None and (
+            isinstance(preemption_timeout, bool)
+            or not isinstance(preemption_timeout, (int, float))
+            or not 0 < preemption_timeout < math.inf
+        ):
+            raise ValueError(
+                "`preemption_timeout` must be a positive number of seconds, or None for no bound. "
+                f"Received: preemption_timeout={preemption_timeout!r}."
+            )
+        self.preemption_timeout = None if preemption_timeout is None else float(preemption_timeout)
         self.save_policy = AnySavePolicy((from_save_freq(save_freq), PreemptionPolicy()))
         self.backup_dir = os.fspath(backup_dir)
         self.save_freq = save_freq

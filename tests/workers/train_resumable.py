@@ -2,7 +2,7 @@
 
     python train_resumable.py OUT_DIR BACKUP_DIR [--save-freq N] [--spe K] [--epochs E] [--strategy S]
                               [--slow SECONDS] [--pause-at-step STEP FILE] [--die-at-step S] [--hidden H]
-                              [--goodput FILE]
+                              [--goodput FILE] [--hang-at-step STEP FIFO] [--preemption-timeout SECONDS]
 Prints "step <global step>" after every batch (flushed), so a test can kill it at a known step.
 """
 
@@ -53,6 +53,15 @@ def main():
         help="add a Goodput callback (a record after every batch); write its ledger and the time fit returned "
         "to FILE as JSON",
     )
+    parser.add_argument(
+        "--hang-at-step",
+        nargs=2,
+        metavar=("STEP", "FIFO"),
+        default=None,
+        help='after this step, print "hanging at step STEP" and open FIFO (no one writes it): a callback that '
+        "never returns",
+    )
+    parser.add_argument("--preemption-timeout", type=float, default=None, help="BackupAndRestore's (default: its own)")
     args = parser.parse_args()
     strategy = (
         mf.strategies.MultiWorkerMirroredStrategy()
@@ -84,6 +93,9 @@ def main():
             os.kill(os.getpid(), signal.SIGKILL)
         if args.slow:
             time.sleep(args.slow)
+        if args.hang_at_step and model.session.step == int(args.hang_at_step[0]):
+            print(f"hanging at step {model.session.step}", flush=True)
+            open(args.hang_at_step[1]).read()
         if args.pause_at_step and model.session.step == int(args.pause_at_step[0]):
             print(f"paused at step {model.session.step}", flush=True)
             deadline = time.monotonic() + 120
@@ -101,7 +113,11 @@ def main():
         mf.callbacks.LambdaCallback(on_train_batch_end=on_batch_end),
         mf.callbacks.EarlyStopping(monitor="val_loss", patience=10, restore_best_weights=True),
         mf.callbacks.ReduceLROnPlateau(monitor="loss", patience=1, factor=0.5, min_delta=0.05),
-        mf.callbacks.BackupAndRestore(args.backup, save_freq=save_freq),
+        mf.callbacks.BackupAndRestore(
+            args.backup,
+            save_freq=save_freq,
+            **({} if args.preemption_timeout is None else {"preemption_timeout": args.preemption_timeout}),
+        ),
     ]
     if args.sigterm_in_setup:
         callbacks.insert(0, SigtermInSetup())
