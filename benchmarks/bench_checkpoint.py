@@ -8,7 +8,7 @@ device_copy=False` ("host": Orbax's asynchronous save, the loop waits for the
 copy to the host, as before issue 30), and with `async_save=False` ("sync").
 The stall per checkpoint is (run time - baseline time) / checkpoints. "Blocked"
 is the time each save holds the loop: the fit timer's "checkpoint" phase
-(`meshfit.fit_timer`), read after each save; the final wait for the last write
+(`meshfit.training.fit_timer`), read after each save; the final wait for the last write
 (at the end of `fit`) is shown apart. Under it, where that time goes: the
 pieces `CheckpointDir.save` and Orbax record as `jax.monitoring` durations on
 the loop's thread. Then it times `load_weights` and a full `load_model` restore
@@ -33,7 +33,7 @@ from flax import nnx
 from smoke import parse_args
 
 import meshfit as mf
-from meshfit.checkpoint import SAVE_EVENTS
+from meshfit.checkpointing.checkpoint import SAVE_EVENTS
 
 
 class Wide(nnx.Module):
@@ -53,7 +53,7 @@ class Wide(nnx.Module):
 class Blocked(mf.callbacks.Callback):
     """Reads the fit's timer after the saver at each batch end: the time its save held the loop.
 
-    `ModelCheckpoint` marks each save as the timer's "checkpoint" phase (`meshfit.fit_timer`);
+    `ModelCheckpoint` marks each save as the timer's "checkpoint" phase (`meshfit.training.fit_timer`);
     placed after it, this records each save's share, and the final wait for the last write
     (`on_train_end`) apart.
     """
@@ -81,8 +81,9 @@ class Blocked(mf.callbacks.Callback):
 
 
 class SavePieces:
-    """Collects the `jax.monitoring` durations a save records on the loop's thread (`meshfit.checkpoint.SAVE_EVENTS`,
-    Orbax's `/jax/orbax/write/blocking_*` and `.../checkpoint_start_sync...`), per save."""
+    """Collects the `jax.monitoring` durations a save records on the loop's thread
+    (`meshfit.checkpointing.checkpoint.SAVE_EVENTS`, Orbax's `/jax/orbax/write/blocking_*` and
+    `.../checkpoint_start_sync...`), per save."""
 
     ORBAX = {
         "/jax/orbax/write/blocking_wait_prev_duration_secs": "orbax: wait for previous",

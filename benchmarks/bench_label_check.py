@@ -25,8 +25,8 @@ from flax import nnx  # noqa: E402
 from smoke import parse_args  # noqa: E402
 
 import meshfit as mf  # noqa: E402
-from meshfit import data as data_lib  # noqa: E402
-from meshfit import label_check  # noqa: E402
+from meshfit.data import label_check  # noqa: E402
+from meshfit.data import sources as data_lib  # noqa: E402
 
 ROWS = 64
 

@@ -10,7 +10,7 @@ per device for each mesh, measured from the live arrays' addressable shards.
 
 `--memory` prints instead, for mirrored and each mesh, what device 0 holds
 after `fit` of a model built from a factory (every live buffer, counted once:
-`meshfit.memory.live_bytes`) and the step's peak (`model.step_report()`),
+`meshfit.cost.memory.live_bytes`) and the step's peak (`model.step_report()`),
 against the ideal: the state's bytes divided as the layout divides them.
 
     python benchmarks/bench_mesh.py [--repeats 3]
@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from smoke import parse_args  # noqa: E402
 
 import meshfit as mf  # noqa: E402
-from meshfit.memory import live_bytes  # noqa: E402
+from meshfit.cost.memory import live_bytes  # noqa: E402
 from meshfit.strategies import layout  # noqa: E402
 
 SIZES = (512, 1024, 1024, 512, 16)

@@ -14,10 +14,10 @@ read. The parent has compiled the plan on the device first: unless the user
 set it, `XLA_PYTHON_CLIENT_PREALLOCATE=false` is set before JAX starts, so the
 parent does not reserve 75 % of the GPU's memory and starve its children
 (which inherit the setting; each child prints the value it ran with); on the CPU, what device 0 holds after the steps
-(`meshfit.memory.live_bytes`: state, staged batches, accumulators) plus the
+(`meshfit.cost.memory.live_bytes`: state, staged batches, accumulators) plus the
 compiled step's temporaries. On the CPU the devices are simulated (8 on the
 host's cores): the measured step times are those of simulated devices, and
-the roofline's are of the nominal `meshfit.roofline.HOST_CPU`; only the
+the roofline's are of the nominal `meshfit.cost.roofline.HOST_CPU`; only the
 order of the candidates can be compared there, not the seconds.
 
     python benchmarks/bench_plan.py              # transformer, 8 (simulated) devices, batch 32
@@ -43,8 +43,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import meshfit as mf  # noqa: E402
-from meshfit.memory import live_bytes  # noqa: E402
-from meshfit.planning import MESH_AXES, Layout  # noqa: E402
+from meshfit.cost.memory import live_bytes  # noqa: E402
+from meshfit.planning.planner import MESH_AXES, Layout  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import transformer_lm  # noqa: E402

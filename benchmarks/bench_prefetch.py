@@ -4,7 +4,7 @@ Measured in one run, alternating, median of `--repeats`:
   * device:  a hand-written `jax.jit` loop over batches already on the device (the device time alone);
   * host:    the generator iterated alone (the host time alone);
   * meshfit: `model.fit(generator)`, reading and placing 2 executions ahead on a thread (the default);
-  * meshfit_no_prefetch: the same with `meshfit.feeder.PREFETCH_EXECUTIONS = 0` (read when needed).
+  * meshfit_no_prefetch: the same with `meshfit.training.feeder.PREFETCH_EXECUTIONS = 0` (read when needed).
 With perfect overlap an epoch takes max(host, device); without any, host + device. JAX's asynchronous
 dispatch already overlaps a generator with the steps queued on the device while nothing waits for a
 step; `--sync-each-batch` adds a callback that reads each batch's loss (a per-batch logger), after
@@ -26,7 +26,7 @@ from flax import nnx
 from smoke import parse_args
 
 import meshfit as mf
-import meshfit.feeder as feeder_lib
+import meshfit.training.feeder as feeder_lib
 
 SIZES = (784, 1024, 1024, 10)
 

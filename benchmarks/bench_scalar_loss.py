@@ -2,7 +2,7 @@
 
 A scalar loss cannot be masked, so a partial batch runs through its own step,
 which computes the scalar on the real rows only (compiled on first use, once per
-partial size: see `meshfit.executables`). This measures, for an MLP:
+partial size: see `meshfit.training.executables`). This measures, for an MLP:
   * compile: XLA compilations and their seconds (JAX's backend-compile events)
     of a fresh model's first fit with validation, rows leaving a partial last
     batch in both the training and the validation data; the difference is

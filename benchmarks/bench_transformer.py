@@ -44,9 +44,9 @@ import smoke
 from flax import nnx
 
 import meshfit as mf
-from meshfit import precision
 from meshfit.callbacks.throughput import peak_flops
-from meshfit.step_report import jaxpr_flops
+from meshfit.core import precision
+from meshfit.cost.step_report import jaxpr_flops
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from transformer_lm import (  # noqa: E402

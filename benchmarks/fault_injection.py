@@ -49,7 +49,7 @@ from helpers import meshfit_names, plant_symlinks, read_all  # noqa: E402
 from processes import LAUNCH, Job  # noqa: E402
 from smoke import parse_args  # noqa: E402
 
-from meshfit.checkpoint import MARKER  # noqa: E402
+from meshfit.checkpointing.checkpoint import MARKER  # noqa: E402
 
 WORKER = os.path.join(TESTS, "workers", "train_resumable.py")
 PS_WORKER = os.path.join(TESTS, "workers", "train_ps.py")

@@ -34,7 +34,7 @@ from flax import nnx
 from smoke import parse_args
 
 import meshfit as mf
-from meshfit.fit_timer import PHASES
+from meshfit.training.fit_timer import PHASES
 
 SIZES, BATCH = (64, 64, 10), 32
 

@@ -86,7 +86,7 @@ from flax import nnx  # noqa: E402
 from jax.ad_checkpoint import checkpoint_name  # noqa: E402
 
 import meshfit as mf  # noqa: E402
-from meshfit.summary import bytes_per_device  # noqa: E402
+from meshfit.cost.summary import bytes_per_device  # noqa: E402
 
 BATCH = ("data", "fsdp")  # mesh axes the batch dimension is split over
 VOCAB = 256  # bytes

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from meshfit.lazy import lazy_names
+from meshfit.core.lazy import lazy_names
 
 __version__ = "0.1.0"
 
@@ -37,12 +37,12 @@ __all__ = [
 # Names of other modules' objects, by module; every other public name is a submodule.
 _NAMES = {
     "Model": "meshfit.model",
-    "TrainState": "meshfit.state",
+    "TrainState": "meshfit.core.state",
     "load_model": "meshfit.model",
-    "plan": "meshfit.planning",
-    "Plan": "meshfit.planning",
-    "Preempted": "meshfit.preemption",
-    "PREEMPTED_EXIT_CODE": "meshfit.preemption",
+    "plan": "meshfit.planning.planner",
+    "Plan": "meshfit.planning.planner",
+    "Preempted": "meshfit.runtime.preemption",
+    "PREEMPTED_EXIT_CODE": "meshfit.runtime.preemption",
 }
 
 if TYPE_CHECKING:  # what type checkers and the API docs see
@@ -59,9 +59,9 @@ if TYPE_CHECKING:  # what type checkers and the API docs see
         strategies,
         utils,
     )
+    from meshfit.core.state import TrainState
     from meshfit.model import Model, load_model
-    from meshfit.planning import Plan, plan
-    from meshfit.preemption import PREEMPTED_EXIT_CODE, Preempted
-    from meshfit.state import TrainState
+    from meshfit.planning.planner import Plan, plan
+    from meshfit.runtime.preemption import PREEMPTED_EXIT_CODE, Preempted
 
 __getattr__, __dir__ = lazy_names(__name__, _NAMES, __all__, globals())

@@ -7,9 +7,10 @@ import importlib
 import sys
 from types import ModuleType
 
-from meshfit import __version__, plan_command
-from meshfit.job_layout import LAUNCHERS, DistributedJob, JobLayout
-from meshfit.launch import GRACE_SECONDS, PREEMPTION_GRACE_SECONDS, LaunchConfig, launch
+from meshfit import __version__
+from meshfit.launch.local import GRACE_SECONDS, PREEMPTION_GRACE_SECONDS, LaunchConfig, launch
+from meshfit.planning import command as plan_command
+from meshfit.runtime.job_layout import LAUNCHERS, DistributedJob, JobLayout
 
 
 def _launchers() -> list[ModuleType]:
@@ -129,14 +130,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _ray_runner(args: argparse.Namespace):
-    """With --ray, the runner that starts the ranks as Ray actors (`meshfit.ray_launch`); else None."""
+    """With --ray, the runner that starts the ranks as Ray actors (`meshfit.launch.ray`); else None."""
     if args.ray is None:
         if args.resources_per_proc is not None:
             _parser().error(
                 f"--resources-per-proc needs --ray. Received: --resources-per-proc {args.resources_per_proc}"
             )
         return None
-    from meshfit import ray_launch  # imports Ray only when it runs
+    from meshfit.launch import ray as ray_launch
 
     try:
         resources = ray_launch.parse_resources(args.resources_per_proc) if args.resources_per_proc else {"CPU": 1}

@@ -19,7 +19,7 @@ restart pays for all its compilations, small ones included.
 The cache is trusted code: JAX executes what it loads from there, so whoever
 can write to it chooses what this process runs. A cache meshfit turns on
 (`use`, and `BackupAndRestore`'s default) must therefore be a directory of
-the user's that no one else can write to (`meshfit.trusted_dirs`: made with
+the user's that no one else can write to (`meshfit.checkpointing.trusted_dirs`: made with
 mode 0700, or an existing one of theirs without group or other write bits;
 anything else is refused). Each time meshfit turns it on, it looks at every
 entry with `os.lstat`, never opening one, and moves whatever JAX must not read
@@ -48,7 +48,7 @@ import warnings
 import jax
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
-from meshfit import trusted_dirs
+from meshfit.checkpointing import trusted_dirs
 
 __all__ = [
     "BACKUP_CACHE_NAME",
@@ -84,7 +84,7 @@ def use(path: str | os.PathLike) -> str:
     Raises:
         ValueError: `path` is a symlink (a planted one would let another user
             choose what this process runs) or not a directory.
-        meshfit.trusted_dirs.UntrustedDirectory: `path` belongs to someone
+        meshfit.checkpointing.trusted_dirs.UntrustedDirectory: `path` belongs to someone
             else or others can write to it.
     """
     global _chosen_by_meshfit

@@ -33,8 +33,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from meshfit import safe_files
-from meshfit.steps import forward
+from meshfit.checkpointing import safe_files
+from meshfit.steps.builtin import forward
 
 FORWARD = "forward.jax"
 WEIGHTS = "weights.npz"

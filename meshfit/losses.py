@@ -11,7 +11,7 @@ A loss may also return a scalar (one value for the whole batch), as Keras
 accepts; it is reduced as Keras reduces it (with `sample_weight`: the scalar
 times the mean weight, or the sum for `"sum"`). A scalar cannot be masked, so
 the training steps compute it on the real rows of a partial batch only
-(`meshfit.steps.StepFunctions.with_rows`).
+(`meshfit.steps.builtin.StepFunctions.with_rows`).
 
 Everything here is pure `jax.numpy` and traceable under `jax.jit`.
 """

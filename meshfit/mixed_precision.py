@@ -2,7 +2,7 @@
 
 `Model.compile(dtype_policy=...)` wins where it is given; where it is not,
 the model computes under the global policy (default "float32"). The policies
-are `meshfit.precision`'s, by Keras's names.
+are `meshfit.core.precision`'s, by Keras's names.
 
 Example:
     >>> meshfit.mixed_precision.set_global_policy("mixed_bfloat16")
@@ -12,8 +12,8 @@ Example:
 
 from __future__ import annotations
 
-from meshfit import precision
-from meshfit.precision import DTypePolicy
+from meshfit.core import precision
+from meshfit.core.precision import DTypePolicy
 
 __all__ = ["DTypePolicy", "Policy", "global_policy", "set_global_policy"]
 
@@ -28,7 +28,7 @@ def set_global_policy(policy: str | DTypePolicy | None) -> None:
 
     Args:
         policy: a policy name ("float32", "mixed_bfloat16", "mixed_float16",
-            "bfloat16"; see `meshfit.precision.names()`), a `DTypePolicy`, or
+            "bfloat16"; see `meshfit.core.precision.names()`), a `DTypePolicy`, or
             None for the default, "float32".
 
     Raises:

@@ -2,7 +2,7 @@
 
 The model's `Session` holds its one `TrainState` pytree on the devices its
 strategy chose, and the bookkeeping of fits. This file validates arguments (every check runs before any state changes),
-turns inputs into batches and hands them to the loop in `meshfit.loop`.
+turns inputs into batches and hands them to the loop in `meshfit.training.loop`.
 """
 
 from __future__ import annotations
@@ -19,27 +19,31 @@ import numpy as np
 import optax
 
 from meshfit import callbacks as callbacks_lib
-from meshfit import cluster, inputs, keras_names, label_check, mixed_precision, precision, saving, utils
-from meshfit import data as data_lib
 from meshfit import losses as losses_lib
 from meshfit import metrics as metrics_lib
+from meshfit import mixed_precision, utils
 from meshfit import optimizers as optimizers_lib
 from meshfit import outputs as outputs_lib
-from meshfit.batch import Batch
-from meshfit.config_check import STEP_LIMIT
-from meshfit.custom_steps import STEP_METHODS, MetricsLayout, ModelSteps
-from meshfit.fit_context import FitContext
-from meshfit.loop import evaluate_loop, fit_loop, host_logs, predict_loop
-from meshfit.modules import adapt
-from meshfit.preemption import DEFAULT_PREEMPTION_TIMEOUT, PreemptionWatch
-from meshfit.session import Session
-from meshfit.state import TrainState
-from meshfit.step_report import StepReport
-from meshfit.steps import StepFunctions, forward
+from meshfit.checkpointing import saving
+from meshfit.checkpointing.config_check import STEP_LIMIT
+from meshfit.core import keras_names, precision
+from meshfit.core.batch import Batch
+from meshfit.core.state import TrainState
+from meshfit.core.trees import path_name
+from meshfit.cost.step_report import StepReport
+from meshfit.cost.summary import format_step_report, format_summary
+from meshfit.data import inputs, label_check
+from meshfit.data import sources as data_lib
+from meshfit.runtime import cluster
+from meshfit.runtime.preemption import DEFAULT_PREEMPTION_TIMEOUT, PreemptionWatch
+from meshfit.steps.builtin import StepFunctions, forward
+from meshfit.steps.custom_steps import STEP_METHODS, MetricsLayout, ModelSteps
+from meshfit.steps.modules import adapt
+from meshfit.steps.terms import LossTerm, MetricTerm, Output
 from meshfit.strategies import get_strategy, has_strategy, placement
-from meshfit.summary import format_step_report, format_summary
-from meshfit.terms import LossTerm, MetricTerm, Output
-from meshfit.trees import path_name
+from meshfit.training.fit_context import FitContext
+from meshfit.training.loop import evaluate_loop, fit_loop, host_logs, predict_loop
+from meshfit.training.session import Session
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +53,7 @@ class CompileSettings:
     Attributes:
         tx: the optax transformation (several optimizers: one transform over their parts,
             `meshfit.optimizers.partitioned`).
-        optimizer_id: the optimizer as passed (saved with the model when `meshfit.serialization` can write it).
+        optimizer_id: the optimizer as passed (saved with the model when `serialization` can write it).
         loss: the loss as passed (one for every output, or a dict/list per
             output), checked; resolved per output on the first batch (None:
             `predict` only).
@@ -58,7 +62,7 @@ class CompileSettings:
             resolved on the first batch (their shapes decide "accuracy").
         weighted: identifiers of the metrics that use `sample_weight`, likewise.
         steps_per_execution: batches run inside one compiled call.
-        dtype_policy: the `meshfit.precision.DTypePolicy` the steps compute under.
+        dtype_policy: the `meshfit.core.precision.DTypePolicy` the steps compute under.
         gradient_accumulation_steps: batches whose mean gradient makes one update (1: every batch).
         run_eagerly: the steps run un-jitted, op by op (`compile(run_eagerly=True)` or `jit_compile=False`).
     """
@@ -129,7 +133,7 @@ class Model:
                 None if shardings is None else (shardings.params, shardings.model_state)
             )
             state = self.strategy.place_state(self._initial_state(params, model_state), hints)
-        #: The training state and the bookkeeping of fits (the one owner of both; see `meshfit.session`).
+        #: The training state and the bookkeeping of fits (the one owner of both; see `meshfit.training.session`).
         self.session = Session(self.strategy, state, follow=None if self.abstract else self._follow_state)
         self._compiled: CompileSettings | None = None
         self._input_spec = None
@@ -164,7 +168,7 @@ class Model:
     @property
     def fit_context(self) -> FitContext:
         """The running fit as callbacks see it: optimizer steps taken, a settled state, the fit's
-        position and `restore` (`meshfit.fit_context.FitContext`)."""
+        position and `restore` (`meshfit.training.fit_context.FitContext`)."""
         return self.session.context
 
     @property
@@ -325,7 +329,7 @@ class Model:
             loss: a loss name, a `meshfit.losses.Loss`, or a callable
                 `(y_true, y_pred) -> per-sample losses`, or a scalar for the
                 batch (Keras's value; computed on a partial batch's real rows
-                by a step compiled per partial size: see `meshfit.executables`;
+                by a step compiled per partial size: see `meshfit.training.executables`;
                 refused where that cannot be exact). For a model with
                 several outputs (a dict, list or tuple of arrays), one loss for
                 every output, or a dict keyed by output name (a list in output
@@ -343,7 +347,7 @@ class Model:
                 (a `lax.scan`); batch callbacks are called once per call.
             dtype_policy: Keras's policy names: "float32", "mixed_bfloat16",
                 "mixed_float16" (with dynamic loss scaling) or "bfloat16"
-                (weights kept in bfloat16 too); see `meshfit.precision`. None:
+                (weights kept in bfloat16 too); see `meshfit.core.precision`. None:
                 the global policy (`meshfit.mixed_precision.set_global_policy`;
                 "float32" unless set).
             gradient_accumulation_steps: apply the optimizer every K batches
@@ -525,7 +529,7 @@ class Model:
             )
 
     def _custom_methods(self) -> set[str]:
-        """The step methods (`meshfit.custom_steps.STEP_METHODS`) this model's class overrides."""
+        """The step methods (`meshfit.steps.custom_steps.STEP_METHODS`) this model's class overrides."""
         return {name for name in STEP_METHODS if getattr(type(self), name) is not getattr(Model, name)}
 
     def _needs_targets(self, own_step: str) -> bool:
@@ -716,7 +720,7 @@ class Model:
         `meshfit.TrainState`. Compiled once per batch shape under the model's
         strategy; meshfit advances `state.step` after it. Overriding it (or
         `compute_loss`, `test_step`, `predict_step`) makes the model's steps
-        these methods (`meshfit.custom_steps`); otherwise meshfit runs its
+        these methods (`meshfit.steps.custom_steps`); otherwise meshfit runs its
         built-in steps, which compute the same and also train on a padded
         partial batch without recompiling.
         """

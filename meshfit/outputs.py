@@ -5,7 +5,7 @@ A module returns one array, or a dict, list or tuple of them (nested too).
 per output, as Keras does: one loss for every output, a dict keyed by output
 name, or a list in output order. They are resolved once, on the first batch,
 when the outputs' structure is known, into flat lists of terms that each
-address one output by its path (`meshfit.terms`); the steps in `meshfit.steps`
+address one output by its path (`meshfit.steps.terms`); the steps in `meshfit.steps.builtin`
 only loop over those lists.
 
 Output names: a dict output's keys (nested keys joined with "/"), a
@@ -25,7 +25,7 @@ import jax
 
 from meshfit import losses as losses_lib
 from meshfit import metrics as metrics_lib
-from meshfit.terms import LossTerm, MetricTerm, Output
+from meshfit.steps.terms import LossTerm, MetricTerm, Output
 
 __all__ = [
     "outputs_of",
@@ -137,7 +137,7 @@ def find_scalar_losses(terms: Sequence[LossTerm], y_true: Any, y_pred: Any) -> l
 
     Traced with `jax.eval_shape`: nothing runs. Per-sample losses cost
     nothing more; only a scalar one makes the session pick the step by a
-    batch's real rows (`meshfit.executables`).
+    batch's real rows (`meshfit.training.executables`).
     """
     marked = []
     for term in terms:

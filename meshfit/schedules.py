@@ -5,7 +5,7 @@ does (`meshfit.optimizers.get("adam", learning_rate=CosineDecay(1e-3, 1000))`,
 `optax.adam(ExponentialDecay(...))`), inside the compiled step as well. Unlike
 an optax schedule, a closure that JSON cannot hold, each has `get_config()`
 holding exactly what `__init__` takes, so a model compiled with one saves and
-reloads with nothing passed again (`meshfit.serialization`). Names, arguments,
+reloads with nothing passed again (`meshfit.checkpointing.serialization`). Names, arguments,
 defaults and values are Keras 3's (`keras.optimizers.schedules`); where optax
 has the same curve, the schedule is optax's.
 """

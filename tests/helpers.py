@@ -7,8 +7,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from meshfit.checkpoint import MARKER, PROBE, own_names
-from meshfit.dirlock import LOCK_NAME
+from meshfit.checkpointing.checkpoint import MARKER, PROBE, own_names
+from meshfit.checkpointing.dirlock import LOCK_NAME
 
 
 class MLP(nnx.Module):

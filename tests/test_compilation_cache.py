@@ -20,7 +20,7 @@ from processes import run, without_suite_cache
 
 import meshfit as mf
 from meshfit import compilation_cache
-from meshfit.trusted_dirs import UntrustedDirectory
+from meshfit.checkpointing.trusted_dirs import UntrustedDirectory
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,7 @@
 """Keras 3's own signatures against meshfit's: every Keras argument is accepted, or refused naming meshfit's way.
 
 The installed `keras` is read with `inspect`: its callbacks that meshfit has, and `keras.Model.compile`, `fit`,
-`evaluate`, `predict` and `save`. What differs is `meshfit.keras_names.KERAS_NAMES`, which docs/keras.md holds.
+`evaluate`, `predict` and `save`. What differs is `meshfit.core.keras_names.KERAS_NAMES`, which docs/keras.md holds.
 """
 
 import inspect
@@ -12,7 +12,7 @@ import pytest
 from helpers import MLP
 
 import meshfit as mf
-from meshfit.keras_names import KERAS_NAMES, markdown_table, row
+from meshfit.core.keras_names import KERAS_NAMES, markdown_table, row
 
 keras = pytest.importorskip("keras")
 
@@ -151,4 +151,4 @@ def test_compile_auto_scale_loss_false_is_accepted_where_nothing_scales():
 
 def test_docs_hold_the_table():
     with open(DOCS) as f:
-        assert markdown_table() in f.read(), "docs/keras.md: paste meshfit.keras_names.markdown_table()"
+        assert markdown_table() in f.read(), "docs/keras.md: paste meshfit.core.keras_names.markdown_table()"

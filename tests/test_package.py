@@ -88,7 +88,10 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_cycles_among_meshfit_modules():
     found = modules()
     graph = {name: imports(path, set(found), name) for name, path in found.items()}
-    assert "meshfit.saving" in graph["meshfit.model"] and "meshfit.job_env" in graph["meshfit.launch"]  # edges are seen
+    assert (
+        "meshfit.checkpointing.saving" in graph["meshfit.model"]
+        and "meshfit.runtime.job_env" in graph["meshfit.launch.local"]
+    )  # edges are seen
     assert cycles(graph) == []
 
 
@@ -126,9 +129,18 @@ def test_names_load_on_first_use_as_if_imported():
     from meshfit.model import Model
 
     assert meshfit.Model is Model
-    assert meshfit.checkpoint.CheckpointDir  # any submodule, as before
     with pytest.raises(AttributeError, match="no attribute 'Modle'"):
         _ = meshfit.Modle
+
+
+def test_internal_modules_are_not_attributes_of_the_package():
+    """`mf.<name>` is the public API only; internal modules are imported by their path."""
+    code = "import meshfit as mf; print([n for n in ('feeder', 'session', 'checkpoint', 'launch') if hasattr(mf, n)])"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr[-2000:]
+    from meshfit.checkpointing.checkpoint import CheckpointDir
+
+    assert CheckpointDir  # by its path
 
 
 def test_every_module_the_package_exports_lists_its_public_names_and_each_resolves():
@@ -179,53 +191,33 @@ def test_no_test_or_callback_reads_a_private_attribute_of_the_session():
     assert [path for path in callbacks if ".session" in open(path).read()] == []
 
 
-#: The layers of docs/architecture.md, top down; each calls only the layers below it.
-FACADE = {
-    "meshfit.model",
-    "meshfit.outputs",
-    "meshfit.saving",
-    "meshfit.serialization",
-    "meshfit.config_check",
-    "meshfit.mixed_precision",
-    "meshfit.summary",
-}
-LOOP = {
-    "meshfit.loop",
-    "meshfit.session",
-    "meshfit.state_store",
-    "meshfit.fit_cursor",
-    "meshfit.executables",
-    "meshfit.feeder",
-    "meshfit.fit_context",
-    "meshfit.fit_timer",
-    "meshfit.data",
-    "meshfit.callbacks",
-}
-STEPS = {
-    "meshfit.steps",
-    "meshfit.state",
-    "meshfit.terms",
-    "meshfit.losses",
-    "meshfit.metrics",
-    "meshfit.optimizers",
-    "meshfit.schedules",
-    "meshfit.modules",
-}
+def test_the_layers_contract_holds_and_sees_the_package():
+    """pyproject.toml's [tool.importlinter] layers, checked by import-linter as `.ci/run` does."""
+    result = subprocess.run(
+        [sys.executable, "-c", "from importlinter.cli import lint_imports_command; lint_imports_command()"],
+        cwd=os.path.dirname(os.path.abspath(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "meshfit's layers KEPT" in result.stdout
 
 
-def in_layer(name: str, layer: set[str]) -> bool:
-    return any(name == top or name.startswith(top + ".") for top in layer)
-
-
-def test_steps_and_strategies_import_nothing_from_the_loop_or_the_facade():
-    """The steps and the strategies are below the loop: they take batches and terms, not data sources or compile
-    arguments (`meshfit.batch`, `meshfit.terms`)."""
-    found = modules()
-    graph = {name: imports(path, set(found), name) for name, path in found.items()}
-    assert in_layer("meshfit.callbacks.history", LOOP) and "meshfit.batch" in graph["meshfit.steps"]  # edges are seen
-    upward = {
-        name: sorted(m for m in imported if in_layer(m, FACADE | LOOP))
-        for name, imported in graph.items()
-        if in_layer(name, STEPS) or name.startswith("meshfit.strategies")
-    }
-    assert {name: hits for name, hits in upward.items() if hits} == {}
+def test_the_top_of_the_package_is_its_public_face():
+    """A dozen modules at the top (the public face); everything else in a package that names its layer."""
+    flat = sorted(n[: -len(".py")] for n in os.listdir(ROOT) if n.endswith(".py") and n != "__init__.py")
+    assert flat == [
+        "cli",
+        "cluster",
+        "compilation_cache",
+        "export",
+        "losses",
+        "metrics",
+        "mixed_precision",
+        "model",
+        "optimizers",
+        "outputs",
+        "schedules",
+        "utils",
+    ]

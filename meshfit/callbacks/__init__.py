@@ -1,7 +1,6 @@
 """Keras-style callbacks: the protocol (`Callback`, `CallbackList`) and the built-in ones."""
 
 from meshfit.callbacks.backup_and_restore import BackupAndRestore
-from meshfit.callbacks.base import Callback, CallbackList
 from meshfit.callbacks.csv_logger import CSVLogger
 from meshfit.callbacks.early_stopping import EarlyStopping, MonitorCallback
 from meshfit.callbacks.goodput import Goodput, Ledger
@@ -14,6 +13,7 @@ from meshfit.callbacks.reduce_lr_on_plateau import ReduceLROnPlateau
 from meshfit.callbacks.tensorboard import TensorBoard
 from meshfit.callbacks.terminate_on_nan import TerminateOnNaN
 from meshfit.callbacks.throughput import Throughput
+from meshfit.training.callback_protocol import Callback, CallbackList
 
 __all__ = [
     "BackupAndRestore",

@@ -7,12 +7,9 @@ import os
 import re
 
 from meshfit import compilation_cache
-from meshfit.callbacks.base import Callback, state_keys
-from meshfit.checkpoint import CheckpointDir, NonFiniteState
-from meshfit.checkpoint_schema import BACKUP, Backup
-from meshfit.fit_cursor import Position
-from meshfit.preemption import DEFAULT_PREEMPTION_TIMEOUT
-from meshfit.save_policy import (
+from meshfit.checkpointing.checkpoint import CheckpointDir, NonFiniteState
+from meshfit.checkpointing.checkpoint_schema import BACKUP, Backup
+from meshfit.checkpointing.save_policy import (
     AFTER_BATCH,
     AT_EPOCH_END,
     AT_PREEMPTION,
@@ -21,6 +18,9 @@ from meshfit.save_policy import (
     PreemptionPolicy,
     from_save_freq,
 )
+from meshfit.runtime.preemption import DEFAULT_PREEMPTION_TIMEOUT
+from meshfit.training.callback_protocol import Callback, state_keys
+from meshfit.training.fit_cursor import Position
 
 #: How backups of format 1 filed a callback's state: its index among the fit's other callbacks, and its class.
 _POSITIONAL_KEY = re.compile(r"^(\d+):(.+)$")
@@ -83,7 +83,7 @@ class BackupAndRestore(Callback):
             directory holding anything else, or one that is not yours alone
             (another user's, or writable by group or others: whoever can write
             there decides what the job resumes and runs) is refused before any
-            step (`meshfit.trusted_dirs`).
+            step (`meshfit.checkpointing.trusted_dirs`).
         save_freq: "epoch", or a number of batches between backups.
         double_checkpoint: Keras's name for keeping the previous backup to fall
             back on: meshfit always does (`max_to_keep=2`); True keeps at least two.
@@ -103,7 +103,7 @@ class BackupAndRestore(Callback):
             puts them there; False leaves JAX's setting alone.
         preemption_timeout: seconds from a SIGTERM (or SIGINT) to the
             process's end at the latest, even with the main thread stuck in C
-            (`meshfit.preemption.DEFAULT_PREEMPTION_TIMEOUT`, 25 s: within the
+            (`meshfit.runtime.preemption.DEFAULT_PREEMPTION_TIMEOUT`, 25 s: within the
             30 s grace period of Kubernetes, SLURM and GCE preemptions). Past
             it the process exits with 143 (130 after SIGINT) without saving.
             None: wait for the step boundary however long it takes.

@@ -9,8 +9,8 @@ import os
 
 import numpy as np
 
-from meshfit.callbacks.base import Callback
 from meshfit.callbacks.progbar_logger import is_chief
+from meshfit.training.callback_protocol import Callback
 
 
 class CSVLogger(Callback):

@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from meshfit.callbacks.base import Callback
 from meshfit.callbacks.progbar_logger import print_msg
+from meshfit.training.callback_protocol import Callback
 
 # Direction of the metrics Keras knows by name (their `_direction`), used when
 # the model does not describe its metrics: `mode="auto"` then resolves

@@ -15,14 +15,14 @@ import warnings
 
 import jax
 
-from meshfit import safe_files, trusted_dirs
 from meshfit.callbacks.backup_and_restore import BackupAndRestore
-from meshfit.callbacks.base import Callback
 from meshfit.callbacks.progbar_logger import print_msg
-from meshfit.fit_timer import PHASES
+from meshfit.checkpointing import safe_files, trusted_dirs
+from meshfit.training.callback_protocol import Callback
+from meshfit.training.fit_timer import PHASES
 
 #: The buckets of a ledger, in the order a table prints them. The phases of a fit are
-#: `meshfit.fit_timer.PHASES`; "startup" is a process's time before its first fit, "idle" the time
+#: `meshfit.training.fit_timer.PHASES`; "startup" is a process's time before its first fit, "idle" the time
 #: between fits of one process, "lost" the time of steps trained after the last backup before a
 #: crash (trained again), "down" the time between a crashed process's last record and the next
 #: process's start.
@@ -204,7 +204,7 @@ class Goodput(Callback):
     each fit's compilation (JAX's own compile events), steps (dispatching them
     and waiting for the devices), waiting for input, checkpoint blocking (the
     time a save or a restore holds the loop), evaluation, the callbacks' own
-    time and the loop's other host work (`meshfit.fit_timer.FitTimer`), the
+    time and the loop's other host work (`meshfit.training.fit_timer.FitTimer`), the
     time between fits of one process, and across a crash: lost work (the
     time of the steps trained after the last backup, which the resumed run
     trains again) and down time (from the crashed process's last record to
@@ -214,7 +214,7 @@ class Goodput(Callback):
     ledger covers every process of the job. To know how far a killed process
     got past its last backup, Goodput keeps a record of its running ledger
     inside the backup directory (`<backup_dir>/.goodput.json`, made 0700 and
-    the user's alone: `meshfit.trusted_dirs`), rewritten atomically at most
+    the user's alone: `meshfit.checkpointing.trusted_dirs`), rewritten atomically at most
     every `record_every` seconds and at each epoch's end; steps after the last
     record count as down time. Without a `BackupAndRestore` nothing is
     written and no batch hook runs. The record is read back as data: a record
@@ -375,7 +375,7 @@ class Goodput(Callback):
 
     def _write_record(self) -> None:
         """Writes the running ledger atomically (a new file renamed over the old one, never through a planted
-        link: `meshfit.safe_files`; no fsync: a killed process's writes stay with the OS, and a machine that
+        link: `safe_files`; no fsync: a killed process's writes stay with the OS, and a machine that
         lost power loses the whole job's time anyway). A record that cannot be written (something else in its
         place, a full disk) stops the recording with a warning; a backup directory already deleted at the
         fit's end (by process 0, while another process records) ends it silently."""

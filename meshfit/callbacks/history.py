@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from meshfit.callbacks.base import Callback
+from meshfit.training.callback_protocol import Callback
 
 
 class History(Callback):

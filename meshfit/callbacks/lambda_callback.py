@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from meshfit.callbacks.base import Callback
+from meshfit.training.callback_protocol import Callback
 
 
 class LambdaCallback(Callback):

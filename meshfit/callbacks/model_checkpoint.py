@@ -5,13 +5,19 @@ from __future__ import annotations
 import os
 import string
 
-from meshfit import keras_names
 from meshfit.callbacks.early_stopping import MonitorCallback
 from meshfit.callbacks.progbar_logger import print_msg
-from meshfit.checkpoint import CheckpointDir, finish_replacement, open_for_saving, replace_directory, staging_path
-from meshfit.checkpoint_schema import TRAINING, WEIGHTS, WeightsSchema
-from meshfit.save_policy import AFTER_BATCH, AT_EPOCH_END, from_save_freq
-from meshfit.state import TrainState
+from meshfit.checkpointing.checkpoint import (
+    CheckpointDir,
+    finish_replacement,
+    open_for_saving,
+    replace_directory,
+    staging_path,
+)
+from meshfit.checkpointing.checkpoint_schema import TRAINING, WEIGHTS, WeightsSchema
+from meshfit.checkpointing.save_policy import AFTER_BATCH, AT_EPOCH_END, from_save_freq
+from meshfit.core import keras_names
+from meshfit.core.state import TrainState
 
 
 def _has_fields(path: str) -> bool:

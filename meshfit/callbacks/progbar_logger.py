@@ -18,7 +18,7 @@ import time
 import numpy as np
 from tqdm.std import tqdm
 
-from meshfit.callbacks.base import Callback
+from meshfit.training.callback_protocol import Callback
 
 
 def is_chief() -> bool:

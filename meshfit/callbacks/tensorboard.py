@@ -24,9 +24,9 @@ import warnings
 import jax
 import numpy as np
 
-from meshfit import keras_names
-from meshfit.callbacks.base import Callback
 from meshfit.callbacks.progbar_logger import is_chief
+from meshfit.core import keras_names
+from meshfit.training.callback_protocol import Callback
 
 # Event file names carry the time in whole seconds; a per-process counter keeps
 # writers opened within the same second (e.g. two quick fits) from overwriting

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshfit.callbacks.base import Callback
 from meshfit.callbacks.progbar_logger import print_msg
+from meshfit.training.callback_protocol import Callback
 
 
 class TerminateOnNaN(Callback):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import time
 
-from meshfit.callbacks.base import Callback
-from meshfit.roofline import DEVICE_SPECS, device_spec
+from meshfit.cost.roofline import DEVICE_SPECS, device_spec
+from meshfit.training.callback_protocol import Callback
 
 #: Dense bfloat16 peak FLOP/s per device, by a fragment of JAX's `device_kind`: the peaks of the one table of
-#: device specs (`meshfit.roofline.DEVICE_SPECS`), which `meshfit.plan` reads too.
+#: device specs (`meshfit.cost.roofline.DEVICE_SPECS`), which `meshfit.plan` reads too.
 PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = tuple((fragment, spec.peak_flops) for fragment, spec in DEVICE_SPECS)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from meshfit.lazy import lazy_names
+from meshfit.core.lazy import lazy_names
 
 # Each public name, by the module that defines it.
 _NAMES = {

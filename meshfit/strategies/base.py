@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 
-from meshfit.leaf_programs import LeafProgram
 from meshfit.strategies import placement
+from meshfit.strategies.leaf_programs import LeafProgram
 
 if TYPE_CHECKING:
-    from meshfit.state import TrainState
-    from meshfit.steps import StepFunctions
+    from meshfit.core.state import TrainState
+    from meshfit.steps.builtin import StepFunctions
 
 _local = threading.local()
 
@@ -94,7 +94,7 @@ class TrainFunction(Protocol):
 
 
 class CompiledTrainFunction(LeafProgram):
-    """A synchronous `TrainFunction`: a step compiled on the state's leaves (`meshfit.leaf_programs`),
+    """A synchronous `TrainFunction`: a step compiled on the state's leaves (`meshfit.strategies.leaf_programs`),
     applied before the next call returns its state."""
 
     __slots__ = ()

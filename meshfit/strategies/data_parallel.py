@@ -43,7 +43,7 @@ def check_options(reduction: str | None, gradient_compression: str | None) -> st
 
 
 class DataReplicas:
-    """`meshfit.steps.Replicas` for the devices of one mesh axis, inside `shard_map`.
+    """`meshfit.steps.builtin.Replicas` for the devices of one mesh axis, inside `shard_map`.
 
     Args:
         axis: the mesh axis the batch is split over.

@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from meshfit.trees import path_name
+from meshfit.core.trees import path_name
 
 Rules = Sequence[tuple[str, Any]]
 

@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshfit import cluster
+from meshfit.runtime import cluster
 from meshfit.strategies import layout
 from meshfit.strategies.base import Strategy
 from meshfit.strategies.current import get_strategy

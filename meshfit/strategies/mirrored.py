@@ -12,7 +12,7 @@ from meshfit.strategies.base import Capabilities
 from meshfit.strategies.device_mesh import DeviceMeshStrategy, build_mesh
 
 if TYPE_CHECKING:
-    from meshfit.steps import StepFunctions
+    from meshfit.steps.builtin import StepFunctions
 
 DATA_AXIS = "data"
 

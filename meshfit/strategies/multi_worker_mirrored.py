@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from meshfit import cluster
+from meshfit.runtime import cluster
 from meshfit.strategies import data_parallel
 from meshfit.strategies.mirrored import MirroredStrategy
 
@@ -12,7 +12,7 @@ from meshfit.strategies.mirrored import MirroredStrategy
 class MultiWorkerMirroredStrategy(MirroredStrategy):
     """Synchronous data parallelism across processes and hosts.
 
-    Joins the `jax.distributed` job (see `meshfit.cluster.initialize`: explicit
+    Joins the `jax.distributed` job (see `meshfit.runtime.cluster.initialize`: explicit
     arguments, `MESHFIT_*` variables from `meshfit launch`, or auto-detection on
     SLURM, Open MPI, Cloud TPU and Kubernetes), then builds one `"data"` mesh over
     all processes' devices, process by process. Each process feeds only its own
@@ -32,7 +32,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             (default: `MESHFIT_HEARTBEAT_TIMEOUT`, else 30).
         initialization_timeout: seconds to wait for all processes to join
             (default: `MESHFIT_INIT_TIMEOUT`, else 300); past it, a
-            `meshfit.rendezvous.JoinTimeoutError` says how many came.
+            `meshfit.runtime.rendezvous.JoinTimeoutError` says how many came.
         reduction: as for `MirroredStrategy`: "auto" (XLA's all-reduce) or
             "explicit" (meshfit's psum under shard_map).
         gradient_compression: as for `MirroredStrategy`: None, "bf16" or "fp16";

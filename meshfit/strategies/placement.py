@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from meshfit.trees import is_key
+from meshfit.core.trees import is_key
 
 
 def put(tree, shardings):

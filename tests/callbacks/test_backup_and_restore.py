@@ -21,7 +21,7 @@ from helpers import MLP, classification_data, linked_meshfit_names, meshfit_name
 from processes import Job, run
 
 import meshfit as mf
-from meshfit.checkpoint import MARKER
+from meshfit.checkpointing.checkpoint import MARKER
 
 pytestmark = pytest.mark.slow  # starts real processes (the fast tier leaves these out)
 
@@ -439,8 +439,8 @@ class SpikeLearningRate(mf.callbacks.Callback):
 def test_a_nan_stop_keeps_the_last_finite_backup_and_saves_no_nan(
     tmp_path, capsys, terminate_on_nan, delete_checkpoint
 ):
-    from meshfit import integrity
-    from meshfit.checkpoint import CheckpointDir
+    from meshfit.checkpointing import integrity
+    from meshfit.checkpointing.checkpoint import CheckpointDir
 
     x, y = classification_data(n=96)
     model = mf.Model(MLP(), seed=3)

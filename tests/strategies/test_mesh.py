@@ -9,7 +9,7 @@ from helpers import assert_trees_close, classification_data
 from jax.sharding import PartitionSpec as P
 
 import meshfit as mf
-from meshfit.memory import live_bytes
+from meshfit.cost.memory import live_bytes
 
 
 class Block(nnx.Module):

@@ -6,7 +6,7 @@ import pytest
 from helpers import MLP, assert_trees_close, classification_data
 
 import meshfit as mf
-from meshfit.inputs import data_source
+from meshfit.data.inputs import data_source
 
 
 def train(strategy, x, y, batch_size, epochs, spe=1, **fit_kwargs):

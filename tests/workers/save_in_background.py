@@ -6,7 +6,7 @@ import sys
 
 import jax.numpy as jnp
 
-from meshfit.checkpoint import CheckpointDir
+from meshfit.checkpointing.checkpoint import CheckpointDir
 
 ckpt = CheckpointDir(sys.argv[1], "backup", max_to_keep=2, async_save=True)
 for number in range(1, 1000):

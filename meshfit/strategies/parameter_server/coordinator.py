@@ -239,7 +239,7 @@ class RemoteWorkers:
     def prepare(self, state, task: Task) -> None:
         """Exports the worker's gradient computation for jobs like `task` and sends it to every worker.
 
-        Typed RNG keys travel as raw key data (`checkpoint.encode`).
+        Typed RNG keys travel as raw key data (`core.trees.encode`).
         """
         self.exported = export_gradients(self.steps, state, task)
         plan = self.group.plan(state)

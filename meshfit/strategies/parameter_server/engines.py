@@ -28,8 +28,8 @@ from meshfit.strategies.parameter_server.server import (
 )
 
 if TYPE_CHECKING:
-    from meshfit.batch import Batch
-    from meshfit.state import TrainState
+    from meshfit.core.batch import Batch
+    from meshfit.core.state import TrainState
 
 #: What a gradient job computes: `(gradients, module state, metric increments)`, pytrees like the state's.
 GradientResult = tuple[Any, Any, Any]
@@ -38,7 +38,7 @@ GradientResult = tuple[Any, Any, Any]
 class Workers(Protocol):
     """Where an engine's gradient jobs run. Called from the training thread only."""
 
-    #: Whether results carry module state with RNG keys as raw key data (`checkpoint.encode`).
+    #: Whether results carry module state with RNG keys as raw key data (`core.trees.encode`).
     encoded: bool
 
     #: Whether servers of their own apply the optimizer update (Ray's server actors): the engine's state

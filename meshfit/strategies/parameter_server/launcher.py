@@ -6,7 +6,7 @@ of their own. The other N ranks are workers: they run the worker process
 (`python -m meshfit.strategies.parameter_server.worker`), never join a
 `jax.distributed` job, and may die without stopping the job.
 
-Imports nothing of JAX (see `meshfit.job_layout`): `meshfit launch` reads it.
+Imports nothing of JAX (see `meshfit.runtime.job_layout`): `meshfit launch` reads it.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from meshfit import job_env
-from meshfit.job_layout import ExitVerdict, JobLayout, JobStart, distributed_env, status_text
+from meshfit.runtime import job_env
+from meshfit.runtime.job_layout import ExitVerdict, JobLayout, JobStart, distributed_env, status_text
 
 ENV_PS_ROLE = "MESHFIT_PS_ROLE"  # "coordinator" (server rank 0), "server" (server ranks 1..) or "worker"
 ENV_PS_ADDRESS = "MESHFIT_PS_ADDRESS"  # host:port of the coordinator's control listener

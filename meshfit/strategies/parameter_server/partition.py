@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from meshfit.checkpoint import encode
+from meshfit.core.trees import encode
 from meshfit.strategies import layout
 from meshfit.strategies.parameter_server.server import SERVER_AXIS, local
 

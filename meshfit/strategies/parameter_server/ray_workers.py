@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshfit.checkpoint import encode
-from meshfit.state import TrainState
+from meshfit.core.state import TrainState
+from meshfit.core.trees import encode
 from meshfit.strategies.parameter_server import ray_actors, ray_cluster
 from meshfit.strategies.parameter_server.partition import state_partitions
 from meshfit.strategies.parameter_server.server import Task, export_gradients

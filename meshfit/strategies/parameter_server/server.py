@@ -8,10 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshfit.batch import Batch
-from meshfit.checkpoint import decode, encode
+from meshfit.core.batch import Batch
+from meshfit.core.trees import decode, encode, is_key
 from meshfit.strategies import layout, placement
-from meshfit.trees import is_key
 
 SERVER_AXIS = "ps"
 
@@ -147,7 +146,7 @@ def export_gradients(steps, state, task):
     """The worker's gradient program for jobs like `task` on states like `state`, exported (`jax.export`).
 
     Called as `(params, encoded module state, batch, rng, salt) -> (grads, encoded module state,
-    increments)`: typed RNG keys travel as raw key data (`checkpoint.encode`), so a worker needs nothing
+    increments)`: typed RNG keys travel as raw key data (`core.trees.encode`), so a worker needs nothing
     of the training script.
     """
     template = state.model_state
@@ -208,7 +207,7 @@ class ServerTrainFunction:
         """Applies one gradient (server arrays) to `state`.
 
         `encoded`: the module state comes from a worker process, its RNG keys
-        as raw key data (`checkpoint.encode`), and is decoded on the server.
+        as raw key data (`core.trees.encode`), and is decoded on the server.
         """
         self.state, self.logs = self._apply[encoded](self.state, grads, model_state, increments)
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from meshfit import cluster as jax_cluster
+from meshfit.runtime import cluster as jax_cluster
 from meshfit.strategies.base import Capabilities, Strategy, TrainFunction
 from meshfit.strategies.parameter_server import launcher, partition, transport
 from meshfit.strategies.parameter_server.coordinator import Coordinator, RemoteWorkers
@@ -29,8 +29,8 @@ from meshfit.strategies.parameter_server.server import ServerLayout
 from meshfit.strategies.parameter_server.threads import LocalWorkers
 
 if TYPE_CHECKING:
-    from meshfit.state import TrainState
-    from meshfit.steps import StepFunctions
+    from meshfit.core.state import TrainState
+    from meshfit.steps.builtin import StepFunctions
 
 MODES = ("async", "sync")
 

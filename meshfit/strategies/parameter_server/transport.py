@@ -38,11 +38,11 @@ from multiprocessing.connection import Connection, Listener, answer_challenge, d
 import jax
 import numpy as np
 
-from meshfit.batch import Batch
+from meshfit.core.batch import Batch
 from meshfit.strategies.parameter_server import launcher
 
 # The exported gradient program takes a Batch; both ends must know its name.
-jax.export.register_namedtuple_serialization(Batch, serialized_name="meshfit.batch.Batch")
+jax.export.register_namedtuple_serialization(Batch, serialized_name="meshfit.core.batch.Batch")
 
 #: Seconds a worker waits for a server's part of the parameters (a server of rank 1.. sends it when rank 0 says).
 PULL_TIMEOUT = 30.0

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import jax.numpy as jnp
 
-from meshfit.state import TrainState
+from meshfit.core.state import TrainState
 from meshfit.strategies.parameter_server.engines import AsyncEngine
 
 

@@ -5,7 +5,7 @@ import numpy as np
 from helpers import MLP, classification_data
 
 import meshfit as mf
-from meshfit.batch import Batch
+from meshfit.core.batch import Batch
 from meshfit.strategies.parameter_server.server import job_salt, salted, split_rows, weighted_mean
 
 

@@ -142,7 +142,7 @@ def test_async_backups_hold_every_batch_handed_out(tmp_path):
     """A backup mid-epoch counts applied gradients, not batches handed out: it waits for those in flight."""
     import orbax.checkpoint as ocp
 
-    from meshfit.checkpoint import STATE
+    from meshfit.checkpointing.checkpoint import STATE
 
     x, y = classification_data(n=96)
     strategy = mf.strategies.ParameterServerStrategy(workers=jax.devices()[:4], worker_delays={0: 0.02})

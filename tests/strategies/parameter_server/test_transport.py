@@ -9,7 +9,7 @@ from multiprocessing.connection import Client, Listener
 import numpy as np
 import pytest
 
-from meshfit.launch import free_port
+from meshfit.launch.local import free_port
 from meshfit.strategies.parameter_server import launcher, transport
 
 KEY = b"k" * 32

@@ -1,0 +1,189 @@
+"""The few places meshfit reaches into a library's private code, each with why.
+
+Keep every such use here, so a version bump has one file to check.
+"""
+
+from __future__ import annotations
+
+import threading
+
+
+def as_eager(fn):
+    """`fn` (no arguments) as a function that, traced into one program, computes what eager JAX computes.
+
+    `fn` is traced to a jaxpr whose top-level equations are replayed one by
+    one, each one's results behind `lax.optimization_barrier`: XLA then cannot
+    simplify across equations as it does inside one program (it folds
+    `normal(key) * stddev` into one multiply by a different constant, 1 ulp
+    away), nor evaluate them at compile time with its own math (`erf` of a
+    literal bound), while each equation, a jitted library function included,
+    is compiled as eager execution compiles it. Why: a model created from a
+    factory inside `jax.jit` (to create it in its sharded layout) must start
+    bitwise equal to the same module created eagerly. The replay uses JAX's
+    jaxpr internals (`get_bind_params`, whose result changed shape across versions).
+    """
+    import jax
+    from jax.extend import core as jax_core
+
+    closed, shapes = jax.make_jaxpr(fn, return_shape=True)()
+    treedef = jax.tree.structure(shapes)
+
+    def fence(value, dtype=None):
+        value = jax.numpy.asarray(value, dtype)
+        return value if jax.dtypes.issubdtype(value.dtype, jax.dtypes.extended) else jax.lax.optimization_barrier(value)
+
+    def replay():
+        # Constants reach each equation as eager execution passes them, as values computed at run
+        # time: XLA would fold them at compile time, with its own (differently rounded) math.
+        env = {var: fence(const) for var, const in zip(closed.jaxpr.constvars, closed.consts, strict=True)}
+
+        def read(var):
+            return fence(var.val, var.aval.dtype) if isinstance(var, jax_core.Literal) else env[var]
+
+        for eqn in closed.jaxpr.eqns:
+            params = eqn.primitive.get_bind_params(eqn.params)
+            subfuns, params = params if isinstance(params, tuple) else ((), params)
+            with eqn.ctx.manager:
+                outs = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **params)
+            outs = list(outs) if eqn.primitive.multiple_results else [outs]
+            plain = [i for i, out in enumerate(outs) if not jax.dtypes.issubdtype(out.dtype, jax.dtypes.extended)]
+            fenced = jax.lax.optimization_barrier([outs[i] for i in plain])  # not for key arrays
+            for i, out in zip(plain, fenced, strict=True):
+                outs[i] = out
+            env.update(zip(eqn.outvars, outs, strict=True))
+        return jax.tree.unflatten(treedef, [read(var) for var in closed.jaxpr.outvars])
+
+    return replay
+
+
+def cluster_environments() -> list:
+    """JAX's registry of cluster environments (SLURM, Open MPI, Cloud TPU, Kubernetes, ...).
+
+    Why: `jax.distributed.initialize` detects them, but JAX exposes no public
+    way to ask which one it would pick; meshfit names it in its messages.
+    """
+    from jax._src import clusters
+
+    return list(clusters.ClusterEnv._cluster_types)
+
+
+def detect_cluster_settings(coordinator_address, num_processes, process_id, local_device_ids, timeout) -> tuple:
+    """The settings JAX's cluster auto-detection (SLURM, Open MPI, Cloud TPU, Kubernetes) fills where unset.
+
+    Returns (coordinator_address, num_processes, process_id, local_device_ids),
+    exactly what `jax.distributed.initialize` would use. Why: meshfit's start-up
+    handshake (`meshfit.runtime.rendezvous`) meets on the coordinator's port before
+    JAX joins the job, so it needs these first; JAX runs its detection only
+    inside `initialize`.
+    """
+    from jax._src import clusters
+
+    return clusters.ClusterEnv.auto_detect_unset_distributed_params(
+        coordinator_address, num_processes, process_id, local_device_ids, None, timeout
+    )
+
+
+def backends_are_initialized() -> bool:
+    """Whether JAX's backend has started (then `jax.distributed.initialize` refuses to run).
+
+    Why: `meshfit.runtime.cluster.initialize` checks it before its start-up handshake,
+    so that a process that cannot join refuses at once instead of letting the
+    others go on to wait for it.
+    """
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+def preemption_sync_manager():
+    """JAX's preemption sync manager of this process's `jax.distributed` job, or None.
+
+    Why: `multihost_utils.reached_preemption_sync_point` fails when no manager
+    was started; meshfit asks first, so a job without one falls back to its
+    own SIGTERM handler.
+    """
+    from jax._src import distributed
+
+    return distributed.global_state.preemption_sync_manager
+
+
+#: Seconds process 0 waits at exit for its coordination service to stop before leaving it to the process's exit.
+COORDINATION_SHUTDOWN_GRACE = 1.0
+
+
+class _BoundedServiceShutdown:
+    """Stands in for JAX's coordination service so that its `shutdown()` waits at most `grace` seconds."""
+
+    def __init__(self, service, grace: float):
+        self.service, self.grace = service, grace
+
+    def shutdown(self) -> None:
+        stopper = threading.Thread(target=self.service.shutdown, daemon=True, name="meshfit-coordination-shutdown")
+        stopper.start()
+        stopper.join(self.grace)
+        if stopper.is_alive():
+            import logging
+
+            logging.getLogger("meshfit.runtime.cluster").warning(
+                "The coordination service still held a connection that is not one of the job's %.1f s after the "
+                "job ended; exiting without waiting for it (its sockets close with this process).",
+                self.grace,
+            )
+
+
+def bound_coordination_shutdown(grace: float = COORDINATION_SHUTDOWN_GRACE) -> None:
+    """Makes this process's `jax.distributed` shutdown wait at most `grace` seconds for its coordination service.
+
+    Why: process 0 runs the job's coordination service, whose shutdown (run by
+    JAX at exit, after every process has passed the shutdown barrier) stops
+    its gRPC server with a 5 s deadline (`xla/pjrt/distributed/service.cc`);
+    a connection that is not one of the job's and never speaks holds that
+    deadline to its end, so any local process could make every job exit 5 s
+    late. The job's own calls are answered in milliseconds; past `grace` the
+    server is left to the process's exit, which closes its sockets. JAX keeps
+    the service in `global_state.service` and calls only its `shutdown()`.
+    No-op in a process without the service.
+    """
+    from jax._src import distributed
+
+    service = distributed.global_state.service
+    if service is not None and not isinstance(service, _BoundedServiceShutdown):
+        distributed.global_state.service = _BoundedServiceShutdown(service, grace)
+
+
+def release_orbax_waiters() -> int:
+    """Ends Orbax's background threads left waiting for a save that failed; returns how many.
+
+    Why: when a save fails in its synchronous part (the directory became
+    read-only), Orbax 0.11-0.12 leaves non-daemon `_SignalingThread`s waiting
+    for "directory created" signals that will never be set, with a timeout of
+    many minutes: the interpreter cannot exit until they give up. Cancelling a
+    thread and setting the signals it waits for lets it return at once. Only
+    called after a failed save, when nothing of that save should proceed.
+    """
+    try:
+        from orbax.checkpoint._src.futures import future
+    except ImportError:  # another Orbax layout: nothing known to release
+        return 0
+    thread_type = getattr(future, "_SignalingThread", None)
+    if thread_type is None:
+        return 0
+    released = 0
+    for thread in threading.enumerate():
+        if isinstance(thread, thread_type) and thread.is_alive():
+            thread.cancel()
+            try:
+                future.set_signals(thread._receive_signals, operation_id=thread._operation_id)
+            except Exception:  # noqa: BLE001 - best effort: the thread still times out by itself
+                continue
+            released += 1
+    return released
+
+
+def compilations(jitted) -> int:
+    """How many executables a `jax.jit` function holds (one per argument shape it met); 0 for other callables.
+
+    Private: `_cache_size` is the jit wrapper's own count; JAX has no public one.
+    """
+    size = getattr(jitted, "_cache_size", None)
+    return size() if callable(size) else 0

@@ -1,0 +1,1 @@
+"""What a step costs: FLOPs, bytes and memory from XLA, the roofline, `summary`."""

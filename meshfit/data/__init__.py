@@ -1,0 +1,18 @@
+"""Inputs as batches: in-memory arrays, generators and datasets, or a user's own `DataSource`.
+
+A data source yields fixed-shape host batches (the last one padded and
+masked), says how many there are and where a resumed epoch continues; which
+source serves an input is `meshfit.data.inputs.data_source`.
+"""
+
+from meshfit.data.sources import (
+    REPLAY_BYTES,
+    ArrayData,
+    DataSource,
+    IterableData,
+    Replay,
+    make_batch,
+    stack_batches,
+)
+
+__all__ = ["DataSource", "ArrayData", "IterableData", "Replay", "REPLAY_BYTES", "make_batch", "stack_batches"]

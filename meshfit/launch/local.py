@@ -1,0 +1,384 @@
+"""`meshfit launch`: run a multi-process JAX job on this machine.
+
+Starts N copies of a script wired to a coordinator on 127.0.0.1 (a free port),
+each with `--devices-per-proc` simulated CPU devices (or a slice of the GPUs),
+prefixes every output line with the process's rank, and when any process
+fails stops the others and exits with the status of the first to fail. With
+`--max-restarts`, a failed job is started again from scratch (use
+BackupAndRestore to resume). What each rank runs, its environment and what
+its exit means come from the job's layout (`meshfit.runtime.job_layout`): every rank
+the script in one `jax.distributed` job by default; a strategy that starts
+processes of its own kinds (the parameter server's `--ps S --workers N`)
+brings its own layout.
+
+No rank outlives the launcher: SIGTERM, SIGINT or SIGHUP to the launcher (a
+scheduler preempting the job) is passed on to every rank as SIGTERM, the
+ranks get `--grace-period` seconds to write their preemption backups, what
+is left is killed, and the launcher exits with 128 + the signal (143 for
+SIGTERM). A launcher killed outright takes its ranks along: the kernel kills
+them (their output would have nowhere to go, and a rank failing on that alone
+could leave the other waiting in a collective); the last periodic backup is
+what is left. A rank stopped (SIGSTOP) for longer than the heartbeat
+timeout is treated as hung and ends the job.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from meshfit.runtime import job_env
+from meshfit.runtime.job_layout import JobLayout, JobStart, status_text
+
+GRACE_SECONDS = 5.0  # after a rank failed: the others get this long to end before SIGKILL
+PREEMPTION_GRACE_SECONDS = 60.0  # after a signal to the launcher: time for the ranks' preemption backups
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: What gloo (JAX's CPU collectives) prints to each process's stdout from C++ as the processes connect, one
+#: line per device: nothing a user acts on, so the launcher drops it unless `--verbose`.
+GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. ")
+
+
+def free_port() -> int:
+    """A port no program listens on, from below the kernel's ephemeral range where one can be found.
+
+    A port the kernel hands out for `bind(0)` comes from the ephemeral range, from which it also picks the
+    local port of every outgoing connection: between this pick and the coordinator's bind, any connection
+    on the machine (gloo opens many) can take it, and process 0 then fails with "Address already in use".
+    Ports below the range are only ever taken by a program that binds them by number.
+    """
+    low = _ephemeral_range()[0]
+    for port in random.sample(range(max(1024, low - 12_000), low), 32) if low > 1024 + 64 else ():
+        if _can_bind(port):
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' ports (Linux); IANA's 49152-65535 elsewhere."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(part) for part in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
+def _can_bind(port: int) -> bool:
+    """Whether a listening socket can take `port` on every interface now (what process 0 will do)."""
+    try:
+        with socket.create_server(("", port)):
+            return True
+    except OSError:
+        return False
+
+
+def _visible_gpus(env: dict[str, str]) -> int:
+    """GPUs the processes will run on: those `nvidia-smi` lists, or 0 when `JAX_PLATFORMS` (as the processes
+    will see it) names no GPU platform, e.g. `cpu`, where `--devices-per-proc` means simulated host devices."""
+    platforms = {p.strip() for p in env.get("JAX_PLATFORMS", "").lower().split(",") if p.strip()}
+    if platforms and not platforms & {"cuda", "gpu", "rocm"}:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.stdout.splitlines()) if out.returncode == 0 else 0
+
+
+@dataclass
+class LaunchConfig:
+    """What to start: `command` (argv after the interpreter) on the ranks of `layout`."""
+
+    command: list[str]
+    #: The job's ranks: what each runs, its environment, what its exit means (`job_layout.DistributedJob(N)`
+    #: for `--nprocs N`).
+    layout: JobLayout
+    devices_per_proc: int | None = None
+    max_restarts: int = 0
+    heartbeat_timeout: int = 10
+    env: dict[str, str] = field(default_factory=dict)
+    #: Seconds the ranks get to save and exit after the launcher is sent SIGTERM/SIGINT/SIGHUP.
+    grace_period: float = PREEMPTION_GRACE_SECONDS
+    #: Seconds the other ranks get to end once the job is over (a rank failed, or the ranks the job needs
+    #: finished) before what is left is killed.
+    stop_grace: float = GRACE_SECONDS
+    #: Pass on every line of the ranks' output, also gloo's connection lines (`GLOO_CONNECTED`).
+    verbose: bool = False
+
+    @property
+    def nprocs(self) -> int:
+        return self.layout.nprocs
+
+
+#: Runs one start of a job: `(config, attempt, log) -> status` (0, the first failure's, or -signal).
+Runner = Callable[["LaunchConfig", int, TextIO], int]
+
+
+def process_env(config: LaunchConfig, rank: int, start: JobStart, attempt: int, gpus: int) -> dict[str, str]:
+    """The environment of process `rank`: the launcher's own variables, the layout's, and its devices."""
+    env = dict(os.environ, **config.env, MESHFIT_RESTART_COUNT=str(attempt), PYTHONUNBUFFERED="1")
+    env.update(config.layout.env(rank, start))
+    _set_devices(env, config, rank, gpus)
+    return env
+
+
+def process_command(config: LaunchConfig, rank: int) -> list[str]:
+    """The command line of process `rank`: the interpreter, unbuffered, running what the layout says."""
+    return [sys.executable, "-u", *config.layout.command(rank, config.command)]
+
+
+def _set_devices(env: dict[str, str], config: LaunchConfig, rank: int, gpus: int) -> None:
+    k = config.devices_per_proc
+    if k:
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(rank * k, (rank + 1) * k))
+        else:
+            flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+            env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={k}"])
+            env.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _pump(stream, rank: int, out, verbose: bool = False) -> None:
+    """Copies a rank's output to `out`, each line prefixed with its rank; gloo's connection lines only when
+    `verbose`."""
+    for line in iter(stream.readline, ""):
+        if not verbose and GLOO_CONNECTED.match(line):
+            continue
+        out.write(f"[rank {rank}] {line}" if line.endswith("\n") else f"[rank {rank}] {line}\n")
+        out.flush()
+    stream.close()
+
+
+def _die_with_parent():
+    """A `preexec_fn` asking the kernel to SIGKILL the child when the launcher dies (Linux)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+
+    def arm():  # runs in the child between fork and exec: no allocation, no locks
+        prctl(pr_set_pdeathsig, int(signal.SIGKILL))
+
+    return arm
+
+
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped by a signal (SIGSTOP, SIGTSTP): state T in /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
+
+
+class _Exits:
+    """Exit statuses in the order the processes ended: a thread per process waits for it.
+
+    Polling all processes at once cannot tell which of two ranks that died
+    within one interval died first; the rank killed is the cause, the one that
+    aborted on losing its peer a consequence.
+    """
+
+    def __init__(self, procs: list[subprocess.Popen]):
+        self.order: list[tuple[int, int]] = []  # (rank, status), first to end first
+        self.changed = threading.Condition()
+        for rank, proc in enumerate(procs):
+            threading.Thread(target=self._wait, args=(rank, proc), daemon=True).start()
+
+    def _wait(self, rank: int, proc: subprocess.Popen) -> None:
+        status = proc.wait()
+        with self.changed:
+            self.order.append((rank, status))
+            self.changed.notify_all()
+
+    def wait(self, timeout: float) -> list[tuple[int, int]]:
+        with self.changed:
+            self.changed.wait(timeout)
+            return list(self.order)
+
+
+class _Signals:
+    """Catches SIGTERM, SIGINT and SIGHUP sent to the launcher while a job runs (main thread only)."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in FORWARDED:
+                self._previous[sig] = signal.signal(sig, self._catch)
+        return self
+
+    def _catch(self, signum, frame):
+        del frame
+        if self.received is None:
+            self.received = signum
+
+    def __exit__(self, *exc):
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+
+
+def _stop(procs: list[subprocess.Popen], grace: float = GRACE_SECONDS) -> list[int]:
+    """SIGTERM every live process, then SIGKILL what is left after `grace` seconds; returns the ranks killed."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    killed = []
+    for rank, proc in enumerate(procs):
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            killed.append(rank)
+    return killed
+
+
+def _watch(config: LaunchConfig, procs: list[subprocess.Popen], exits: _Exits, signals: _Signals, log: TextIO) -> int:
+    """Waits until the job ends, fails, or the launcher is signalled; returns the job's status."""
+    layout = config.layout
+    needed = set(layout.needed_ranks)
+    judged: set[int] = set()
+    stopped_since: dict[int, float] = {}
+    while True:
+        order = exits.wait(0.05)
+        if signals.received is not None:
+            name = signal.Signals(signals.received).name
+            log.write(
+                f"[launch] received {name}: sending SIGTERM to every rank and waiting up to "
+                f"{config.grace_period:g} s for their preemption backups.\n"
+            )
+            return -signals.received
+        statuses = dict(order)
+        now = time.monotonic()
+        # A rank stopped by a signal never fails by itself; one the job can lose may be dropped
+        # by the others (a parameter-server worker), so only ranks the job needs are watched.
+        for rank, proc in enumerate(procs):
+            if rank in needed and rank not in statuses and _stopped(proc.pid):
+                since = stopped_since.setdefault(rank, now)
+                if now - since > config.heartbeat_timeout:
+                    role = layout.role(rank)
+                    log.write(
+                        f"[launch] rank {rank}{f' ({role})' if role else ''} (pid {proc.pid}) is stopped (SIGSTOP?) "
+                        f"and has not run for {config.heartbeat_timeout} s; stopping the job.\n"
+                    )
+                    return 1
+            else:
+                stopped_since.pop(rank, None)
+        # The failures not judged yet, in the order the ranks ended, those of ranks the job can lose first.
+        failed = [(rank, code) for rank, code in order if code != 0 and rank not in judged]
+        for rank, code in sorted(failed, key=lambda exit: exit[0] in needed):
+            judged.add(rank)
+            verdict = layout.judge_exit(rank, code)
+            log.write(f"[launch] {verdict.message}\n")
+            if verdict.ends_job:
+                return code
+        if layout.is_complete(statuses):
+            return 0
+
+
+def run_once(config: LaunchConfig, attempt: int, log: TextIO = sys.stderr) -> int:
+    """Runs the job once; returns 0, the status of the first process that failed, or -signal if the
+    launcher was signalled."""
+    gpus = _gpus_to_assign(config)
+    start = JobStart(
+        coordinator_port=free_port(),
+        control_port=free_port(),
+        heartbeat_timeout=config.heartbeat_timeout,
+        authkey=job_env.new_authkey() if config.layout.needs_authkey else "",
+    )
+    procs, pumps = [], []
+    with _Signals() as signals:
+        try:
+            for rank in range(config.nprocs):
+                proc = subprocess.Popen(
+                    process_command(config, rank),
+                    env=process_env(config, rank, start, attempt, gpus),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    errors="replace",
+                    preexec_fn=_die_with_parent(),
+                )
+                procs.append(proc)
+                pump = threading.Thread(target=_pump, args=(proc.stdout, rank, sys.stdout, config.verbose), daemon=True)
+                pump.start()
+                pumps.append(pump)
+            exits = _Exits(procs)
+            status = _watch(config, procs, exits, signals, log)
+            time.sleep(0.2)  # ranks failing because the first one did: reported as its consequences
+            before_stop = list(exits.order)
+        except KeyboardInterrupt:  # outside the main thread's handler (e.g. before it was installed)
+            status, before_stop = -signal.SIGINT, []
+        finally:
+            signalled = signals.received is not None
+            killed = _stop(procs, config.grace_period if signalled else config.stop_grace)
+            for pump in pumps:
+                pump.join(timeout=2)
+        failures = [(rank, code) for rank, code in before_stop if code != 0]
+        for rank, code in failures[1:] if not signalled else []:
+            log.write(
+                f"[launch] rank {rank} then exited with status {status_text(code)}, a consequence "
+                f"of rank {failures[0][0]}'s exit.\n"
+            )
+        if killed:
+            log.write(f"[launch] rank(s) {killed} did not end within the grace period and were killed.\n")
+    return status
+
+
+def _gpus_to_assign(config: LaunchConfig) -> int:
+    """The GPUs split over the processes by `--devices-per-proc` (0: simulated CPU devices instead)."""
+    if not config.devices_per_proc:
+        return 0
+    gpus = _visible_gpus({**os.environ, **config.env})
+    needed = config.nprocs * config.devices_per_proc
+    if gpus and gpus < needed:
+        raise ValueError(
+            f"--nprocs {config.nprocs} x --devices-per-proc {config.devices_per_proc} needs {needed} GPUs; "
+            f"nvidia-smi lists {gpus}. Start fewer processes or devices per process, or set JAX_PLATFORMS=cpu "
+            "to simulate the devices on the host."
+        )
+    return gpus
+
+
+def launch(config: LaunchConfig, log: TextIO = sys.stderr, runner: Runner | None = None) -> int:
+    """Runs the job, restarting it up to `max_restarts` times after a failure (not after a signal).
+
+    `runner` runs one start of the job and returns its status as `run_once` does (the default: processes on
+    this machine; `meshfit.launch.ray` brings one that runs them on a Ray cluster).
+    """
+    if config.nprocs < 1:
+        raise ValueError(f"--nprocs must be at least 1. Received: {config.nprocs}.")
+    if runner is None:
+        _gpus_to_assign(config)  # a misconfiguration fails before any process starts
+        runner = run_once
+    attempt = 0
+    while True:
+        status = runner(config, attempt, log)
+        if status == 0 or -status in FORWARDED or attempt >= config.max_restarts:
+            break
+        attempt += 1
+        log.write(f"[launch] restarting the job ({attempt}/{config.max_restarts}).\n")
+    if -status in FORWARDED:
+        log.write(f"[launch] stopped by {signal.Signals(-status).name}.\n")
+    elif status:
+        log.write(f"[launch] job failed with status {status}.\n")
+    # A negative status (killed by a signal) becomes the shell's 128 + signal.
+    return status if status > 0 else 128 - status if status < 0 else 0

@@ -1,0 +1,1 @@
+"""`meshfit.plan`: which layout, batch size and remat fit a model, and which is fastest."""

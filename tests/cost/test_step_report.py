@@ -1,0 +1,187 @@
+"""`model.step_report()`: FLOPs, memory and collectives of the compiled train step, read from XLA."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import MLP, classification_data
+
+import meshfit as mf
+from meshfit.cost import step_report
+from meshfit.cost.step_report import jaxpr_flops
+
+eight_devices = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (simulated on a CPU)")
+
+
+def fitted(strategy=None):
+    x, y = classification_data(n=256, din=32, classes=10)
+    with (strategy or mf.strategies.OneDeviceStrategy()).scope():
+        model = mf.Model(MLP(din=32, hidden=128, dout=10))
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    return model
+
+
+@pytest.mark.slow
+def test_step_report_counts_about_six_flops_per_parameter_and_sample():
+    model = fitted()
+    report = model.step_report()
+    assert report.batch_size == 32 and report.num_devices == 1
+    assert 0.5 < report.flops_per_sample / (6 * model.count_params()) < 2  # forward 2x, backward 4x
+    assert report.memory["arguments"] > 0
+    assert report.bytes_accessed > 0 or jax.default_backend() == "gpu"  # the CUDA plugin gives no estimate
+
+
+@pytest.mark.slow
+@eight_devices
+def test_step_report_is_per_device_under_data_parallelism():
+    one = fitted().step_report()
+    eight = fitted(strategy=mf.strategies.MirroredStrategy()).step_report()
+    assert eight.num_devices == 8 and eight.batch_size == 32
+    assert eight.flops == pytest.approx(one.flops / 8, rel=0.05)  # the same step's FLOPs, over 8 devices
+    assert eight.flops_per_sample == pytest.approx(one.flops_per_sample, rel=0.05)
+
+
+def test_step_report_needs_a_built_model():
+    model = mf.Model(MLP())
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    with pytest.raises(ValueError, match="call fit\\(\\) or evaluate\\(\\) on data first"):
+        model.step_report()
+
+
+def test_the_jaxpr_count_agrees_with_xla_where_both_exist():
+    """The FLOP count used where a backend has no cost analysis of a lowered program (the CUDA plugin)."""
+    model = fitted()
+    session = model.session
+    batch = session.strategy.distribute_batch(model.session.example_batch, False)
+    counted = jaxpr_flops(jax.make_jaxpr(session.steps.train_step)(session.state, batch))
+    assert counted == pytest.approx(model.step_report().flops, rel=0.2)  # no elementwise work: ~13 % here
+
+
+def test_memory_adds_up_and_summary_prints_it():
+    model = fitted()
+    memory = model.step_report().memory
+    assert set(memory) == {"arguments", "outputs", "temporaries", "aliased", "peak"}
+    assert memory["peak"] == memory["arguments"] + memory["outputs"] + memory["temporaries"] - memory["aliased"]
+    assert memory["aliased"] > 0  # the state is donated: the new state reuses its buffers
+    text = model.summary(print_fn=None)
+    assert f"Train step (batch 32; per device, 1 x {jax.devices()[0].device_kind})" in text
+    assert "Collectives" not in text
+
+
+class Wide(nnx.Module):
+    def __init__(self):
+        rngs = nnx.Rngs(0)
+        self.a = nnx.Linear(256, 512, rngs=rngs)
+        self.b = nnx.Linear(512, 256, rngs=rngs)
+
+    def __call__(self, x):
+        return self.b(nnx.relu(self.a(x)))
+
+
+@pytest.mark.slow
+@eight_devices
+def test_a_batch_is_costed_before_any_training():
+    """`step_report(x, y)` compiles for that batch and runs nothing: whether a layout fits, known up front."""
+    x, y = np.zeros((64, 256), np.float32), np.zeros((64, 256), np.float32)
+    reports = {}
+    for name, strategy in [
+        ("mirrored", mf.strategies.MirroredStrategy()),
+        ("fsdp", mf.strategies.MeshStrategy(axes={"fsdp": 8})),
+    ]:
+        with strategy.scope():
+            model = mf.Model(Wide())
+            model.compile(optimizer="adam", loss="mse")
+        before = model.get_weights()
+        reports[name] = report = model.step_report(x, y)
+        assert report.batch_size == 64 and report.num_devices == 8
+        assert model.session.step == 0
+        for a, b in zip(before, model.get_weights(), strict=True):
+            np.testing.assert_array_equal(a, b)
+        state_bytes = sum(a.nbytes for a in jax.tree.leaves(model.session.latest))
+        reports[name + "_state"] = state_bytes
+    batch_bytes = x.nbytes + y.nbytes
+    fsdp = reports["fsdp"]
+    assert fsdp.memory["arguments"] <= 1.2 * reports["fsdp_state"] / 8 + batch_bytes
+    assert fsdp.memory["peak"] < reports["mirrored"].memory["peak"]
+    assert "all-gather" in fsdp.collectives  # parameters gathered for the forward pass
+    assert set(reports["mirrored"].collectives) == {"all-reduce"}
+
+
+def test_needs_targets_with_a_batch():
+    model = mf.Model(MLP())
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    with pytest.raises(ValueError, match="needs targets `y`"):
+        model.step_report(np.zeros((8, 4), np.float32))
+
+
+@eight_devices
+def test_collective_bytes_are_read_from_the_compiled_program():
+    """Each kind's operand bytes per device, against a shard_map program written with all five kinds."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("i",))
+    P = jax.sharding.PartitionSpec
+
+    def body(x):  # x: this device's (4, 16) float32 block: 256 bytes
+        total = jax.lax.psum(x, "i")  # all-reduce: 256
+        gathered = jax.lax.all_gather(x, "i", tiled=True)  # all-gather: 256 in
+        scattered = jax.lax.psum_scatter(gathered, "i", tiled=True)  # reduce-scatter: 2048 in
+        swapped = jax.lax.all_to_all(x.reshape(8, 8), "i", 0, 0, tiled=True)  # all-to-all: 256
+        shifted = jax.lax.ppermute(x, "i", [(j, (j + 1) % 8) for j in range(8)])  # collective-permute: 256
+        return total + scattered + swapped.reshape(4, 16) + shifted
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+    x = np.ones((32, 16), np.float32)
+    lowered = fn.lower(x)
+    compiled = step_report.compiled_collectives(lowered.compile().as_text())
+    written = step_report.lowered_collectives(lowered)
+    expected = {
+        "all-reduce": 256,
+        "all-gather": 256,
+        "reduce-scatter": 2048,
+        "all-to-all": 256,
+        "collective-permute": 256,
+    }
+    assert written == expected
+    assert compiled == expected
+
+
+@pytest.mark.parametrize(
+    "line, kind, size",
+    [  # forms XLA prints for GPUs: asynchronous starts, iota replica groups, bf16
+        (  # XLA:GPU (jax 0.11.2, H200): a bf16-compressed gradient all-reduce, operands then results
+            "%all-reduce-start.2 = ((bf16[669706]{0}), bf16[669706]{0}) all-reduce-start(%wrapped_concatenate.1), "
+            "channel_id=1, replica_groups={{0}}, use_global_device_ids=true, to_apply=%region_10.17",
+            "all-reduce",
+            669706 * 2,
+        ),
+        (
+            "%all-reduce-start = bf16[1024,256]{1,0} all-reduce-start(bf16[1024,256]{1,0} %p), replica_groups={{0,1}}",
+            "all-reduce",
+            1024 * 256 * 2,
+        ),
+        (
+            "%ag = (f32[128]{0}, f32[1024]{0}) all-gather-start(f32[128]{0} %p), replica_groups=[1,8]<=[8]",
+            "all-gather",
+            128 * 4,
+        ),
+        (  # the mesh form of replica groups (XLA in jax 0.11): groups over 'fsdp' of a 2 x 4 mesh
+            "%ag.3 = f32[32,16]{1,0} all-gather(%p), channel_id=1, replica_groups=mesh['data'=2,'fsdp'=4] {'fsdp'}",
+            "all-gather",
+            32 * 16 * 4 // 4,
+        ),
+        (
+            "%rs = f32[128]{0} reduce-scatter(f32[1024]{0} %p), replica_groups=[1,8]<=[8], dimensions={0}",
+            "reduce-scatter",
+            1024 * 4,
+        ),
+        (
+            "%cp = (f32[64]{0}, f32[64]{0}, u32[], u32[]) collective-permute-start(f32[64]{0} %p), channel_id=3",
+            "collective-permute",
+            64 * 4,
+        ),
+    ],
+)
+def test_asynchronous_and_grouped_forms(line, kind, size):
+    assert step_report.compiled_collectives(line) == {kind: size}
+    if "-start(" in line:  # the matching done returns the results: not counted again
+        assert step_report.compiled_collectives(line.replace("-start(", "-done(")) == {}

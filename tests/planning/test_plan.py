@@ -1,0 +1,192 @@
+"""`meshfit.plan`: every layout compiled abstractly, none over the memory limit picked, the pick trains."""
+
+import gc
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import classification_data
+
+import meshfit as mf
+from meshfit.planning.planner import Layout, layouts
+
+eight_devices = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (simulated on a CPU)")
+COMPILE = dict(optimizer="adam", loss="sparse_categorical_crossentropy")
+
+
+class Recorded(nnx.Module):
+    """An MLP that notes whether its variables were real arrays when built, and each step it runs."""
+
+    built: list = []  # True per construction that made arrays (not tracers)
+    calls: list = []  # one entry per forward pass that ran (a step), none for one only traced
+
+    def __init__(self, din=32, hidden=256, dout=10, remat=False):
+        rngs = nnx.Rngs(0)
+        self.hidden = nnx.Linear(din, hidden, rngs=rngs)
+        self.out = nnx.Linear(hidden, dout, rngs=rngs)
+        self.remat = remat
+        Recorded.built.append(not isinstance(self.hidden.kernel[...], jax.core.Tracer))
+
+    def __call__(self, x):
+        jax.debug.callback(lambda: Recorded.calls.append(1))
+        layer = nnx.remat(lambda m, h: nnx.relu(m(h))) if self.remat else (lambda m, h: nnx.relu(m(h)))
+        return self.out(layer(self.hidden, x))
+
+
+def state_bytes(din=32, hidden=256, dout=10) -> int:
+    """Parameters and Adam's two moments, float32."""
+    return 3 * 4 * (din * hidden + hidden + hidden * dout + dout)
+
+
+def test_layouts_are_mirrored_and_every_factorisation_named_by_its_axes():
+    assert [layout.name for layout in layouts(2)] == ["mirrored", "fsdp=2", "tensor=2"]
+    eight = layouts(8)
+    assert len(eight) == 1 + 10 - 1  # ordered triples of divisors whose product is 8, but 8x1x1: Mirrored
+    names = {layout.name for layout in eight}
+    assert {"fsdp=8", "data=2,fsdp=4", "data=2,fsdp=2,tensor=2", "tensor=8"} < names and len(names) == len(eight)
+    assert all(np.prod([size for _, size in layout.axes]) == 8 for layout in eight[1:])
+    assert Layout().strategy(jax.devices()[:2]).num_replicas_in_sync == 2
+
+
+@pytest.mark.slow
+@eight_devices
+def test_plan_shards_what_does_not_fit_replicated_without_creating_or_running_anything():
+    x, y = classification_data(n=64, din=32, classes=10)
+    limit = state_bytes() * 3 // 4  # the state alone is over it on one device: it must be sharded
+    Recorded.built.clear(), Recorded.calls.clear()
+    before = {id(a) for a in jax.live_arrays()}
+    result = mf.plan(lambda: Recorded(), x, y, compile=COMPILE, memory_limit=limit)
+    assert Recorded.built and not any(Recorded.built)  # the factory ran under abstract evaluation only
+    assert Recorded.calls == []  # no step ran
+    new = [a.shape for a in jax.live_arrays() if id(a) not in before]
+    assert (32, 256) not in new and (256, 10) not in new  # no parameter (nor Adam moment) exists
+    assert result.compiled == len(result.candidates) == 10 and result.num_devices == 8
+
+    mirrored = next(c for c in result.candidates if c.layout.axes is None)
+    assert not mirrored.fits and mirrored.margin < 0 and mirrored.peak_bytes > limit
+    best = result.best
+    assert best.fits and best.margin == limit - best.peak_bytes >= 0
+    assert dict(best.layout.axes)["fsdp"] > 1  # only layouts that shard the state fit
+    fitting = [c for c in result.candidates if c.fits]
+    assert [c.samples_per_second for c in fitting] == sorted((c.samples_per_second for c in fitting), reverse=True)
+    assert all(not c.fits for c in result.candidates[len(fitting) :])
+    text = str(result)
+    assert "10 candidates compiled in" in text and "OVER" in text and best.layout.name in text.splitlines()[3]
+    assert "step ≥ (roofline)" in text.splitlines()[1] and "a lower bound" in text.splitlines()[-2]
+
+    strategy = best.strategy()
+    assert isinstance(strategy, mf.strategies.MeshStrategy)
+    with strategy.scope():
+        model = mf.Model(lambda: Recorded())
+        model.compile(**COMPILE)
+    assert model.step_report(x, y).memory["peak"] == pytest.approx(best.peak_bytes, rel=0.05)
+    history = model.fit(x, y, batch_size=64, epochs=2, verbose=0)
+    assert Recorded.calls  # the check above can fail: a step that runs is seen
+    assert np.isfinite(history.history["loss"]).all() and history.history["loss"][-1] < history.history["loss"][0]
+
+
+@pytest.mark.slow
+def test_plan_weighs_remat_and_batch_sizes_and_agrees_with_step_report():
+    x, y = classification_data(n=16, din=32, classes=10)
+    result = mf.plan(Recorded, x, y, compile=COMPILE, devices=jax.devices()[:1], batch_sizes=[16, 64])
+    assert result.compiled == 2 * 2  # mirrored (one device) x 2 batch sizes x remat False, True
+    assert {(c.batch_size, c.remat) for c in result.candidates} == {(16, False), (16, True), (64, False), (64, True)}
+    assert result.memory_limit is None and all(c.fits and c.margin is None for c in result.candidates)
+    by_key = {(c.layout.name, c.batch_size, c.remat): c for c in result.candidates}
+    big, small = by_key[("mirrored", 64, False)], by_key[("mirrored", 16, False)]
+    assert big.report.memory["temporaries"] > small.report.memory["temporaries"]  # activations grow with rows
+    assert big.report.batch_size == 64
+
+    candidate = by_key[("mirrored", 64, True)]
+    with candidate.strategy().scope():
+        model = mf.Model(lambda: Recorded(remat=True))
+        model.compile(**COMPILE)
+    rows = np.resize(x, (64, 32)), np.resize(y, (64,))
+    assert model.step_report(*rows).memory["peak"] == pytest.approx(candidate.peak_bytes, rel=0.05)
+
+
+@pytest.mark.slow
+def test_a_layout_whose_rules_cannot_split_a_parameter_is_listed_as_not_compiling():
+    x, y = classification_data(n=8, din=32, classes=10)
+    rules = [(r"hidden/kernel", (None, "tensor"))]  # 5 hidden units do not split over 2 devices
+    result = mf.plan(lambda: Recorded(hidden=5), x, y, compile=COMPILE, devices=jax.devices()[:2], rules=rules)
+    failed = [c for c in result.candidates if c.error]
+    assert {c.layout.name for c in failed} == {"tensor=2"} and result.compiled == 2
+    assert result.candidates[-1] is failed[0] and not failed[0].fits
+    assert "does not divide it" in failed[0].error and "does not compile" in str(result)
+
+
+@pytest.mark.slow
+def test_best_says_so_when_nothing_fits():
+    x, y = classification_data(n=8, din=32, classes=10)
+    result = mf.plan(lambda: Recorded(hidden=8), x, y, compile=COMPILE, devices=jax.devices()[:1], memory_limit=1)
+    assert not any(c.fits for c in result.candidates)
+    with pytest.raises(ValueError, match="No candidate fits in memory_limit=1 B per device"):
+        _ = result.best
+
+
+@pytest.mark.slow
+def test_measure_times_the_best_predicted_with_real_steps_ranks_them_by_it_and_frees_them():
+    x, y = classification_data(n=16, din=32, classes=10)
+    Recorded.built.clear(), Recorded.calls.clear()
+    gc.collect()  # what earlier tests left unreferenced goes now, not during the plan
+    before = {id(a) for a in jax.live_arrays()}
+    unmeasured = mf.plan(lambda: Recorded(hidden=64), x, y, compile=COMPILE, devices=jax.devices()[:2])
+    assert unmeasured.measured == 0 and Recorded.calls == [] and "measure=K" in str(unmeasured)
+    result = mf.plan(lambda: Recorded(hidden=64), x, y, compile=COMPILE, devices=jax.devices()[:2], measure=2)
+    after = jax.live_arrays()
+    assert len(after) == len(before) and {id(a) for a in after} == before  # each measured model, Adam, batch freed
+    assert Recorded.calls  # real steps ran (the parameters are made inside a jitted function: built stays False)
+
+    first, second, third = result.candidates
+    assert result.measured == 2 and third.measured_seconds is None
+    assert first.measured_seconds > 0 and second.measured_seconds > 0
+    assert first.measured_samples_per_second >= second.measured_samples_per_second  # ranked by what was measured
+    best_predicted = {c.layout.name for c in unmeasured.candidates[:2]}
+    assert {first.layout.name, second.layout.name} == best_predicted and result.best is first
+
+    lines = str(result).splitlines()
+    assert "3 candidates compiled, 2 measured, in" in lines[0]
+    header = lines[1]
+    assert "step ≥ (roofline)" in header and "step measured" in header
+    at = header.index("step measured")
+    rows = {line.split()[0]: line for line in lines[3:6]}
+    assert set(rows) == {"mirrored", "fsdp=2", "tensor=2"}  # the layouts named by their axes
+    assert rows[first.layout.name][at:].startswith(f"{first.measured_seconds * 1e3:,.2f} ms")
+    assert rows[third.layout.name][at:].split()[0] == "≤"  # no measured time: blank, then the bound on samples/s
+    assert lines[6].startswith("step ≥ (roofline): a lower bound") and "3 real steps each" in lines[7]
+
+
+def test_verbose_names_each_candidate_on_stderr_and_zero_shows_nothing(capfd):
+    x, y = classification_data(n=8, din=32, classes=10)
+    mf.plan(Recorded, x, y, compile=COMPILE, devices=jax.devices()[:1], batch_sizes=[8, 16], verbose=1)
+    out, err = capfd.readouterr()
+    assert out == ""
+    for name in ("mirrored, batch 8, remat False", "mirrored, batch 16, remat True"):
+        assert name in err
+    assert "Compiling" in err
+    mf.plan(Recorded, x, y, compile=COMPILE, devices=jax.devices()[:1], verbose=0)
+    assert capfd.readouterr() == ("", "")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(compile="adam"), "`compile` takes the arguments of Model.compile"),
+        (dict(memory_limit=-5), "`memory_limit` must be a positive number of bytes or None. Received: -5"),
+        (dict(batch_sizes=[0]), r"`batch_sizes` must be positive ints. Received: batch_sizes=\[0\]"),
+        (dict(remat=(False, True)), "this factory has none. Received: remat=\\(False, True\\)"),
+        (dict(devices=[]), "Received: devices=\\[\\]"),
+        (dict(measure=-1), "`measure` is how many .* an int >= 0. Received: measure=-1"),
+        (dict(measure="2"), "Received: measure='2'"),
+        (dict(verbose="yes"), "`verbose` must be 0, 1 or .auto.. Received: verbose=.yes."),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_compiles(kwargs, message):
+    x, y = classification_data(n=8, din=32, classes=10)
+    Recorded.built.clear()
+    arguments = dict(compile=COMPILE) | kwargs
+    with pytest.raises(ValueError, match=message):
+        mf.plan(lambda: Recorded(hidden=8), x, y, **arguments)
+    assert Recorded.built == []
