@@ -24,7 +24,7 @@ import warnings
 import jax
 import numpy as np
 
-from meshfit.callbacks.progbar_logger import is_chief
+from meshfit.callbacks.console import is_chief
 from meshfit.core import keras_names
 from meshfit.training.callback_protocol import Callback
 
