@@ -130,8 +130,8 @@ def divide_no_nan(x: ArrayLike, y: ArrayLike) -> jax.Array:
     return jnp.where(y == 0, jnp.zeros_like(x), x / safe)
 
 
-def _align_to(w: jax.Array, values: jax.Array) -> jax.Array:
-    """Gives a per-row weight or mask the rank of `values`, aligned on axis 0.
+def align_to(w: jax.Array, values: jax.Array) -> jax.Array:
+    """Gives a per-row weight or mask the rank of `values`, aligned on axis 0 (losses and metrics weigh rows alike).
 
     A `(batch, 1)` weight for `(batch,)` values is squeezed; a `(batch,)` weight
     for `(batch, d, ...)` values gets trailing axes of size 1, so it scales
@@ -146,7 +146,7 @@ def _align_to(w: jax.Array, values: jax.Array) -> jax.Array:
 
 def combine_masks(value_mask: jax.Array, row_mask: ArrayLike) -> jax.Array:
     """The entries that count: those a loss marks (`value_mask`, values-shaped) in the rows `row_mask` keeps."""
-    return value_mask & _align_to(jnp.asarray(row_mask).astype(bool), value_mask)
+    return value_mask & align_to(jnp.asarray(row_mask).astype(bool), value_mask)
 
 
 def reduce_values(
@@ -203,10 +203,10 @@ def _weight_and_mask(
         )
     sw = m = None
     if sample_weight is not None:
-        sw = _align_to(jnp.asarray(sample_weight, values.dtype), values)
+        sw = align_to(jnp.asarray(sample_weight, values.dtype), values)
         values = values * sw
     if mask is not None:
-        m = _align_to(jnp.asarray(mask).astype(bool), values)
+        m = align_to(jnp.asarray(mask).astype(bool), values)
         values = jnp.where(m, values, jnp.zeros((), values.dtype))
     return values, sw, m
 
@@ -249,8 +249,8 @@ def _total_and_divisor(
     return total, divisor.astype(values.dtype)
 
 
-def _to_snake_case(name: str) -> str:
-    """Keras's `to_snake_case` ("MeanSquaredError" -> "mean_squared_error")."""
+def to_snake_case(name: str) -> str:
+    """Keras's `to_snake_case` ("MeanSquaredError" -> "mean_squared_error"): a loss's or metric's default name."""
     name = re.sub(r"\W+", "", name)
     name = re.sub("(.)([A-Z][a-z]+)", r"\1_\2", name)
     return re.sub("([a-z])([A-Z])", r"\1_\2", name).lower()
@@ -450,10 +450,13 @@ def categorical_focal_crossentropy(
     return jnp.sum(weighting * cce, axis=axis)
 
 
-def _sparse_ce_and_mask(
+def sparse_crossentropy_and_mask(
     y_true: ArrayLike, y_pred: ArrayLike, from_logits: bool, ignore_class: int | None, axis: int
 ) -> tuple[jax.Array, jax.Array | None]:
-    """Sparse cross-entropy values and, with `ignore_class`, the valid mask."""
+    """Sparse cross-entropy values and, with `ignore_class`, the mask of the entries that count (else `None`).
+
+    The loss and the `SparseCategoricalCrossentropy` metric both leave the ignored entries out of their mean.
+    """
     y_pred = _float(y_pred)
     y_true = jnp.asarray(y_true)
     if y_true.ndim == y_pred.ndim and y_true.shape[axis] == 1:
@@ -497,7 +500,7 @@ def sparse_categorical_crossentropy(
             mean).
         axis: the class axis.
     """
-    return _sparse_ce_and_mask(y_true, y_pred, from_logits, ignore_class, axis)[0]
+    return sparse_crossentropy_and_mask(y_true, y_pred, from_logits, ignore_class, axis)[0]
 
 
 def _binary_ce_elementwise(y_true: ArrayLike, y_pred: ArrayLike, from_logits: bool) -> jax.Array:
@@ -585,7 +588,7 @@ class Loss:
     def __init__(
         self, name: str | None = None, reduction: str | None = "sum_over_batch_size", dtype: DTypeLike | None = None
     ) -> None:
-        self.name = name or _to_snake_case(type(self).__name__)
+        self.name = name or to_snake_case(type(self).__name__)
         self.reduction = standardize_reduction(reduction)
         self.dtype = jnp.dtype(dtype or "float32")
 
@@ -667,7 +670,7 @@ class LossFunctionWrapper(Loss):
                 f"Expected a callable loss function. Received: fn={fn!r} of "
                 f"type {type(fn).__name__}; pass a function (y_true, y_pred)."
             )
-        name = name or _to_snake_case(getattr(fn, "__name__", "loss"))
+        name = name or to_snake_case(getattr(fn, "__name__", "loss"))
         super().__init__(name=name, reduction=reduction, dtype=dtype)
         self.fn = fn
         self._fn_kwargs = kwargs
@@ -1011,7 +1014,7 @@ class SparseCategoricalCrossentropy(LossFunctionWrapper):
 
     def values_and_mask(self, y_true: ArrayLike, y_pred: ArrayLike) -> tuple[jax.Array, jax.Array | None]:
         y_true, y_pred = squeeze_or_expand_to_same_rank(jnp.asarray(y_true), jnp.asarray(y_pred))
-        return _sparse_ce_and_mask(y_true, y_pred, self.from_logits, self.ignore_class, self.axis)
+        return sparse_crossentropy_and_mask(y_true, y_pred, self.from_logits, self.ignore_class, self.axis)
 
 
 # ---------------------------------------------------------------------------

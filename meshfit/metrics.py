@@ -24,10 +24,10 @@ from jax.typing import ArrayLike, DTypeLike
 from meshfit import losses as losses_lib
 from meshfit.losses import (
     EPSILON,
-    _align_to,
-    _to_snake_case,
+    align_to,
     divide_no_nan,
     squeeze_or_expand_to_same_rank,
+    to_snake_case,
 )
 
 __all__ = [
@@ -108,7 +108,7 @@ class Metric:
     """
 
     def __init__(self, name: str | None = None, dtype: DTypeLike | None = None) -> None:
-        self.name = name or _to_snake_case(type(self).__name__)
+        self.name = name or to_snake_case(type(self).__name__)
         self.dtype = jnp.dtype(dtype or "float32")
         self._state = None
 
@@ -301,7 +301,7 @@ class MeanMetricWrapper(Mean):
                 f"Expected a callable metric function. Received: fn={fn!r} of "
                 f"type {type(fn).__name__}; pass a function (y_true, y_pred)."
             )
-        name = name or _to_snake_case(getattr(fn, "__name__", "mean_metric_wrapper"))
+        name = name or to_snake_case(getattr(fn, "__name__", "mean_metric_wrapper"))
         super().__init__(name=name, dtype=dtype)
         self._fn = fn
         self._fn_kwargs = kwargs
@@ -336,7 +336,7 @@ class MeanMetricWrapper(Mean):
             if sample_weight is None:
                 sample_weight = mask
             else:
-                sample_weight = mask * _align_to(jnp.asarray(sample_weight, self.dtype), mask)
+                sample_weight = mask * align_to(jnp.asarray(sample_weight, self.dtype), mask)
         return super().update(state, values, sample_weight)
 
     def update_state(self, y_true: ArrayLike, y_pred: ArrayLike, sample_weight: ArrayLike | None = None) -> None:
@@ -634,7 +634,7 @@ class SparseCategoricalCrossentropy(MeanMetricWrapper):
         )
 
     def _values_and_mask(self, y_true: ArrayLike, y_pred: ArrayLike) -> tuple[jax.Array, jax.Array | None]:
-        return losses_lib._sparse_ce_and_mask(y_true, y_pred, self.from_logits, self.ignore_class, self.axis)
+        return losses_lib.sparse_crossentropy_and_mask(y_true, y_pred, self.from_logits, self.ignore_class, self.axis)
 
 
 class RootMeanSquaredError(Mean):
@@ -1332,7 +1332,7 @@ _CLASSES = (
 # Same keys as keras.metrics.get: class names, their snake case, short aliases.
 # (Mean and Sum take values, not (y_true, y_pred), so they are left out.)
 _NAMES = {cls.__name__: cls for cls in _CLASSES}
-_NAMES.update({_to_snake_case(cls.__name__): cls for cls in _CLASSES})
+_NAMES.update({to_snake_case(cls.__name__): cls for cls in _CLASSES})
 _NAMES.update(
     {
         "bce": BinaryCrossentropy,

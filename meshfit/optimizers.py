@@ -543,9 +543,8 @@ class Optimizer:
     def schedule_error(what: str) -> LearningRateIsSchedule:
         return LearningRateIsSchedule(
             f"The learning rate follows an optax schedule, so it cannot be {what}: the schedule decides it at "
-            "every step. To set or reduce it from a callback (ReduceLROnPlateau, LearningRateScheduler) or "
-            "`model.optimizer.learning_rate = ...`, compile with a float learning rate, e.g. "
-            "meshfit.optimizers.get('adam', learning_rate=1e-3); or fold what the callback does into the schedule."
+            "every step. To set it from a callback or `model.optimizer.learning_rate = ...`, compile with a float "
+            "learning rate, e.g. meshfit.optimizers.get('adam', learning_rate=1e-3), or put it in the schedule."
         )
 
     @property

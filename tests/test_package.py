@@ -191,6 +191,61 @@ def test_no_test_or_callback_reads_a_private_attribute_of_the_session():
     assert [path for path in callbacks if ".session" in open(path).read()] == []
 
 
+def private_reaches(path: str, this: str, known: set[str]) -> list[str]:
+    """Where `path` (module `this`) takes another meshfit module's private name: `from meshfit.x import _y`
+    or `x._y` on a module it imported (`from meshfit import x`, `import meshfit.x as x`), as `line: code`."""
+    tree = ast.parse(open(path).read())
+    package = this if path.endswith("__init__.py") else this.rsplit(".", 1)[0]
+    modules_, found = {}, []  # local name -> the meshfit module it is bound to
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules_ |= {alias.asname: alias.name for alias in node.names if alias.asname and alias.name in known}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            if base.split(".")[0] != "meshfit":
+                continue
+            for alias in node.names:
+                if f"{base}.{alias.name}" in known:
+                    modules_[alias.asname or alias.name] = f"{base}.{alias.name}"
+                elif alias.name.startswith("_") and not alias.name.startswith("__") and base != this:
+                    found.append((node.lineno, node.col_offset, f"from {base} import {alias.name}"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = ast.unparse(node.value)
+            if modules_.get(owner, this) != this or (owner in known and owner != this):
+                found.append((node.lineno, node.col_offset, ast.unparse(node)))
+    return [f"{line}: {code}" for line, _, code in sorted(found)]
+
+
+def test_no_module_takes_another_modules_private_names():
+    """What two modules share is public (named without `_`, documented) in the module that owns it."""
+    found = modules()
+    reaches = {name: private_reaches(path, name, set(found)) for name, path in found.items()}
+    assert {name: hits for name, hits in reaches.items() if hits} == {}
+
+
+def test_private_reaches_are_seen(tmp_path):
+    """The scan above sees each form of reach, and not a module's own private names."""
+    path = tmp_path / "probe.py"
+    path.write_text(
+        "import meshfit.losses as L\nfrom meshfit import metrics\nfrom meshfit.launch.local import _Exits, free_port\n"
+        "from .local import _stop\nfrom . import local\n"
+        "L._float(1); metrics._NAMES; local._watch; meshfit.losses._float; _own(); probe._own\n"
+    )
+    known = set(modules()) | {"meshfit.launch.probe"}
+    assert private_reaches(str(path), "meshfit.launch.probe", known) == [
+        "3: from meshfit.launch.local import _Exits",
+        "4: from meshfit.launch.local import _stop",
+        "6: L._float",
+        "6: metrics._NAMES",
+        "6: local._watch",
+        "6: meshfit.losses._float",
+    ]
+
+
 def test_the_layers_contract_holds_and_sees_the_package():
     """pyproject.toml's [tool.importlinter] layers, checked by import-linter as `.ci/run` does."""
     result = subprocess.run(

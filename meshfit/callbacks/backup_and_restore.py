@@ -244,11 +244,9 @@ class BackupAndRestore(Callback):
             return
         raise ValueError(
             f"BackupAndRestore: the backup at step {step} in {self._dir.directory} holds the state of "
-            f"callback(s) {', '.join(map(repr, orphans))}, expected among this fit's callbacks, which are "
-            f"{', '.join(map(repr, self._others)) or 'none'} (a callback's `state_key`, or its class name with _1, "
-            "_2, ... for later callbacks of one class). Nothing was restored or changed. Pass those callbacks to "
-            "fit again (with the same `state_key` if one was set) to resume them, or start afresh with a new or "
-            "empty backup_dir."
+            f"callback(s) {', '.join(map(repr, orphans))}, expected among this fit's callbacks (by `state_key`): "
+            f"{', '.join(map(repr, self._others)) or 'none'}. Nothing was restored. Pass those callbacks to fit again "
+            "(same `state_key`) to resume them, or start afresh with a new or empty backup_dir."
         )
 
     # -- hooks ---------------------------------------------------------------------

@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from meshfit.callbacks.progbar_logger import is_chief
+from meshfit.callbacks.console import is_chief
 from meshfit.training.callback_protocol import Callback
 
 

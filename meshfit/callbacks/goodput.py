@@ -16,7 +16,7 @@ import warnings
 import jax
 
 from meshfit.callbacks.backup_and_restore import BackupAndRestore
-from meshfit.callbacks.progbar_logger import print_msg
+from meshfit.callbacks.console import print_msg
 from meshfit.checkpointing import safe_files, trusted_dirs
 from meshfit.training.callback_protocol import Callback
 from meshfit.training.fit_timer import PHASES

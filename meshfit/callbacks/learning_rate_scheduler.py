@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from meshfit import optimizers as optimizers_lib
-from meshfit.callbacks.progbar_logger import print_msg
+from meshfit.callbacks.console import print_msg
 from meshfit.training.callback_protocol import Callback
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import string
 
-from meshfit.callbacks.early_stopping import MonitorCallback
-from meshfit.callbacks.progbar_logger import print_msg
+from meshfit.callbacks.console import print_msg
+from meshfit.callbacks.monitor import MonitorCallback
 from meshfit.checkpointing.checkpoint import (
     CheckpointDir,
     finish_replacement,

@@ -3,9 +3,6 @@
 The bar reads the (on-device) batch logs only when it redraws, at most once
 every `interval` seconds, so an epoch of fast steps is never serialized by the
 display: between two redraws the loop only counts steps.
-
-Also home of `is_chief()` / `print_msg()`, which the other built-in callbacks
-use so that only process 0 prints in a multi-host run.
 """
 
 from __future__ import annotations
@@ -18,21 +15,8 @@ import time
 import numpy as np
 from tqdm.std import tqdm
 
+from meshfit.callbacks.console import is_chief, print_msg
 from meshfit.training.callback_protocol import Callback
-
-
-def is_chief() -> bool:
-    """True on the process that prints and writes files (`jax.process_index() == 0`)."""
-    import jax
-
-    return jax.process_index() == 0
-
-
-def print_msg(message: str, *, stream=None) -> None:
-    """Prints `message` on process 0 only, without breaking an open tqdm bar."""
-    if not is_chief():
-        return
-    tqdm.write(message, file=stream if stream is not None else sys.stdout)
 
 
 class _Bar(tqdm):

@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 
 from meshfit import optimizers as optimizers_lib
-from meshfit.callbacks.early_stopping import MonitorCallback
-from meshfit.callbacks.progbar_logger import print_msg
+from meshfit.callbacks.console import print_msg
+from meshfit.callbacks.monitor import MonitorCallback
 
 
 class ReduceLROnPlateau(MonitorCallback):

@@ -24,7 +24,7 @@ import warnings
 import jax
 import numpy as np
 
-from meshfit.callbacks.progbar_logger import is_chief
+from meshfit.callbacks.console import is_chief
 from meshfit.core import keras_names
 from meshfit.training.callback_protocol import Callback
 
@@ -78,8 +78,9 @@ class TensorBoard(Callback):
             nothing. With `steps_per_execution`, tracing starts at the first
             call that begins at or after `start` and stops after the call
             that reaches `stop`. Process 0 traces.
-        embeddings_freq, embeddings_metadata: Keras's Projector data; ignored
-            (a warning): a Flax module has no `Embedding` layers to find.
+        embeddings_freq: Keras's Projector data; ignored (a warning): a Flax
+            module has no `Embedding` layers to find.
+        embeddings_metadata: ignored (a warning), as `embeddings_freq`.
     """
 
     def __init__(

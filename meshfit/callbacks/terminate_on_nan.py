@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshfit.callbacks.progbar_logger import print_msg
+from meshfit.callbacks.console import print_msg
 from meshfit.training.callback_protocol import Callback
 
 

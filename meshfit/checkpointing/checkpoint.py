@@ -131,10 +131,10 @@ def read_marker(directory: str) -> dict | None:
         entries = os.listdir(directory) if os.path.isdir(directory) else []
         if _looks_like_checkpoints(directory, entries):
             raise FileNotFoundError(
-                f"{directory!r} holds Orbax checkpoints but not meshfit's marker file {MARKER} (deleted?), which "
-                "records what kind of checkpoints they are. Nothing was changed. If meshfit wrote them, recreate "
-                f'the marker, e.g. `echo \'{{"kind": "backup", "format": 1}}\' > {marker}` (kind: backup for '
-                "BackupAndRestore, checkpoint for ModelCheckpoint, model for model.save, weights for save_weights)."
+                f"{directory!r} holds Orbax checkpoints but not meshfit's marker file {MARKER} (deleted?); nothing "
+                f'was changed. If meshfit wrote them, recreate the marker: `echo \'{{"kind": "backup", "format": 1}}\' '
+                f"> {marker}` (kind: backup, checkpoint, model or weights, for whichever of BackupAndRestore, "
+                "ModelCheckpoint, model.save or save_weights wrote them)."
             )
         return None
     try:

@@ -112,11 +112,9 @@ def _unsaved_message(missing: dict[str, list[str]]) -> str:
         for entry, found in missing.items()
     )
     return (
-        "Expected load_model to be given again what the saved model was compiled with that `save` could not "
-        "write down (code: not a name, one of meshfit's built-in losses and metrics, or an optimizer from "
-        f"meshfit.optimizers.get with JSON arguments): {what}. Received: no {received} argument. Pass each as "
-        f"it was given to compile, e.g. load_model(path, module, {example}), or pass compile=False to load the "
-        "weights alone."
+        "Expected load_model to be given again what the model was compiled with that `save` could not write down "
+        f"(code, not a built-in name): {what}. Received: no {received} argument. Pass each as it was given to "
+        f"compile, e.g. load_model(path, module, {example}), or pass compile=False to load the weights alone."
     )
 
 

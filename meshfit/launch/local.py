@@ -162,8 +162,12 @@ def _pump(stream, rank: int, out, verbose: bool = False) -> None:
     stream.close()
 
 
-def _die_with_parent():
-    """A `preexec_fn` asking the kernel to SIGKILL the child when the launcher dies (Linux)."""
+def die_with_parent():
+    """A `preexec_fn` asking the kernel to SIGKILL the child when the launcher dies (Linux).
+
+    Every launcher (local processes, Ray actors' subprocesses) starts its ranks with it, so no rank outlives
+    the process that watches it; `None` where `prctl` is not available.
+    """
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
@@ -211,8 +215,12 @@ class _Exits:
             return list(self.order)
 
 
-class _Signals:
-    """Catches SIGTERM, SIGINT and SIGHUP sent to the launcher while a job runs (main thread only)."""
+class Signals:
+    """Catches SIGTERM, SIGINT and SIGHUP sent to the launcher while a job runs (main thread only).
+
+    A context manager: inside it, `received` is the first signal caught (or `None`), which the launcher's
+    watch loop passes on to every rank; on exit the previous handlers come back.
+    """
 
     def __init__(self):
         self.received: int | None = None
@@ -251,7 +259,7 @@ def _stop(procs: list[subprocess.Popen], grace: float = GRACE_SECONDS) -> list[i
     return killed
 
 
-def _watch(config: LaunchConfig, procs: list[subprocess.Popen], exits: _Exits, signals: _Signals, log: TextIO) -> int:
+def _watch(config: LaunchConfig, procs: list[subprocess.Popen], exits: _Exits, signals: Signals, log: TextIO) -> int:
     """Waits until the job ends, fails, or the launcher is signalled; returns the job's status."""
     layout = config.layout
     needed = set(layout.needed_ranks)
@@ -305,7 +313,7 @@ def run_once(config: LaunchConfig, attempt: int, log: TextIO = sys.stderr) -> in
         authkey=job_env.new_authkey() if config.layout.needs_authkey else "",
     )
     procs, pumps = [], []
-    with _Signals() as signals:
+    with Signals() as signals:
         try:
             for rank in range(config.nprocs):
                 proc = subprocess.Popen(
@@ -315,7 +323,7 @@ def run_once(config: LaunchConfig, attempt: int, log: TextIO = sys.stderr) -> in
                     stderr=subprocess.STDOUT,
                     text=True,
                     errors="replace",
-                    preexec_fn=_die_with_parent(),
+                    preexec_fn=die_with_parent(),
                 )
                 procs.append(proc)
                 pump = threading.Thread(target=_pump, args=(proc.stdout, rank, sys.stdout, config.verbose), daemon=True)

@@ -33,8 +33,8 @@ from typing import Any, TextIO
 from meshfit.launch.local import (
     GLOO_CONNECTED,
     LaunchConfig,
-    _die_with_parent,
-    _Signals,
+    Signals,
+    die_with_parent,
     free_port,
     process_command,
     process_env,
@@ -111,7 +111,7 @@ class _Rank:
             stderr=subprocess.STDOUT,
             text=True,
             errors="replace",
-            preexec_fn=_die_with_parent(),  # an actor killed (or its node lost) takes its rank along
+            preexec_fn=die_with_parent(),  # an actor killed (or its node lost) takes its rank along
         )
         threading.Thread(target=self._pump, daemon=True).start()
         return self.proc.pid
@@ -282,7 +282,7 @@ class _Job:
     def run(self) -> int:
         layout = self.config.layout
         judged: set[int] = set()
-        with _Signals() as signals:
+        with Signals() as signals:
             try:
                 status = None
                 while status is None:

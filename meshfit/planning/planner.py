@@ -301,7 +301,7 @@ def plan(
         time_ = roofline.step_time(report, spec)
         return Candidate(layout, batch_size, choice, report, time_, memory_limit, None, _strategy=strategy_of(layout))
 
-    # One after another: compiling in a pool of threads took as long on a 2-core host (RESULTS.md).
+    # One after another: a pool of threads compiles no faster on a host of few cores.
     candidates = [compile_one(job) for job in _progress(jobs, verbose)]
     if all(c.error for c in candidates):
         raise ValueError(f"No candidate compiled. The first error: {candidates[0].error}")

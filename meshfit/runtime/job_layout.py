@@ -1,6 +1,6 @@
 """What each rank of a `meshfit launch` job is: its environment, its command, and what its exit means.
 
-`meshfit launch` starts, watches and stops processes (`launch.py`); a `JobLayout`
+`meshfit launch` starts, watches and stops processes (`meshfit.launch`); a `JobLayout`
 answers every question whose answer depends on the kind of job. The plain
 `jax.distributed` job (`--nprocs N`) is `DistributedJob`, here; a strategy that
 starts processes of its own kinds keeps its layout in its own package (the

@@ -86,9 +86,8 @@ def timeout_message(
         head += f" (not joined: process {', '.join(map(str, missing))})"
     return (
         f"{head}. Likely causes: a process was not started, or failed before it joined (see its output); "
-        f"a wrong process count ({num_processes} expected: MESHFIT_NUM_PROCESSES, SLURM_NTASKS or the launcher's "
-        "count must be the number of processes started); a firewall, or a wrong address, keeping the others from "
-        f"reaching {address}. MESHFIT_INIT_TIMEOUT (seconds) sets how long to wait."
+        "MESHFIT_NUM_PROCESSES, SLURM_NTASKS or the launcher's count differs from the processes started; a "
+        f"firewall or a wrong address. MESHFIT_INIT_TIMEOUT (seconds) sets how long to wait."
     )
 
 
@@ -100,10 +99,9 @@ def no_coordinator_message(
     why = f" (last attempt: {last_error})" if last_error else ""
     return (
         f"the job did not assemble: {num_processes} processes expected at {address} within {timeout:g} s. "
-        f"This process (id {process_id} of {num_processes} processes) got no answer at {address}, where process 0 "
-        f"runs the coordinator{why}. Likely causes: process 0 was not started, or failed before it listened "
-        f"(see its output); {host} is not the host of process 0; a firewall blocks port {port}. "
-        "MESHFIT_INIT_TIMEOUT (seconds) sets how long to wait."
+        f"This process (id {process_id} of {num_processes} processes) got no answer at {address}{why}: "
+        f"process 0 was not started or failed first (see its output), {host} is not its host, or a firewall "
+        f"blocks port {port}. MESHFIT_INIT_TIMEOUT (seconds) sets how long to wait."
     )
 
 
@@ -113,9 +111,9 @@ def out_of_descriptors_message(address: str, error: OSError) -> str:
     which = "this process" if error.errno == errno.EMFILE else "the system"
     return (
         f"process 0 is out of file descriptors ({which}: {error.strerror}; limit {soft}, hard limit {hard}) and "
-        f"cannot accept the processes joining at {address}; it retries, pausing up to {_MAX_ACCEPT_PAUSE:g} s, and "
-        "closes connections that said nothing. Raise the limit (`ulimit -n`, or LimitNOFILE= under systemd) "
-        "or find what holds the descriptors (`ls /proc/<pid>/fd`), e.g. many idle connections to the port."
+        f"cannot accept the processes joining at {address}; it retries, pausing up to {_MAX_ACCEPT_PAUSE:g} s. "
+        "Raise the limit (`ulimit -n`, or LimitNOFILE= under systemd) or find what holds the descriptors "
+        "(`ls /proc/<pid>/fd`)."
     )
 
 

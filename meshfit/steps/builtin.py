@@ -512,8 +512,8 @@ def with_rows_all_real(batch: Batch) -> Batch:
     all full, `meshfit.training.feeder`: no mask is gathered, placed or picked from a stage).
 
     The ones pass an optimization barrier, so the step compiles as for a masked batch and trains bitwise
-    as it does: folding the constant away changed XLA:CPU's schedule of the large MLP's update kernels,
-    6 % slower on two cores (benchmarks/RESULTS.md, session 16).
+    as it does: with the constant folded away, XLA:CPU schedules a large MLP's update kernels differently,
+    and slower.
     """
     if batch.mask is not None:
         return batch

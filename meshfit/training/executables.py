@@ -167,9 +167,8 @@ class Executables:
     def _refusal_message(self, received: str) -> str:
         return (
             "A custom train_step or test_step sees a partial batch at its real rows, which this strategy "
-            f"cannot give it: {self._real_rows_refusal}. Received: {received}. Use a batch size that divides "
-            "the number of samples (and is a multiple of the number of devices), or an input that drops its "
-            "last partial batch (e.g. drop_remainder=True), so that every batch is full."
+            f"cannot give it: {self._real_rows_refusal}. Received: {received}. Make every batch full: a batch "
+            "size that divides the samples (a multiple of the devices), or drop the last partial batch."
         )
 
     def partial_rows(self, mask) -> int | None:

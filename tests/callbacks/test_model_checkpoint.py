@@ -8,6 +8,7 @@ import pytest
 from helpers import MLP, classification_data, linked_meshfit_names, meshfit_names, plant_symlinks, read_all
 
 import meshfit as mf
+from meshfit.checkpointing import checkpoint
 
 
 def fit_with(callback, epochs=4, **kwargs):
@@ -104,18 +105,18 @@ def test_a_replacement_interrupted_by_a_crash_is_finished_or_undone(tmp_path):
     for a, b in zip(restored.get_weights(), snapshots[1][0], strict=True):
         np.testing.assert_array_equal(a, b)
     assert sorted(os.listdir(tmp_path)) == ["ck.meshfit-new", "ck.meshfit-old"]
-    mf.checkpoint.finish_replacement(str(tmp_path / "ck"), "checkpoint")
+    checkpoint.finish_replacement(str(tmp_path / "ck"), "checkpoint")
     assert sorted(os.listdir(tmp_path)) == ["ck"] and steps_in(tmp_path / "ck") == [1]
     # Crashed while staging (no complete new copy): the old one goes back.
     os.rename(tmp_path / "ck", tmp_path / "ck.meshfit-old")
     (tmp_path / "ck.meshfit-new").mkdir()
-    mf.checkpoint.write_marker(str(tmp_path / "ck.meshfit-new"), "checkpoint")
-    mf.checkpoint.finish_replacement(str(tmp_path / "ck"), "checkpoint")
+    checkpoint.write_marker(str(tmp_path / "ck.meshfit-new"), "checkpoint")
+    checkpoint.finish_replacement(str(tmp_path / "ck"), "checkpoint")
     assert sorted(os.listdir(tmp_path)) == ["ck"] and steps_in(tmp_path / "ck") == [1]
     # A sibling meshfit did not write is never touched.
     (tmp_path / "ck.meshfit-old").mkdir()
     (tmp_path / "ck.meshfit-old" / "notes.txt").write_text("mine")
-    mf.checkpoint.finish_replacement(str(tmp_path / "ck"), "checkpoint")
+    checkpoint.finish_replacement(str(tmp_path / "ck"), "checkpoint")
     assert (tmp_path / "ck.meshfit-old" / "notes.txt").read_text() == "mine"
 
 

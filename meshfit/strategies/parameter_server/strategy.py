@@ -126,10 +126,9 @@ class ParameterServerStrategy(Strategy):
         role = transport.role()
         if role == "worker":
             raise RuntimeError(
-                f"This process has {launcher.ENV_PS_ROLE}=worker: it was meant to be a parameter-server worker, "
-                f"which runs `python -m {launcher.PS_WORKER_MODULE}` and none of the training script. Start "
-                "the script with `meshfit launch --ps S --workers N script.py` (the worker ranks then run the "
-                f"worker process), or unset {launcher.ENV_PS_ROLE} to train with this host's devices as workers."
+                f"This process has {launcher.ENV_PS_ROLE}=worker: a parameter-server worker, which runs "
+                f"`python -m {launcher.PS_WORKER_MODULE}`, not the training script. Start the script with "
+                f"`meshfit launch --ps S --workers N script.py`, or unset {launcher.ENV_PS_ROLE} to train here."
             )
         if mode not in MODES:
             raise ValueError(f"`mode` must be one of {MODES}. Received: mode={mode!r}.")
