@@ -79,6 +79,9 @@ METRIC_CASES = {
     M.Mean: dict(name="avg"),
     M.Sum: dict(name="total"),
     M.MeanMetricWrapper: dict(fn=M.binary_accuracy, name="wrapped", threshold=0.7),
+    M.FBetaScore: dict(average="macro", beta=2.0, threshold=0.4, name="f2"),
+    M.F1Score: dict(average="weighted"),
+    M.R2Score: dict(class_aggregation=None, num_regressors=2),
 }
 CASES = [(cls, kwargs) for cls, kwargs in {**LOSS_CASES, **METRIC_CASES}.items()] + [
     (M.AUC, dict(thresholds=np.array([0.7, 0.2, 0.4], np.float32), name="auc_given")),
@@ -101,6 +104,7 @@ def outputs(obj, y_true, y_pred, weights):
         return obj(y_true, y_pred, sample_weight=weights)
     if isinstance(obj, (M.Sum, M.Mean)) and not isinstance(obj, (M.MeanMetricWrapper, M.RootMeanSquaredError)):
         return obj.compute(obj.update(obj.init(), y_pred, weights))
+    obj.build(y_true, y_pred)  # what compile does with the first batch (F-beta, R^2 learn their classes)
     return obj.compute(obj.update(obj.init(), y_true, y_pred, weights))
 
 
