@@ -27,6 +27,7 @@ from smoke import parse_args  # noqa: E402
 import meshfit as mf  # noqa: E402
 from meshfit.data import label_check  # noqa: E402
 from meshfit.data import sources as data_lib  # noqa: E402
+from meshfit.steps import terms  # noqa: E402
 
 ROWS = 64
 
@@ -63,7 +64,7 @@ def main() -> None:
         off.append(us_per_step(x, y, args.epochs, checked=False))
         on.append(us_per_step(x, y, args.epochs, checked=True))
     source = data_lib.IterableData(iter(()))
-    ranges = (label_check.LabelRange(mf.terms.Output("output", ()), 10, None, "loss"),)
+    ranges = (label_check.LabelRange(terms.Output("output", ()), 10, None, "loss"),)
     xb, yb = x[:ROWS], y[:ROWS]
     source._check_spec({"x": xb, "y": yb}, 0)
     n = 200 if args.smoke else 20000

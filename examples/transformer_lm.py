@@ -715,7 +715,7 @@ def main(argv=None, callbacks=()) -> dict:
             f"windows of {args.context} tokens; {jax.device_count()} devices ({jax.devices()[0].platform})"
         )
     options = module_options(args)
-    compute_dtype = mf.precision.get(args.dtype_policy).compute_dtype
+    compute_dtype = mf.mixed_precision.get(args.dtype_policy).compute_dtype
 
     def factory(remat=args.remat):
         return TransformerLM(**{**options, "remat": remat or False}, tied=tied, rngs=nnx.Rngs(args.seed))

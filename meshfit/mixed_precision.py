@@ -15,7 +15,7 @@ from __future__ import annotations
 from meshfit.core import precision
 from meshfit.core.precision import DTypePolicy
 
-__all__ = ["DTypePolicy", "Policy", "global_policy", "set_global_policy"]
+__all__ = ["DTypePolicy", "Policy", "get", "global_policy", "set_global_policy"]
 
 #: Keras's older name for a dtype policy.
 Policy = DTypePolicy
@@ -46,3 +46,9 @@ def set_global_policy(policy: str | DTypePolicy | None) -> None:
 def global_policy() -> DTypePolicy:
     """The policy `compile` uses when it is given no `dtype_policy` ("float32" unless set)."""
     return precision.get(_global)
+
+
+def get(policy: str | DTypePolicy | None) -> DTypePolicy:
+    """The policy of a name ("mixed_bfloat16"), a `DTypePolicy` as it is, or None for "float32" (as
+    `keras.dtype_policies.get`); an unknown name is a ValueError listing the known ones."""
+    return precision.get(policy)

@@ -27,12 +27,12 @@ def compiled(**kwargs):
 
 
 def test_the_default_is_float32_and_names_and_policies_set_it():
-    assert mp.global_policy() == mf.precision.get("float32")
+    assert mp.global_policy() == mp.get("float32")
     mp.set_global_policy("mixed_bfloat16")
     policy = mp.global_policy()
     assert isinstance(policy, mp.DTypePolicy) and mp.Policy is mp.DTypePolicy
     assert (policy.name, policy.variable_dtype, policy.compute_dtype) == ("mixed_bfloat16", np.float32, jnp.bfloat16)
-    mp.set_global_policy(mf.precision.get("mixed_float16"))
+    mp.set_global_policy(mp.get("mixed_float16"))
     assert mp.global_policy().name == "mixed_float16"
     mp.set_global_policy(None)
     assert mp.global_policy().name == "float32"

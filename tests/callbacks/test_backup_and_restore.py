@@ -22,6 +22,7 @@ from processes import Job, run
 
 import meshfit as mf
 from meshfit.checkpointing.checkpoint import MARKER
+from meshfit.training import callback_protocol
 
 pytestmark = pytest.mark.slow  # starts real processes (the fast tier leaves these out)
 
@@ -672,7 +673,7 @@ def test_a_backup_with_state_for_a_callback_not_in_the_fit_is_refused_before_any
 
 def test_two_callbacks_with_one_state_key_are_refused():
     with pytest.raises(ValueError, match="Received: 'Tagged_1' more than once. Set a distinct `state_key`"):
-        mf.callbacks.base.state_keys([Tagged(), Tagged(), Counted(state_key="Tagged_1")])
+        callback_protocol.state_keys([Tagged(), Tagged(), Counted(state_key="Tagged_1")])
 
 
 def fit_keeping_backups(backup, epochs):
