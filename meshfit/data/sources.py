@@ -9,6 +9,10 @@ weight by the mask, so results equal those of the unpadded batch exactly.
 Inputs: numpy/JAX arrays and dicts/tuples/lists of them (`ArrayData`), any
 other iterable of batches — Python generators, grain datasets and loaders
 (`IterableData`) — and a user's own `DataSource` subclass, taken as it is.
+
+A source only yields host batches and says how many, whether one is partial
+and where it stands; nothing here knows of devices, programs or
+`steps_per_execution` (that is `meshfit.training.feeder`).
 """
 
 from __future__ import annotations
