@@ -3,8 +3,8 @@
 Measured in one run, alternating, median of `--repeats`:
   * device:  a hand-written `jax.jit` loop over batches already on the device (the device time alone);
   * host:    the generator iterated alone (the host time alone);
-  * meshfit: `model.fit(generator)`, reading and placing 2 executions ahead on a thread (the default);
-  * meshfit_no_prefetch: the same with `meshfit.training.feeder.PREFETCH_EXECUTIONS = 0` (read when needed).
+  * meshfit: `model.fit(generator)`, reading and padding 2 batches ahead on a thread (the default);
+  * meshfit_no_prefetch: the same with `meshfit.data.sources.PREFETCH_BATCHES = 0` (read when needed).
 With perfect overlap an epoch takes max(host, device); without any, host + device. JAX's asynchronous
 dispatch already overlaps a generator with the steps queued on the device while nothing waits for a
 step; `--sync-each-batch` adds a callback that reads each batch's loss (a per-batch logger), after
@@ -26,7 +26,7 @@ from flax import nnx
 from smoke import parse_args
 
 import meshfit as mf
-import meshfit.training.feeder as feeder_lib
+from meshfit.data import sources
 
 SIZES = (784, 1024, 1024, 10)
 
@@ -112,7 +112,7 @@ def main():
 
     def fit(prefetch):
         def go():
-            feeder_lib.PREFETCH_EXECUTIONS = prefetch
+            sources.PREFETCH_BATCHES = prefetch
             data = batches(args.steps, args.batch, work, kind=args.host_work)
             model.fit(data, epochs=1, verbose=0, callbacks=callbacks)
             jax.block_until_ready(model.params)
@@ -132,7 +132,7 @@ def main():
             t0 = time.perf_counter()
             go()
             times[name].append(time.perf_counter() - t0)
-    feeder_lib.PREFETCH_EXECUTIONS = 2
+    sources.PREFETCH_BATCHES = 2
     t = {k: statistics.median(v) for k, v in times.items()}
     print(
         f"jax {jax.__version__} on {jax.devices()[0].device_kind}; MLP {'-'.join(map(str, SIZES))}, batch "

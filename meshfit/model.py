@@ -834,7 +834,7 @@ class Model:
         others = [cb for cb in user if cb not in adders and cb not in savers]
         ordered = adders + others + defaults + ([history] if history else []) + savers
         all_callbacks = callbacks_lib.CallbackList(
-            ordered, model=self, timer=self.session.timer, epochs=epochs, steps=steps, verbose=verbose
+            ordered, model=self, timer=self.session.context.timer, epochs=epochs, steps=steps, verbose=verbose
         )
         return all_callbacks, history
 
@@ -933,11 +933,11 @@ class Model:
             )
         # Armed before anything compiles or restores: a SIGTERM from now on ends in a backup.
         watch = (
-            PreemptionWatch(_preemption_timeout(callbacks), timer=self.session.timer)
+            PreemptionWatch(_preemption_timeout(callbacks), timer=self.session.context.timer)
             if any(_handles_preemption(cb) for cb in callbacks or ())
             else None
         )
-        with watch or contextlib.nullcontext(), self.session.timer:  # the timer: where the fit's time goes
+        with watch or contextlib.nullcontext(), self.session.context.timer:  # the timer: where the fit's time goes
             if class_weight is not None:
                 sample_weight = _class_weights(y, class_weight, sample_weight)
             data = self._make_data(x, y, sample_weight, batch_size, shuffle=shuffle, steps=steps_per_epoch)
@@ -959,10 +959,10 @@ class Model:
                 raise ValueError("`fit()` needs targets: pass `y`, or a dataset yielding (x, y) pairs.")
             self._build(first)
             self._check_labels(all_data, val_data if all_data is data else None)
-            self.session.executables.check_batches(data)
+            self.session.check_batches(data)
             if val_data is not None:
                 self._check_input(self._first_batch(val_data))
-                self.session.executables.check_batches(val_data)
+                self.session.check_batches(val_data)
             steps = data.steps_per_epoch
             callback_list, history = self._callback_list(
                 callbacks, verbose=verbose, epochs=epochs, steps=steps, add_history=True
@@ -1064,7 +1064,7 @@ class Model:
             raise ValueError("`evaluate()` needs targets: pass `y`, or a dataset yielding (x, y) pairs.")
         self._build(first)
         self._check_labels(data)
-        self.session.executables.check_batches(data)
+        self.session.check_batches(data)
         callback_list = self._one_pass_callbacks(callbacks, verbose, steps or data.steps_per_epoch)
         logs = evaluate_loop(self, data, callbacks=callback_list, steps=steps)
         return self._ordered(logs, return_dict)

@@ -9,6 +9,7 @@ from flax import nnx
 from helpers import MLP, assert_trees_close, classification_data
 
 import meshfit as mf
+from meshfit.data import sources
 
 
 def make_model(**compile_kwargs):
@@ -410,10 +411,10 @@ def test_scalar_loss_with_steps_per_execution_and_a_partial_batch_in_a_full_grou
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("prefetch", [0, 2], ids=["host-batches", "placed-ahead"])
+@pytest.mark.parametrize("prefetch", [0, 2], ids=["host-batches", "read-ahead"])
 def test_scalar_loss_on_a_generator_of_ragged_batches(monkeypatch, prefetch):
     """Batches of 8, 5, 8, 3, 8, 5 rows (padded to 8): one step per distinct partial size (5 and 3)."""
-    monkeypatch.setattr(mf.feeder, "PREFETCH_EXECUTIONS", prefetch)
+    monkeypatch.setattr(sources, "PREFETCH_BATCHES", prefetch)
     sizes = [8, 5, 8, 3, 8, 5]
     x, y = classification_data(n=sum(sizes))
     ends = np.cumsum(sizes)

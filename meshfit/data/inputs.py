@@ -85,8 +85,8 @@ def data_source(
         )
     if isinstance(x, (str, bytes)) or not hasattr(x, "__iter__"):
         hint = (
-            " It has `peek` and `executions`: make it a subclass of meshfit.data.DataSource."
-            if hasattr(x, "peek") and hasattr(x, "executions")
+            " It has `peek` and `batches`: make it a subclass of meshfit.data.DataSource."
+            if hasattr(x, "peek") and hasattr(x, "batches")
             else ""
         )
         raise TypeError(

@@ -9,11 +9,16 @@ weight by the mask, so results equal those of the unpadded batch exactly.
 Inputs: numpy/JAX arrays and dicts/tuples/lists of them (`ArrayData`), any
 other iterable of batches — Python generators, grain datasets and loaders
 (`IterableData`) — and a user's own `DataSource` subclass, taken as it is.
+
+A source only yields host batches and says how many, whether one is partial
+and where it stands; nothing here knows of devices, programs or
+`steps_per_execution` (that is `meshfit.training.feeder`).
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import queue
 import threading
@@ -99,6 +104,10 @@ def _num_rows(tree: Any, name: str) -> int:
     return sizes.pop()
 
 
+#: Batches an iterable input (generator, grain) is read ahead of the trainer, on a thread (0: read each
+#: batch when the trainer takes it); `IterableData(prefetch=...)` sets it per input.
+PREFETCH_BATCHES = 2
+
 #: Seconds a fit that stops waits for its read-ahead thread before leaving it, stuck in the input, behind.
 STUCK_READER_WAIT = 5.0
 
@@ -178,21 +187,26 @@ def make_batch(x: Any, y: Any, sample_weight: Any, padded_rows: int) -> Batch:
 
 
 class DataSource(ABC):
-    """Where a fit's batches come from: the contract the loop and the session rely on.
+    """Where a fit's batches come from: host batches, how many, whether one is partial, and a position.
 
-    Batches are fixed-shape host `meshfit.core.batch.Batch`es: every batch has the
-    rows of the first (rounded up to the strategy's `batch_multiple`; an
+    The contract, as Keras's `DataAdapter` states it: a source yields one
+    epoch's host batches (`batches`), says how many an epoch has
+    (`steps_per_epoch`), whether some batch is partial (`has_partial_batches`)
+    and where a resumed epoch continues (`get_state` / `set_state`). It does
+    nothing else: grouping batches for `steps_per_execution`, staging them and
+    placing them on the devices is the trainer's work
+    (`meshfit.training.feeder`).
+
+    Batches are fixed-shape host `meshfit.core.batch.Batch`es: every batch has
+    the rows of the first (rounded up to the strategy's `batch_multiple`; an
     iterable's may grow, see `IterableData`), and a partial batch is padded
     with rows whose `mask` is 0, so the step compiles once per size and the
-    padding counts for nothing. An epoch is `steps_per_epoch` batches (None:
-    until the input runs out). `get_state` / `set_state` save and restore the
-    position in the input for BackupAndRestore.
+    padding counts for nothing. `make_batch` pads one batch.
 
     `fit`, `evaluate` and `predict` take a subclass as `x` as it is (with
     `y`, `sample_weight` and `batch_size` left None), as Keras takes its own
     `DataAdapter`. Under a strategy over several processes, a source yields
-    this process's rows of each batch. `make_batch` pads one batch and
-    `stack_batches` stacks a group of them.
+    this process's rows of each batch.
 
     Example:
         >>> class Rows(meshfit.data.DataSource):
@@ -207,15 +221,9 @@ class DataSource(ABC):
         ...     def peek(self):
         ...         return self._batch(0)
         ...
-        ...     def executions(self, epoch, size, start_step=0, pad_last=True, place=None):
-        ...         place = place or (lambda batches: batches)
-        ...         for first in range(start_step, self.steps_per_epoch, size):
-        ...             group = [self._batch(i) for i in range(first, min(first + size, self.steps_per_epoch))]
-        ...             if size == 1:
-        ...                 yield 1, place(group[0])
-        ...             else:
-        ...                 stacked = size if pad_last else len(group)
-        ...                 yield len(group), place(meshfit.data.stack_batches(group, stacked))
+        ...     def batches(self, epoch, start_step=0):
+        ...         for i in range(start_step, self.steps_per_epoch):
+        ...             yield self._batch(i)
         ...
         ...     def get_state(self):
         ...         return {}
@@ -225,32 +233,43 @@ class DataSource(ABC):
         >>> model.fit(Rows(x, y, rows=32), epochs=3)
     """
 
-    #: Whether any batch can be produced at any time from its position alone (in-memory
-    #: arrays): then batches may be read ahead and staged on the devices several at once.
+    #: Whether any batch can be produced at any time from its position alone (in-memory arrays): then
+    #: `gather` may be asked for any batches, the trainer stages several on the devices at once and
+    #: prepares an epoch's first batches ahead. Such a source sets `steps_per_epoch`.
     random_access: bool = False
-    #: Batches per epoch, or None for an input read until it runs out.
+    #: Batches per epoch (Keras's `num_batches`), or None for an input read until it runs out.
     steps_per_epoch: int | None = None
 
-    @property
-    def reads_ahead(self) -> bool:
-        """Whether `executions` reads and `place`s batches on a thread of its own, ahead of the loop."""
-        return False
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "executions" in cls.__dict__ and getattr(cls.batches, "__isabstractmethod__", False):
+            raise TypeError(
+                f"`{cls.__name__}` defines `executions(epoch, size, ...)`, which a meshfit.data.DataSource does not "
+                "have: it yields one epoch's host batches from `batches(epoch, start_step=0)`, one Batch at a time, "
+                "and the trainer groups, pads and places them. Rename it to `batches` and yield single Batches."
+            )
 
     @abstractmethod
     def peek(self) -> Batch:
         """The first batch, without consuming it (the model is built from its shapes)."""
 
     @abstractmethod
-    def executions(
-        self, epoch: int, size: int, start_step: int = 0, pad_last: bool = True, place: Callable | None = None
-    ) -> Iterator[tuple[int, Any]]:
-        """Yields `(count, batches)` for epoch `epoch` from batch `start_step` on: `size` batches stacked
-        on a new leading axis (one batch, unstacked, for `size == 1`). A short last group is padded with
-        fully masked batches, or with `pad_last=False` comes stacked on a leading axis of its `count`.
+    def batches(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
+        """Yields epoch `epoch`'s host batches from batch `start_step` on (epochs are numbered across fits).
 
-        With `place`, every source yields `place(batches)` instead: a source that reads ahead
-        (`reads_ahead`) calls it on its reading thread, so the devices get the batches while the step
-        before runs; the others call it as each execution is taken."""
+        While the trainer holds a batch, `get_state` is the position after it. A source may read its
+        input ahead on a thread of its own (`IterableData` does), as long as that holds."""
+
+    def gather(self, epoch: int, steps: range, aligned: bool = False) -> Batch:
+        """Batches `steps` of epoch `epoch` stacked on a new leading axis (sources with `random_access`).
+
+        With `aligned` the arrays start at multiples of `HOST_ALIGNMENT` bytes where the source can
+        (they go to the devices whole, as a stage). This default stacks what `batches` yields; a source
+        may gather every row of the group at once instead (`ArrayData`).
+        """
+        del aligned
+        group = list(itertools.islice(self.batches(epoch, steps.start), len(steps)))
+        return stack_batches(group, len(group))
 
     def prepare(self, epoch: int) -> None:
         """Work for epoch `epoch` that can be done ahead, while the devices finish the last one."""
@@ -274,7 +293,7 @@ class DataSource(ABC):
 
     @abstractmethod
     def get_state(self) -> dict:
-        """The position in the input, as JSON-like values and numpy arrays."""
+        """The position in the input, as JSON-like values and numpy arrays: where a resumed epoch continues."""
 
     @abstractmethod
     def set_state(self, state: dict) -> None:
@@ -393,7 +412,7 @@ class ArrayData(DataSource):
         self.local_rows = self.padded_batch_size // block[1]
         self._full_mask = np.ones(self.local_rows, np.float32)
         self._full_mask.flags.writeable = False
-        self._stacked_mask: np.ndarray | None = None  # all-ones masks of a group of full batches
+        self._stacked_masks: dict[int, np.ndarray] = {}  # all-ones masks of groups of full batches, by count
         self._orders = orders if orders is not None else ShuffleOrders()
         self.shuffle = shuffle
         self.seed = seed
@@ -462,70 +481,49 @@ class ArrayData(DataSource):
         x, y, weight = (_take(tree, index, aligned) for tree in (self.x, self.y, self.sample_weight))
         return Batch(x, y, weight, mask)
 
-    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
-        """Yields the batches of one epoch, from `start_step` on."""
+    def batches(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
+        """Yields the batches of one epoch, from `start_step` on (gathered as each is taken)."""
         for order, within in self._positions(epoch, start_step):
             yield self._take_all(*self._rows(order, within))
 
-    def executions(
-        self, epoch: int, size: int, start_step: int = 0, pad_last: bool = True, place: Callable | None = None
-    ) -> Iterator[tuple[int, Batch | list[Batch]]]:
-        """Yields `(count, batches)`: `size` batches stacked on a new leading axis, or `place` of them
-        (see `DataSource.executions`; arrays are gathered on demand, on the loop's thread).
+    def gather(self, epoch: int, steps: range, aligned: bool = False) -> Batch:
+        """Batches `steps` of epoch `epoch` stacked on a new leading axis, every row in one indexing operation.
 
-        Gathers all rows of a group in one indexing operation. A short last
-        group is filled with fully masked batches, or with `pad_last=False`
-        comes stacked on a leading axis of its `count`. A group given to
-        `place` (staged on the devices) is gathered into arrays aligned to
-        `HOST_ALIGNMENT`, which XLA's CPU client places without a copy; one
-        that goes straight into a compiled call is not: the call copies its
-        arguments anyway, and aligned ones made the tiny MLP's 32-step scan
-        slower there (0.89-0.93 of the raw scan against 0.96-1.00, session 17).
+        With `aligned` (a stage, placed on the devices whole) the rows are
+        gathered into arrays aligned to `HOST_ALIGNMENT`, which XLA's CPU
+        client places without a copy; a group that goes straight into a
+        compiled call is not: the call copies its arguments anyway, and aligned
+        ones made the tiny MLP's 32-step scan slower there (0.89-0.93 of the
+        raw scan against 0.96-1.00).
         """
-        aligned = place is not None
-        place = place or _as_is
-        if size == 1:
-            for batch in self.epoch(epoch, start_step):
-                yield 1, place(batch)
-            return
-        first = epoch * self.steps_per_epoch
-        for group in range(start_step, self.steps_per_epoch, size):
-            count = min(size, self.steps_per_epoch - group)
-            index = self._contiguous_rows(first + group, count, size)
-            if index is not None:  # the common case: one slice of the order
-                mask = self._full_masks(size)
-            else:
-                rows = [self._rows(*self._position(first + step)) for step in range(group, group + count)]
-                stacked = size if pad_last else count
-                rows += [(rows[0][0], np.zeros_like(rows[0][1]))] * (stacked - count)
-                index = np.concatenate([np.arange(i.start, i.stop) if isinstance(i, slice) else i for i, _ in rows])
-                mask = np.stack([m for _, m in rows], out=_aligned_empty((len(rows), len(rows[0][1])), np.float32))
-            batch = self._take_all(index, mask, aligned)  # all rows of the group in one gather
-            stacked = mask.shape[0]
-            yield (
-                count,
-                place(
-                    batch._replace(
-                        x=_stack_rows(batch.x, stacked),
-                        y=_stack_rows(batch.y, stacked),
-                        sample_weight=_stack_rows(batch.sample_weight, stacked),
-                    )
-                ),
-            )
+        first, count = epoch * self.steps_per_epoch, len(steps)
+        index = self._contiguous_rows(first + steps.start, count)
+        if index is not None:  # the common case: one slice of the order
+            mask = self._full_masks(count)
+        else:
+            rows = [self._rows(*self._position(first + step)) for step in steps]
+            index = np.concatenate([np.arange(i.start, i.stop) if isinstance(i, slice) else i for i, _ in rows])
+            mask = np.stack([m for _, m in rows], out=_aligned_empty((count, len(rows[0][1])), np.float32))
+        batch = self._take_all(index, mask, aligned)  # all rows of the group in one gather
+        x, y, weight = (_stack_rows(tree, count) for tree in (batch.x, batch.y, batch.sample_weight))
+        return batch._replace(x=x, y=y, sample_weight=weight)
 
-    def _full_masks(self, size: int) -> np.ndarray:
-        if self._stacked_mask is None or self._stacked_mask.shape[0] != size:
-            self._stacked_mask = _aligned_empty((size, self.local_rows), np.float32)
-            self._stacked_mask[...] = 1.0
-        return self._stacked_mask
+    def _full_masks(self, count: int) -> np.ndarray:
+        """All-ones masks of `count` full batches, made once per count (aligned, shared by every group)."""
+        mask = self._stacked_masks.get(count)
+        if mask is None:
+            mask = self._stacked_masks[count] = _aligned_empty((count, self.local_rows), np.float32)
+            mask[...] = 1.0
+            mask.flags.writeable = False
+        return mask
 
-    def _contiguous_rows(self, global_step: int, count: int, size: int) -> slice | np.ndarray | None:
-        """The rows of `size` full, consecutive batches of one pass as one index, else None."""
-        if count != size or self.block[1] != 1 or self.padded_batch_size != self.batch_size:
+    def _contiguous_rows(self, global_step: int, count: int) -> slice | np.ndarray | None:
+        """The rows of `count` full, consecutive batches of one pass as one index, else None."""
+        if self.block[1] != 1 or self.padded_batch_size != self.batch_size:
             return None
         pass_index, within = divmod(global_step, self.steps_per_pass)
-        start, stop = within * self.batch_size, (within + size) * self.batch_size
-        if within + size > self.steps_per_pass or stop > self.num_samples:
+        start, stop = within * self.batch_size, (within + count) * self.batch_size
+        if within + count > self.steps_per_pass or stop > self.num_samples:
             return None
         order = self._order(pass_index)
         return slice(start, stop) if order is None else order[start:stop]
@@ -607,19 +605,15 @@ class IterableData(DataSource):
     such a growth. Every process of a multi-process job must yield batches of
     the same sizes, as before.
 
-    With `prefetch > 0` and a `place` function (training), the input is read,
-    batched and placed on the devices by a background thread, up to `prefetch`
-    executions ahead of the step, so host input work overlaps device work.
-    The position (`get_state`) is that of the next batch the loop has not
-    taken: batches read ahead and not taken, when an epoch ends early, are
-    kept and come first next time.
+    With `prefetch > 0` (default `PREFETCH_BATCHES`), the input is read,
+    checked and padded by a background thread, up to `prefetch` batches ahead
+    of the trainer, so host input work overlaps device work. The position
+    (`get_state`) is that of the next batch the trainer has not taken:
+    batches read ahead and not taken, when an epoch ends early, are kept and
+    come first next time.
     """
 
     random_access = False  # batches come in the iterator's order, once
-
-    @property
-    def reads_ahead(self) -> bool:
-        return self.prefetch > 0
 
     def __init__(
         self,
@@ -627,7 +621,7 @@ class IterableData(DataSource):
         *,
         steps_per_epoch: int | None = None,
         batch_multiple: int = 1,
-        prefetch: int = 2,
+        prefetch: int | None = None,
     ) -> None:
         if not hasattr(data, "__iter__"):
             raise TypeError(f"Expected arrays or an iterable of batches. Received: {type(data).__name__}.")
@@ -776,52 +770,32 @@ class IterableData(DataSource):
                 yield self._to_batch(read[0], step), read
             step += 1
 
-    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
-        """Yields one epoch's batches (read here, not ahead)."""
-        for batch, (_, position) in self._epoch_items(epoch, start_step):
-            self._position = position
-            yield batch
-
-    def _groups(self, epoch: int, size: int, start_step: int, pad_last: bool) -> Iterator[tuple[int, Any, list]]:
-        """`(count, execution, reads)` of one epoch: `reads` are the `(element, position)` pairs it holds."""
+    def batches(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
+        """Yields one epoch's batches; with `prefetch`, read ahead on a thread (see `_read_ahead`)."""
         items = self._epoch_items(epoch, start_step)
-        if size == 1:
-            for batch, read in items:
-                yield 1, batch, [read]
+        prefetch = PREFETCH_BATCHES if self.prefetch is None else self.prefetch
+        if prefetch < 1:
+            for batch, (_, position) in items:
+                self._position = position
+                yield batch
             return
-        for chunk in _chunks(items, size):
-            batches, reads = [b for b, _ in chunk], [r for _, r in chunk]
-            yield len(chunk), stack_batches(batches, size if pad_last else len(chunk)), reads
+        yield from self._read_ahead(items, prefetch)
 
-    def executions(
-        self, epoch: int, size: int, start_step: int = 0, pad_last: bool = True, place: Callable | None = None
-    ) -> Iterator[tuple[int, Any]]:
-        """Yields `(count, batches)`, `size` batches stacked (see `ArrayData.executions`); read ahead on a
-        thread and passed through `place` when both `place` and `prefetch` are set."""
-        groups = self._groups(epoch, size, start_step, pad_last)
-        if place is None or self.prefetch < 1:
-            place = place or _as_is
-            for count, execution, reads in groups:
-                self._position = reads[-1][1]
-                yield count, place(execution)
-            return
-        yield from self._read_ahead(groups, place)
+    def _read_ahead(self, items: Iterator, prefetch: int) -> Iterator[Batch]:
+        """Reads, checks and pads `items` on a thread, up to `prefetch` batches ahead of the caller.
 
-    def _read_ahead(self, groups: Iterator, place: Callable) -> Iterator[tuple[int, Any]]:
-        """Runs `groups` and `place` on a thread, up to `prefetch` executions ahead of the loop.
-
-        When the loop stops taking (an early stop, an error), the thread stops at
-        the next execution, and the elements of executions not taken go back to
-        the front of the input, with their positions. A thread stuck in the
-        input itself (a read that never returns) is left behind after
+        When the caller stops taking (an early stop, an error), the thread stops
+        at the next batch, and the elements of batches not taken go back to the
+        front of the input, with their positions. A thread stuck in the input
+        itself (a read that never returns) is left behind after
         `STUCK_READER_WAIT` seconds, so a preempted or interrupted fit can end.
         """
-        ready: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        ready: queue.Queue = queue.Queue(maxsize=prefetch)
         stop = threading.Event()
-        untaken: list = []  # reads of an execution the thread made but could not hand over
+        untaken: list = []  # the read of a batch the thread made but could not hand over
 
         def offer(item: tuple) -> bool:
-            """Hands `item` to the loop; False once the loop has stopped taking."""
+            """Hands `item` to the caller; False once the caller has stopped taking."""
             while not stop.is_set():
                 try:
                     ready.put(item, timeout=0.05)
@@ -830,17 +804,17 @@ class IterableData(DataSource):
                     continue
             return False
 
-        def read() -> None:
+        def reader() -> None:
             try:
-                for count, execution, reads in groups:
-                    if not offer(("execution", count, place(execution), reads)):
-                        untaken.extend(reads)
+                for batch, read in items:
+                    if not offer(("batch", batch, read)):
+                        untaken.append(read)
                         return
                 offer(("end",))
-            except BaseException as error:  # noqa: BLE001 - raised again in the loop's thread
+            except BaseException as error:  # noqa: BLE001 - raised again in the caller's thread
                 offer(("error", error))
 
-        thread = threading.Thread(target=read, name="meshfit-prefetch", daemon=True)
+        thread = threading.Thread(target=reader, name="meshfit-prefetch", daemon=True)
         thread.start()
         try:
             while True:
@@ -849,9 +823,9 @@ class IterableData(DataSource):
                     return
                 if item[0] == "error":
                     raise item[1]
-                _, count, execution, reads = item
-                self._position = reads[-1][1]
-                yield count, execution
+                _, batch, read = item
+                self._position = read[1]
+                yield batch
         finally:
             stop.set()
             thread.join(timeout=STUCK_READER_WAIT)
@@ -859,8 +833,8 @@ class IterableData(DataSource):
                 left = []
                 while not ready.empty():
                     item = ready.get_nowait()
-                    if item[0] == "execution":
-                        left.extend(item[3])
+                    if item[0] == "batch":
+                        left.append(item[2])
                 self._pushback.extendleft(reversed(left + untaken))
 
     def peek(self) -> Batch:
@@ -973,10 +947,6 @@ class Replay:
             yield element
 
 
-def _as_is(batches):
-    return batches
-
-
 def stack_batches(batches: list[Batch], size: int) -> Batch:
     """Stacks up to `size` batches on a new leading axis, padding with fully masked batches (and batches
     padded before the input's batch size grew, to the largest)."""
@@ -985,15 +955,3 @@ def stack_batches(batches: list[Batch], size: int) -> Batch:
     filler = batches[-1]._replace(mask=np.zeros_like(batches[-1].mask))
     full = batches + [filler] * (size - len(batches))
     return jax.tree.map(lambda *leaves: np.stack(leaves), *full)
-
-
-def _chunks(items: Iterable, size: int) -> Iterator[list]:
-    """Consecutive lists of `size` items (the last may be shorter)."""
-    chunk: list = []
-    for item in items:
-        chunk.append(item)
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk

@@ -1,7 +1,12 @@
-"""How training batches reach the devices: staged several at once, read ahead, or one by one.
+"""How batches reach the devices: grouped for `steps_per_execution`, padded, staged several at once, placed.
 
-The feeder turns a data source's host batches into `Execution`s, the one
-thing the session runs: each is a list of calls of compiled programs with
+A data source (`meshfit.data.sources.DataSource`) only yields host batches;
+everything between them and the compiled programs is here. The feeder groups
+them for `steps_per_execution` (gathered at once from in-memory arrays),
+fills a short group where a program needs a fixed group size, stages
+batches on the devices and places them. For evaluation and prediction it
+hands the host groups to the session (`host_groups`); for training it turns
+them into `Execution`s, the one thing the session runs: each is a list of calls of compiled programs with
 their device arguments, already chosen (a staged step, a K-step scan, the
 single step of a short last group, or the program for a partial batch under a
 scalar loss). The session applies the calls in order and never looks at what
@@ -11,20 +16,20 @@ kind of input they came from.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
+import jax
 import numpy as np
 
+from meshfit.core.batch import Batch
+from meshfit.data.sources import stack_batches
 from meshfit.training.executables import Executables, one_of
 
 #: Bytes of batches placed on the devices at once for single-step training from arrays.
 STAGE_BYTES = 8 * 2**20
 #: At most this many batches are placed at once (the host gathers them in one go).
 MAX_STAGED_STEPS = 64
-#: Executions an iterable input (generator, grain) is read and placed ahead of the step, on a thread
-#: (0: read each batch when the step needs it).
-PREFETCH_EXECUTIONS = 2
 
 
 class Call(NamedTuple):
@@ -59,8 +64,8 @@ class Feeder:
         step picks its batch on the device. With `per_step=False` (nothing
         runs between steps: no batch callbacks, no preemption watch) a stage's
         steps come as one execution, which saves the loop's work per step.
-        Otherwise an execution is one batch (or K stacked), read ahead and
-        placed on the input's own thread where the input reads ahead.
+        Otherwise an execution is one batch (or K stacked), which the strategy
+        distributes when its step runs (for one device, inside the compiled call).
         """
         ahead, self._prefetched = self._prefetched, None
         if ahead is not None and ahead[:4] == (data, epoch, start_step, per_step):
@@ -100,24 +105,28 @@ class Feeder:
         """One training step on one host batch (`train_on_batch`): the single-step program."""
         return Execution(1, self._single_calls([host_batch], self.strategy.distribute_batch))
 
+    def host_groups(self, data, epoch: int = 0, start_step: int = 0, fill: bool = True) -> Iterator[tuple[int, Batch]]:
+        """Yields `(count, host)` of one epoch from batch `start_step` on: one batch, or `steps_per_execution`
+        stacked on a new leading axis (gathered at once from data with random access). A short last group is
+        filled up with fully masked batches (evaluation and prediction run one program per group size), or
+        with `fill=False` comes stacked on a leading axis of its `count`."""
+        size = self.executables.steps_per_execution
+        if size == 1:
+            for batch in data.batches(epoch, start_step):
+                yield 1, batch
+            return
+        for count, group in _groups(data, epoch, start_step, size, aligned=False):
+            yield count, (_filled(group, size) if fill and count < size else group)
+
     # -- how host batches become calls -------------------------------------------------------
 
     def _one_by_one(self, data, epoch: int, start_step: int) -> Iterator[Execution]:
-        """Executions of one or K stacked batches. A source that reads ahead builds them on its reading
-        thread, so the batches are placed on the devices while the step before runs; otherwise the
-        strategy distributes each batch when its step runs (for one device, inside the compiled call)."""
-        spe = self.executables.steps_per_execution
-        if PREFETCH_EXECUTIONS > 0 and data.reads_ahead:
-
-            def placed_calls(host) -> list[Call]:
-                return self._calls_of(host, self.strategy.place_batch)
-
-            for count, calls in data.executions(epoch, spe, start_step, pad_last=False, place=placed_calls):
-                yield Execution(count, calls)
-            return
+        """Executions of one or K stacked batches, which the strategy distributes as each step runs (for one
+        device, inside the compiled call); an input that reads ahead has read them on its own thread."""
         full = _all_full(data)
-        for count, host in data.executions(epoch, spe, start_step, pad_last=False):
-            yield Execution(count, self._calls_of(host, self.strategy.distribute_batch, full))
+        lay_out = self.strategy.distribute_batch
+        for count, host in self.host_groups(data, epoch, start_step, fill=False):
+            yield Execution(count, self._calls_of(host, lay_out, full))
 
     def _calls_of(self, host, lay_out: Callable, full: bool = False) -> list[Call]:
         """The calls that train a host execution.
@@ -152,13 +161,12 @@ class Feeder:
         usual = train("staged")
         full = _all_full(data)
 
-        def rows_and_placed(stage):
+        for count, stage in _groups(data, epoch, start_step, stage_steps, aligned=True):
+            if count < stage_steps:  # one stage shape: one compilation (the fillers are never trained)
+                stage = _filled(stage, stage_steps)
             # Steps that need a partial batch's real rows read them from the host mask, before placing.
-            rows = self.executables.partial_rows_each(stage.mask) if real_rows else None
-            return rows, self.strategy.place_stage(stage._replace(mask=None) if full else stage)
-
-        for count, (rows, placed) in data.executions(epoch, stage_steps, start_step, True, rows_and_placed):
-            rows = None if rows is None else rows[:count]
+            rows = self.executables.partial_rows_each(stage.mask)[:count] if real_rows else None
+            placed = self.strategy.place_stage(stage._replace(mask=None) if full else stage)
             if rows is not None and any(real is not None for real in rows):
                 calls = [
                     Call(train("staged", real), (placed, index))
@@ -179,3 +187,38 @@ def _all_full(data) -> bool:
     step makes itself (`meshfit.steps.builtin.with_rows_all_real`): none is gathered, placed or picked. A filler
     batch that completes a stage is never trained."""
     return data.random_access and not data.has_partial_batches
+
+
+def _groups(data, epoch: int, start_step: int, size: int, aligned: bool) -> Iterator[tuple[int, Batch]]:
+    """`(count, group)`: consecutive groups of up to `size` batches of one epoch, stacked on a leading axis of
+    their `count`; gathered at once (`aligned` for a stage) where `data` has random access, else stacked as read."""
+    if data.random_access:
+        for first in range(start_step, data.steps_per_epoch, size):
+            steps = range(first, min(first + size, data.steps_per_epoch))
+            yield len(steps), data.gather(epoch, steps, aligned)
+        return
+    for chunk in _chunks(data.batches(epoch, start_step), size):
+        yield len(chunk), stack_batches(chunk, len(chunk))
+
+
+def _filled(group: Batch, size: int) -> Batch:
+    """A stacked `group` filled up to `size` batches with copies of its last batch, masked out (mask 0)."""
+    extra = size - group.mask.shape[0]
+
+    def fill(leaf: np.ndarray) -> np.ndarray:
+        return np.concatenate([leaf, np.repeat(leaf[-1:], extra, axis=0)])
+
+    mask = np.concatenate([group.mask, np.zeros((extra,) + group.mask.shape[1:], group.mask.dtype)])
+    return jax.tree.map(fill, group._replace(mask=None))._replace(mask=mask)
+
+
+def _chunks(items: Iterable, size: int) -> Iterator[list]:
+    """Consecutive lists of `size` items (the last may be shorter)."""
+    chunk: list = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk

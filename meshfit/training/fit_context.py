@@ -40,7 +40,7 @@ class FitContext:
     @property
     def state(self) -> TrainState:
         """The state after every batch handed out (settled): what a saver writes."""
-        return self._session.store.state
+        return self._session.state
 
     @property
     def latest(self) -> TrainState:

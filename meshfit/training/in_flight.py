@@ -34,14 +34,22 @@ class InFlight:
         self.limit = limit
         self.max_spacing = limit if max_spacing is None else max(limit, max_spacing)
         self.spacing = limit
-        self.since_mark = 0  # executions added since the last mark (`StateStore.advance` counts them itself)
+        self.since_mark = 0  # executions counted since the last mark
         self._mark = None
         self._marked_at: float | None = None  # when the last wait for a mark returned (adaptive spacing only)
 
     def add(self, token) -> None:
-        self.since_mark += 1
-        if self.since_mark >= self.spacing:
+        """Counts one execution whose finish `token` (a device value it returns) tells."""
+        if self.due():
             self.mark(token)
+
+    def due(self) -> bool:
+        """Counts one execution; True when its token is due as the next mark (then call `mark` with it).
+
+        For callers whose token costs work to pick (`StateStore.advance`): they pick it only when due.
+        """
+        self.since_mark += 1
+        return self.since_mark >= self.spacing
 
     def mark(self, token) -> None:
         """Keeps `token` as the new mark and waits for the previous one (`add` calls it every `spacing`)."""

@@ -8,8 +8,8 @@ are queued at once (`meshfit.training.in_flight.InFlight`; more, up to a few mil
 of tiny steps, for a state on one device), so slow collectives never pile up behind a
 fast Python loop.
 
-The loop marks where its time goes on the session's `timer`
-(`meshfit.training.fit_timer.FitTimer`): waiting for input, waiting for the devices at
+The loop marks where its time goes as the session's phases (`Session.phase`,
+`meshfit.training.fit_timer.FitTimer`): waiting for input, waiting for the devices at
 the end of an epoch, validation and batch callbacks (the `CallbackList` marks
 the other hooks; the session marks the steps).
 """
@@ -55,23 +55,22 @@ def fit_loop(
     SIGTERM that comes early still ends in a backup).
     """
     session = model.session
-    timer = session.timer
-    in_callbacks, waiting_for_input = timer.phase("callbacks"), timer.phase("input")
+    in_callbacks, waiting_for_input = session.phase("callbacks"), session.phase("input")
     to_host = model.strategy.to_host
     callbacks.on_train_begin()
     batch_begin = callbacks.bound_hooks("on_train_batch_begin")
     batch_end = callbacks.bound_hooks("on_train_batch_end")
-    start_epoch, start_step = session.cursor.start_point(initial_epoch)
+    start_epoch, start_step = session.start_point(initial_epoch)
     per_step = bool(batch_begin or batch_end) or watch is not None  # else steps may run in blocks
     device_logs = callbacks.accepts_device_logs  # no callback reads epoch values now: no sync per epoch
     epoch_logs: dict[str, float] = {}
     for epoch in range(start_epoch, epochs):
         if start_step == 0:
             session.reset_train_metrics()  # else they were restored mid-epoch
-        data_epoch = session.cursor.begin_epoch(epoch, start_step)
+        data_epoch = session.begin_epoch(epoch, start_step)
         callbacks.on_epoch_begin(epoch)
         logs, step = None, start_step
-        executions = session.feeder.executions(train_data, data_epoch, start_step, per_step)
+        executions = session.executions(train_data, data_epoch, start_step, per_step)
         for execution in _timed(executions, waiting_for_input):
             count = execution.count
             if batch_begin:
@@ -93,20 +92,20 @@ def fit_loop(
                 raise Preempted()
         with waiting_for_input:
             if epoch + 1 < epochs and not model.stop_training:
-                session.feeder.prefetch(train_data, data_epoch + 1, per_step)  # host work the devices need not wait for
+                session.prefetch(train_data, data_epoch + 1, per_step)  # host work the devices need not wait for
             else:
                 train_data.prepare(data_epoch + 1)  # the next fit's shuffle, while the devices finish this one
         logs = session.finish_epoch(logs)
         if logs is None and start_step == 0:  # a one-shot input ran out of data
             break
         start_step = 0
-        session.cursor.epoch_done()
+        session.epoch_done()
         if logs is None:
             logs = session.epoch_logs()
-        with timer.phase("steps"):  # the host waits here for the epoch's last steps
+        with session.phase("steps"):  # the host waits here for the epoch's last steps
             epoch_logs = dict(logs) if device_logs else host_logs(logs, to_host)
         if val_data is not None and _should_validate(epoch, validation_freq):
-            with timer.phase("evaluate"):
+            with session.phase("evaluate"):
                 val_logs = evaluate_loop(model, val_data, callbacks=callbacks, steps=validation_steps)
             epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
         callbacks.on_epoch_end(epoch, epoch_logs)
@@ -141,12 +140,12 @@ def evaluate_loop(model, eval_data, *, callbacks: CallbackList, steps=None) -> d
     metrics = session.fresh_eval_metrics()
     callbacks.on_test_begin()
     logs, step = None, 0
-    for count, batch in _limit(eval_data.executions(0, session.steps_per_execution), steps):
+    for count, batch in _limit(session.host_groups(eval_data), steps):
         callbacks.on_test_batch_begin(step)
         metrics, logs = session.evaluate(metrics, batch)
         step += count
         callbacks.on_test_batch_end(step - 1, logs)
-    session.in_flight.clear()
+    session.finish_pass()
     result = host_logs(logs, model.strategy.to_host)
     callbacks.on_test_end(result)
     return result
@@ -157,14 +156,14 @@ def predict_loop(model, data, *, callbacks: CallbackList, steps=None):
     session = model.session
     callbacks.on_predict_begin()
     outputs, masks, step = [], [], 0
-    for count, batch in _limit(data.executions(0, session.steps_per_execution), steps):
+    for count, batch in _limit(session.host_groups(data), steps):
         callbacks.on_predict_batch_begin(step)
         y_pred, mask = session.predict(batch)  # the global mask: rows of every process
         outputs.append(y_pred)
         masks.append(mask)
         step += count
         callbacks.on_predict_batch_end(step - 1, {"outputs": y_pred})
-    session.in_flight.clear()
+    session.finish_pass()
     if not outputs:
         raise ValueError("predict() received no batches; the input is empty.")
     outputs, masks = model.strategy.to_host((outputs, masks))

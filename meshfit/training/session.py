@@ -13,12 +13,18 @@ The session joins four owners and answers the model and the loop:
   as `Execution`s the session runs without looking at their kind.
 
 Beside them, `timer` (`meshfit.training.fit_timer.FitTimer`) measures where a running
-fit's time goes; the session marks its steps and its waits for them.
+fit's time goes; the session marks its steps and its waits for them, and the loop its phases (`phase`).
 
-Callbacks see the running fit through `context` (`meshfit.training.fit_context.FitContext`), not the session.
+The model and the loop ask the session through its methods, never its owners: `executions`, `prefetch`
+and `host_groups` (the feeder), `start_point`, `begin_epoch` and `epoch_done` (the cursor), `settle`
+(what an asynchronous strategy has in flight), `finish_pass` (the in-flight bound). Callbacks see the
+running fit through `context` (`meshfit.training.fit_context.FitContext`), not the session.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
 
 import jax
 
@@ -77,8 +83,10 @@ class Session:
 
     @property
     def state(self) -> TrainState:
-        """The settled state (see `StateStore.state`): what savers write and `get_weights` returns."""
-        return self.store.state
+        """The state after every batch handed out so far (see `settle`): what savers write and `get_weights`
+        returns."""
+        self.settle()
+        return self.store.latest
 
     @state.setter
     def state(self, state: TrainState) -> None:
@@ -93,6 +101,21 @@ class Session:
     def step(self) -> int:
         """Optimizer steps taken, counted on the host (no transfer)."""
         return self.store.step
+
+    def settle(self) -> dict | None:
+        """Applies every batch handed out but not yet applied (asynchronous strategies: their train
+        program's `drain`).
+
+        Afterwards the state accounts for exactly the batches the fit's
+        position counts as consumed. Returns the logs after that, or None for
+        a strategy with nothing in flight.
+        """
+        drained = None if self.executables is None else self.executables.drain()
+        if drained is None:
+            return None
+        state, logs = drained
+        self.store.settle(state)
+        return logs
 
     def reset(self, state: TrainState) -> None:
         """A fresh start (`compile`): the state at step 0, compiled programs dropped."""
@@ -124,7 +147,7 @@ class Session:
         timer does not count it as the save's.
         """
         with self.timer.phase("steps"):
-            self.store.settle()
+            self.settle()
             jax.block_until_ready(self.store.latest.step)
         return self.cursor.position(self.store.step)
 
@@ -132,6 +155,22 @@ class Session:
         """Continues the running fit from a backup: its state, step count, input position and epoch."""
         self.store.restore(state, position.step)
         self.cursor.restore(position)
+
+    def start_point(self, initial_epoch: int) -> tuple[int, int]:
+        """`(epoch, step_in_epoch)` the running fit starts at: a restored position, or `initial_epoch`'s start."""
+        return self.cursor.start_point(initial_epoch)
+
+    def begin_epoch(self, epoch: int, step_in_epoch: int) -> int:
+        """Marks the start of `epoch` (at `step_in_epoch`); returns the data pass it reads."""
+        return self.cursor.begin_epoch(epoch, step_in_epoch)
+
+    def epoch_done(self) -> None:
+        """The current epoch is complete: the position is the next epoch's start."""
+        self.cursor.epoch_done()
+
+    def phase(self, name: str) -> AbstractContextManager:
+        """A context that counts the time inside it as the fit timer's phase `name` (see `FitTimer`)."""
+        return self.timer.phase(name)
 
     # -- compiled programs -----------------------------------------------------------------
 
@@ -159,7 +198,6 @@ class Session:
         self.executables = Executables(self.strategy, steps, steps_per_execution, eager)
         self.example_batch = example_batch
         self.feeder = Feeder(self.executables)
-        self.store.drain = self.executables.drain
         self._spare_metrics = None
         self.store.replace_metrics(self.executables.fresh_metrics())
 
@@ -188,10 +226,30 @@ class Session:
         """The logs of the accumulated metrics (device values)."""
         return self.executables.steps.logs(self.store.latest.metrics)
 
+    def check_batches(self, data) -> None:
+        """Refuses, before any step, an input whose partial batches the steps cannot take here
+        (`Executables.check_batches`)."""
+        self.executables.check_batches(data)
+
+    # -- batches -----------------------------------------------------------------------------
+
+    def executions(self, data, epoch: int, start_step: int = 0, per_step: bool = True) -> Iterator[Execution]:
+        """The `Execution`s of data pass `epoch`'s training from batch `start_step` on (`Feeder.executions`)."""
+        return self.feeder.executions(data, epoch, start_step, per_step)
+
+    def prefetch(self, data, epoch: int, per_step: bool = True) -> None:
+        """Prepares data pass `epoch`'s first execution now, while the devices finish (`Feeder.prefetch`)."""
+        self.feeder.prefetch(data, epoch, per_step)
+
+    def host_groups(self, data) -> Iterator[tuple[int, Batch]]:
+        """`(count, host)` of one pass of evaluation or prediction: a batch, or `steps_per_execution` stacked
+        (`Feeder.host_groups`)."""
+        return self.feeder.host_groups(data)
+
     # -- training --------------------------------------------------------------------------
 
     def train(self, execution: Execution) -> dict:
-        """Runs one `Execution` (from `feeder.executions`); returns its logs (device values)."""
+        """Runs one `Execution` (from `executions`); returns its logs (device values)."""
         with self.timer.phase("steps"):
             return self.store.advance(execution.calls, self.in_flight)
 
@@ -203,7 +261,7 @@ class Session:
         self.reset_train_metrics()
         logs = self.store.advance(self.feeder.one_batch(host_batch).calls, self.in_flight)
         self.store.count(1)
-        settled = self.store.settle()  # asynchronous strategies: the batch is applied before its logs are read
+        settled = self.settle()  # asynchronous strategies: the batch is applied before its logs are read
         return logs if settled is None else settled
 
     def finish_epoch(self, logs):
@@ -213,7 +271,7 @@ class Session:
         reads yet ends without a sync, and the bound holds across epochs.
         """
         with self.timer.phase("steps"):
-            settled = self.store.settle()
+            settled = self.settle()
         if self._spare_metrics is None:
             self._spare_metrics = self.executables.fresh_metrics()
         return logs if settled is None else settled
@@ -234,3 +292,8 @@ class Session:
         y_pred, mask = self.executables.predict((state.params, state.model_state), host_batch)
         self.in_flight.add(y_pred)
         return y_pred, mask
+
+    def finish_pass(self) -> None:
+        """Ends an evaluation or prediction pass whose results are read next: the in-flight bound forgets its
+        mark (everything before the read is finished)."""
+        self.in_flight.clear()

@@ -17,9 +17,9 @@ class StateStore:
 
     Compiled steps return a new state (the old buffers are donated, no copy is
     kept) and `advance` stores it; everything else reads the state through
-    `state`, which is settled (it accounts for every batch handed out, also
-    under asynchronous strategies), or `latest` (without waiting for batches
-    in flight), and replaces it through `replace`, `reset` or `restore`.
+    `latest` and replaces it through `replace`, `reset` or `restore`; under
+    asynchronous strategies the session `settle`s it with what the strategy
+    applied of the batches in flight.
 
     Between steps compiled on the state's leaves (`meshfit.strategies.leaf_programs`) the
     store keeps the flat list of leaves and rebuilds the `TrainState` only when
@@ -41,14 +41,12 @@ class StateStore:
         self._follow(state)
         self._step = 0  # optimizer steps taken, counted on the host
         self._step_known = True  # whether `_step` counts `_state` (else read once from the device)
-        #: Applies what an asynchronous strategy has in flight: `() -> (state, logs) | None` (set at build).
-        self.drain: Callable[[], tuple[TrainState, dict] | None] | None = None
 
     @property
     def latest(self) -> TrainState:
         """The state as the last step returned it, without waiting for batches still in flight.
 
-        The same as `state` under synchronous strategies. Under asynchronous
+        The same as the settled state (`Session.state`) under synchronous strategies. Under asynchronous
         ones, reading it costs nothing and joins no other process, so reads
         that need no exact position (shapes, the learning rate, a summary) use it.
         """
@@ -56,28 +54,13 @@ class StateStore:
             self._state = self._structure.unflatten(self._leaves)
         return self._state
 
-    @property
-    def state(self) -> TrainState:
-        """The state after every batch handed out so far (see `settle`): what savers write."""
-        self.settle()
-        return self.latest
-
-    def settle(self) -> dict | None:
-        """Applies every batch handed out but not yet applied (asynchronous strategies).
-
-        Afterwards the state accounts for exactly the batches the fit's
-        position counts as consumed. Returns the logs after that, or None for
-        a strategy with nothing in flight.
-        """
-        drained = self.drain() if self.drain is not None else None
-        if drained is None:
-            return None
-        state, logs = drained
-        self._set(state)
-        return logs
-
     def _set(self, state: TrainState) -> None:
         self._state, self._leaves = state, None
+
+    def settle(self, state: TrainState) -> None:
+        """Keeps `state`, which accounts for every batch handed out (what an asynchronous strategy applied
+        of the batches it had in flight: `meshfit.training.session.Session.settle`)."""
+        self._set(state)
 
     def replace(self, state: TrainState) -> None:
         """Replaces the state from outside a step (weights set, a learning rate changed, a restore)."""
@@ -88,7 +71,7 @@ class StateStore:
     def reset(self, state: TrainState) -> None:
         """A fresh start (`compile`): the state at step 0, nothing in flight."""
         self._set(state)
-        self._step, self._step_known, self.drain = 0, True, None
+        self._step, self._step_known = 0, True
         self._follow(state)
 
     def restore(self, state: TrainState, step: int) -> None:
@@ -106,8 +89,6 @@ class StateStore:
 
         A `LeafProgram` runs on the state's leaves, kept flat from one such call to the next.
         """
-        # `in_flight.add` written out: a count per call, the wait token picked only at a mark.
-        since, spacing = in_flight.since_mark, in_flight.spacing
         leaves, structure, state = self._leaves, self._structure, self._state
         last, run = None, None  # the last leaf program and its compiled form for `structure`
         try:
@@ -124,15 +105,12 @@ class StateStore:
                         state = structure.unflatten(leaves)
                     state, logs = program(state, *args)
                     leaves = None
-                since += 1
-                if since >= spacing:
+                if in_flight.due():  # the wait token is picked only for a mark
                     token = wait_token(logs)
                     if token is None:  # a step whose logs are empty: the state's step count
                         token = (state if state is not None else structure.unflatten(leaves)).step
                     in_flight.mark(token)
-                    since, spacing = 0, in_flight.spacing
         finally:
-            in_flight.since_mark = since
             self._leaves, self._structure, self._state = leaves, structure, state
         return logs
 

@@ -9,7 +9,7 @@ import pytest
 from helpers import MLP, classification_data
 
 import meshfit as mf
-import meshfit.training.feeder as feeder_lib
+from meshfit.data import sources
 from meshfit.data.sources import ArrayData, IterableData, ShuffleOrders
 
 
@@ -33,15 +33,15 @@ def test_a_fit_prepares_the_next_fits_first_shuffle():
     np.testing.assert_array_equal(prepared, np.random.default_rng([model.seed, 2]).permutation(64))
 
     data = ArrayData(x, y, batch_size=16, shuffle=True, seed=model.seed, orders=model._shuffle_orders)
-    first_batch = next(data.epoch(2))
+    first_batch = next(data.batches(2))
     assert data._order(2) is prepared
     np.testing.assert_array_equal(first_batch.x, x[prepared[:16]])
 
 
 def test_groups_of_shuffled_batches_are_gathered_into_aligned_arrays_with_the_same_rows():
-    """A stage (a group given to `place`) is gathered straight into arrays aligned to HOST_ALIGNMENT bytes (a
-    transfer that need not copy first); their rows are those of the unaligned gather, batch by batch, partial
-    batch and padding included. A group without `place` goes into a compiled call as it is: the same rows."""
+    """A stage (a group gathered `aligned`) goes straight into arrays aligned to HOST_ALIGNMENT bytes (a
+    transfer that need not copy first); their rows are those of the unaligned gather and of the batches one
+    by one, partial batch included. A group that goes into a compiled call is gathered as it is: the same rows."""
     import ml_dtypes
 
     from meshfit.data.sources import HOST_ALIGNMENT
@@ -50,19 +50,16 @@ def test_groups_of_shuffled_batches_are_gathered_into_aligned_arrays_with_the_sa
     x = {"a": rng.standard_normal((70, 3)).astype(np.float32), "b": rng.standard_normal(70).astype(ml_dtypes.bfloat16)}
     y, weight = rng.integers(0, 4, 70).astype(np.int32), rng.random(70)
     data = ArrayData(x, y, weight, batch_size=16, shuffle=True, seed=3)
-    batches = list(data.epoch(0))
-    stacked = [group for _, group in data.executions(0, 2, place=lambda group: group)]
-    assert len(stacked) == 3  # 2 + 2 + the partial batch and a filler of padding
-    for i, group in enumerate(stacked):
+    batches = list(data.batches(0))
+    groups = [range(0, 2), range(2, 4), range(4, 5)]  # 2 + 2 + the partial batch
+    for steps in groups:
+        group = data.gather(0, steps, aligned=True)
         for leaf in (group.x["a"], group.x["b"], group.y, group.sample_weight, group.mask):
             assert leaf.__array_interface__["data"][0] % HOST_ALIGNMENT == 0
-        unplaced = [g for _, g in data.executions(0, 2)][i]
-        jax.tree.map(np.testing.assert_array_equal, unplaced, group)
-        for j in range(2):
-            if 2 * i + j == len(batches):
-                assert not group.mask[j].any()  # the filler
-                continue
-            batch = batches[2 * i + j]
+        assert group.mask.shape[0] == len(steps)
+        jax.tree.map(np.testing.assert_array_equal, data.gather(0, steps), group)
+        for j, step in enumerate(steps):
+            batch = batches[step]
             for got, want in zip(
                 (group.x["a"][j], group.x["b"][j], group.y[j], group.sample_weight[j], group.mask[j]),
                 (batch.x["a"], batch.x["b"], batch.y, batch.sample_weight, batch.mask),
@@ -89,13 +86,13 @@ def numbered_batches(count, rows=4, seen=None):
         yield np.full((rows, 2), i, np.float32), np.zeros(rows, np.int32)
 
 
-def taken_numbers(data, epoch=0, limit=None, place=lambda execution: execution):
+def taken_numbers(data, epoch=0, limit=None):
     out = []
-    executions = data.executions(epoch, 1, place=place)
-    for _, batch in executions:
+    batches = data.batches(epoch)
+    for batch in batches:
         out.append(int(batch.x[0, 0]))
         if limit is not None and len(out) == limit:
-            executions.close()  # the loop stops taking (an early stop)
+            batches.close()  # the loop stops taking (an early stop)
             break
     return out
 
@@ -126,12 +123,12 @@ def test_the_position_is_the_next_batch_not_taken_although_more_were_read():
                 yield np.full((4, 2), i, np.float32), np.zeros(4, np.int32)
 
     data = IterableData(Source(), steps_per_epoch=10, prefetch=2)
-    executions = data.executions(0, 1, place=lambda e: e)
+    batches = data.batches(0)
     for _ in range(4):
-        next(executions)
+        next(batches)
     time.sleep(0.2)  # let the thread run ahead
     assert len(reads) > 4 and data.get_state() == {"consumed": 4}
-    executions.close()
+    batches.close()
     restored = IterableData(Source(), steps_per_epoch=10, prefetch=2)
     restored.set_state(data.get_state())
     assert taken_numbers(restored)[:2] == [4, 5]
@@ -155,7 +152,7 @@ def test_a_fit_from_a_generator_trains_the_same_with_and_without_read_ahead(monk
             yield x[i : i + 16], y[i : i + 16]
 
     def weights(prefetch):
-        monkeypatch.setattr(feeder_lib, "PREFETCH_EXECUTIONS", prefetch)
+        monkeypatch.setattr(sources, "PREFETCH_BATCHES", prefetch)
         model = mf.Model(MLP())
         model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
         model.fit(batches(), epochs=1, verbose=0)
@@ -180,14 +177,9 @@ class Rows(mf.data.DataSource):
     def peek(self):
         return self._batch(0)
 
-    def executions(self, epoch, size, start_step=0, pad_last=True, place=None):
-        place = place or (lambda batches: batches)
-        for first in range(start_step, self.steps_per_epoch, size):
-            group = [self._batch(i) for i in range(first, min(first + size, self.steps_per_epoch))]
-            if size == 1:
-                yield 1, place(group[0])
-            else:
-                yield len(group), place(mf.data.stack_batches(group, size if pad_last else len(group)))
+    def batches(self, epoch, start_step=0):
+        for i in range(start_step, self.steps_per_epoch):
+            yield self._batch(i)
 
     def get_state(self):
         return {}
@@ -226,6 +218,50 @@ def test_a_users_own_data_source_trains_evaluates_and_predicts_as_the_same_array
     np.testing.assert_array_equal(predictions, predictions_)
 
 
+class PositionedRows(Rows):
+    """Rows whose batches depend on their position alone: staged on the devices, groups from `gather`."""
+
+    random_access = True
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_a_users_own_random_access_source_is_staged_and_trains_as_it_does_batch_by_batch(steps_per_execution):
+    x, y = classification_data(n=36)  # 4 full batches of 8 and a partial one
+    weights = []
+    for source in (Rows, PositionedRows):
+        model = mf.Model(MLP())
+        model.compile(
+            optimizer="adam",
+            loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+            steps_per_execution=steps_per_execution,
+        )
+        model.fit(source(x, y, rows=8), epochs=2, verbose=0)
+        weights.append(model.get_weights())
+        if steps_per_execution == 1:
+            staged = model.session.executables.compilations()["staged"]
+            assert staged == (1 if source is PositionedRows else 0)
+    for a, b in zip(*weights, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_source_written_for_executions_is_refused_where_it_is_defined():
+    """A source that groups and places batches itself (`executions`) names the method to write instead."""
+    with pytest.raises(TypeError, match=r"`Grouped` defines `executions.*Rename it to `batches` and yield single"):
+
+        class Grouped(mf.data.DataSource):
+            def peek(self):
+                pass
+
+            def executions(self, epoch, size, start_step=0, pad_last=True, place=None):
+                yield from ()
+
+            def get_state(self):
+                return {}
+
+            def set_state(self, state):
+                pass
+
+
 def test_a_users_own_data_source_is_refused_with_what_only_arrays_take_or_with_a_wrong_batch():
     x, y = classification_data(n=16)
     model = mf.Model(MLP())
@@ -252,7 +288,7 @@ def test_a_users_own_data_source_is_refused_with_what_only_arrays_take_or_with_a
         model.fit(Unmasked(x, y, rows=8), verbose=0)
 
     class NotASubclass:
-        peek, executions = Rows.peek, Rows.executions
+        peek, batches = Rows.peek, Rows.batches
 
     with pytest.raises(TypeError, match="or a meshfit.data.DataSource.*make it a subclass of meshfit.data.DataSource"):
         model.fit(NotASubclass(), verbose=0)

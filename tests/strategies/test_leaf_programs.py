@@ -61,7 +61,7 @@ def test_leaf_and_tree_programs_mix_and_reads_in_between_see_every_step():
     store.advance([(tree, (jnp.float32(1.0),)), (leaf, (jnp.float32(1.0),))], in_flight)
     store.replace_metrics((jnp.zeros((2,)),))
     store.advance([(leaf, (jnp.float32(3.0),))], in_flight)
-    state = store.state
+    state = store.latest
     assert int(state.step) == 5
     np.testing.assert_allclose(np.asarray(state.metrics[0]), [3.0, 1.0])
     np.testing.assert_allclose(np.asarray(state.params["dense"]["kernel"]), np.full((3, 2), 0.9**4 * 0.7), rtol=1e-6)

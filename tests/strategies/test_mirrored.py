@@ -57,7 +57,7 @@ def test_mirrored_state_is_replicated_and_batches_are_split():
     for leaf in jax.tree.leaves(model.session.state):
         assert leaf.sharding.is_fully_replicated
         assert len(leaf.sharding.device_set) == 8
-    batch = model.strategy.distribute_batch(next(data_source(x, y, None, 16, model.strategy).epoch(0)))
+    batch = model.strategy.distribute_batch(next(data_source(x, y, None, 16, model.strategy).batches(0)))
     assert batch.x.sharding.spec == jax.sharding.PartitionSpec("data")
     assert {s.data.shape for s in batch.x.addressable_shards} == {(2, 4)}
 

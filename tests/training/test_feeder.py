@@ -103,7 +103,7 @@ def test_a_prefetch_for_other_data_is_not_used():
     execution = next(feeder.executions(data, 1))
     assert execution.count == 1 and len(execution.calls) == 1
     stage, index = execution.calls[0].args  # a staged step: the stage on the devices and its batch's index
-    expected = next(data.executions(1, 1))[1].x
+    expected = next(data.batches(1)).x
     np.testing.assert_array_equal(np.asarray(stage.x[int(index)]), expected)
     assert not feeder.has_prefetched  # dropped, not kept for later
 

@@ -264,6 +264,21 @@ def test_in_flight_waits_on_the_mark_one_limit_back():
     assert waits == [3, 6, 13]  # after clear, counting starts afresh
 
 
+def test_a_state_store_counts_its_calls_against_the_in_flight_bound_as_add_does():
+    """`StateStore.advance` counts through `InFlight` (the rule's one owner): the waits of `add`, across calls."""
+    from meshfit.training.state_store import StateStore
+
+    waits, added = [], []
+    store, in_flight = StateStore({"w": np.zeros(2)}), InFlight(limit=3)
+    calls = [(lambda state, i: (state, {"loss": Token(i, waits)}), (i,)) for i in range(1, 11)]
+    store.advance(calls[:4], in_flight)
+    store.advance(calls[4:], in_flight)
+    reference = InFlight(limit=3)
+    for i in range(1, 11):
+        reference.add(Token(i, added))
+    assert waits == added == [3, 6] and in_flight.since_mark == reference.since_mark == 1
+
+
 def test_in_flight_on_one_device_spaces_marks_further_while_they_come_fast(monkeypatch):
     """Marks less than SHORT_INTERVAL apart double the spacing (to max_spacing); far apart, it halves back."""
     import meshfit.training.in_flight as in_flight_lib
