@@ -1,17 +1,20 @@
 """`meshfit.Model`: Keras's compile / fit / evaluate / predict for Flax modules.
 
 The model's `Session` holds its one `TrainState` pytree on the devices its
-strategy chose, and the bookkeeping of fits. This file validates arguments (every check runs before any state changes),
-turns inputs into batches and hands them to the loop in `meshfit.training.loop`.
+strategy chose, and the bookkeeping of fits. This file is the Keras face: it
+checks arguments (every check runs before any state changes) and hands the
+work on: `compile` to `meshfit.steps.compile_settings`, the first batch to
+`meshfit.training.step_builder`, data to `meshfit.training.fit_inputs`,
+callbacks to `meshfit.training.callback_setup`, and the loops to
+`meshfit.training.loop`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal, NamedTuple, overload
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, overload
 
 import jax
 import jax.numpy as jnp
@@ -19,65 +22,31 @@ import numpy as np
 import optax
 
 from meshfit import callbacks as callbacks_lib
-from meshfit import losses as losses_lib
-from meshfit import metrics as metrics_lib
 from meshfit import mixed_precision, utils
 from meshfit import optimizers as optimizers_lib
-from meshfit import outputs as outputs_lib
 from meshfit.checkpointing import saving
-from meshfit.checkpointing.config_check import STEP_LIMIT
 from meshfit.core import keras_names, precision
 from meshfit.core.batch import Batch
 from meshfit.core.state import TrainState
-from meshfit.core.trees import path_name
 from meshfit.cost.step_report import StepReport
 from meshfit.cost.summary import format_step_report, format_summary
-from meshfit.data import inputs, label_check
 from meshfit.data import sources as data_lib
 from meshfit.runtime import cluster
-from meshfit.runtime.preemption import DEFAULT_PREEMPTION_TIMEOUT, PreemptionWatch
-from meshfit.steps.builtin import StepFunctions, forward
-from meshfit.steps.custom_steps import STEP_METHODS, MetricsLayout, ModelSteps
+from meshfit.steps import compile_settings
+from meshfit.steps.builtin import forward
+from meshfit.steps.compile_settings import CompileSettings
+from meshfit.steps.custom_steps import STEP_METHODS
 from meshfit.steps.modules import adapt
-from meshfit.steps.terms import LossTerm, MetricTerm, Output
-from meshfit.strategies import get_strategy, has_strategy, placement
+from meshfit.strategies import get_strategy, has_strategy
+from meshfit.training import callback_setup, fit_inputs
+from meshfit.training import weights as weights_lib
+from meshfit.training.callback_protocol import CallbackList
 from meshfit.training.fit_context import FitContext
 from meshfit.training.loop import evaluate_loop, fit_loop, host_logs, predict_loop
 from meshfit.training.session import Session
+from meshfit.training.step_builder import StepBuilder
 
-
-@dataclasses.dataclass(frozen=True)
-class CompileSettings:
-    """What `Model.compile` was given, resolved where it can be before the first batch.
-
-    Attributes:
-        tx: the optax transformation (several optimizers: one transform over their parts,
-            `meshfit.optimizers.partitioned`).
-        optimizer_id: the optimizer as passed (saved with the model when `serialization` can write it).
-        loss: the loss as passed (one for every output, or a dict/list per
-            output), checked; resolved per output on the first batch (None:
-            `predict` only).
-        loss_id: the loss as passed.
-        metrics: metric identifiers (a list, or a dict/list per output),
-            resolved on the first batch (their shapes decide "accuracy").
-        weighted: identifiers of the metrics that use `sample_weight`, likewise.
-        steps_per_execution: batches run inside one compiled call.
-        dtype_policy: the `meshfit.core.precision.DTypePolicy` the steps compute under.
-        gradient_accumulation_steps: batches whose mean gradient makes one update (1: every batch).
-        run_eagerly: the steps run un-jitted, op by op (`compile(run_eagerly=True)` or `jit_compile=False`).
-    """
-
-    tx: Any
-    optimizer_id: Any
-    loss: Any
-    loss_id: Any
-    metrics: tuple
-    weighted: tuple
-    steps_per_execution: int
-    dtype_policy: precision.DTypePolicy = precision.get("float32")
-    gradient_accumulation_steps: int = 1
-    loss_weights: Any = None
-    run_eagerly: bool = False
+__all__ = ["CompileSettings", "Model", "load_model"]
 
 
 class Model:
@@ -136,17 +105,13 @@ class Model:
         #: The training state and the bookkeeping of fits (the one owner of both; see `meshfit.training.session`).
         self.session = Session(self.strategy, state, follow=None if self.abstract else self._follow_state)
         self._compiled: CompileSettings | None = None
-        self._input_spec = None
         self.optimizer: optimizers_lib.Optimizer | None = None
         self.stop_training = False
         self.history: callbacks_lib.History | None = None
         self._shuffle_orders = data_lib.ShuffleOrders()  # computed ahead by one fit for the next
-        self._outputs: list[Output] = []  # the module's outputs, known from the first batch
-        self._label_ranges: tuple[label_check.LabelRange, ...] = ()  # the targets read as class ids
-        self._built_with_targets = False  # the steps were built from a batch with targets
-        # What the step methods below use, set when the steps are built: the adapter and dtype policy of
-        # `stateless_call`, the built-in steps (the compiled loss and metrics), the `state.metrics` layout.
-        self._step_parts: _StepParts | None = None
+        self._inputs = fit_inputs.Inputs(self.strategy, self.seed, self._shuffle_orders)
+        # The steps, built from the first batch; what the step methods below use once they are.
+        self._builder = StepBuilder(self.session, self._adapter)
 
     def _initial_state(self, params: Any, model_state: Any) -> TrainState:
         return TrainState(
@@ -182,30 +147,22 @@ class Model:
         state = self.session.latest
         return self._adapter.sync_module(state.params, state.model_state)
 
-    def _weight_trees(self) -> tuple[Any, Any]:
-        state = self.session.state
-        return state.params, self._adapter.non_trainable_weights(state.model_state)
-
     def weight_names(self) -> list[str]:
         """Names of `get_weights()` entries: trainable paths, then non-trainable ones."""
-        return [
-            path_name(path)
-            for tree in self._weight_trees()
-            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
-        ]
+        return weights_lib.names(self.session.state, self._adapter)
 
     @property
     def trainable_weights(self) -> list[jax.Array]:
         """The trainable parameters as live device arrays, in `get_weights()` order (sorted module paths;
         `weight_names()[:len(model.trainable_weights)]` names them). Keras returns Variables; here
         arrays, which `set_weights` replaces."""
-        return jax.tree.leaves(self._weight_trees()[0])
+        return jax.tree.leaves(self.session.state.params)
 
     @property
     def non_trainable_weights(self) -> list[jax.Array]:
         """The non-trainable weights (frozen parameters, BatchNorm statistics) as live device arrays,
         after the trainable ones in `get_weights()` and `weight_names()` order."""
-        return jax.tree.leaves(self._weight_trees()[1])
+        return jax.tree.leaves(weights_lib.trees(self.session.state, self._adapter)[1])
 
     @property
     def weights(self) -> list[jax.Array]:
@@ -251,7 +208,7 @@ class Model:
         """
         from meshfit import export as export_lib
 
-        parts = self._step_parts
+        parts = self._builder.parts
         export_lib.export_forward(
             path,
             batch=self.session.example_batch,
@@ -266,37 +223,12 @@ class Model:
         """All weights as numpy arrays: the trainable parameters in `jax.tree.leaves`
         order (sorted module paths), then the non-trainable ones (e.g. BatchNorm
         statistics) in the same order. `weight_names()` names them."""
-        return [a for tree in self._weight_trees() for a in jax.tree.leaves(self.strategy.to_host(tree))]
+        trees = weights_lib.trees(self.session.state, self._adapter)
+        return [a for tree in trees for a in jax.tree.leaves(self.strategy.to_host(tree))]
 
     def set_weights(self, weights: Sequence[np.ndarray]) -> None:
         """Sets all weights from a list in `get_weights()` order; shapes must match."""
-        params, non_trainable = self._weight_trees()
-        leaves = jax.tree.leaves(params) + jax.tree.leaves(non_trainable)
-        weights = list(weights)
-        if len(weights) != len(leaves):
-            raise ValueError(
-                f"set_weights expected a list of {len(leaves)} arrays (see model.weight_names()). "
-                f"Received {len(weights)}."
-            )
-        for name, old, new in zip(self.weight_names(), leaves, weights, strict=True):
-            if tuple(np.shape(new)) != tuple(old.shape):
-                raise ValueError(
-                    f"Weight '{name}' has shape {tuple(old.shape)}. Received an array of shape {np.shape(new)}."
-                )
-        placed = [
-            placement.put(np.asarray(new, dtype=old.dtype), old.sharding)
-            for old, new in zip(leaves, weights, strict=True)
-        ]
-        n_params = len(jax.tree.leaves(params))
-        new_params = jax.tree.unflatten(jax.tree.structure(params), placed[:n_params])
-        new_non_trainable = jax.tree.unflatten(jax.tree.structure(non_trainable), placed[n_params:])
-        state = self.session.state
-        model_state = state.model_state
-        if non_trainable is not model_state:  # NNX keeps RNG streams beside the weights
-            model_state = {**model_state, "weights": new_non_trainable}
-        else:
-            model_state = new_non_trainable
-        self.session.state = state._replace(params=new_params, model_state=model_state)
+        self.session.state = weights_lib.replaced(self.session.state, self._adapter, weights)
 
     # -- compile -------------------------------------------------------------------------
 
@@ -373,97 +305,25 @@ class Model:
             raise ValueError(f"`run_eagerly` must be True or False. Received: run_eagerly={run_eagerly!r}.")
         if jit_compile not in (True, False, "auto"):
             raise ValueError(f'`jit_compile` must be True, False or "auto". Received: jit_compile={jit_compile!r}.')
-        policy = mixed_precision.global_policy() if dtype_policy is None else precision.get(dtype_policy)
-        if not auto_scale_loss and policy.loss_scaling:
-            keras_names.refuse("Model.compile", "auto_scale_loss", auto_scale_loss)
-        if policy.loss_scaling and not self.strategy.capabilities.loss_scaling:
-            raise ValueError(
-                f"dtype_policy={policy.name!r} scales the loss inside the training step, which {self.strategy!r} "
-                "splits between workers and a server. Use dtype_policy='mixed_bfloat16', which needs no loss scale."
-            )
-        accumulate = 1 if gradient_accumulation_steps is None else gradient_accumulation_steps
-        if not isinstance(accumulate, int) or isinstance(accumulate, bool) or not 1 <= accumulate < STEP_LIMIT:
-            raise ValueError(
-                "`gradient_accumulation_steps` must be a positive int (batches per update) below 2**31. "
-                f"Received: {gradient_accumulation_steps!r}."
-            )
-        several = isinstance(optimizer, dict)
-        given = dict(optimizer) if several else {} if optimizer is None else {None: optimizer}
-        if several and not given:
-            raise ValueError("`optimizer` given as a dict needs one optimizer per top-level part. Received: {}.")
-        if accumulate > 1 and any(isinstance(opt, optax.MultiSteps) for opt in given.values()):
-            raise ValueError(
-                "The optimizer is an optax.MultiSteps, which accumulates gradients itself; "
-                f"leave `gradient_accumulation_steps` unset. Received: {gradient_accumulation_steps!r}."
-            )
-        if several:
-            optimizers_lib.check_parts(given, self.session.latest.params)
-        transforms = {key: optimizers_lib.get(opt) for key, opt in given.items()}
-        schedules = {key: optimizers_lib.schedule_of(tx) for key, tx in transforms.items()}
-        if accumulate > 1:
-            transforms = {
-                key: optax.MultiSteps(tx, every_k_schedule=accumulate).gradient_transformation()
-                for key, tx in transforms.items()
-            }
-        tx = optimizers_lib.partitioned(transforms) if several else transforms.get(None)  # None: no optimizer
-        loss_obj = _check_each(loss, "loss", losses_lib.get)
-        _check_loss_weights(loss_weights)
-        metric_ids = _as_metrics(metrics, "metrics")
-        weighted_ids = _as_metrics(weighted_metrics, "weighted_metrics")
-        # Unknown names fail now, not at fit ("accuracy" is resolved from the first batch's shapes).
-        _check_each(metric_ids, "metrics", lambda i: _needs_shapes(i) or metrics_lib.get(i))
-        _check_each(weighted_ids, "weighted_metrics", lambda i: _needs_shapes(i) or metrics_lib.get(i))
-        if (
-            not isinstance(steps_per_execution, int)
-            or isinstance(steps_per_execution, bool)
-            or not 1 <= steps_per_execution < STEP_LIMIT
-        ):
-            raise ValueError(
-                "`steps_per_execution` must be a positive int below 2**31 (the step counter is int32). "
-                f"Received: {steps_per_execution!r}."
-            )
-        state = self.session.latest
-        params = state.params
-        if policy.variable_dtype != np.float32:
-            params = (jax.eval_shape if self.abstract else lambda f, p: f(p))(policy.cast_to_variable, params)
-        state = state._replace(
-            params=params,
-            opt_state=None if tx is None else jax.eval_shape(tx.init, params),
-            metrics=(),
-            step=jnp.zeros((), jnp.int32),
-            loss_scale=precision.LossScale.initial() if policy.loss_scaling else None,
-        )
-        hints = self._adapter.partition_specs()
-        shardings = self.strategy.state_shardings(state, hints)
-        if tx is not None and not self.abstract:  # (an abstract model keeps the shapes; `place_state` lays them out)
-            # The optimizer state is created in its layout (Adam's moments sharded like their parameters).
-            init = tx.init if shardings is None else jax.jit(tx.init, out_shardings=shardings.opt_state)
-            state = state._replace(opt_state=init(params))
-        self.session.reset(self.strategy.place_state(state, hints))
-        self._compiled = CompileSettings(
-            tx=tx,
-            optimizer_id=optimizer,
-            loss=loss_obj,
-            loss_id=loss,
-            metrics=metric_ids,
-            weighted=weighted_ids,
+        resolution = compile_settings.resolve(
+            optimizer,
+            loss,
+            loss_weights,
+            metrics,
+            weighted_metrics,
             steps_per_execution=steps_per_execution,
-            dtype_policy=policy,
-            gradient_accumulation_steps=accumulate,
-            loss_weights=loss_weights,
+            dtype_policy=mixed_precision.global_policy() if dtype_policy is None else dtype_policy,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            auto_scale_loss=auto_scale_loss,
             run_eagerly=run_eagerly or jit_compile is False,
-        )
-        access = _optimizer_state_access(self.session)
-        if tx is None:
-            self.optimizer = None
-        elif several:
-            self.optimizer = optimizers_lib.Optimizers(
-                {key: optimizers_lib.Optimizer(t, access, schedules[key], key) for key, t in transforms.items()},
-                tx,
-                access,
-            )
-        else:
-            self.optimizer = optimizers_lib.Optimizer(tx, access, schedules[None])
+            strategy=self.strategy,
+            params=self.session.latest.params,
+        )  # every argument checked: from here the model changes
+        settings, hints = resolution.settings, self._adapter.partition_specs()
+        state = compile_settings.compiled_state(settings, self.session.latest, self.strategy, hints, self.abstract)
+        self.session.reset(state)
+        self._compiled = settings
+        self.optimizer = compile_settings.optimizer(resolution, self.session)
 
     @property
     def compiled(self) -> bool:
@@ -502,31 +362,7 @@ class Model:
             )
 
     def _require_compiled(self, what: str) -> None:
-        if self.abstract and what != "step_report":
-            raise ValueError(
-                f"`{what}()` needs the model's parameters, and this model is abstract (shapes and layouts only). "
-                f"Received: Model(..., abstract=True). Create it without `abstract` to train, evaluate or predict."
-            )
-        if self._compiled is None:
-            raise ValueError(
-                f"You must call `compile()` before `{what}()`. Call model.compile(optimizer=..., loss=...)."
-            )
-        if self._compiled.tx is None and what in ("fit", "train_on_batch", "step_report"):
-            raise ValueError(
-                f"`{what}()` needs an optimizer. Received: a model compiled with optimizer=None, for evaluate and "
-                "predict only, as load_model compiles a saved model whose optimizer `save` could not write down "
-                "(code: an optax transformation, or an optax learning-rate schedule). Pass it: "
-                "meshfit.load_model(path, module, optimizer=...), with the optimizer the model was compiled with, "
-                "restores the saved optimizer state and step too; model.compile(optimizer=..., loss=...) starts "
-                "a fresh optimizer state. A schedule of meshfit.optimizers.schedules is written down, so the "
-                "next save of a model compiled with one reloads with nothing passed."
-            )
-        own_step = {"fit": "train_step", "evaluate": "test_step"}.get(what)
-        if self._compiled.loss is None and own_step and not {own_step, "compute_loss"} & self._custom_methods():
-            raise ValueError(
-                f"`{what}()` needs a loss. Call model.compile(..., loss=...), or override `compute_loss` "
-                f"or `{own_step}` in a subclass of meshfit.Model."
-            )
+        compile_settings.require(self._compiled, what, abstract=self.abstract, custom=self._custom_methods())
 
     def _custom_methods(self) -> set[str]:
         """The step methods (`meshfit.steps.custom_steps.STEP_METHODS`) this model's class overrides."""
@@ -536,144 +372,17 @@ class Model:
         """Whether `fit`/`evaluate` need targets: not when the user's own `own_step` reads the batch."""
         return own_step not in self._custom_methods()
 
-    # -- building on the first batch -------------------------------------------------------
+    def _build(self, batch: Batch) -> None:
+        """Builds the steps from `batch` (the first), or checks `batch` against them (`StepBuilder.build`)."""
+
+        def trackers() -> list:  # the metrics a subclass's `metrics` adds to the compiled ones
+            return list(self.metrics) if type(self).metrics is not Model.metrics else []
+
+        custom = self._custom_methods()
+        self._builder.build(batch, self._compiled, custom=custom, model=self, trackers=trackers)
 
     def _check_input(self, batch: Batch) -> None:
-        spec = jax.tree.map(lambda a: (tuple(a.shape[1:]), np.dtype(a.dtype).kind), batch.x)
-        if self._input_spec is None:
-            self._output_spec(batch)  # a clear error here if the model rejects these inputs
-            self._input_spec = spec
-        elif jax.tree.structure(spec) != jax.tree.structure(self._input_spec):
-            self._output_spec(batch)  # inputs passed another way ([a, b], then {"a": a, "b": b}) the model takes
-        elif spec != self._input_spec:
-            raise ValueError(
-                "Input does not match the shape the model was built with: expected feature shape(s) "
-                f"{_describe(self._input_spec)} (after the batch dimension), received {_describe(spec)}."
-            )
-
-    def _policy_adapter(self) -> tuple[Any, precision.DTypePolicy]:
-        """The module adapter in the compiled dtype policy's compute dtype, and that policy.
-
-        Every call meshfit makes of the module (output shapes, the steps, `predict`) goes through it, so a
-        module that computes in bfloat16 only is never called with float32 activations or weights.
-        Before `compile`, the global policy (`meshfit.mixed_precision`).
-        """
-        policy = mixed_precision.global_policy() if self._compiled is None else self._compiled.dtype_policy
-        if policy.name == "float32":
-            return self._adapter, policy
-        return self._adapter.with_compute_dtype(policy.compute_dtype), policy
-
-    def _output_spec(self, batch: Batch) -> Any:
-        """The outputs' shapes and dtypes for `batch`, traced (nothing runs) under the dtype policy as the step."""
-        state = self.session.latest
-        adapter, policy = self._policy_adapter()
-        try:
-            return jax.eval_shape(
-                lambda p, s, x: forward(adapter, policy, p, s, x, None, False)[0],
-                state.params,
-                state.model_state,
-                batch.x,
-            )
-        except (TypeError, ValueError) as error:
-            shapes = jax.tree.map(lambda a: tuple(a.shape), batch.x)
-            raise ValueError(f"The model could not be called on inputs of shape {shapes}: {error}") from error
-
-    def _build(self, batch: Batch) -> None:
-        """Resolves losses and metrics per output from the first batch's shapes and compiles the steps once.
-
-        Every batch's targets are checked against what the losses and metrics read. Steps built by
-        `predict` (no targets) are built again at the first batch with targets only if a loss returns
-        a scalar, which the steps must know and only the targets' shapes tell.
-        """
-        self._check_input(batch)
-        custom = self._custom_methods()
-        if self.session.built:
-            parts = self._step_parts
-            self._check_targets(batch, parts.compiled.losses, parts.compiled.metric_terms)
-            if custom or not self._scalar_loss_found_late(batch):
-                return
-        y_pred = self._output_spec(batch)
-        y_true = None if batch.y is None else jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch.y)
-        c = self._compiled
-        self._outputs = outputs = outputs_lib.outputs_of(y_pred)
-        loss_terms = outputs_lib.resolve_losses(c.loss, c.loss_weights, outputs)
-        metric_terms = outputs_lib.resolve_metrics(c.metrics, c.weighted, outputs, y_true, y_pred, c.loss_id)
-        self._check_targets(batch, loss_terms, metric_terms)
-        self._label_ranges = label_check.label_ranges(loss_terms, metric_terms, y_pred)
-        adapter, policy = self._policy_adapter()
-        if custom:
-            self._check_custom_steps(custom, policy)
-            if y_true is not None:  # (a custom step sees a partial batch's real rows: nothing to refuse)
-                loss_terms = outputs_lib.find_scalar_losses(loss_terms, y_true, y_pred)
-        else:
-            loss_terms = self._find_scalar_losses(loss_terms, y_true, y_pred)  # after every check of the arguments
-        compiled = StepFunctions(adapter, loss_terms, c.tx, metric_terms, policy)
-        steps, parts = compiled, _StepParts(adapter, policy, compiled, None)
-        if custom:
-            keeps_compiled = c.loss is not None or bool(metric_terms) or "compute_loss" in custom
-            trackers = list(self.metrics) if type(self).metrics is not Model.metrics else []
-            trackers = [m for m in trackers if all(m is not known for known in compiled.metrics)]
-            layout = MetricsLayout(compiled if keeps_compiled else None, trackers)
-            parts = parts._replace(layout=layout)
-            steps = ModelSteps(self, layout, adapter.uses_rng, compiled.scalar_losses)
-        self.session.build(steps, c.steps_per_execution, batch, eager=c.run_eagerly)  # raises before changing anything
-        self._step_parts = parts
-        self._built_with_targets = y_true is not None
-
-    def _check_custom_steps(self, custom: set[str], policy: precision.DTypePolicy) -> None:
-        """Refuses, before any state changes, what a custom step cannot do under this strategy or policy."""
-        overridden = ", ".join(sorted(custom))
-        if not self.strategy.capabilities.loss_scaling:
-            raise ValueError(
-                f"{type(self).__name__} overrides {overridden}, a step computed in one piece on the global "
-                f"batch; {self.strategy!r} splits each step between workers and a server. Train it under "
-                "OneDeviceStrategy, MirroredStrategy, MultiWorkerMirroredStrategy or MeshStrategy, or use "
-                "the built-in steps (no override) under the parameter server."
-            )
-        if policy.loss_scaling:
-            raise ValueError(
-                f"dtype_policy={policy.name!r} scales the loss inside the built-in step, and "
-                f"{type(self).__name__} overrides {overridden}. Use dtype_policy='mixed_bfloat16' "
-                "(no loss scale needed), or the built-in steps."
-            )
-
-    def _check_targets(self, batch: Batch, loss_terms: Sequence[LossTerm], metric_terms: Sequence[MetricTerm]) -> None:
-        if batch.y is None:
-            return
-        outputs_lib.check_targets(batch.y, [*loss_terms, *metric_terms], self._outputs)
-        if outputs_lib.is_structure(batch.sample_weight):
-            outputs_lib.check_targets(batch.sample_weight, loss_terms, self._outputs, "sample_weight")
-
-    def _find_scalar_losses(self, terms: Sequence[LossTerm], y_true: Any, y_pred: Any) -> list[LossTerm]:
-        """The loss terms, with targets those returning a scalar marked, and refused (before any state
-        changes) under a strategy that cannot compute them on a partial batch's real rows."""
-        if y_true is None:
-            return terms
-        terms = outputs_lib.find_scalar_losses(terms, y_true, y_pred)
-        scalar = [term.output.name or "output" for term in terms if term.scalar]
-        reason = self.strategy.capabilities.scalar_loss_refusal if scalar else None
-        if reason:
-            raise ValueError(
-                f"Expected a loss that returns one value per sample under {self.strategy!r}: {reason}. "
-                f"Received: a loss returning a scalar (shape ()) for {', '.join(map(repr, scalar))}. "
-                "Return per-sample values (shape (batch,), e.g. `jnp.mean(..., axis=-1)` rather than "
-                "`jnp.mean(...)`) and compile again, or train under OneDeviceStrategy, MirroredStrategy "
-                "(reduction='auto') or a single-process MeshStrategy."
-            )
-        return terms
-
-    def _scalar_loss_found_late(self, batch: Batch) -> bool:
-        """Whether steps built without targets (by `predict`) must be built again for `batch`'s: only
-        when a loss returns a scalar. Checked once, at the first batch with targets."""
-        if self._built_with_targets or batch.y is None or self._compiled.loss is None:
-            return False
-        y_pred = self._output_spec(batch)
-        y_true = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch.y)
-        c = self._compiled
-        terms = outputs_lib.resolve_losses(c.loss, c.loss_weights, outputs_lib.outputs_of(y_pred))
-        terms = self._find_scalar_losses(terms, y_true, y_pred)  # may refuse: then checked again next time
-        self._built_with_targets = True
-        return any(term.scalar for term in terms)
+        self._builder.check_input(batch, self._compiled)
 
     # -- the training logic a subclass may override (Keras 3's JAX contract) -------------------------
 
@@ -686,7 +395,7 @@ class Model:
         `method` names another method of the module to call instead of
         `__call__` (a GAN's `generate`), as Flax's `apply(..., method=...)`.
         """
-        parts = self._require_parts("stateless_call")
+        parts = self._builder.require_parts("stateless_call")
         return forward(parts.adapter, parts.policy, params, model_state, x, rng, training, method)
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training: bool = True):
@@ -697,20 +406,20 @@ class Model:
         sees only real rows (a partial batch at its real size).
         """
         del x, training
-        return self._require_parts("compute_loss").compiled.compiled_loss(y, y_pred, sample_weight)[0]
+        return self._builder.require_parts("compute_loss").compiled.compiled_loss(y, y_pred, sample_weight)[0]
 
     def compute_metrics(self, x, y, y_pred, sample_weight=None, *, metrics_state, loss):
         """`metrics_state` (a custom step's `state.metrics`) with one batch added to the loss tracker
         (`loss`, averaged over the epoch) and the compiled metrics; pure. Read the values with
         `get_metrics_result`."""
         del x
-        parts = self._require_parts("compute_metrics")
-        return parts.metrics_layout().update_compiled(metrics_state, loss, y, y_pred, sample_weight)
+        layout = self._builder.require_parts("compute_metrics").metrics_layout()
+        return layout.update_compiled(metrics_state, loss, y, y_pred, sample_weight)
 
     def get_metrics_result(self, metrics_state) -> dict:
         """Every metric's value for these accumulators: the loss, the compiled metrics, then each
         tracker of `self.metrics` by name (`metric.stateless_result`)."""
-        return self._require_parts("get_metrics_result").metrics_layout().result(metrics_state)
+        return self._builder.require_parts("get_metrics_result").metrics_layout().result(metrics_state)
 
     def train_step(self, state: TrainState, data) -> tuple[dict, TrainState]:
         """One training step on the global batch `data`: `(logs, state)`, pure (Keras 3's JAX contract).
@@ -750,14 +459,6 @@ class Model:
         x, _, _ = utils.unpack_x_y_sample_weight(data)
         return self.stateless_call(state.params, state.model_state, x, training=False)[0]
 
-    def _require_parts(self, what: str) -> _StepParts:
-        if self._step_parts is None:
-            raise ValueError(
-                f"`{what}` works once the model is built: call it inside `train_step`, `test_step` or "
-                "`predict_step`, which `fit`, `evaluate` and `predict` compile after `compile()`."
-            )
-        return self._step_parts
-
     @property
     def metrics_names(self) -> list[str]:
         """Keys of the logs: "loss" then each metric's name (after the first fit/evaluate)."""
@@ -769,80 +470,12 @@ class Model:
         steps = self.session.steps
         return steps.metrics if steps is not None else []
 
-    # -- data --------------------------------------------------------------------------------
-
-    def _make_data(
-        self,
-        x: Any,
-        y: Any,
-        sample_weight: Any,
-        batch_size: int | None,
-        *,
-        shuffle: bool = False,
-        steps: int | None = None,
-        what: str = "fit",
-    ) -> data_lib.DataSource:
-        return inputs.data_source(
-            x,
-            y,
-            sample_weight,
-            batch_size,
-            self.strategy,
-            shuffle=shuffle,
-            steps=steps,
-            what=what,
-            seed=self.seed,
-            orders=self._shuffle_orders,
+    def _callbacks(self, callbacks, verbose: int, steps: int | None, epochs: int = 1, history=None) -> CallbackList:
+        """The callbacks of one call, ordered with its defaults (`callback_setup.callback_list`)."""
+        progbar = callbacks_lib.ProgbarLogger
+        return callback_setup.callback_list(
+            callbacks, model=self, progbar=progbar, history=history, verbose=verbose, epochs=epochs, steps=steps
         )
-
-    def _check_labels(self, *sources: data_lib.DataSource | None) -> None:
-        """Has each source check its class-id targets against the model's classes before a step takes them
-        (arrays now, once; an iterable as it reads each batch): out-of-range ids raise, never train silently."""
-        check = label_check.checker(self._label_ranges)
-        for source in sources:
-            if source is not None:
-                source.set_label_check(check)
-
-    def _first_batch(self, data: data_lib.DataSource) -> Batch:
-        batch = data.peek()
-        if not isinstance(data, (data_lib.ArrayData, data_lib.IterableData)):  # the user's own source
-            data_lib.check_batch(batch, max(1, self.strategy.local_batch_multiple), f"{type(data).__name__}.peek()")
-        return batch
-
-    def _callback_list(
-        self,
-        callbacks: Sequence[callbacks_lib.Callback] | None,
-        *,
-        verbose: int,
-        epochs: int,
-        steps: int | None,
-        add_history: bool,
-    ) -> tuple[callbacks_lib.CallbackList, callbacks_lib.History | None]:
-        user = list(callbacks or [])
-        for cb in user:
-            if not isinstance(cb, callbacks_lib.Callback):
-                raise TypeError(f"Each callback must be a meshfit.callbacks.Callback. Received: {cb!r}.")
-        defaults = []
-        if verbose and not any(isinstance(cb, callbacks_lib.ProgbarLogger) for cb in user):
-            defaults.append(callbacks_lib.ProgbarLogger())
-        history = callbacks_lib.History() if add_history else None
-        # Callbacks that add to the epoch logs run first, so the others see what they add;
-        # callbacks that save training state run last, after History and the others have
-        # updated theirs for the same step or epoch.
-        adders = [cb for cb in user if cb.adds_epoch_logs]
-        savers = [cb for cb in user if cb.handles_preemption and cb not in adders]
-        others = [cb for cb in user if cb not in adders and cb not in savers]
-        ordered = adders + others + defaults + ([history] if history else []) + savers
-        all_callbacks = callbacks_lib.CallbackList(
-            ordered, model=self, timer=self.session.timer, epochs=epochs, steps=steps, verbose=verbose
-        )
-        return all_callbacks, history
-
-    def _one_pass_callbacks(
-        self, callbacks: Sequence[callbacks_lib.Callback] | None, verbose: int, steps: int | None
-    ) -> callbacks_lib.CallbackList:
-        """The callback list of one pass over data (`evaluate`, `predict`): no History."""
-        return self._callback_list(callbacks, verbose=verbose, epochs=1, steps=steps, add_history=False)[0]
 
     # -- Keras API -----------------------------------------------------------------------------
 
@@ -921,8 +554,9 @@ class Model:
         """
         self._check_strategy("fit")
         self._require_compiled("fit")
-        verbose = _verbose(verbose)
-        _check_positive_int(epochs, "epochs")
+        verbose = fit_inputs.verbose_level(verbose)
+        if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
+            raise ValueError(f"`epochs` must be a positive int. Received: epochs={epochs!r}.")
         if not isinstance(initial_epoch, int) or not 0 <= initial_epoch:
             raise ValueError(f"`initial_epoch` must be a non-negative int. Received: {initial_epoch!r}.")
         if not (isinstance(validation_freq, int) and validation_freq >= 1) and not (
@@ -932,47 +566,34 @@ class Model:
                 f"`validation_freq` must be a positive int or a list of epochs. Received: {validation_freq!r}."
             )
         # Armed before anything compiles or restores: a SIGTERM from now on ends in a backup.
-        watch = (
-            PreemptionWatch(_preemption_timeout(callbacks), timer=self.session.timer)
-            if any(_handles_preemption(cb) for cb in callbacks or ())
-            else None
-        )
+        watch = callback_setup.preemption_watch(callbacks, self.session.timer)
         with watch or contextlib.nullcontext(), self.session.timer:  # the timer: where the fit's time goes
-            if class_weight is not None:
-                sample_weight = _class_weights(y, class_weight, sample_weight)
-            data = self._make_data(x, y, sample_weight, batch_size, shuffle=shuffle, steps=steps_per_epoch)
-            all_data, val_data = data, None  # (before a validation split: sample numbers as the user's)
-            if validation_split:
-                if not isinstance(data, data_lib.ArrayData):
-                    raise ValueError(
-                        "`validation_split` works only with array inputs; pass `validation_data` for datasets."
-                    )
-                data, val_data = data.split(validation_split)
-            if validation_data is not None:
-                vx, vy, vsw = _unpack_validation(validation_data)
-                if isinstance(vx, Iterator) and not data_lib.is_array_tree(vx):  # validated on every epoch
-                    vx = data_lib.Replay(vx)
-                val_batch_size = (validation_batch_size or batch_size) if data_lib.is_array_tree(vx) else None
-                val_data = self._make_data(vx, vy, vsw, val_batch_size, what="fit")
-            first = self._first_batch(data)
+            data, all_data, val_data = self._inputs.fit_sources(
+                x,
+                y,
+                sample_weight,
+                batch_size,
+                shuffle=shuffle,
+                steps_per_epoch=steps_per_epoch,
+                class_weight=class_weight,
+                validation_split=validation_split,
+                validation_data=validation_data,
+                validation_batch_size=validation_batch_size,
+            )
+            first = self._inputs.first_batch(data)
             if first.y is None and self._needs_targets("train_step"):
                 raise ValueError("`fit()` needs targets: pass `y`, or a dataset yielding (x, y) pairs.")
             self._build(first)
-            self._check_labels(all_data, val_data if all_data is data else None)
+            fit_inputs.check_labels(self._builder.label_ranges, all_data, val_data if all_data is data else None)
             self.session.executables.check_batches(data)
             if val_data is not None:
-                self._check_input(self._first_batch(val_data))
+                self._check_input(self._inputs.first_batch(val_data))
                 self.session.executables.check_batches(val_data)
-            steps = data.steps_per_epoch
-            callback_list, history = self._callback_list(
-                callbacks, verbose=verbose, epochs=epochs, steps=steps, add_history=True
-            )
+            history = callbacks_lib.History()
+            callback_list = self._callbacks(callbacks, verbose, data.steps_per_epoch, epochs, history)
             self.history = history
             self.stop_training = False
-            session = self.session
-            session.begin_fit(data, list(callback_list), initial_epoch)
-            finished = False
-            try:
+            with callback_setup.running_fit(self.session, data, callback_list, initial_epoch):
                 fit_loop(
                     self,
                     data,
@@ -984,17 +605,6 @@ class Model:
                     validation_steps=validation_steps,
                     watch=watch,
                 )
-                finished = True
-            finally:
-                errors = []
-                for cb in session.callbacks:  # finish background writes even when fit raised
-                    try:
-                        cb.close()
-                    except Exception as error:  # noqa: BLE001 - every callback is closed, the first error raised
-                        errors.append(error)
-                session.end_fit(finished)
-                if finished and errors:
-                    raise errors[0]
         return history
 
     @overload  # (so that a type checker knows `evaluate(..., return_dict=True)["accuracy"]` is a float)
@@ -1057,15 +667,15 @@ class Model:
         """
         self._check_strategy("evaluate")
         self._require_compiled("evaluate")
-        verbose = _verbose(verbose)
-        data = self._make_data(x, y, sample_weight, batch_size, steps=None, what="evaluate")
-        first = self._first_batch(data)
+        verbose = fit_inputs.verbose_level(verbose)
+        data = self._inputs.source(x, y, sample_weight, batch_size, steps=None, what="evaluate")
+        first = self._inputs.first_batch(data)
         if first.y is None and self._needs_targets("test_step"):
             raise ValueError("`evaluate()` needs targets: pass `y`, or a dataset yielding (x, y) pairs.")
         self._build(first)
-        self._check_labels(data)
+        fit_inputs.check_labels(self._builder.label_ranges, data)
         self.session.executables.check_batches(data)
-        callback_list = self._one_pass_callbacks(callbacks, verbose, steps or data.steps_per_epoch)
+        callback_list = self._callbacks(callbacks, verbose, steps or data.steps_per_epoch)
         logs = evaluate_loop(self, data, callbacks=callback_list, steps=steps)
         return self._ordered(logs, return_dict)
 
@@ -1096,16 +706,16 @@ class Model:
         self._check_strategy("predict")
         if self.abstract:
             self._require_compiled("predict")
-        verbose = _verbose(verbose)
-        data = self._make_data(x, None, None, batch_size, steps=None, what="predict")
-        first = self._first_batch(data)
+        verbose = fit_inputs.verbose_level(verbose)
+        data = self._inputs.source(x, None, None, batch_size, steps=None, what="predict")
+        first = self._inputs.first_batch(data)
         if not self.session.built:
             if self._compiled is None:  # predict works without compile, as in Keras
                 self.compile(optimizer="sgd")
             self._build(first)
         else:
             self._check_input(first)
-        callback_list = self._one_pass_callbacks(callbacks, verbose, steps or data.steps_per_epoch)
+        callback_list = self._callbacks(callbacks, verbose, steps or data.steps_per_epoch)
         return predict_loop(self, data, callbacks=callback_list, steps=steps)
 
     # -- one batch (Keras's *_on_batch) ---------------------------------------------------------
@@ -1137,9 +747,9 @@ class Model:
         self._check_strategy("train_on_batch")
         self._require_compiled("train_on_batch")
         if class_weight is not None:
-            sample_weight = _class_weights(y, class_weight, sample_weight)
-        data = self._make_data(x, y, sample_weight, _rows(x, "train_on_batch"), what="train_on_batch")
-        batch = self._first_batch(data)
+            sample_weight = fit_inputs.class_weights(y, class_weight, sample_weight)
+        rows = fit_inputs.rows(x, "train_on_batch")
+        batch = self._inputs.first_batch(self._inputs.source(x, y, sample_weight, rows, what="train_on_batch"))
         if batch.y is None and self._needs_targets("train_step"):
             raise ValueError("`train_on_batch()` needs targets: pass `y`.")
         self._build(batch)
@@ -1160,7 +770,7 @@ class Model:
         Returns:
             As `evaluate`.
         """
-        rows = _rows(x, "test_on_batch")
+        rows = fit_inputs.rows(x, "test_on_batch")
         return self.evaluate(x, y, batch_size=rows, sample_weight=sample_weight, verbose=0, return_dict=return_dict)
 
     def predict_on_batch(self, x: Any) -> Any:
@@ -1169,7 +779,7 @@ class Model:
         Args:
             x: one batch of inputs: an array, or a dict/tuple/list of arrays.
         """
-        return self.predict(x, batch_size=_rows(x, "predict_on_batch"), verbose=0)
+        return self.predict(x, batch_size=fit_inputs.rows(x, "predict_on_batch"), verbose=0)
 
     def _ordered(self, logs: dict, return_dict: bool) -> float | list[float] | dict[str, float]:
         if return_dict:
@@ -1193,9 +803,9 @@ class Model:
         if x is not None:
             if y is None:
                 raise ValueError("step_report(x, y) needs targets `y` for the loss, shaped like a batch of them.")
-            data = self._make_data(x, y, None, len(jax.tree.leaves(x)[0]), what="step_report")
-            self._build(self._first_batch(data))
-            return self.session.step_report(self._first_batch(data))
+            data = self._inputs.source(x, y, None, len(jax.tree.leaves(x)[0]), what="step_report")
+            self._build(self._inputs.first_batch(data))
+            return self.session.step_report(self._inputs.first_batch(data))
         batch = self.session.example_batch
         trains_on_it = bool({"train_step", "compute_loss"} & self._custom_methods()) or (
             batch is not None and batch.y is not None and self.compile_settings.loss is not None
@@ -1340,169 +950,3 @@ def load_model(
         return Model(module, sample_input=sample_input, seed=seed, trainable=trainable)
 
     return saving.load_saved_model(path, build, compile=compile, **compile_kwargs)
-
-
-# -- helpers ------------------------------------------------------------------------------------
-
-
-def _optimizer_state_access(session: Session) -> optimizers_lib.OptimizerStateAccess:
-    """The optimizer's view of the session: the optimizer state as the last step left it, and a host read."""
-
-    def replace_opt_state(opt_state: Any) -> None:
-        session.state = session.latest._replace(opt_state=opt_state)
-
-    return optimizers_lib.OptimizerStateAccess(
-        opt_state=lambda: session.latest.opt_state,
-        replace_opt_state=replace_opt_state,
-        step=lambda: session.latest.step,
-        to_host=lambda value: session.strategy.to_host(value),
-    )
-
-
-class _StepParts(NamedTuple):
-    """What the step methods use, set when the steps are built.
-
-    Attributes:
-        adapter: the module adapter in the policy's compute dtype (`stateless_call`).
-        policy: the dtype policy.
-        compiled: the built-in steps: the compiled loss and metrics.
-        layout: a custom step's `state.metrics` layout (None for the built-in steps).
-    """
-
-    adapter: Any
-    policy: precision.DTypePolicy
-    compiled: StepFunctions
-    layout: MetricsLayout | None
-
-    def metrics_layout(self) -> MetricsLayout:
-        """The layout of a custom step's `state.metrics` (the built-in steps': the compiled accumulators)."""
-        return self.layout if self.layout is not None else MetricsLayout(self.compiled, [])
-
-
-def _handles_preemption(callback: callbacks_lib.Callback) -> bool:
-    """Whether a (not yet validated) callback saves on preemption, so SIGTERM must be caught for it."""
-    return isinstance(callback, callbacks_lib.Callback) and (
-        callback.handles_preemption or type(callback).on_preemption is not callbacks_lib.Callback.on_preemption
-    )
-
-
-def _preemption_timeout(callbacks: Sequence[callbacks_lib.Callback]) -> float | None:
-    """The bound on a fit's end after SIGTERM or SIGINT: the shortest `preemption_timeout` its callbacks set."""
-    timeouts = [
-        getattr(cb, "preemption_timeout", DEFAULT_PREEMPTION_TIMEOUT) for cb in callbacks if _handles_preemption(cb)
-    ]
-    bounded = [t for t in timeouts if t is not None]
-    return min(bounded) if bounded else None
-
-
-def _describe(spec: Any) -> str:
-    return str(
-        jax.tree.map(
-            lambda s: "(None, " + ", ".join(map(str, s[0])) + ")" if s[0] else "(None,)",
-            spec,
-            is_leaf=lambda s: isinstance(s, tuple) and len(s) == 2 and isinstance(s[1], str),
-        )
-    )
-
-
-def _as_metrics(value: Any, name: str) -> Any:
-    """Metrics as given: a list (a lone metric becomes one), or a dict/list per output."""
-    if value is None:
-        return []
-    if isinstance(value, dict):
-        return dict(value)
-    if isinstance(value, (list, tuple)):
-        return list(value)
-    return [value]
-
-
-def _check_each(value: Any, name: str, check: Callable) -> Any:
-    """`check` applied to each identifier of a `compile` argument given once or per output (dict/list);
-    returns the same structure of results (None stays None)."""
-    if value is None:
-        return None
-    if isinstance(value, dict):
-        return {key: _check_each(v, name, check) for key, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_check_each(v, name, check) for v in value]
-    return check(value)
-
-
-def _check_loss_weights(loss_weights: Any) -> None:
-    bad = [
-        w
-        for w in jax.tree.leaves(loss_weights)
-        if isinstance(w, bool) or not isinstance(w, (int, float, np.integer, np.floating))
-    ]
-    if bad:
-        hint = ""
-        if all(isinstance(w, (str, metrics_lib.Metric)) or callable(w) for w in bad):  # metric names or objects
-            hint = (
-                " These look like metrics: since Keras 3 the third positional argument of `compile` is "
-                "`loss_weights` (tf.keras's order put `metrics` there). Pass metrics by name, e.g. "
-                "model.compile(optimizer, loss, metrics=['accuracy'])."
-            )
-        raise TypeError(
-            "`loss_weights` must be a number, or a dict/list of numbers per output. "
-            f"Received: loss_weights={loss_weights!r} (not numbers: {bad}).{hint}"
-        )
-
-
-def _needs_shapes(identifier: Any) -> bool:
-    return isinstance(identifier, str) and identifier.lower() in ("accuracy", "acc")
-
-
-def _verbose(verbose: int | str) -> int:
-    if verbose == "auto":
-        return 1
-    if verbose not in (0, 1, 2) or isinstance(verbose, bool):
-        raise ValueError(f"`verbose` must be 'auto', 0, 1 or 2. Received: verbose={verbose!r}.")
-    return int(verbose)
-
-
-def _check_positive_int(value: Any, name: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"`{name}` must be a positive int. Received: {name}={value!r}.")
-
-
-def _unpack_validation(validation_data: Any) -> tuple[Any, Any, Any]:
-    if (
-        isinstance(validation_data, tuple)
-        and len(validation_data) in (2, 3)
-        and data_lib.is_array_tree(validation_data[0])
-    ):
-        return (*validation_data, None)[:3]
-    if isinstance(validation_data, tuple) and len(validation_data) not in (2, 3):
-        raise ValueError(
-            "`validation_data` must be (x_val, y_val), (x_val, y_val, sample_weight) or a dataset. "
-            f"Received a tuple of length {len(validation_data)}."
-        )
-    return validation_data, None, None
-
-
-def _rows(x: Any, what: str) -> int:
-    """The rows of one batch of array input `x` (a `*_on_batch` call takes exactly one batch)."""
-    leaves = jax.tree.leaves(x) if data_lib.is_array_tree(x) else []
-    if not leaves:
-        raise TypeError(
-            f"`{what}()` takes one batch of arrays (a numpy/JAX array, or a dict/tuple/list of them). "
-            f"Received: x of type {type(x).__name__}."
-        )
-    return len(leaves[0])
-
-
-def _class_weights(y: Any, class_weight: dict, sample_weight: Any) -> np.ndarray:
-    if y is None or not data_lib.is_array_like(y):
-        raise ValueError(
-            "`class_weight` needs `y` as a single array of class labels (a model with one output). "
-            "For several outputs, weigh the rows of each with `sample_weight={output: weights}`."
-        )
-    labels = np.asarray(y)
-    if labels.ndim > 1 and labels.shape[-1] > 1:
-        labels = labels.argmax(-1)
-    labels = labels.reshape(len(labels), -1)[:, 0].astype(int)
-    missing = sorted(set(np.unique(labels).tolist()) - set(class_weight))
-    if missing:
-        raise ValueError(f"`class_weight` has no weight for classes {missing}. Received keys {sorted(class_weight)}.")
-    weights = np.array([class_weight[c] for c in labels], np.float32)
-    return weights if sample_weight is None else weights * np.asarray(sample_weight, np.float32)
