@@ -1,12 +1,11 @@
 """`meshfit.Model`: Keras's compile / fit / evaluate / predict for Flax modules.
 
-The model's `Session` holds its one `TrainState` pytree on the devices its
-strategy chose, and the bookkeeping of fits. This file is the Keras face: it
-checks arguments (every check runs before any state changes) and hands the
-work on: `compile` to `meshfit.steps.compile_settings`, the first batch to
-`meshfit.training.step_builder`, data to `meshfit.training.fit_inputs`,
-callbacks to `meshfit.training.callback_setup`, and the loops to
-`meshfit.training.loop`.
+The model's `Session` holds its one `TrainState` pytree on the devices its strategy chose, and the bookkeeping of
+fits. This file is the Keras face: it checks arguments (every check runs before any state changes) and hands the
+work on: `compile` to `meshfit.steps.compile_settings`, the first batch to `meshfit.training.step_builder`, data to
+`meshfit.training.fit_inputs`, callbacks to `meshfit.training.callback_setup`, and the loops to
+`meshfit.training.loop`. Its base classes hold the step methods a subclass overrides (`meshfit.steps.step_methods`)
+and the weights as Keras lists them (`meshfit.training.weights`).
 """
 
 from __future__ import annotations
@@ -18,11 +17,10 @@ from typing import Any, Literal, overload
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from meshfit import callbacks as callbacks_lib
-from meshfit import mixed_precision, utils
+from meshfit import mixed_precision
 from meshfit import optimizers as optimizers_lib
 from meshfit.checkpointing import saving
 from meshfit.core import keras_names, precision
@@ -33,47 +31,42 @@ from meshfit.cost.summary import format_step_report, format_summary
 from meshfit.data import sources as data_lib
 from meshfit.runtime import cluster
 from meshfit.steps import compile_settings
-from meshfit.steps.builtin import forward
 from meshfit.steps.compile_settings import CompileSettings
 from meshfit.steps.custom_steps import STEP_METHODS
 from meshfit.steps.modules import adapt
+from meshfit.steps.step_methods import StepMethods, StepParts
 from meshfit.strategies import get_strategy, has_strategy
 from meshfit.training import callback_setup, fit_inputs
-from meshfit.training import weights as weights_lib
 from meshfit.training.callback_protocol import CallbackList
 from meshfit.training.fit_context import FitContext
 from meshfit.training.loop import evaluate_loop, fit_loop, host_logs, predict_loop
 from meshfit.training.session import Session
 from meshfit.training.step_builder import StepBuilder
+from meshfit.training.weights import Weights
 
 __all__ = ["CompileSettings", "Model", "load_model"]
 
 
-class Model:
+class Model(StepMethods, Weights):
     """A Flax module with Keras's training API.
 
     Args:
-        module: a `flax.nnx.Module` (variables already created), a factory of
-            one (a function of no arguments, e.g. `lambda: MLP(rngs=nnx.Rngs(0))`:
-            the variables are created straight into the strategy's layout, so a
-            model larger than one device never exists whole on a device), or a
-            `flax.linen.Module` (variables created from `sample_input`, in the
-            layout too). An eager module is moved into the layout and then holds
+        module: a `flax.nnx.Module` (variables already created), a factory of one (a function of no arguments, e.g.
+            `lambda: MLP(rngs=nnx.Rngs(0))`: the variables are created straight into the strategy's layout, so a
+            model larger than one device never exists whole on a device), or a `flax.linen.Module` (variables
+            created from `sample_input`, in the layout too). An eager module is moved into the layout and then holds
             the placed arrays (its own copies are freed).
         sample_input: an example input batch; required for Linen modules.
-        seed: seeds data shuffling, Linen initialisation and dropout. Same
-            seed, same data -> bitwise identical training.
-        trainable: for NNX modules, a filter of the parameters to train
-            (default `nnx.Param`: all), e.g. `nnx.All(nnx.Param,
-            nnx.PathContains("head"))` or `lambda path, value: path[0] == "head"`.
-            The other parameters are frozen: no gradient, no optimizer state, no
-            update; they are listed (and saved) with the non-trainable weights.
-        abstract: shapes and layouts only: the parameters and the optimizer
-            state are `jax.ShapeDtypeStruct`s with the strategy's shardings and
-            nothing is created (a factory runs under `nnx.eval_shape` alone).
-            Such a model compiles its train step and reports its cost
-            (`step_report`) but cannot train, evaluate or predict: how
-            `meshfit.plan` weighs layouts before any parameter exists.
+        seed: seeds data shuffling, Linen initialisation and dropout. Same seed, same data -> bitwise identical
+            training.
+        trainable: for NNX modules, a filter of the parameters to train (default `nnx.Param`: all), e.g.
+            `nnx.All(nnx.Param, nnx.PathContains("head"))` or `lambda path, value: path[0] == "head"`. The other
+            parameters are frozen: no gradient, no optimizer state, no update; they are listed (and saved) with the
+            non-trainable weights.
+        abstract: shapes and layouts only: the parameters and the optimizer state are `jax.ShapeDtypeStruct`s with
+            the strategy's shardings and nothing is created (a factory runs under `nnx.eval_shape` alone). Such a
+            model compiles its train step and reports its cost (`step_report`) but cannot train, evaluate or
+            predict: how `meshfit.plan` weighs layouts before any parameter exists.
 
     Example:
         >>> model = meshfit.Model(MLP(rngs=nnx.Rngs(0)))
@@ -136,45 +129,11 @@ class Model:
         position and `restore` (`meshfit.training.fit_context.FitContext`)."""
         return self.session.context
 
-    @property
-    def params(self) -> Any:
-        """The trainable parameters as a nested dict of `jax.Array` (live, on device)."""
-        return self.session.latest.params
-
-    @property
-    def module(self) -> Any:
-        """The user's module, holding the current weights."""
-        state = self.session.latest
-        return self._adapter.sync_module(state.params, state.model_state)
-
-    def weight_names(self) -> list[str]:
-        """Names of `get_weights()` entries: trainable paths, then non-trainable ones."""
-        return weights_lib.names(self.session.state, self._adapter)
-
-    @property
-    def trainable_weights(self) -> list[jax.Array]:
-        """The trainable parameters as live device arrays, in `get_weights()` order (sorted module paths;
-        `weight_names()[:len(model.trainable_weights)]` names them). Keras returns Variables; here
-        arrays, which `set_weights` replaces."""
-        return jax.tree.leaves(self.session.state.params)
-
-    @property
-    def non_trainable_weights(self) -> list[jax.Array]:
-        """The non-trainable weights (frozen parameters, BatchNorm statistics) as live device arrays,
-        after the trainable ones in `get_weights()` and `weight_names()` order."""
-        return jax.tree.leaves(weights_lib.trees(self.session.state, self._adapter)[1])
-
-    @property
-    def weights(self) -> list[jax.Array]:
-        """`trainable_weights + non_trainable_weights`, named by `weight_names()`, in that order."""
-        return self.trainable_weights + self.non_trainable_weights
-
     def get_config(self) -> dict:
         """What the model is, as JSON: the module's class, the seed, the strategy and the compile record.
 
-        Code is not JSON: rebuild the module yourself and `meshfit.load_model`
-        (or `set_weights`) the weights into it. `"compile"` is
-        `get_compile_config()` (None before `compile`).
+        Code is not JSON: rebuild the module yourself and `meshfit.load_model` (or `set_weights`) the weights into
+        it. `"compile"` is `get_compile_config()` (None before `compile`).
         """
         module = type(self._adapter.module)
         return {
@@ -188,9 +147,8 @@ class Model:
     def __call__(self, x: Any, training: bool = False) -> Any:
         """The outputs for one batch `x` as numpy, under the model's strategy (`predict_on_batch`).
 
-        Keras's `model(x)`. Only inference: with `training=True` a forward pass
-        would update no state here; train with `fit` or `train_on_batch`, or
-        call `stateless_call` in a custom step.
+        Keras's `model(x)`. Only inference: with `training=True` a forward pass would update no state here; train
+        with `fit` or `train_on_batch`, or call `stateless_call` in a custom step.
         """
         if training:
             raise ValueError(
@@ -202,9 +160,8 @@ class Model:
     def export(self, path: str | os.PathLike, overwrite: bool = False) -> None:
         """Writes the forward pass for serving, callable with JAX alone; see `meshfit.export`.
 
-        `path` holds `forward.jax` (serialized StableHLO with a symbolic batch
-        dimension) and `weights.npz`. An existing non-empty `path` is refused
-        unless `overwrite=True`.
+        `path` holds `forward.jax` (serialized StableHLO with a symbolic batch dimension) and `weights.npz`. An
+        existing non-empty `path` is refused unless `overwrite=True`.
         """
         from meshfit import export as export_lib
 
@@ -218,17 +175,6 @@ class Model:
             policy=None if parts is None else parts.policy,
             overwrite=overwrite,
         )
-
-    def get_weights(self) -> list[np.ndarray]:
-        """All weights as numpy arrays: the trainable parameters in `jax.tree.leaves`
-        order (sorted module paths), then the non-trainable ones (e.g. BatchNorm
-        statistics) in the same order. `weight_names()` names them."""
-        trees = weights_lib.trees(self.session.state, self._adapter)
-        return [a for tree in trees for a in jax.tree.leaves(self.strategy.to_host(tree))]
-
-    def set_weights(self, weights: Sequence[np.ndarray]) -> None:
-        """Sets all weights from a list in `get_weights()` order; shapes must match."""
-        self.session.state = weights_lib.replaced(self.session.state, self._adapter, weights)
 
     # -- compile -------------------------------------------------------------------------
 
@@ -249,56 +195,40 @@ class Model:
         """Configures the model for training (Keras's `compile`).
 
         Args:
-            optimizer: an optimizer name ("adam", "sgd", ...; see
-                `meshfit.optimizers.names()`) or an `optax.GradientTransformation`;
-                or a dict of them keyed by the module's top-level attributes
-                (`{"generator": "adam", "discriminator": "adam"}`): each trains
-                only its part, `state.opt_state` and `model.optimizer` are
-                dicts with the same keys (see "Customizing fit" in the docs).
-                None: no optimizer and no optimizer state, for `evaluate` and
-                `predict` only (`fit` asks for one); `load_model` compiles so a
-                saved model whose optimizer `save` could not write down.
-            loss: a loss name, a `meshfit.losses.Loss`, or a callable
-                `(y_true, y_pred) -> per-sample losses`, or a scalar for the
-                batch (Keras's value; computed on a partial batch's real rows
-                by a step compiled per partial size: see `meshfit.training.executables`;
-                refused where that cannot be exact). For a model with
-                several outputs (a dict, list or tuple of arrays), one loss for
-                every output, or a dict keyed by output name (a list in output
-                order) of them; outputs left out have no loss. See
+            optimizer: an optimizer name ("adam", "sgd", ...; see `meshfit.optimizers.names()`) or an
+                `optax.GradientTransformation`; or a dict of them keyed by the module's top-level attributes
+                (`{"generator": "adam", "discriminator": "adam"}`): each trains only its part, `state.opt_state` and
+                `model.optimizer` are dicts with the same keys (see "Customizing fit" in the docs). None: no
+                optimizer and no optimizer state, for `evaluate` and `predict` only (`fit` asks for one);
+                `load_model` compiles so a saved model whose optimizer `save` could not write down.
+            loss: a loss name, a `meshfit.losses.Loss`, or a callable `(y_true, y_pred) -> per-sample losses`, or a
+                scalar for the batch (Keras's value; computed on a partial batch's real rows by a step compiled per
+                partial size: see `meshfit.training.executables`; refused where that cannot be exact). For a model
+                with several outputs (a dict, list or tuple of arrays), one loss for every output, or a dict keyed
+                by output name (a list in output order) of them; outputs left out have no loss. See
                 `meshfit.outputs` for output names.
-            loss_weights: a float (one output), or a dict/list per output of
-                floats: the loss is the sum of each output's loss times its
-                weight (unweighted: 1).
-            metrics: a list of metric names, `meshfit.metrics.Metric` objects
-                or callables. With several outputs, a dict keyed by output name
-                (or a list in output order) of such lists; they are logged as
+            loss_weights: a float (one output), or a dict/list per output of floats: the loss is the sum of each
+                output's loss times its weight (unweighted: 1).
+            metrics: a list of metric names, `meshfit.metrics.Metric` objects or callables. With several outputs, a
+                dict keyed by output name (or a list in output order) of such lists; they are logged as
                 `<output>_<metric>`.
             weighted_metrics: metrics that also use `sample_weight`, given like `metrics`.
-            steps_per_execution: number of batches run inside one compiled call
-                (a `lax.scan`); batch callbacks are called once per call.
-            dtype_policy: Keras's policy names: "float32", "mixed_bfloat16",
-                "mixed_float16" (with dynamic loss scaling) or "bfloat16"
-                (weights kept in bfloat16 too); see `meshfit.core.precision`. None:
-                the global policy (`meshfit.mixed_precision.set_global_policy`;
-                "float32" unless set).
-            gradient_accumulation_steps: apply the optimizer every K batches
-                with the mean of their gradients (K batches of B rows train as
-                one of K x B). The accumulators live in the optimizer state,
-                so a backup taken mid-accumulation resumes exactly. An
-                `optax.MultiSteps` optimizer does the same.
-            run_eagerly: run the train, evaluate and predict steps un-jitted,
-                op by op (under `jax.disable_jit()`), to debug them: a `print`
-                or a breakpoint in a custom `train_step` runs at every step
-                with concrete arrays. Same numbers as the compiled steps, far
-                slower; `steps_per_execution` still groups batches (a Python
-                loop over them). Under the parameter server, the workers' steps stay compiled.
-            jit_compile: True or "auto" (the default): the steps are compiled
-                with XLA. False: not compiled, which on JAX is what Keras does
-                too: the same as `run_eagerly=True`.
-            auto_scale_loss: Keras's switch for loss scaling under
-                "mixed_float16": meshfit always scales there (True); False is
-                refused under that policy and changes nothing under the others.
+            steps_per_execution: number of batches run inside one compiled call (a `lax.scan`); batch callbacks are
+                called once per call.
+            dtype_policy: Keras's policy names: "float32", "mixed_bfloat16", "mixed_float16" (with dynamic loss
+                scaling) or "bfloat16" (weights kept in bfloat16 too); see `meshfit.core.precision`. None: the
+                global policy (`meshfit.mixed_precision.set_global_policy`; "float32" unless set).
+            gradient_accumulation_steps: apply the optimizer every K batches with the mean of their gradients (K
+                batches of B rows train as one of K x B). The accumulators live in the optimizer state, so a backup
+                taken mid-accumulation resumes exactly. An `optax.MultiSteps` optimizer does the same.
+            run_eagerly: run the train, evaluate and predict steps un-jitted, op by op (under `jax.disable_jit()`),
+                to debug them: a `print` or a breakpoint in a custom `train_step` runs at every step with concrete
+                arrays. Same numbers as the compiled steps, far slower; `steps_per_execution` still groups batches
+                (a Python loop over them). Under the parameter server, the workers' steps stay compiled.
+            jit_compile: True or "auto" (the default): the steps are compiled with XLA. False: not compiled, which
+                on JAX is what Keras does too: the same as `run_eagerly=True`.
+            auto_scale_loss: Keras's switch for loss scaling under "mixed_float16": meshfit always scales there
+                (True); False is refused under that policy and changes nothing under the others.
         """
         self._check_strategy("compile")
         if not isinstance(run_eagerly, bool):
@@ -347,9 +277,8 @@ class Model:
     def get_compile_config(self) -> dict | None:
         """How the model was compiled, as the JSON `save` writes (None before `compile`), as in Keras.
 
-        Names, meshfit's built-in losses and metrics, and optimizers from
-        `meshfit.optimizers.get` are written down; anything else is recorded as
-        `{"__custom__": description}`, for `load_model` to ask for again.
+        Names, meshfit's built-in losses and metrics, and optimizers from `meshfit.optimizers.get` are written down;
+        anything else is recorded as `{"__custom__": description}`, for `load_model` to ask for again.
         """
         return saving.compile_record(self)
 
@@ -384,80 +313,8 @@ class Model:
     def _check_input(self, batch: Batch) -> None:
         self._builder.check_input(batch, self._compiled)
 
-    # -- the training logic a subclass may override (Keras 3's JAX contract) -------------------------
-
-    def stateless_call(self, params, model_state, x, training: bool = False, rng=None, method: str | None = None):
-        """`(y_pred, model_state)`: the module's forward pass on these weights, pure (Keras's name).
-
-        Runs under the compiled dtype policy (outputs in float32). `rng` is
-        the step's key for modules that take one (Linen dropout: pass
-        `state.rng`); NNX modules carry their random streams in `model_state`.
-        `method` names another method of the module to call instead of
-        `__call__` (a GAN's `generate`), as Flax's `apply(..., method=...)`.
-        """
-        parts = self._builder.require_parts("stateless_call")
-        return forward(parts.adapter, parts.policy, params, model_state, x, rng, training, method)
-
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training: bool = True):
-        """The scalar loss of a batch: the compiled loss (each output's loss times its weight, summed;
-        0 without one). Override it to add terms; `super().compute_loss(...)` is the compiled loss.
-
-        The default `train_step` and `test_step` differentiate and log it. It
-        sees only real rows (a partial batch at its real size).
-        """
-        del x, training
-        return self._builder.require_parts("compute_loss").compiled.compiled_loss(y, y_pred, sample_weight)[0]
-
-    def compute_metrics(self, x, y, y_pred, sample_weight=None, *, metrics_state, loss):
-        """`metrics_state` (a custom step's `state.metrics`) with one batch added to the loss tracker
-        (`loss`, averaged over the epoch) and the compiled metrics; pure. Read the values with
-        `get_metrics_result`."""
-        del x
-        layout = self._builder.require_parts("compute_metrics").metrics_layout()
-        return layout.update_compiled(metrics_state, loss, y, y_pred, sample_weight)
-
-    def get_metrics_result(self, metrics_state) -> dict:
-        """Every metric's value for these accumulators: the loss, the compiled metrics, then each
-        tracker of `self.metrics` by name (`metric.stateless_result`)."""
-        return self._builder.require_parts("get_metrics_result").metrics_layout().result(metrics_state)
-
-    def train_step(self, state: TrainState, data) -> tuple[dict, TrainState]:
-        """One training step on the global batch `data`: `(logs, state)`, pure (Keras 3's JAX contract).
-
-        `data` is `x`, `(x, y)` or `(x, y, sample_weight)` (unpack it with
-        `meshfit.utils.unpack_x_y_sample_weight`); `state` is a
-        `meshfit.TrainState`. Compiled once per batch shape under the model's
-        strategy; meshfit advances `state.step` after it. Overriding it (or
-        `compute_loss`, `test_step`, `predict_step`) makes the model's steps
-        these methods (`meshfit.steps.custom_steps`); otherwise meshfit runs its
-        built-in steps, which compute the same and also train on a padded
-        partial batch without recompiling.
-        """
-        x, y, sample_weight = utils.unpack_x_y_sample_weight(data)
-
-        def loss_fn(params):
-            y_pred, model_state = self.stateless_call(params, state.model_state, x, training=True, rng=state.rng)
-            loss = self.compute_loss(x, y, y_pred, sample_weight, training=True)
-            return loss, (y_pred, model_state)
-
-        (loss, (y_pred, model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-        params, opt_state = self.optimizer.stateless_apply(state.opt_state, grads, state.params)
-        metrics = self.compute_metrics(x, y, y_pred, sample_weight, metrics_state=state.metrics, loss=loss)
-        state = state._replace(params=params, model_state=model_state, opt_state=opt_state, metrics=metrics)
-        return self.get_metrics_result(metrics), state
-
-    def test_step(self, state: TrainState, data) -> tuple[dict, TrainState]:
-        """One evaluation step: `(logs, state)` with `state.metrics` updated (no optimizer state)."""
-        x, y, sample_weight = utils.unpack_x_y_sample_weight(data)
-        y_pred, _ = self.stateless_call(state.params, state.model_state, x, training=False)
-        loss = self.compute_loss(x, y, y_pred, sample_weight, training=False)
-        metrics = self.compute_metrics(x, y, y_pred, sample_weight, metrics_state=state.metrics, loss=loss)
-        return self.get_metrics_result(metrics), state._replace(metrics=metrics)
-
-    def predict_step(self, state: TrainState, data):
-        """The outputs for the batch `data` (its `x`)."""
-        x, _, _ = utils.unpack_x_y_sample_weight(data)
-        return self.stateless_call(state.params, state.model_state, x, training=False)[0]
+    def _step_parts(self, what: str) -> StepParts:
+        return self._builder.require_parts(what)
 
     @property
     def metrics_names(self) -> list[str]:
@@ -500,71 +357,52 @@ class Model:
     ) -> callbacks_lib.History:
         """Trains the model for a number of epochs (Keras's `fit`); returns a `History`.
 
-        The last partial batch of an epoch is trained on exactly (padded and
-        masked), with no recompilation (a loss returning a scalar: one, see
-        `compile`). Every check runs before any state changes.
+        The last partial batch of an epoch is trained on exactly (padded and masked), with no recompilation (a loss
+        returning a scalar: one, see `compile`). Every check runs before any state changes.
 
         Args:
-            x: input data: a numpy/JAX array, a dict, tuple or list of arrays,
-                or an iterable of batches (a generator, a grain dataset)
-                yielding `(x, y)` or `(x, y, sample_weight)`. A list or tuple
-                of arrays is passed to the module as positional arguments; a
-                dict as keyword arguments when the module's `__call__` names
-                every key, else as one argument.
-            y: targets, for array `x`; None when `x` yields them. For a module
-                with several outputs, a dict or list shaped like its outputs
-                (those no loss or metric reads may be left out).
-            batch_size: the global batch size, split over the strategy's
-                devices and processes (default 32); None for datasets.
-            epochs: the index of the epoch to stop after (with
-                `initial_epoch`, as in Keras: epochs `initial_epoch` to
-                `epochs - 1` run).
+            x: input data: a numpy/JAX array, a dict, tuple or list of arrays, or an iterable of batches (a
+                generator, a grain dataset) yielding `(x, y)` or `(x, y, sample_weight)`. A list or tuple of arrays
+                is passed to the module as positional arguments; a dict as keyword arguments when the module's
+                `__call__` names every key, else as one argument.
+            y: targets, for array `x`; None when `x` yields them. For a module with several outputs, a dict or list
+                shaped like its outputs (those no loss or metric reads may be left out).
+            batch_size: the global batch size, split over the strategy's devices and processes (default 32); None
+                for datasets.
+            epochs: the index of the epoch to stop after (with `initial_epoch`, as in Keras: epochs `initial_epoch`
+                to `epochs - 1` run).
             verbose: "auto" or 1 (progress bar), 2 (a line per epoch), 0 (silent).
             callbacks: `meshfit.callbacks.Callback` objects; History is added.
-            validation_split: the fraction of array data (taken from the end,
-                before shuffling) held out to validate on after each epoch.
-            validation_data: `(x_val, y_val)`, `(x_val, y_val, sample_weight)`
-                or a dataset, evaluated after each epoch (`val_` logs). A
-                re-iterable dataset (grain, anything whose `iter()` starts
-                anew) is read from its start each time; a one-shot iterator
-                (a generator) is kept on the host as it is read, up to
-                `meshfit.data.REPLAY_BYTES`, and replayed (beyond that, a
-                warning, and no `val_` logs once it ran out).
-            shuffle: shuffle array data anew each epoch (seeded by the model's
-                `seed`; passes are numbered across calls of fit).
-            class_weight: `{class: weight}`, multiplied into the sample
-                weights (a model with one output).
-            sample_weight: per-sample weights for array data: a `(samples,)`
-                array for every output, or a dict/list of them per output.
+            validation_split: the fraction of array data (taken from the end, before shuffling) held out to validate
+                on after each epoch.
+            validation_data: `(x_val, y_val)`, `(x_val, y_val, sample_weight)` or a dataset, evaluated after each
+                epoch (`val_` logs). A re-iterable dataset (grain, anything whose `iter()` starts anew) is read from
+                its start each time; a one-shot iterator (a generator) is kept on the host as it is read, up to
+                `meshfit.data.REPLAY_BYTES`, and replayed (beyond that, a warning, and no `val_` logs once it ran
+                out).
+            shuffle: shuffle array data anew each epoch (seeded by the model's `seed`; passes are numbered across
+                calls of fit).
+            class_weight: `{class: weight}`, multiplied into the sample weights (a model with one output).
+            sample_weight: per-sample weights for array data: a `(samples,)` array for every output, or a dict/list
+                of them per output.
             initial_epoch: the epoch to start at (to continue an earlier fit).
-            steps_per_epoch: batches per epoch; required for an endless
-                iterator, optional otherwise (an array epoch stops early).
+            steps_per_epoch: batches per epoch; required for an endless iterator, optional otherwise (an array epoch
+                stops early).
             validation_steps: batches of `validation_data` per evaluation.
-            validation_batch_size: batch size for array `validation_data`
-                (default: `batch_size`).
-            validation_freq: validate every N epochs (an int) or after the
-                epochs listed (1-based, as in Keras).
+            validation_batch_size: batch size for array `validation_data` (default: `batch_size`).
+            validation_freq: validate every N epochs (an int) or after the epochs listed (1-based, as in Keras).
 
         Returns:
             A `History` whose `.history` maps each log name to its per-epoch values.
 
         Raises:
-            meshfit.Preempted: after a SIGTERM was handled by a callback
-                that saves (BackupAndRestore); exits with status 143 if uncaught.
+            meshfit.Preempted: after a SIGTERM was handled by a callback that saves (BackupAndRestore); exits with
+                status 143 if uncaught.
         """
         self._check_strategy("fit")
         self._require_compiled("fit")
         verbose = fit_inputs.verbose_level(verbose)
-        if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
-            raise ValueError(f"`epochs` must be a positive int. Received: epochs={epochs!r}.")
-        if not isinstance(initial_epoch, int) or not 0 <= initial_epoch:
-            raise ValueError(f"`initial_epoch` must be a non-negative int. Received: {initial_epoch!r}.")
-        if not (isinstance(validation_freq, int) and validation_freq >= 1) and not (
-            isinstance(validation_freq, (list, tuple, set)) and all(isinstance(v, int) for v in validation_freq)
-        ):
-            raise ValueError(
-                f"`validation_freq` must be a positive int or a list of epochs. Received: {validation_freq!r}."
-            )
+        fit_inputs.check_epochs(epochs, initial_epoch, validation_freq)
         # Armed before anything compiles or restores: a SIGTERM from now on ends in a backup.
         watch = callback_setup.preemption_watch(callbacks, self.session.timer)
         with watch or contextlib.nullcontext(), self.session.timer:  # the timer: where the fit's time goes
@@ -647,8 +485,7 @@ class Model:
     ) -> float | list[float] | dict[str, float]:
         """Loss and metrics over the data (Keras's `evaluate`).
 
-        Results over N samples equal the full-batch values, whatever the batch
-        size (partial batches are masked).
+        Results over N samples equal the full-batch values, whatever the batch size (partial batches are masked).
 
         Args:
             x: input data, as for `fit`.
@@ -661,9 +498,8 @@ class Model:
             return_dict: return `{name: value}` instead of a list.
 
         Returns:
-            A dict with `return_dict=True`; otherwise the loss alone when there
-            are no metrics, else a list in `metrics_names` order: the loss,
-            each output's loss (several losses), the metrics.
+            A dict with `return_dict=True`; otherwise the loss alone when there are no metrics, else a list in
+            `metrics_names` order: the loss, each output's loss (several losses), the metrics.
         """
         self._check_strategy("evaluate")
         self._require_compiled("evaluate")
@@ -692,16 +528,15 @@ class Model:
         Works without `compile` (as in Keras).
 
         Args:
-            x: input data: arrays (passed to the module as for `fit`) or an
-                iterable of batches (targets, if any, are ignored).
+            x: input data: arrays (passed to the module as for `fit`) or an iterable of batches (targets, if any,
+                are ignored).
             batch_size: the global batch size (default 32); None for datasets.
             verbose: "auto" or 1 (progress bar), 2 or 0 (silent).
             steps: stop after this many batches (None: the whole data).
             callbacks: callbacks whose predict hooks are called.
 
         Returns:
-            The outputs for every input row, as numpy arrays (a pytree of them
-            for a module with several outputs).
+            The outputs for every input row, as numpy arrays (a pytree of them for a module with several outputs).
         """
         self._check_strategy("predict")
         if self.abstract:
@@ -730,8 +565,8 @@ class Model:
     ) -> float | list[float] | dict[str, float]:
         """One gradient update on one batch: every row of `x` and `y` (Keras's `train_on_batch`).
 
-        Metrics are counted afresh for the batch, as in Keras 3. The step is
-        compiled once per batch shape, under any strategy.
+        Metrics are counted afresh for the batch, as in Keras 3. The step is compiled once per batch shape, under
+        any strategy.
 
         Args:
             x: one batch of inputs: an array, or a dict/tuple/list of arrays.
@@ -741,8 +576,8 @@ class Model:
             return_dict: return `{name: value}` instead of a list.
 
         Returns:
-            As `evaluate`: a dict with `return_dict=True`; otherwise the loss
-            alone when there are no metrics, else `[loss, *metrics]`.
+            As `evaluate`: a dict with `return_dict=True`; otherwise the loss alone when there are no metrics, else
+            `[loss, *metrics]`.
         """
         self._check_strategy("train_on_batch")
         self._require_compiled("train_on_batch")
@@ -791,12 +626,10 @@ class Model:
     def step_report(self, x: Any = None, y: Any = None) -> StepReport:
         """What one training step costs per device, from XLA's analyses of the compiled step.
 
-        FLOPs, bytes accessed, memory (arguments, outputs, temporaries, peak)
-        and the bytes of each kind of collective of the train step, under the
-        model's strategy. With `x` and `y` (one global batch: every row of
-        them), for a batch shaped like that one, before any training: a model
-        that does not fit shows it here, nothing runs. Without them, for the
-        batch shape the model was built with by its first `fit` or `evaluate`.
+        FLOPs, bytes accessed, memory (arguments, outputs, temporaries, peak) and the bytes of each kind of
+        collective of the train step, under the model's strategy. With `x` and `y` (one global batch: every row of
+        them), for a batch shaped like that one, before any training: a model that does not fit shows it here,
+        nothing runs. Without them, for the batch shape the model was built with by its first `fit` or `evaluate`.
         Compiles the step once per batch shape; runs nothing.
         """
         self._require_compiled("step_report")
@@ -820,8 +653,8 @@ class Model:
     def summary(self, print_fn: Callable[[str], Any] | None = print) -> str:
         """Prints a table of every weight: path, shape, dtype, count and bytes, with totals.
 
-        After the first `fit`, also what a train step costs per device (`step_report()`):
-        memory, FLOPs and the bytes of its collectives.
+        After the first `fit`, also what a train step costs per device (`step_report()`): memory, FLOPs and the
+        bytes of its collectives.
         """
         state = self.session.latest
         text = format_summary(
@@ -849,24 +682,19 @@ class Model:
     ) -> None:
         """Saves weights, optimizer state, step and compile settings (Orbax); see `meshfit.load_model`.
 
-        `path` (Keras's `filepath=` too) is a directory: `"model.keras"` makes a
-        directory of that name. Keras's `zipped=False` is what meshfit writes;
-        `zipped=True` is refused (zip the directory yourself).
+        `path` (Keras's `filepath=` too) is a directory: `"model.keras"` makes a directory of that name. Keras's
+        `zipped=False` is what meshfit writes; `zipped=True` is refused (zip the directory yourself).
 
-        The compile settings are written as JSON: names, meshfit's built-in
-        losses and metrics with their arguments (`SparseCategoricalCrossentropy(
-        from_logits=True)`), and optimizers from `meshfit.optimizers.get` with
-        JSON arguments (`get("adam", learning_rate=3e-3)`), so `load_model(path,
-        module)` evaluates, predicts and trains on with nothing passed again.
-        Code cannot be saved: a custom loss or metric (a function, a class of
-        your own), a raw optax transformation or a learning-rate schedule is
-        recorded by name only, and `load_model` asks for it again (as Keras
-        asks for custom objects).
+        The compile settings are written as JSON: names, meshfit's built-in losses and metrics with their arguments
+        (`SparseCategoricalCrossentropy( from_logits=True)`), and optimizers from `meshfit.optimizers.get` with JSON
+        arguments (`get("adam", learning_rate=3e-3)`), so `load_model(path, module)` evaluates, predicts and trains
+        on with nothing passed again. Code cannot be saved: a custom loss or metric (a function, a class of your
+        own), a raw optax transformation or a learning-rate schedule is recorded by name only, and `load_model` asks
+        for it again (as Keras asks for custom objects).
 
-        A model saved at `path` before is replaced, as in Keras (`overwrite=False`
-        refuses with a FileExistsError); the old copy is deleted only once the new
-        one is complete, so a crash mid-save leaves one of them whole. A directory
-        meshfit did not write, or of saved weights or checkpoints, is refused.
+        A model saved at `path` before is replaced, as in Keras (`overwrite=False` refuses with a FileExistsError);
+        the old copy is deleted only once the new one is complete, so a crash mid-save leaves one of them whole. A
+        directory meshfit did not write, or of saved weights or checkpoints, is refused.
         """
         path = keras_names.alias("Model.save", "filepath", filepath, "path", path)
         if path is None:
@@ -884,9 +712,6 @@ class Model:
         model's layout."""
         saving.load_weights(self, path)
 
-    def count_params(self) -> int:
-        return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(self.session.latest.params))
-
     def __repr__(self) -> str:
         return f"Model({type(self._adapter.module).__name__}, strategy={self.strategy!r})"
 
@@ -903,36 +728,31 @@ def load_model(
 ) -> Model:
     """Loads a model saved with `model.save` into `module` (same architecture).
 
-    The model is compiled as it was saved (optimizer, loss, metrics, dtype
-    policy, ...) and its optimizer state and step are restored, so it
-    evaluates and predicts to the same numbers, and trains on as the saved
-    one would, with nothing passed again. A loss or metric `model.save`
-    could not write down (a user's function or class) must be passed again:
-    without it, a `ValueError` names it before anything is loaded, rather than
-    compiling with something else (Keras raises too). An optimizer it could
-    not write down (an optax transformation, or `get` with an optax schedule;
-    a schedule of `meshfit.optimizers.schedules` is written down) is left out,
-    with a warning: the model is compiled with `optimizer=None`, so `evaluate`
-    and `predict` work and `fit` asks for it; passed again (`optimizer=...`),
-    it continues from the saved optimizer state and step. `compile=False`
-    loads the weights alone.
+    The model is compiled as it was saved (optimizer, loss, metrics, dtype policy, ...) and its optimizer state and
+    step are restored, so it evaluates and predicts to the same numbers, and trains on as the saved one would, with
+    nothing passed again. A loss or metric `model.save` could not write down (a user's function or class) must be
+    passed again: without it, a `ValueError` names it before anything is loaded, rather than compiling with
+    something else (Keras raises too). An optimizer it could not write down (an optax transformation, or `get` with
+    an optax schedule; a schedule of `meshfit.optimizers.schedules` is written down) is left out, with a warning:
+    the model is compiled with `optimizer=None`, so `evaluate` and `predict` work and `fit` asks for it; passed
+    again (`optimizer=...`), it continues from the saved optimizer state and step. `compile=False` loads the weights
+    alone.
 
-    A checkpoint of another architecture or optimizer is refused with a
-    `ValueError` naming the arrays that differ; nothing on disk changes.
+    A checkpoint of another architecture or optimizer is refused with a `ValueError` naming the arrays that differ;
+    nothing on disk changes.
 
     Args:
         path: the directory `model.save` wrote.
-        module: a Flax module of the saved architecture (its values are replaced), or a
-            factory of one (see `Model`): the restored arrays go straight into the layout.
+        module: a Flax module of the saved architecture (its values are replaced), or a factory of one (see
+            `Model`): the restored arrays go straight into the layout.
         sample_input: for Linen modules, as in `Model`.
         seed: as in `Model`.
         trainable: as in `Model` (the parameters it freezes load as saved).
-        compile: compile the model as it was saved, `compile_kwargs`
-            overriding its settings; the optimizer state and step are restored
-            too. With False, only the weights load (`predict` works; call
-            `compile` to evaluate or train).
-        **compile_kwargs: arguments for `Model.compile`, each replacing the
-            saved setting of that name: e.g. `loss=my_loss` for a custom loss.
+        compile: compile the model as it was saved, `compile_kwargs` overriding its settings; the optimizer state
+            and step are restored too. With False, only the weights load (`predict` works; call `compile` to
+            evaluate or train).
+        **compile_kwargs: arguments for `Model.compile`, each replacing the saved setting of that name: e.g.
+            `loss=my_loss` for a custom loss.
 
     Returns:
         A `meshfit.Model` under the current strategy.

@@ -121,6 +121,20 @@ def verbose_level(verbose: int | str) -> int:
     return int(verbose)
 
 
+def check_epochs(epochs: Any, initial_epoch: Any, validation_freq: Any) -> None:
+    """Raises a ValueError for `fit`'s `epochs`, `initial_epoch` or `validation_freq` of the wrong kind."""
+    if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
+        raise ValueError(f"`epochs` must be a positive int. Received: epochs={epochs!r}.")
+    if not isinstance(initial_epoch, int) or not 0 <= initial_epoch:
+        raise ValueError(f"`initial_epoch` must be a non-negative int. Received: {initial_epoch!r}.")
+    if not (isinstance(validation_freq, int) and validation_freq >= 1) and not (
+        isinstance(validation_freq, (list, tuple, set)) and all(isinstance(v, int) for v in validation_freq)
+    ):
+        raise ValueError(
+            f"`validation_freq` must be a positive int or a list of epochs. Received: {validation_freq!r}."
+        )
+
+
 def rows(x: Any, what: str) -> int:
     """The rows of one batch of array input `x` (a `*_on_batch` call takes exactly one batch)."""
     leaves = jax.tree.leaves(x) if data_lib.is_array_tree(x) else []

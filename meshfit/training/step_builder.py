@@ -13,7 +13,7 @@ its step methods.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
@@ -26,28 +26,9 @@ from meshfit.data import label_check
 from meshfit.steps.builtin import StepFunctions, forward
 from meshfit.steps.compile_settings import CompileSettings
 from meshfit.steps.custom_steps import MetricsLayout, ModelSteps
+from meshfit.steps.step_methods import StepParts
 from meshfit.steps.terms import LossTerm, MetricTerm, Output
 from meshfit.training.session import Session
-
-
-class StepParts(NamedTuple):
-    """What a model's step methods use, set when the steps are built.
-
-    Attributes:
-        adapter: the module adapter in the policy's compute dtype (`stateless_call`).
-        policy: the dtype policy.
-        compiled: the built-in steps: the compiled loss and metrics.
-        layout: a custom step's `state.metrics` layout (None for the built-in steps).
-    """
-
-    adapter: Any
-    policy: precision.DTypePolicy
-    compiled: StepFunctions
-    layout: MetricsLayout | None
-
-    def metrics_layout(self) -> MetricsLayout:
-        """The layout of a custom step's `state.metrics` (the built-in steps': the compiled accumulators)."""
-        return self.layout if self.layout is not None else MetricsLayout(self.compiled, [])
 
 
 class StepBuilder:
