@@ -1,110 +1,72 @@
 """`meshfit.Model`: Keras's compile / fit / evaluate / predict for Flax modules.
 
-The model's `Session` holds its one `TrainState` pytree on the devices its
-strategy chose, and the bookkeeping of fits. This file validates arguments (every check runs before any state changes),
-turns inputs into batches and hands them to the loop in `meshfit.training.loop`.
+The model's `Session` holds its one `TrainState` pytree on the devices its strategy chose, and the bookkeeping of
+fits. This file is the Keras face: it checks arguments (every check runs before any state changes) and hands the
+work on: `compile` to `meshfit.steps.compile_settings`, the first batch to `meshfit.training.step_builder`, data to
+`meshfit.training.fit_inputs`, callbacks to `meshfit.training.callback_setup`, and the loops to
+`meshfit.training.loop`. Its base classes hold the step methods a subclass overrides (`meshfit.steps.step_methods`)
+and the weights as Keras lists them (`meshfit.training.weights`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal, NamedTuple, overload
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, overload
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from meshfit import callbacks as callbacks_lib
-from meshfit import losses as losses_lib
-from meshfit import metrics as metrics_lib
-from meshfit import mixed_precision, utils
+from meshfit import mixed_precision
 from meshfit import optimizers as optimizers_lib
-from meshfit import outputs as outputs_lib
 from meshfit.checkpointing import saving
-from meshfit.checkpointing.config_check import STEP_LIMIT
 from meshfit.core import keras_names, precision
 from meshfit.core.batch import Batch
 from meshfit.core.state import TrainState
-from meshfit.core.trees import path_name
 from meshfit.cost.step_report import StepReport
 from meshfit.cost.summary import format_step_report, format_summary
-from meshfit.data import inputs, label_check
 from meshfit.data import sources as data_lib
 from meshfit.runtime import cluster
-from meshfit.runtime.preemption import DEFAULT_PREEMPTION_TIMEOUT, PreemptionWatch
-from meshfit.steps.builtin import StepFunctions, forward
-from meshfit.steps.custom_steps import STEP_METHODS, MetricsLayout, ModelSteps
+from meshfit.steps import compile_settings
+from meshfit.steps.compile_settings import CompileSettings
+from meshfit.steps.custom_steps import STEP_METHODS
 from meshfit.steps.modules import adapt
-from meshfit.steps.terms import LossTerm, MetricTerm, Output
-from meshfit.strategies import get_strategy, has_strategy, placement
+from meshfit.steps.step_methods import StepMethods, StepParts
+from meshfit.strategies import get_strategy, has_strategy
+from meshfit.training import callback_setup, fit_inputs
+from meshfit.training.callback_protocol import CallbackList
 from meshfit.training.fit_context import FitContext
 from meshfit.training.loop import evaluate_loop, fit_loop, host_logs, predict_loop
 from meshfit.training.session import Session
+from meshfit.training.step_builder import StepBuilder
+from meshfit.training.weights import Weights
+
+__all__ = ["CompileSettings", "Model", "load_model"]
 
 
-@dataclasses.dataclass(frozen=True)
-class CompileSettings:
-    """What `Model.compile` was given, resolved where it can be before the first batch.
-
-    Attributes:
-        tx: the optax transformation (several optimizers: one transform over their parts,
-            `meshfit.optimizers.partitioned`).
-        optimizer_id: the optimizer as passed (saved with the model when `serialization` can write it).
-        loss: the loss as passed (one for every output, or a dict/list per
-            output), checked; resolved per output on the first batch (None:
-            `predict` only).
-        loss_id: the loss as passed.
-        metrics: metric identifiers (a list, or a dict/list per output),
-            resolved on the first batch (their shapes decide "accuracy").
-        weighted: identifiers of the metrics that use `sample_weight`, likewise.
-        steps_per_execution: batches run inside one compiled call.
-        dtype_policy: the `meshfit.core.precision.DTypePolicy` the steps compute under.
-        gradient_accumulation_steps: batches whose mean gradient makes one update (1: every batch).
-        run_eagerly: the steps run un-jitted, op by op (`compile(run_eagerly=True)` or `jit_compile=False`).
-    """
-
-    tx: Any
-    optimizer_id: Any
-    loss: Any
-    loss_id: Any
-    metrics: tuple
-    weighted: tuple
-    steps_per_execution: int
-    dtype_policy: precision.DTypePolicy = precision.get("float32")
-    gradient_accumulation_steps: int = 1
-    loss_weights: Any = None
-    run_eagerly: bool = False
-
-
-class Model:
+class Model(StepMethods, Weights):
     """A Flax module with Keras's training API.
 
     Args:
-        module: a `flax.nnx.Module` (variables already created), a factory of
-            one (a function of no arguments, e.g. `lambda: MLP(rngs=nnx.Rngs(0))`:
-            the variables are created straight into the strategy's layout, so a
-            model larger than one device never exists whole on a device), or a
-            `flax.linen.Module` (variables created from `sample_input`, in the
-            layout too). An eager module is moved into the layout and then holds
+        module: a `flax.nnx.Module` (variables already created), a factory of one (a function of no arguments, e.g.
+            `lambda: MLP(rngs=nnx.Rngs(0))`: the variables are created straight into the strategy's layout, so a
+            model larger than one device never exists whole on a device), or a `flax.linen.Module` (variables
+            created from `sample_input`, in the layout too). An eager module is moved into the layout and then holds
             the placed arrays (its own copies are freed).
         sample_input: an example input batch; required for Linen modules.
-        seed: seeds data shuffling, Linen initialisation and dropout. Same
-            seed, same data -> bitwise identical training.
-        trainable: for NNX modules, a filter of the parameters to train
-            (default `nnx.Param`: all), e.g. `nnx.All(nnx.Param,
-            nnx.PathContains("head"))` or `lambda path, value: path[0] == "head"`.
-            The other parameters are frozen: no gradient, no optimizer state, no
-            update; they are listed (and saved) with the non-trainable weights.
-        abstract: shapes and layouts only: the parameters and the optimizer
-            state are `jax.ShapeDtypeStruct`s with the strategy's shardings and
-            nothing is created (a factory runs under `nnx.eval_shape` alone).
-            Such a model compiles its train step and reports its cost
-            (`step_report`) but cannot train, evaluate or predict: how
-            `meshfit.plan` weighs layouts before any parameter exists.
+        seed: seeds data shuffling, Linen initialisation and dropout. Same seed, same data -> bitwise identical
+            training.
+        trainable: for NNX modules, a filter of the parameters to train (default `nnx.Param`: all), e.g.
+            `nnx.All(nnx.Param, nnx.PathContains("head"))` or `lambda path, value: path[0] == "head"`. The other
+            parameters are frozen: no gradient, no optimizer state, no update; they are listed (and saved) with the
+            non-trainable weights.
+        abstract: shapes and layouts only: the parameters and the optimizer state are `jax.ShapeDtypeStruct`s with
+            the strategy's shardings and nothing is created (a factory runs under `nnx.eval_shape` alone). Such a
+            model compiles its train step and reports its cost (`step_report`) but cannot train, evaluate or
+            predict: how `meshfit.plan` weighs layouts before any parameter exists.
 
     Example:
         >>> model = meshfit.Model(MLP(rngs=nnx.Rngs(0)))
@@ -136,17 +98,13 @@ class Model:
         #: The training state and the bookkeeping of fits (the one owner of both; see `meshfit.training.session`).
         self.session = Session(self.strategy, state, follow=None if self.abstract else self._follow_state)
         self._compiled: CompileSettings | None = None
-        self._input_spec = None
         self.optimizer: optimizers_lib.Optimizer | None = None
         self.stop_training = False
         self.history: callbacks_lib.History | None = None
         self._shuffle_orders = data_lib.ShuffleOrders()  # computed ahead by one fit for the next
-        self._outputs: list[Output] = []  # the module's outputs, known from the first batch
-        self._label_ranges: tuple[label_check.LabelRange, ...] = ()  # the targets read as class ids
-        self._built_with_targets = False  # the steps were built from a batch with targets
-        # What the step methods below use, set when the steps are built: the adapter and dtype policy of
-        # `stateless_call`, the built-in steps (the compiled loss and metrics), the `state.metrics` layout.
-        self._step_parts: _StepParts | None = None
+        self._inputs = fit_inputs.Inputs(self.strategy, self.seed, self._shuffle_orders)
+        # The steps, built from the first batch; what the step methods below use once they are.
+        self._builder = StepBuilder(self.session, self._adapter)
 
     def _initial_state(self, params: Any, model_state: Any) -> TrainState:
         return TrainState(
@@ -171,53 +129,11 @@ class Model:
         position and `restore` (`meshfit.training.fit_context.FitContext`)."""
         return self.session.context
 
-    @property
-    def params(self) -> Any:
-        """The trainable parameters as a nested dict of `jax.Array` (live, on device)."""
-        return self.session.latest.params
-
-    @property
-    def module(self) -> Any:
-        """The user's module, holding the current weights."""
-        state = self.session.latest
-        return self._adapter.sync_module(state.params, state.model_state)
-
-    def _weight_trees(self) -> tuple[Any, Any]:
-        state = self.session.state
-        return state.params, self._adapter.non_trainable_weights(state.model_state)
-
-    def weight_names(self) -> list[str]:
-        """Names of `get_weights()` entries: trainable paths, then non-trainable ones."""
-        return [
-            path_name(path)
-            for tree in self._weight_trees()
-            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
-        ]
-
-    @property
-    def trainable_weights(self) -> list[jax.Array]:
-        """The trainable parameters as live device arrays, in `get_weights()` order (sorted module paths;
-        `weight_names()[:len(model.trainable_weights)]` names them). Keras returns Variables; here
-        arrays, which `set_weights` replaces."""
-        return jax.tree.leaves(self._weight_trees()[0])
-
-    @property
-    def non_trainable_weights(self) -> list[jax.Array]:
-        """The non-trainable weights (frozen parameters, BatchNorm statistics) as live device arrays,
-        after the trainable ones in `get_weights()` and `weight_names()` order."""
-        return jax.tree.leaves(self._weight_trees()[1])
-
-    @property
-    def weights(self) -> list[jax.Array]:
-        """`trainable_weights + non_trainable_weights`, named by `weight_names()`, in that order."""
-        return self.trainable_weights + self.non_trainable_weights
-
     def get_config(self) -> dict:
         """What the model is, as JSON: the module's class, the seed, the strategy and the compile record.
 
-        Code is not JSON: rebuild the module yourself and `meshfit.load_model`
-        (or `set_weights`) the weights into it. `"compile"` is
-        `get_compile_config()` (None before `compile`).
+        Code is not JSON: rebuild the module yourself and `meshfit.load_model` (or `set_weights`) the weights into
+        it. `"compile"` is `get_compile_config()` (None before `compile`).
         """
         module = type(self._adapter.module)
         return {
@@ -231,9 +147,8 @@ class Model:
     def __call__(self, x: Any, training: bool = False) -> Any:
         """The outputs for one batch `x` as numpy, under the model's strategy (`predict_on_batch`).
 
-        Keras's `model(x)`. Only inference: with `training=True` a forward pass
-        would update no state here; train with `fit` or `train_on_batch`, or
-        call `stateless_call` in a custom step.
+        Keras's `model(x)`. Only inference: with `training=True` a forward pass would update no state here; train
+        with `fit` or `train_on_batch`, or call `stateless_call` in a custom step.
         """
         if training:
             raise ValueError(
@@ -245,13 +160,12 @@ class Model:
     def export(self, path: str | os.PathLike, overwrite: bool = False) -> None:
         """Writes the forward pass for serving, callable with JAX alone; see `meshfit.export`.
 
-        `path` holds `forward.jax` (serialized StableHLO with a symbolic batch
-        dimension) and `weights.npz`. An existing non-empty `path` is refused
-        unless `overwrite=True`.
+        `path` holds `forward.jax` (serialized StableHLO with a symbolic batch dimension) and `weights.npz`. An
+        existing non-empty `path` is refused unless `overwrite=True`.
         """
         from meshfit import export as export_lib
 
-        parts = self._step_parts
+        parts = self._builder.parts
         export_lib.export_forward(
             path,
             batch=self.session.example_batch,
@@ -261,42 +175,6 @@ class Model:
             policy=None if parts is None else parts.policy,
             overwrite=overwrite,
         )
-
-    def get_weights(self) -> list[np.ndarray]:
-        """All weights as numpy arrays: the trainable parameters in `jax.tree.leaves`
-        order (sorted module paths), then the non-trainable ones (e.g. BatchNorm
-        statistics) in the same order. `weight_names()` names them."""
-        return [a for tree in self._weight_trees() for a in jax.tree.leaves(self.strategy.to_host(tree))]
-
-    def set_weights(self, weights: Sequence[np.ndarray]) -> None:
-        """Sets all weights from a list in `get_weights()` order; shapes must match."""
-        params, non_trainable = self._weight_trees()
-        leaves = jax.tree.leaves(params) + jax.tree.leaves(non_trainable)
-        weights = list(weights)
-        if len(weights) != len(leaves):
-            raise ValueError(
-                f"set_weights expected a list of {len(leaves)} arrays (see model.weight_names()). "
-                f"Received {len(weights)}."
-            )
-        for name, old, new in zip(self.weight_names(), leaves, weights, strict=True):
-            if tuple(np.shape(new)) != tuple(old.shape):
-                raise ValueError(
-                    f"Weight '{name}' has shape {tuple(old.shape)}. Received an array of shape {np.shape(new)}."
-                )
-        placed = [
-            placement.put(np.asarray(new, dtype=old.dtype), old.sharding)
-            for old, new in zip(leaves, weights, strict=True)
-        ]
-        n_params = len(jax.tree.leaves(params))
-        new_params = jax.tree.unflatten(jax.tree.structure(params), placed[:n_params])
-        new_non_trainable = jax.tree.unflatten(jax.tree.structure(non_trainable), placed[n_params:])
-        state = self.session.state
-        model_state = state.model_state
-        if non_trainable is not model_state:  # NNX keeps RNG streams beside the weights
-            model_state = {**model_state, "weights": new_non_trainable}
-        else:
-            model_state = new_non_trainable
-        self.session.state = state._replace(params=new_params, model_state=model_state)
 
     # -- compile -------------------------------------------------------------------------
 
@@ -317,153 +195,65 @@ class Model:
         """Configures the model for training (Keras's `compile`).
 
         Args:
-            optimizer: an optimizer name ("adam", "sgd", ...; see
-                `meshfit.optimizers.names()`) or an `optax.GradientTransformation`;
-                or a dict of them keyed by the module's top-level attributes
-                (`{"generator": "adam", "discriminator": "adam"}`): each trains
-                only its part, `state.opt_state` and `model.optimizer` are
-                dicts with the same keys (see "Customizing fit" in the docs).
-                None: no optimizer and no optimizer state, for `evaluate` and
-                `predict` only (`fit` asks for one); `load_model` compiles so a
-                saved model whose optimizer `save` could not write down.
-            loss: a loss name, a `meshfit.losses.Loss`, or a callable
-                `(y_true, y_pred) -> per-sample losses`, or a scalar for the
-                batch (Keras's value; computed on a partial batch's real rows
-                by a step compiled per partial size: see `meshfit.training.executables`;
-                refused where that cannot be exact). For a model with
-                several outputs (a dict, list or tuple of arrays), one loss for
-                every output, or a dict keyed by output name (a list in output
-                order) of them; outputs left out have no loss. See
+            optimizer: an optimizer name ("adam", "sgd", ...; see `meshfit.optimizers.names()`) or an
+                `optax.GradientTransformation`; or a dict of them keyed by the module's top-level attributes
+                (`{"generator": "adam", "discriminator": "adam"}`): each trains only its part, `state.opt_state` and
+                `model.optimizer` are dicts with the same keys (see "Customizing fit" in the docs). None: no
+                optimizer and no optimizer state, for `evaluate` and `predict` only (`fit` asks for one);
+                `load_model` compiles so a saved model whose optimizer `save` could not write down.
+            loss: a loss name, a `meshfit.losses.Loss`, or a callable `(y_true, y_pred) -> per-sample losses`, or a
+                scalar for the batch (Keras's value; computed on a partial batch's real rows by a step compiled per
+                partial size: see `meshfit.training.executables`; refused where that cannot be exact). For a model
+                with several outputs (a dict, list or tuple of arrays), one loss for every output, or a dict keyed
+                by output name (a list in output order) of them; outputs left out have no loss. See
                 `meshfit.outputs` for output names.
-            loss_weights: a float (one output), or a dict/list per output of
-                floats: the loss is the sum of each output's loss times its
-                weight (unweighted: 1).
-            metrics: a list of metric names, `meshfit.metrics.Metric` objects
-                or callables. With several outputs, a dict keyed by output name
-                (or a list in output order) of such lists; they are logged as
+            loss_weights: a float (one output), or a dict/list per output of floats: the loss is the sum of each
+                output's loss times its weight (unweighted: 1).
+            metrics: a list of metric names, `meshfit.metrics.Metric` objects or callables. With several outputs, a
+                dict keyed by output name (or a list in output order) of such lists; they are logged as
                 `<output>_<metric>`.
             weighted_metrics: metrics that also use `sample_weight`, given like `metrics`.
-            steps_per_execution: number of batches run inside one compiled call
-                (a `lax.scan`); batch callbacks are called once per call.
-            dtype_policy: Keras's policy names: "float32", "mixed_bfloat16",
-                "mixed_float16" (with dynamic loss scaling) or "bfloat16"
-                (weights kept in bfloat16 too); see `meshfit.core.precision`. None:
-                the global policy (`meshfit.mixed_precision.set_global_policy`;
-                "float32" unless set).
-            gradient_accumulation_steps: apply the optimizer every K batches
-                with the mean of their gradients (K batches of B rows train as
-                one of K x B). The accumulators live in the optimizer state,
-                so a backup taken mid-accumulation resumes exactly. An
-                `optax.MultiSteps` optimizer does the same.
-            run_eagerly: run the train, evaluate and predict steps un-jitted,
-                op by op (under `jax.disable_jit()`), to debug them: a `print`
-                or a breakpoint in a custom `train_step` runs at every step
-                with concrete arrays. Same numbers as the compiled steps, far
-                slower; `steps_per_execution` still groups batches (a Python
-                loop over them). Under the parameter server, the workers' steps stay compiled.
-            jit_compile: True or "auto" (the default): the steps are compiled
-                with XLA. False: not compiled, which on JAX is what Keras does
-                too: the same as `run_eagerly=True`.
-            auto_scale_loss: Keras's switch for loss scaling under
-                "mixed_float16": meshfit always scales there (True); False is
-                refused under that policy and changes nothing under the others.
+            steps_per_execution: number of batches run inside one compiled call (a `lax.scan`); batch callbacks are
+                called once per call.
+            dtype_policy: Keras's policy names: "float32", "mixed_bfloat16", "mixed_float16" (with dynamic loss
+                scaling) or "bfloat16" (weights kept in bfloat16 too); see `meshfit.core.precision`. None: the
+                global policy (`meshfit.mixed_precision.set_global_policy`; "float32" unless set).
+            gradient_accumulation_steps: apply the optimizer every K batches with the mean of their gradients (K
+                batches of B rows train as one of K x B). The accumulators live in the optimizer state, so a backup
+                taken mid-accumulation resumes exactly. An `optax.MultiSteps` optimizer does the same.
+            run_eagerly: run the train, evaluate and predict steps un-jitted, op by op (under `jax.disable_jit()`),
+                to debug them: a `print` or a breakpoint in a custom `train_step` runs at every step with concrete
+                arrays. Same numbers as the compiled steps, far slower; `steps_per_execution` still groups batches
+                (a Python loop over them). Under the parameter server, the workers' steps stay compiled.
+            jit_compile: True or "auto" (the default): the steps are compiled with XLA. False: not compiled, which
+                on JAX is what Keras does too: the same as `run_eagerly=True`.
+            auto_scale_loss: Keras's switch for loss scaling under "mixed_float16": meshfit always scales there
+                (True); False is refused under that policy and changes nothing under the others.
         """
         self._check_strategy("compile")
         if not isinstance(run_eagerly, bool):
             raise ValueError(f"`run_eagerly` must be True or False. Received: run_eagerly={run_eagerly!r}.")
         if jit_compile not in (True, False, "auto"):
             raise ValueError(f'`jit_compile` must be True, False or "auto". Received: jit_compile={jit_compile!r}.')
-        policy = mixed_precision.global_policy() if dtype_policy is None else precision.get(dtype_policy)
-        if not auto_scale_loss and policy.loss_scaling:
-            keras_names.refuse("Model.compile", "auto_scale_loss", auto_scale_loss)
-        if policy.loss_scaling and not self.strategy.capabilities.loss_scaling:
-            raise ValueError(
-                f"dtype_policy={policy.name!r} scales the loss inside the training step, which {self.strategy!r} "
-                "splits between workers and a server. Use dtype_policy='mixed_bfloat16', which needs no loss scale."
-            )
-        accumulate = 1 if gradient_accumulation_steps is None else gradient_accumulation_steps
-        if not isinstance(accumulate, int) or isinstance(accumulate, bool) or not 1 <= accumulate < STEP_LIMIT:
-            raise ValueError(
-                "`gradient_accumulation_steps` must be a positive int (batches per update) below 2**31. "
-                f"Received: {gradient_accumulation_steps!r}."
-            )
-        several = isinstance(optimizer, dict)
-        given = dict(optimizer) if several else {} if optimizer is None else {None: optimizer}
-        if several and not given:
-            raise ValueError("`optimizer` given as a dict needs one optimizer per top-level part. Received: {}.")
-        if accumulate > 1 and any(isinstance(opt, optax.MultiSteps) for opt in given.values()):
-            raise ValueError(
-                "The optimizer is an optax.MultiSteps, which accumulates gradients itself; "
-                f"leave `gradient_accumulation_steps` unset. Received: {gradient_accumulation_steps!r}."
-            )
-        if several:
-            optimizers_lib.check_parts(given, self.session.latest.params)
-        transforms = {key: optimizers_lib.get(opt) for key, opt in given.items()}
-        schedules = {key: optimizers_lib.schedule_of(tx) for key, tx in transforms.items()}
-        if accumulate > 1:
-            transforms = {
-                key: optax.MultiSteps(tx, every_k_schedule=accumulate).gradient_transformation()
-                for key, tx in transforms.items()
-            }
-        tx = optimizers_lib.partitioned(transforms) if several else transforms.get(None)  # None: no optimizer
-        loss_obj = _check_each(loss, "loss", losses_lib.get)
-        _check_loss_weights(loss_weights)
-        metric_ids = _as_metrics(metrics, "metrics")
-        weighted_ids = _as_metrics(weighted_metrics, "weighted_metrics")
-        # Unknown names fail now, not at fit ("accuracy" is resolved from the first batch's shapes).
-        _check_each(metric_ids, "metrics", lambda i: _needs_shapes(i) or metrics_lib.get(i))
-        _check_each(weighted_ids, "weighted_metrics", lambda i: _needs_shapes(i) or metrics_lib.get(i))
-        if (
-            not isinstance(steps_per_execution, int)
-            or isinstance(steps_per_execution, bool)
-            or not 1 <= steps_per_execution < STEP_LIMIT
-        ):
-            raise ValueError(
-                "`steps_per_execution` must be a positive int below 2**31 (the step counter is int32). "
-                f"Received: {steps_per_execution!r}."
-            )
-        state = self.session.latest
-        params = state.params
-        if policy.variable_dtype != np.float32:
-            params = (jax.eval_shape if self.abstract else lambda f, p: f(p))(policy.cast_to_variable, params)
-        state = state._replace(
-            params=params,
-            opt_state=None if tx is None else jax.eval_shape(tx.init, params),
-            metrics=(),
-            step=jnp.zeros((), jnp.int32),
-            loss_scale=precision.LossScale.initial() if policy.loss_scaling else None,
-        )
-        hints = self._adapter.partition_specs()
-        shardings = self.strategy.state_shardings(state, hints)
-        if tx is not None and not self.abstract:  # (an abstract model keeps the shapes; `place_state` lays them out)
-            # The optimizer state is created in its layout (Adam's moments sharded like their parameters).
-            init = tx.init if shardings is None else jax.jit(tx.init, out_shardings=shardings.opt_state)
-            state = state._replace(opt_state=init(params))
-        self.session.reset(self.strategy.place_state(state, hints))
-        self._compiled = CompileSettings(
-            tx=tx,
-            optimizer_id=optimizer,
-            loss=loss_obj,
-            loss_id=loss,
-            metrics=metric_ids,
-            weighted=weighted_ids,
+        resolution = compile_settings.resolve(
+            optimizer,
+            loss,
+            loss_weights,
+            metrics,
+            weighted_metrics,
             steps_per_execution=steps_per_execution,
-            dtype_policy=policy,
-            gradient_accumulation_steps=accumulate,
-            loss_weights=loss_weights,
+            dtype_policy=mixed_precision.global_policy() if dtype_policy is None else dtype_policy,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            auto_scale_loss=auto_scale_loss,
             run_eagerly=run_eagerly or jit_compile is False,
-        )
-        access = _optimizer_state_access(self.session)
-        if tx is None:
-            self.optimizer = None
-        elif several:
-            self.optimizer = optimizers_lib.Optimizers(
-                {key: optimizers_lib.Optimizer(t, access, schedules[key], key) for key, t in transforms.items()},
-                tx,
-                access,
-            )
-        else:
-            self.optimizer = optimizers_lib.Optimizer(tx, access, schedules[None])
+            strategy=self.strategy,
+            params=self.session.latest.params,
+        )  # every argument checked: from here the model changes
+        settings, hints = resolution.settings, self._adapter.partition_specs()
+        state = compile_settings.compiled_state(settings, self.session.latest, self.strategy, hints, self.abstract)
+        self.session.reset(state)
+        self._compiled = settings
+        self.optimizer = compile_settings.optimizer(resolution, self.session)
 
     @property
     def compiled(self) -> bool:
@@ -487,9 +277,8 @@ class Model:
     def get_compile_config(self) -> dict | None:
         """How the model was compiled, as the JSON `save` writes (None before `compile`), as in Keras.
 
-        Names, meshfit's built-in losses and metrics, and optimizers from
-        `meshfit.optimizers.get` are written down; anything else is recorded as
-        `{"__custom__": description}`, for `load_model` to ask for again.
+        Names, meshfit's built-in losses and metrics, and optimizers from `meshfit.optimizers.get` are written down;
+        anything else is recorded as `{"__custom__": description}`, for `load_model` to ask for again.
         """
         return saving.compile_record(self)
 
@@ -502,31 +291,7 @@ class Model:
             )
 
     def _require_compiled(self, what: str) -> None:
-        if self.abstract and what != "step_report":
-            raise ValueError(
-                f"`{what}()` needs the model's parameters, and this model is abstract (shapes and layouts only). "
-                f"Received: Model(..., abstract=True). Create it without `abstract` to train, evaluate or predict."
-            )
-        if self._compiled is None:
-            raise ValueError(
-                f"You must call `compile()` before `{what}()`. Call model.compile(optimizer=..., loss=...)."
-            )
-        if self._compiled.tx is None and what in ("fit", "train_on_batch", "step_report"):
-            raise ValueError(
-                f"`{what}()` needs an optimizer. Received: a model compiled with optimizer=None, for evaluate and "
-                "predict only, as load_model compiles a saved model whose optimizer `save` could not write down "
-                "(code: an optax transformation, or an optax learning-rate schedule). Pass it: "
-                "meshfit.load_model(path, module, optimizer=...), with the optimizer the model was compiled with, "
-                "restores the saved optimizer state and step too; model.compile(optimizer=..., loss=...) starts "
-                "a fresh optimizer state. A schedule of meshfit.optimizers.schedules is written down, so the "
-                "next save of a model compiled with one reloads with nothing passed."
-            )
-        own_step = {"fit": "train_step", "evaluate": "test_step"}.get(what)
-        if self._compiled.loss is None and own_step and not {own_step, "compute_loss"} & self._custom_methods():
-            raise ValueError(
-                f"`{what}()` needs a loss. Call model.compile(..., loss=...), or override `compute_loss` "
-                f"or `{own_step}` in a subclass of meshfit.Model."
-            )
+        compile_settings.require(self._compiled, what, abstract=self.abstract, custom=self._custom_methods())
 
     def _custom_methods(self) -> set[str]:
         """The step methods (`meshfit.steps.custom_steps.STEP_METHODS`) this model's class overrides."""
@@ -536,227 +301,20 @@ class Model:
         """Whether `fit`/`evaluate` need targets: not when the user's own `own_step` reads the batch."""
         return own_step not in self._custom_methods()
 
-    # -- building on the first batch -------------------------------------------------------
+    def _build(self, batch: Batch) -> None:
+        """Builds the steps from `batch` (the first), or checks `batch` against them (`StepBuilder.build`)."""
+
+        def trackers() -> list:  # the metrics a subclass's `metrics` adds to the compiled ones
+            return list(self.metrics) if type(self).metrics is not Model.metrics else []
+
+        custom = self._custom_methods()
+        self._builder.build(batch, self._compiled, custom=custom, model=self, trackers=trackers)
 
     def _check_input(self, batch: Batch) -> None:
-        spec = jax.tree.map(lambda a: (tuple(a.shape[1:]), np.dtype(a.dtype).kind), batch.x)
-        if self._input_spec is None:
-            self._output_spec(batch)  # a clear error here if the model rejects these inputs
-            self._input_spec = spec
-        elif jax.tree.structure(spec) != jax.tree.structure(self._input_spec):
-            self._output_spec(batch)  # inputs passed another way ([a, b], then {"a": a, "b": b}) the model takes
-        elif spec != self._input_spec:
-            raise ValueError(
-                "Input does not match the shape the model was built with: expected feature shape(s) "
-                f"{_describe(self._input_spec)} (after the batch dimension), received {_describe(spec)}."
-            )
+        self._builder.check_input(batch, self._compiled)
 
-    def _policy_adapter(self) -> tuple[Any, precision.DTypePolicy]:
-        """The module adapter in the compiled dtype policy's compute dtype, and that policy.
-
-        Every call meshfit makes of the module (output shapes, the steps, `predict`) goes through it, so a
-        module that computes in bfloat16 only is never called with float32 activations or weights.
-        Before `compile`, the global policy (`meshfit.mixed_precision`).
-        """
-        policy = mixed_precision.global_policy() if self._compiled is None else self._compiled.dtype_policy
-        if policy.name == "float32":
-            return self._adapter, policy
-        return self._adapter.with_compute_dtype(policy.compute_dtype), policy
-
-    def _output_spec(self, batch: Batch) -> Any:
-        """The outputs' shapes and dtypes for `batch`, traced (nothing runs) under the dtype policy as the step."""
-        state = self.session.latest
-        adapter, policy = self._policy_adapter()
-        try:
-            return jax.eval_shape(
-                lambda p, s, x: forward(adapter, policy, p, s, x, None, False)[0],
-                state.params,
-                state.model_state,
-                batch.x,
-            )
-        except (TypeError, ValueError) as error:
-            shapes = jax.tree.map(lambda a: tuple(a.shape), batch.x)
-            raise ValueError(f"The model could not be called on inputs of shape {shapes}: {error}") from error
-
-    def _build(self, batch: Batch) -> None:
-        """Resolves losses and metrics per output from the first batch's shapes and compiles the steps once.
-
-        Every batch's targets are checked against what the losses and metrics read. Steps built by
-        `predict` (no targets) are built again at the first batch with targets only if a loss returns
-        a scalar, which the steps must know and only the targets' shapes tell.
-        """
-        self._check_input(batch)
-        custom = self._custom_methods()
-        if self.session.built:
-            parts = self._step_parts
-            self._check_targets(batch, parts.compiled.losses, parts.compiled.metric_terms)
-            if custom or not self._scalar_loss_found_late(batch):
-                return
-        y_pred = self._output_spec(batch)
-        y_true = None if batch.y is None else jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch.y)
-        c = self._compiled
-        self._outputs = outputs = outputs_lib.outputs_of(y_pred)
-        loss_terms = outputs_lib.resolve_losses(c.loss, c.loss_weights, outputs)
-        metric_terms = outputs_lib.resolve_metrics(c.metrics, c.weighted, outputs, y_true, y_pred, c.loss_id)
-        self._check_targets(batch, loss_terms, metric_terms)
-        self._label_ranges = label_check.label_ranges(loss_terms, metric_terms, y_pred)
-        adapter, policy = self._policy_adapter()
-        if custom:
-            self._check_custom_steps(custom, policy)
-            if y_true is not None:  # (a custom step sees a partial batch's real rows: nothing to refuse)
-                loss_terms = outputs_lib.find_scalar_losses(loss_terms, y_true, y_pred)
-        else:
-            loss_terms = self._find_scalar_losses(loss_terms, y_true, y_pred)  # after every check of the arguments
-        compiled = StepFunctions(adapter, loss_terms, c.tx, metric_terms, policy)
-        steps, parts = compiled, _StepParts(adapter, policy, compiled, None)
-        if custom:
-            keeps_compiled = c.loss is not None or bool(metric_terms) or "compute_loss" in custom
-            trackers = list(self.metrics) if type(self).metrics is not Model.metrics else []
-            trackers = [m for m in trackers if all(m is not known for known in compiled.metrics)]
-            layout = MetricsLayout(compiled if keeps_compiled else None, trackers)
-            parts = parts._replace(layout=layout)
-            steps = ModelSteps(self, layout, adapter.uses_rng, compiled.scalar_losses)
-        self.session.build(steps, c.steps_per_execution, batch, eager=c.run_eagerly)  # raises before changing anything
-        self._step_parts = parts
-        self._built_with_targets = y_true is not None
-
-    def _check_custom_steps(self, custom: set[str], policy: precision.DTypePolicy) -> None:
-        """Refuses, before any state changes, what a custom step cannot do under this strategy or policy."""
-        overridden = ", ".join(sorted(custom))
-        if not self.strategy.capabilities.loss_scaling:
-            raise ValueError(
-                f"{type(self).__name__} overrides {overridden}, a step computed in one piece on the global "
-                f"batch; {self.strategy!r} splits each step between workers and a server. Train it under "
-                "OneDeviceStrategy, MirroredStrategy, MultiWorkerMirroredStrategy or MeshStrategy, or use "
-                "the built-in steps (no override) under the parameter server."
-            )
-        if policy.loss_scaling:
-            raise ValueError(
-                f"dtype_policy={policy.name!r} scales the loss inside the built-in step, and "
-                f"{type(self).__name__} overrides {overridden}. Use dtype_policy='mixed_bfloat16' "
-                "(no loss scale needed), or the built-in steps."
-            )
-
-    def _check_targets(self, batch: Batch, loss_terms: Sequence[LossTerm], metric_terms: Sequence[MetricTerm]) -> None:
-        if batch.y is None:
-            return
-        outputs_lib.check_targets(batch.y, [*loss_terms, *metric_terms], self._outputs)
-        if outputs_lib.is_structure(batch.sample_weight):
-            outputs_lib.check_targets(batch.sample_weight, loss_terms, self._outputs, "sample_weight")
-
-    def _find_scalar_losses(self, terms: Sequence[LossTerm], y_true: Any, y_pred: Any) -> list[LossTerm]:
-        """The loss terms, with targets those returning a scalar marked, and refused (before any state
-        changes) under a strategy that cannot compute them on a partial batch's real rows."""
-        if y_true is None:
-            return terms
-        terms = outputs_lib.find_scalar_losses(terms, y_true, y_pred)
-        scalar = [term.output.name or "output" for term in terms if term.scalar]
-        reason = self.strategy.capabilities.scalar_loss_refusal if scalar else None
-        if reason:
-            raise ValueError(
-                f"Expected a loss that returns one value per sample under {self.strategy!r}: {reason}. "
-                f"Received: a loss returning a scalar (shape ()) for {', '.join(map(repr, scalar))}. "
-                "Return per-sample values (shape (batch,), e.g. `jnp.mean(..., axis=-1)` rather than "
-                "`jnp.mean(...)`) and compile again, or train under OneDeviceStrategy, MirroredStrategy "
-                "(reduction='auto') or a single-process MeshStrategy."
-            )
-        return terms
-
-    def _scalar_loss_found_late(self, batch: Batch) -> bool:
-        """Whether steps built without targets (by `predict`) must be built again for `batch`'s: only
-        when a loss returns a scalar. Checked once, at the first batch with targets."""
-        if self._built_with_targets or batch.y is None or self._compiled.loss is None:
-            return False
-        y_pred = self._output_spec(batch)
-        y_true = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch.y)
-        c = self._compiled
-        terms = outputs_lib.resolve_losses(c.loss, c.loss_weights, outputs_lib.outputs_of(y_pred))
-        terms = self._find_scalar_losses(terms, y_true, y_pred)  # may refuse: then checked again next time
-        self._built_with_targets = True
-        return any(term.scalar for term in terms)
-
-    # -- the training logic a subclass may override (Keras 3's JAX contract) -------------------------
-
-    def stateless_call(self, params, model_state, x, training: bool = False, rng=None, method: str | None = None):
-        """`(y_pred, model_state)`: the module's forward pass on these weights, pure (Keras's name).
-
-        Runs under the compiled dtype policy (outputs in float32). `rng` is
-        the step's key for modules that take one (Linen dropout: pass
-        `state.rng`); NNX modules carry their random streams in `model_state`.
-        `method` names another method of the module to call instead of
-        `__call__` (a GAN's `generate`), as Flax's `apply(..., method=...)`.
-        """
-        parts = self._require_parts("stateless_call")
-        return forward(parts.adapter, parts.policy, params, model_state, x, rng, training, method)
-
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training: bool = True):
-        """The scalar loss of a batch: the compiled loss (each output's loss times its weight, summed;
-        0 without one). Override it to add terms; `super().compute_loss(...)` is the compiled loss.
-
-        The default `train_step` and `test_step` differentiate and log it. It
-        sees only real rows (a partial batch at its real size).
-        """
-        del x, training
-        return self._require_parts("compute_loss").compiled.compiled_loss(y, y_pred, sample_weight)[0]
-
-    def compute_metrics(self, x, y, y_pred, sample_weight=None, *, metrics_state, loss):
-        """`metrics_state` (a custom step's `state.metrics`) with one batch added to the loss tracker
-        (`loss`, averaged over the epoch) and the compiled metrics; pure. Read the values with
-        `get_metrics_result`."""
-        del x
-        parts = self._require_parts("compute_metrics")
-        return parts.metrics_layout().update_compiled(metrics_state, loss, y, y_pred, sample_weight)
-
-    def get_metrics_result(self, metrics_state) -> dict:
-        """Every metric's value for these accumulators: the loss, the compiled metrics, then each
-        tracker of `self.metrics` by name (`metric.stateless_result`)."""
-        return self._require_parts("get_metrics_result").metrics_layout().result(metrics_state)
-
-    def train_step(self, state: TrainState, data) -> tuple[dict, TrainState]:
-        """One training step on the global batch `data`: `(logs, state)`, pure (Keras 3's JAX contract).
-
-        `data` is `x`, `(x, y)` or `(x, y, sample_weight)` (unpack it with
-        `meshfit.utils.unpack_x_y_sample_weight`); `state` is a
-        `meshfit.TrainState`. Compiled once per batch shape under the model's
-        strategy; meshfit advances `state.step` after it. Overriding it (or
-        `compute_loss`, `test_step`, `predict_step`) makes the model's steps
-        these methods (`meshfit.steps.custom_steps`); otherwise meshfit runs its
-        built-in steps, which compute the same and also train on a padded
-        partial batch without recompiling.
-        """
-        x, y, sample_weight = utils.unpack_x_y_sample_weight(data)
-
-        def loss_fn(params):
-            y_pred, model_state = self.stateless_call(params, state.model_state, x, training=True, rng=state.rng)
-            loss = self.compute_loss(x, y, y_pred, sample_weight, training=True)
-            return loss, (y_pred, model_state)
-
-        (loss, (y_pred, model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-        params, opt_state = self.optimizer.stateless_apply(state.opt_state, grads, state.params)
-        metrics = self.compute_metrics(x, y, y_pred, sample_weight, metrics_state=state.metrics, loss=loss)
-        state = state._replace(params=params, model_state=model_state, opt_state=opt_state, metrics=metrics)
-        return self.get_metrics_result(metrics), state
-
-    def test_step(self, state: TrainState, data) -> tuple[dict, TrainState]:
-        """One evaluation step: `(logs, state)` with `state.metrics` updated (no optimizer state)."""
-        x, y, sample_weight = utils.unpack_x_y_sample_weight(data)
-        y_pred, _ = self.stateless_call(state.params, state.model_state, x, training=False)
-        loss = self.compute_loss(x, y, y_pred, sample_weight, training=False)
-        metrics = self.compute_metrics(x, y, y_pred, sample_weight, metrics_state=state.metrics, loss=loss)
-        return self.get_metrics_result(metrics), state._replace(metrics=metrics)
-
-    def predict_step(self, state: TrainState, data):
-        """The outputs for the batch `data` (its `x`)."""
-        x, _, _ = utils.unpack_x_y_sample_weight(data)
-        return self.stateless_call(state.params, state.model_state, x, training=False)[0]
-
-    def _require_parts(self, what: str) -> _StepParts:
-        if self._step_parts is None:
-            raise ValueError(
-                f"`{what}` works once the model is built: call it inside `train_step`, `test_step` or "
-                "`predict_step`, which `fit`, `evaluate` and `predict` compile after `compile()`."
-            )
-        return self._step_parts
+    def _step_parts(self, what: str) -> StepParts:
+        return self._builder.require_parts(what)
 
     @property
     def metrics_names(self) -> list[str]:
@@ -769,80 +327,12 @@ class Model:
         steps = self.session.steps
         return steps.metrics if steps is not None else []
 
-    # -- data --------------------------------------------------------------------------------
-
-    def _make_data(
-        self,
-        x: Any,
-        y: Any,
-        sample_weight: Any,
-        batch_size: int | None,
-        *,
-        shuffle: bool = False,
-        steps: int | None = None,
-        what: str = "fit",
-    ) -> data_lib.DataSource:
-        return inputs.data_source(
-            x,
-            y,
-            sample_weight,
-            batch_size,
-            self.strategy,
-            shuffle=shuffle,
-            steps=steps,
-            what=what,
-            seed=self.seed,
-            orders=self._shuffle_orders,
+    def _callbacks(self, callbacks, verbose: int, steps: int | None, epochs: int = 1, history=None) -> CallbackList:
+        """The callbacks of one call, ordered with its defaults (`callback_setup.callback_list`)."""
+        progbar = callbacks_lib.ProgbarLogger
+        return callback_setup.callback_list(
+            callbacks, model=self, progbar=progbar, history=history, verbose=verbose, epochs=epochs, steps=steps
         )
-
-    def _check_labels(self, *sources: data_lib.DataSource | None) -> None:
-        """Has each source check its class-id targets against the model's classes before a step takes them
-        (arrays now, once; an iterable as it reads each batch): out-of-range ids raise, never train silently."""
-        check = label_check.checker(self._label_ranges)
-        for source in sources:
-            if source is not None:
-                source.set_label_check(check)
-
-    def _first_batch(self, data: data_lib.DataSource) -> Batch:
-        batch = data.peek()
-        if not isinstance(data, (data_lib.ArrayData, data_lib.IterableData)):  # the user's own source
-            data_lib.check_batch(batch, max(1, self.strategy.local_batch_multiple), f"{type(data).__name__}.peek()")
-        return batch
-
-    def _callback_list(
-        self,
-        callbacks: Sequence[callbacks_lib.Callback] | None,
-        *,
-        verbose: int,
-        epochs: int,
-        steps: int | None,
-        add_history: bool,
-    ) -> tuple[callbacks_lib.CallbackList, callbacks_lib.History | None]:
-        user = list(callbacks or [])
-        for cb in user:
-            if not isinstance(cb, callbacks_lib.Callback):
-                raise TypeError(f"Each callback must be a meshfit.callbacks.Callback. Received: {cb!r}.")
-        defaults = []
-        if verbose and not any(isinstance(cb, callbacks_lib.ProgbarLogger) for cb in user):
-            defaults.append(callbacks_lib.ProgbarLogger())
-        history = callbacks_lib.History() if add_history else None
-        # Callbacks that add to the epoch logs run first, so the others see what they add;
-        # callbacks that save training state run last, after History and the others have
-        # updated theirs for the same step or epoch.
-        adders = [cb for cb in user if cb.adds_epoch_logs]
-        savers = [cb for cb in user if cb.handles_preemption and cb not in adders]
-        others = [cb for cb in user if cb not in adders and cb not in savers]
-        ordered = adders + others + defaults + ([history] if history else []) + savers
-        all_callbacks = callbacks_lib.CallbackList(
-            ordered, model=self, timer=self.session.context.timer, epochs=epochs, steps=steps, verbose=verbose
-        )
-        return all_callbacks, history
-
-    def _one_pass_callbacks(
-        self, callbacks: Sequence[callbacks_lib.Callback] | None, verbose: int, steps: int | None
-    ) -> callbacks_lib.CallbackList:
-        """The callback list of one pass over data (`evaluate`, `predict`): no History."""
-        return self._callback_list(callbacks, verbose=verbose, epochs=1, steps=steps, add_history=False)[0]
 
     # -- Keras API -----------------------------------------------------------------------------
 
@@ -867,112 +357,81 @@ class Model:
     ) -> callbacks_lib.History:
         """Trains the model for a number of epochs (Keras's `fit`); returns a `History`.
 
-        The last partial batch of an epoch is trained on exactly (padded and
-        masked), with no recompilation (a loss returning a scalar: one, see
-        `compile`). Every check runs before any state changes.
+        The last partial batch of an epoch is trained on exactly (padded and masked), with no recompilation (a loss
+        returning a scalar: one, see `compile`). Every check runs before any state changes.
 
         Args:
-            x: input data: a numpy/JAX array, a dict, tuple or list of arrays,
-                or an iterable of batches (a generator, a grain dataset)
-                yielding `(x, y)` or `(x, y, sample_weight)`. A list or tuple
-                of arrays is passed to the module as positional arguments; a
-                dict as keyword arguments when the module's `__call__` names
-                every key, else as one argument.
-            y: targets, for array `x`; None when `x` yields them. For a module
-                with several outputs, a dict or list shaped like its outputs
-                (those no loss or metric reads may be left out).
-            batch_size: the global batch size, split over the strategy's
-                devices and processes (default 32); None for datasets.
-            epochs: the index of the epoch to stop after (with
-                `initial_epoch`, as in Keras: epochs `initial_epoch` to
-                `epochs - 1` run).
+            x: input data: a numpy/JAX array, a dict, tuple or list of arrays, or an iterable of batches (a
+                generator, a grain dataset) yielding `(x, y)` or `(x, y, sample_weight)`. A list or tuple of arrays
+                is passed to the module as positional arguments; a dict as keyword arguments when the module's
+                `__call__` names every key, else as one argument.
+            y: targets, for array `x`; None when `x` yields them. For a module with several outputs, a dict or list
+                shaped like its outputs (those no loss or metric reads may be left out).
+            batch_size: the global batch size, split over the strategy's devices and processes (default 32); None
+                for datasets.
+            epochs: the index of the epoch to stop after (with `initial_epoch`, as in Keras: epochs `initial_epoch`
+                to `epochs - 1` run).
             verbose: "auto" or 1 (progress bar), 2 (a line per epoch), 0 (silent).
             callbacks: `meshfit.callbacks.Callback` objects; History is added.
-            validation_split: the fraction of array data (taken from the end,
-                before shuffling) held out to validate on after each epoch.
-            validation_data: `(x_val, y_val)`, `(x_val, y_val, sample_weight)`
-                or a dataset, evaluated after each epoch (`val_` logs). A
-                re-iterable dataset (grain, anything whose `iter()` starts
-                anew) is read from its start each time; a one-shot iterator
-                (a generator) is kept on the host as it is read, up to
-                `meshfit.data.REPLAY_BYTES`, and replayed (beyond that, a
-                warning, and no `val_` logs once it ran out).
-            shuffle: shuffle array data anew each epoch (seeded by the model's
-                `seed`; passes are numbered across calls of fit).
-            class_weight: `{class: weight}`, multiplied into the sample
-                weights (a model with one output).
-            sample_weight: per-sample weights for array data: a `(samples,)`
-                array for every output, or a dict/list of them per output.
+            validation_split: the fraction of array data (taken from the end, before shuffling) held out to validate
+                on after each epoch.
+            validation_data: `(x_val, y_val)`, `(x_val, y_val, sample_weight)` or a dataset, evaluated after each
+                epoch (`val_` logs). A re-iterable dataset (grain, anything whose `iter()` starts anew) is read from
+                its start each time; a one-shot iterator (a generator) is kept on the host as it is read, up to
+                `meshfit.data.REPLAY_BYTES`, and replayed (beyond that, a warning, and no `val_` logs once it ran
+                out).
+            shuffle: shuffle array data anew each epoch (seeded by the model's `seed`; passes are numbered across
+                calls of fit).
+            class_weight: `{class: weight}`, multiplied into the sample weights (a model with one output).
+            sample_weight: per-sample weights for array data: a `(samples,)` array for every output, or a dict/list
+                of them per output.
             initial_epoch: the epoch to start at (to continue an earlier fit).
-            steps_per_epoch: batches per epoch; required for an endless
-                iterator, optional otherwise (an array epoch stops early).
+            steps_per_epoch: batches per epoch; required for an endless iterator, optional otherwise (an array epoch
+                stops early).
             validation_steps: batches of `validation_data` per evaluation.
-            validation_batch_size: batch size for array `validation_data`
-                (default: `batch_size`).
-            validation_freq: validate every N epochs (an int) or after the
-                epochs listed (1-based, as in Keras).
+            validation_batch_size: batch size for array `validation_data` (default: `batch_size`).
+            validation_freq: validate every N epochs (an int) or after the epochs listed (1-based, as in Keras).
 
         Returns:
             A `History` whose `.history` maps each log name to its per-epoch values.
 
         Raises:
-            meshfit.Preempted: after a SIGTERM was handled by a callback
-                that saves (BackupAndRestore); exits with status 143 if uncaught.
+            meshfit.Preempted: after a SIGTERM was handled by a callback that saves (BackupAndRestore); exits with
+                status 143 if uncaught.
         """
         self._check_strategy("fit")
         self._require_compiled("fit")
-        verbose = _verbose(verbose)
-        _check_positive_int(epochs, "epochs")
-        if not isinstance(initial_epoch, int) or not 0 <= initial_epoch:
-            raise ValueError(f"`initial_epoch` must be a non-negative int. Received: {initial_epoch!r}.")
-        if not (isinstance(validation_freq, int) and validation_freq >= 1) and not (
-            isinstance(validation_freq, (list, tuple, set)) and all(isinstance(v, int) for v in validation_freq)
-        ):
-            raise ValueError(
-                f"`validation_freq` must be a positive int or a list of epochs. Received: {validation_freq!r}."
-            )
+        verbose = fit_inputs.verbose_level(verbose)
+        fit_inputs.check_epochs(epochs, initial_epoch, validation_freq)
         # Armed before anything compiles or restores: a SIGTERM from now on ends in a backup.
-        watch = (
-            PreemptionWatch(_preemption_timeout(callbacks), timer=self.session.context.timer)
-            if any(_handles_preemption(cb) for cb in callbacks or ())
-            else None
-        )
+        watch = callback_setup.preemption_watch(callbacks, self.session.context.timer)
         with watch or contextlib.nullcontext(), self.session.context.timer:  # the timer: where the fit's time goes
-            if class_weight is not None:
-                sample_weight = _class_weights(y, class_weight, sample_weight)
-            data = self._make_data(x, y, sample_weight, batch_size, shuffle=shuffle, steps=steps_per_epoch)
-            all_data, val_data = data, None  # (before a validation split: sample numbers as the user's)
-            if validation_split:
-                if not isinstance(data, data_lib.ArrayData):
-                    raise ValueError(
-                        "`validation_split` works only with array inputs; pass `validation_data` for datasets."
-                    )
-                data, val_data = data.split(validation_split)
-            if validation_data is not None:
-                vx, vy, vsw = _unpack_validation(validation_data)
-                if isinstance(vx, Iterator) and not data_lib.is_array_tree(vx):  # validated on every epoch
-                    vx = data_lib.Replay(vx)
-                val_batch_size = (validation_batch_size or batch_size) if data_lib.is_array_tree(vx) else None
-                val_data = self._make_data(vx, vy, vsw, val_batch_size, what="fit")
-            first = self._first_batch(data)
+            data, all_data, val_data = self._inputs.fit_sources(
+                x,
+                y,
+                sample_weight,
+                batch_size,
+                shuffle=shuffle,
+                steps_per_epoch=steps_per_epoch,
+                class_weight=class_weight,
+                validation_split=validation_split,
+                validation_data=validation_data,
+                validation_batch_size=validation_batch_size,
+            )
+            first = self._inputs.first_batch(data)
             if first.y is None and self._needs_targets("train_step"):
                 raise ValueError("`fit()` needs targets: pass `y`, or a dataset yielding (x, y) pairs.")
             self._build(first)
-            self._check_labels(all_data, val_data if all_data is data else None)
+            fit_inputs.check_labels(self._builder.label_ranges, all_data, val_data if all_data is data else None)
             self.session.check_batches(data)
             if val_data is not None:
-                self._check_input(self._first_batch(val_data))
+                self._check_input(self._inputs.first_batch(val_data))
                 self.session.check_batches(val_data)
-            steps = data.steps_per_epoch
-            callback_list, history = self._callback_list(
-                callbacks, verbose=verbose, epochs=epochs, steps=steps, add_history=True
-            )
+            history = callbacks_lib.History()
+            callback_list = self._callbacks(callbacks, verbose, data.steps_per_epoch, epochs, history)
             self.history = history
             self.stop_training = False
-            session = self.session
-            session.begin_fit(data, list(callback_list), initial_epoch)
-            finished = False
-            try:
+            with callback_setup.running_fit(self.session, data, callback_list, initial_epoch):
                 fit_loop(
                     self,
                     data,
@@ -984,17 +443,6 @@ class Model:
                     validation_steps=validation_steps,
                     watch=watch,
                 )
-                finished = True
-            finally:
-                errors = []
-                for cb in session.callbacks:  # finish background writes even when fit raised
-                    try:
-                        cb.close()
-                    except Exception as error:  # noqa: BLE001 - every callback is closed, the first error raised
-                        errors.append(error)
-                session.end_fit(finished)
-                if finished and errors:
-                    raise errors[0]
         return history
 
     @overload  # (so that a type checker knows `evaluate(..., return_dict=True)["accuracy"]` is a float)
@@ -1037,8 +485,7 @@ class Model:
     ) -> float | list[float] | dict[str, float]:
         """Loss and metrics over the data (Keras's `evaluate`).
 
-        Results over N samples equal the full-batch values, whatever the batch
-        size (partial batches are masked).
+        Results over N samples equal the full-batch values, whatever the batch size (partial batches are masked).
 
         Args:
             x: input data, as for `fit`.
@@ -1051,21 +498,20 @@ class Model:
             return_dict: return `{name: value}` instead of a list.
 
         Returns:
-            A dict with `return_dict=True`; otherwise the loss alone when there
-            are no metrics, else a list in `metrics_names` order: the loss,
-            each output's loss (several losses), the metrics.
+            A dict with `return_dict=True`; otherwise the loss alone when there are no metrics, else a list in
+            `metrics_names` order: the loss, each output's loss (several losses), the metrics.
         """
         self._check_strategy("evaluate")
         self._require_compiled("evaluate")
-        verbose = _verbose(verbose)
-        data = self._make_data(x, y, sample_weight, batch_size, steps=None, what="evaluate")
-        first = self._first_batch(data)
+        verbose = fit_inputs.verbose_level(verbose)
+        data = self._inputs.source(x, y, sample_weight, batch_size, steps=None, what="evaluate")
+        first = self._inputs.first_batch(data)
         if first.y is None and self._needs_targets("test_step"):
             raise ValueError("`evaluate()` needs targets: pass `y`, or a dataset yielding (x, y) pairs.")
         self._build(first)
-        self._check_labels(data)
+        fit_inputs.check_labels(self._builder.label_ranges, data)
         self.session.check_batches(data)
-        callback_list = self._one_pass_callbacks(callbacks, verbose, steps or data.steps_per_epoch)
+        callback_list = self._callbacks(callbacks, verbose, steps or data.steps_per_epoch)
         logs = evaluate_loop(self, data, callbacks=callback_list, steps=steps)
         return self._ordered(logs, return_dict)
 
@@ -1082,30 +528,29 @@ class Model:
         Works without `compile` (as in Keras).
 
         Args:
-            x: input data: arrays (passed to the module as for `fit`) or an
-                iterable of batches (targets, if any, are ignored).
+            x: input data: arrays (passed to the module as for `fit`) or an iterable of batches (targets, if any,
+                are ignored).
             batch_size: the global batch size (default 32); None for datasets.
             verbose: "auto" or 1 (progress bar), 2 or 0 (silent).
             steps: stop after this many batches (None: the whole data).
             callbacks: callbacks whose predict hooks are called.
 
         Returns:
-            The outputs for every input row, as numpy arrays (a pytree of them
-            for a module with several outputs).
+            The outputs for every input row, as numpy arrays (a pytree of them for a module with several outputs).
         """
         self._check_strategy("predict")
         if self.abstract:
             self._require_compiled("predict")
-        verbose = _verbose(verbose)
-        data = self._make_data(x, None, None, batch_size, steps=None, what="predict")
-        first = self._first_batch(data)
+        verbose = fit_inputs.verbose_level(verbose)
+        data = self._inputs.source(x, None, None, batch_size, steps=None, what="predict")
+        first = self._inputs.first_batch(data)
         if not self.session.built:
             if self._compiled is None:  # predict works without compile, as in Keras
                 self.compile(optimizer="sgd")
             self._build(first)
         else:
             self._check_input(first)
-        callback_list = self._one_pass_callbacks(callbacks, verbose, steps or data.steps_per_epoch)
+        callback_list = self._callbacks(callbacks, verbose, steps or data.steps_per_epoch)
         return predict_loop(self, data, callbacks=callback_list, steps=steps)
 
     # -- one batch (Keras's *_on_batch) ---------------------------------------------------------
@@ -1120,8 +565,8 @@ class Model:
     ) -> float | list[float] | dict[str, float]:
         """One gradient update on one batch: every row of `x` and `y` (Keras's `train_on_batch`).
 
-        Metrics are counted afresh for the batch, as in Keras 3. The step is
-        compiled once per batch shape, under any strategy.
+        Metrics are counted afresh for the batch, as in Keras 3. The step is compiled once per batch shape, under
+        any strategy.
 
         Args:
             x: one batch of inputs: an array, or a dict/tuple/list of arrays.
@@ -1131,15 +576,15 @@ class Model:
             return_dict: return `{name: value}` instead of a list.
 
         Returns:
-            As `evaluate`: a dict with `return_dict=True`; otherwise the loss
-            alone when there are no metrics, else `[loss, *metrics]`.
+            As `evaluate`: a dict with `return_dict=True`; otherwise the loss alone when there are no metrics, else
+            `[loss, *metrics]`.
         """
         self._check_strategy("train_on_batch")
         self._require_compiled("train_on_batch")
         if class_weight is not None:
-            sample_weight = _class_weights(y, class_weight, sample_weight)
-        data = self._make_data(x, y, sample_weight, _rows(x, "train_on_batch"), what="train_on_batch")
-        batch = self._first_batch(data)
+            sample_weight = fit_inputs.class_weights(y, class_weight, sample_weight)
+        rows = fit_inputs.rows(x, "train_on_batch")
+        batch = self._inputs.first_batch(self._inputs.source(x, y, sample_weight, rows, what="train_on_batch"))
         if batch.y is None and self._needs_targets("train_step"):
             raise ValueError("`train_on_batch()` needs targets: pass `y`.")
         self._build(batch)
@@ -1160,7 +605,7 @@ class Model:
         Returns:
             As `evaluate`.
         """
-        rows = _rows(x, "test_on_batch")
+        rows = fit_inputs.rows(x, "test_on_batch")
         return self.evaluate(x, y, batch_size=rows, sample_weight=sample_weight, verbose=0, return_dict=return_dict)
 
     def predict_on_batch(self, x: Any) -> Any:
@@ -1169,7 +614,7 @@ class Model:
         Args:
             x: one batch of inputs: an array, or a dict/tuple/list of arrays.
         """
-        return self.predict(x, batch_size=_rows(x, "predict_on_batch"), verbose=0)
+        return self.predict(x, batch_size=fit_inputs.rows(x, "predict_on_batch"), verbose=0)
 
     def _ordered(self, logs: dict, return_dict: bool) -> float | list[float] | dict[str, float]:
         if return_dict:
@@ -1181,21 +626,19 @@ class Model:
     def step_report(self, x: Any = None, y: Any = None) -> StepReport:
         """What one training step costs per device, from XLA's analyses of the compiled step.
 
-        FLOPs, bytes accessed, memory (arguments, outputs, temporaries, peak)
-        and the bytes of each kind of collective of the train step, under the
-        model's strategy. With `x` and `y` (one global batch: every row of
-        them), for a batch shaped like that one, before any training: a model
-        that does not fit shows it here, nothing runs. Without them, for the
-        batch shape the model was built with by its first `fit` or `evaluate`.
+        FLOPs, bytes accessed, memory (arguments, outputs, temporaries, peak) and the bytes of each kind of
+        collective of the train step, under the model's strategy. With `x` and `y` (one global batch: every row of
+        them), for a batch shaped like that one, before any training: a model that does not fit shows it here,
+        nothing runs. Without them, for the batch shape the model was built with by its first `fit` or `evaluate`.
         Compiles the step once per batch shape; runs nothing.
         """
         self._require_compiled("step_report")
         if x is not None:
             if y is None:
                 raise ValueError("step_report(x, y) needs targets `y` for the loss, shaped like a batch of them.")
-            data = self._make_data(x, y, None, len(jax.tree.leaves(x)[0]), what="step_report")
-            self._build(self._first_batch(data))
-            return self.session.step_report(self._first_batch(data))
+            data = self._inputs.source(x, y, None, len(jax.tree.leaves(x)[0]), what="step_report")
+            self._build(self._inputs.first_batch(data))
+            return self.session.step_report(self._inputs.first_batch(data))
         batch = self.session.example_batch
         trains_on_it = bool({"train_step", "compute_loss"} & self._custom_methods()) or (
             batch is not None and batch.y is not None and self.compile_settings.loss is not None
@@ -1210,8 +653,8 @@ class Model:
     def summary(self, print_fn: Callable[[str], Any] | None = print) -> str:
         """Prints a table of every weight: path, shape, dtype, count and bytes, with totals.
 
-        After the first `fit`, also what a train step costs per device (`step_report()`):
-        memory, FLOPs and the bytes of its collectives.
+        After the first `fit`, also what a train step costs per device (`step_report()`): memory, FLOPs and the
+        bytes of its collectives.
         """
         state = self.session.latest
         text = format_summary(
@@ -1239,24 +682,19 @@ class Model:
     ) -> None:
         """Saves weights, optimizer state, step and compile settings (Orbax); see `meshfit.load_model`.
 
-        `path` (Keras's `filepath=` too) is a directory: `"model.keras"` makes a
-        directory of that name. Keras's `zipped=False` is what meshfit writes;
-        `zipped=True` is refused (zip the directory yourself).
+        `path` (Keras's `filepath=` too) is a directory: `"model.keras"` makes a directory of that name. Keras's
+        `zipped=False` is what meshfit writes; `zipped=True` is refused (zip the directory yourself).
 
-        The compile settings are written as JSON: names, meshfit's built-in
-        losses and metrics with their arguments (`SparseCategoricalCrossentropy(
-        from_logits=True)`), and optimizers from `meshfit.optimizers.get` with
-        JSON arguments (`get("adam", learning_rate=3e-3)`), so `load_model(path,
-        module)` evaluates, predicts and trains on with nothing passed again.
-        Code cannot be saved: a custom loss or metric (a function, a class of
-        your own), a raw optax transformation or a learning-rate schedule is
-        recorded by name only, and `load_model` asks for it again (as Keras
-        asks for custom objects).
+        The compile settings are written as JSON: names, meshfit's built-in losses and metrics with their arguments
+        (`SparseCategoricalCrossentropy( from_logits=True)`), and optimizers from `meshfit.optimizers.get` with JSON
+        arguments (`get("adam", learning_rate=3e-3)`), so `load_model(path, module)` evaluates, predicts and trains
+        on with nothing passed again. Code cannot be saved: a custom loss or metric (a function, a class of your
+        own), a raw optax transformation or a learning-rate schedule is recorded by name only, and `load_model` asks
+        for it again (as Keras asks for custom objects).
 
-        A model saved at `path` before is replaced, as in Keras (`overwrite=False`
-        refuses with a FileExistsError); the old copy is deleted only once the new
-        one is complete, so a crash mid-save leaves one of them whole. A directory
-        meshfit did not write, or of saved weights or checkpoints, is refused.
+        A model saved at `path` before is replaced, as in Keras (`overwrite=False` refuses with a FileExistsError);
+        the old copy is deleted only once the new one is complete, so a crash mid-save leaves one of them whole. A
+        directory meshfit did not write, or of saved weights or checkpoints, is refused.
         """
         path = keras_names.alias("Model.save", "filepath", filepath, "path", path)
         if path is None:
@@ -1274,9 +712,6 @@ class Model:
         model's layout."""
         saving.load_weights(self, path)
 
-    def count_params(self) -> int:
-        return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(self.session.latest.params))
-
     def __repr__(self) -> str:
         return f"Model({type(self._adapter.module).__name__}, strategy={self.strategy!r})"
 
@@ -1293,36 +728,31 @@ def load_model(
 ) -> Model:
     """Loads a model saved with `model.save` into `module` (same architecture).
 
-    The model is compiled as it was saved (optimizer, loss, metrics, dtype
-    policy, ...) and its optimizer state and step are restored, so it
-    evaluates and predicts to the same numbers, and trains on as the saved
-    one would, with nothing passed again. A loss or metric `model.save`
-    could not write down (a user's function or class) must be passed again:
-    without it, a `ValueError` names it before anything is loaded, rather than
-    compiling with something else (Keras raises too). An optimizer it could
-    not write down (an optax transformation, or `get` with an optax schedule;
-    a schedule of `meshfit.optimizers.schedules` is written down) is left out,
-    with a warning: the model is compiled with `optimizer=None`, so `evaluate`
-    and `predict` work and `fit` asks for it; passed again (`optimizer=...`),
-    it continues from the saved optimizer state and step. `compile=False`
-    loads the weights alone.
+    The model is compiled as it was saved (optimizer, loss, metrics, dtype policy, ...) and its optimizer state and
+    step are restored, so it evaluates and predicts to the same numbers, and trains on as the saved one would, with
+    nothing passed again. A loss or metric `model.save` could not write down (a user's function or class) must be
+    passed again: without it, a `ValueError` names it before anything is loaded, rather than compiling with
+    something else (Keras raises too). An optimizer it could not write down (an optax transformation, or `get` with
+    an optax schedule; a schedule of `meshfit.optimizers.schedules` is written down) is left out, with a warning:
+    the model is compiled with `optimizer=None`, so `evaluate` and `predict` work and `fit` asks for it; passed
+    again (`optimizer=...`), it continues from the saved optimizer state and step. `compile=False` loads the weights
+    alone.
 
-    A checkpoint of another architecture or optimizer is refused with a
-    `ValueError` naming the arrays that differ; nothing on disk changes.
+    A checkpoint of another architecture or optimizer is refused with a `ValueError` naming the arrays that differ;
+    nothing on disk changes.
 
     Args:
         path: the directory `model.save` wrote.
-        module: a Flax module of the saved architecture (its values are replaced), or a
-            factory of one (see `Model`): the restored arrays go straight into the layout.
+        module: a Flax module of the saved architecture (its values are replaced), or a factory of one (see
+            `Model`): the restored arrays go straight into the layout.
         sample_input: for Linen modules, as in `Model`.
         seed: as in `Model`.
         trainable: as in `Model` (the parameters it freezes load as saved).
-        compile: compile the model as it was saved, `compile_kwargs`
-            overriding its settings; the optimizer state and step are restored
-            too. With False, only the weights load (`predict` works; call
-            `compile` to evaluate or train).
-        **compile_kwargs: arguments for `Model.compile`, each replacing the
-            saved setting of that name: e.g. `loss=my_loss` for a custom loss.
+        compile: compile the model as it was saved, `compile_kwargs` overriding its settings; the optimizer state
+            and step are restored too. With False, only the weights load (`predict` works; call `compile` to
+            evaluate or train).
+        **compile_kwargs: arguments for `Model.compile`, each replacing the saved setting of that name: e.g.
+            `loss=my_loss` for a custom loss.
 
     Returns:
         A `meshfit.Model` under the current strategy.
@@ -1340,169 +770,3 @@ def load_model(
         return Model(module, sample_input=sample_input, seed=seed, trainable=trainable)
 
     return saving.load_saved_model(path, build, compile=compile, **compile_kwargs)
-
-
-# -- helpers ------------------------------------------------------------------------------------
-
-
-def _optimizer_state_access(session: Session) -> optimizers_lib.OptimizerStateAccess:
-    """The optimizer's view of the session: the optimizer state as the last step left it, and a host read."""
-
-    def replace_opt_state(opt_state: Any) -> None:
-        session.state = session.latest._replace(opt_state=opt_state)
-
-    return optimizers_lib.OptimizerStateAccess(
-        opt_state=lambda: session.latest.opt_state,
-        replace_opt_state=replace_opt_state,
-        step=lambda: session.latest.step,
-        to_host=lambda value: session.strategy.to_host(value),
-    )
-
-
-class _StepParts(NamedTuple):
-    """What the step methods use, set when the steps are built.
-
-    Attributes:
-        adapter: the module adapter in the policy's compute dtype (`stateless_call`).
-        policy: the dtype policy.
-        compiled: the built-in steps: the compiled loss and metrics.
-        layout: a custom step's `state.metrics` layout (None for the built-in steps).
-    """
-
-    adapter: Any
-    policy: precision.DTypePolicy
-    compiled: StepFunctions
-    layout: MetricsLayout | None
-
-    def metrics_layout(self) -> MetricsLayout:
-        """The layout of a custom step's `state.metrics` (the built-in steps': the compiled accumulators)."""
-        return self.layout if self.layout is not None else MetricsLayout(self.compiled, [])
-
-
-def _handles_preemption(callback: callbacks_lib.Callback) -> bool:
-    """Whether a (not yet validated) callback saves on preemption, so SIGTERM must be caught for it."""
-    return isinstance(callback, callbacks_lib.Callback) and (
-        callback.handles_preemption or type(callback).on_preemption is not callbacks_lib.Callback.on_preemption
-    )
-
-
-def _preemption_timeout(callbacks: Sequence[callbacks_lib.Callback]) -> float | None:
-    """The bound on a fit's end after SIGTERM or SIGINT: the shortest `preemption_timeout` its callbacks set."""
-    timeouts = [
-        getattr(cb, "preemption_timeout", DEFAULT_PREEMPTION_TIMEOUT) for cb in callbacks if _handles_preemption(cb)
-    ]
-    bounded = [t for t in timeouts if t is not None]
-    return min(bounded) if bounded else None
-
-
-def _describe(spec: Any) -> str:
-    return str(
-        jax.tree.map(
-            lambda s: "(None, " + ", ".join(map(str, s[0])) + ")" if s[0] else "(None,)",
-            spec,
-            is_leaf=lambda s: isinstance(s, tuple) and len(s) == 2 and isinstance(s[1], str),
-        )
-    )
-
-
-def _as_metrics(value: Any, name: str) -> Any:
-    """Metrics as given: a list (a lone metric becomes one), or a dict/list per output."""
-    if value is None:
-        return []
-    if isinstance(value, dict):
-        return dict(value)
-    if isinstance(value, (list, tuple)):
-        return list(value)
-    return [value]
-
-
-def _check_each(value: Any, name: str, check: Callable) -> Any:
-    """`check` applied to each identifier of a `compile` argument given once or per output (dict/list);
-    returns the same structure of results (None stays None)."""
-    if value is None:
-        return None
-    if isinstance(value, dict):
-        return {key: _check_each(v, name, check) for key, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_check_each(v, name, check) for v in value]
-    return check(value)
-
-
-def _check_loss_weights(loss_weights: Any) -> None:
-    bad = [
-        w
-        for w in jax.tree.leaves(loss_weights)
-        if isinstance(w, bool) or not isinstance(w, (int, float, np.integer, np.floating))
-    ]
-    if bad:
-        hint = ""
-        if all(isinstance(w, (str, metrics_lib.Metric)) or callable(w) for w in bad):  # metric names or objects
-            hint = (
-                " These look like metrics: since Keras 3 the third positional argument of `compile` is "
-                "`loss_weights` (tf.keras's order put `metrics` there). Pass metrics by name, e.g. "
-                "model.compile(optimizer, loss, metrics=['accuracy'])."
-            )
-        raise TypeError(
-            "`loss_weights` must be a number, or a dict/list of numbers per output. "
-            f"Received: loss_weights={loss_weights!r} (not numbers: {bad}).{hint}"
-        )
-
-
-def _needs_shapes(identifier: Any) -> bool:
-    return isinstance(identifier, str) and identifier.lower() in ("accuracy", "acc")
-
-
-def _verbose(verbose: int | str) -> int:
-    if verbose == "auto":
-        return 1
-    if verbose not in (0, 1, 2) or isinstance(verbose, bool):
-        raise ValueError(f"`verbose` must be 'auto', 0, 1 or 2. Received: verbose={verbose!r}.")
-    return int(verbose)
-
-
-def _check_positive_int(value: Any, name: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"`{name}` must be a positive int. Received: {name}={value!r}.")
-
-
-def _unpack_validation(validation_data: Any) -> tuple[Any, Any, Any]:
-    if (
-        isinstance(validation_data, tuple)
-        and len(validation_data) in (2, 3)
-        and data_lib.is_array_tree(validation_data[0])
-    ):
-        return (*validation_data, None)[:3]
-    if isinstance(validation_data, tuple) and len(validation_data) not in (2, 3):
-        raise ValueError(
-            "`validation_data` must be (x_val, y_val), (x_val, y_val, sample_weight) or a dataset. "
-            f"Received a tuple of length {len(validation_data)}."
-        )
-    return validation_data, None, None
-
-
-def _rows(x: Any, what: str) -> int:
-    """The rows of one batch of array input `x` (a `*_on_batch` call takes exactly one batch)."""
-    leaves = jax.tree.leaves(x) if data_lib.is_array_tree(x) else []
-    if not leaves:
-        raise TypeError(
-            f"`{what}()` takes one batch of arrays (a numpy/JAX array, or a dict/tuple/list of them). "
-            f"Received: x of type {type(x).__name__}."
-        )
-    return len(leaves[0])
-
-
-def _class_weights(y: Any, class_weight: dict, sample_weight: Any) -> np.ndarray:
-    if y is None or not data_lib.is_array_like(y):
-        raise ValueError(
-            "`class_weight` needs `y` as a single array of class labels (a model with one output). "
-            "For several outputs, weigh the rows of each with `sample_weight={output: weights}`."
-        )
-    labels = np.asarray(y)
-    if labels.ndim > 1 and labels.shape[-1] > 1:
-        labels = labels.argmax(-1)
-    labels = labels.reshape(len(labels), -1)[:, 0].astype(int)
-    missing = sorted(set(np.unique(labels).tolist()) - set(class_weight))
-    if missing:
-        raise ValueError(f"`class_weight` has no weight for classes {missing}. Received keys {sorted(class_weight)}.")
-    weights = np.array([class_weight[c] for c in labels], np.float32)
-    return weights if sample_weight is None else weights * np.asarray(sample_weight, np.float32)

@@ -36,6 +36,7 @@ from meshfit import losses, metrics, optimizers, schedules
 from meshfit.checkpointing import serialization
 from meshfit.checkpointing.serialization import CLASS, CUSTOM, FUNCTION
 from meshfit.core import precision
+from meshfit.steps.compile_settings import STEP_LIMIT
 
 __all__ = ["ENTRIES", "STEP_LIMIT", "check_compile_record"]
 
@@ -51,8 +52,6 @@ ENTRIES = (
     "gradient_accumulation_steps",
 )
 
-#: A step count (`steps_per_execution`, `gradient_accumulation_steps`) must be below this: the step counter is int32.
-STEP_LIMIT = 2**31
 
 _EMPTY = inspect.Parameter.empty
 
