@@ -178,12 +178,12 @@ def test_only_model_py_touches_private_attributes_of_a_model():
 
 
 def test_model_py_stays_a_facade():
-    """`meshfit.Model` checks arguments and delegates: compile resolution, the first batch's build, data,
-    callbacks, weights and the step methods live in the steps and training packages. Most of model.py is the
-    public API's signatures and docstrings (Args unchanged from Keras's), which a bound on its lines keeps so."""
+    """`meshfit.Model` is the Keras face: compile resolution, the first batch's build, data, callbacks, the
+    training entry points (`training.trainer`, as Keras 3's `Trainer`), weights and the step methods live in
+    the steps and training packages."""
     with open(os.path.join(ROOT, "model.py")) as file:
         lines = sum(1 for _ in file)
-    assert lines <= 800, f"meshfit/model.py has {lines} lines; move logic to the steps or training packages."
+    assert lines <= 520, f"meshfit/model.py has {lines} lines; move logic to the steps or training packages."
 
 
 SESSION_PARTS = ("session", "store", "cursor", "executables", "feeder", "context", "fit_context")
