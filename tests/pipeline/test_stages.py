@@ -78,11 +78,13 @@ def test_the_same_model_trains_without_a_stage_axis(reference):
     np.testing.assert_allclose(h_one.history["loss"], history.history["loss"], rtol=1e-5)
 
 
-@pytest.mark.parametrize("schedule, repeats", [("gpipe", 1), ("circular", 2)])
+@pytest.mark.parametrize(
+    "schedule, repeats, microbatches", [("gpipe", 1, 4), ("circular", 2, 4), ("1f1b", 1, 4), ("1f1b", 1, 8)]
+)
 @pytest.mark.slow
-def test_pipelined_training_equals_one_device(reference, schedule, repeats):
+def test_pipelined_training_equals_one_device(reference, schedule, repeats, microbatches):
     one, h_one = reference
-    strategy = pipelined(schedule, repeats)
+    strategy = pipelined(schedule, repeats, microbatches)
     model, history = train(strategy)
     assert int(model.session.state.step) == 3
     assert_trees_close(one.params, model.params, rtol=2e-5, atol=2e-6)
