@@ -135,3 +135,23 @@ def test_pipeline_settings_are_checked():
 def test_the_batch_is_padded_to_whole_microbatches_per_replica():
     assert pipelined(microbatches=4).batch_multiple == 2 * 4
     assert mf.strategies.Pipeline(microbatches=8, schedule="circular", repeats=2).bubble(4) == pytest.approx(3 / 19)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_restores_under_another_pipeline_layout_and_on_one_device(tmp_path):
+    saved, _ = train(pipelined("gpipe"))
+    saved.save(tmp_path / "model")
+    x, y = classification_data(n=32, din=8, classes=4, seed=1)
+    restored = {}
+    for name, strategy in [
+        ("one", mf.strategies.OneDeviceStrategy()),
+        ("circular", pipelined("circular", repeats=2, microbatches=2, stages=2)),
+    ]:
+        with strategy.scope():
+            model = mf.load_model(tmp_path / "model", lambda: Net())
+        assert_trees_close(saved.params, model.params, rtol=0, atol=0)
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+        restored[name] = model
+    kernel = restored["circular"].session.state.params["body"]["blocks"]["up"]["kernel"]
+    assert kernel.sharding.spec[0] == "stage" and kernel.addressable_shards[0].data.shape[0] == LAYERS // 2
+    assert_trees_close(restored["one"].params, restored["circular"].params, rtol=2e-5, atol=2e-6)
