@@ -2,7 +2,7 @@
 
 Compiles the gradient of a `Stages` stack (stage=4 x data=2) under each schedule and reads each
 program's temporaries per device (`compiled.memory_analysis()`), and times the steps against the
-same stack under FSDP alone (data=1 x fsdp=8). Run: `python benchmarks/bench_pipeline.py`.
+same stack under FSDP alone (data=1 x fsdp=8). Run: `python benchmarks/bench_pipeline.py` (`--smoke`: tiny sizes).
 """
 
 import os
@@ -10,6 +10,7 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -19,7 +20,7 @@ from flax import nnx  # noqa: E402
 import meshfit as mf  # noqa: E402
 from meshfit.pipeline import Stages  # noqa: E402
 
-WIDTH, LAYERS, ROWS, STAGES = 256, 8, 256, 4
+WIDTH, LAYERS, ROWS, STAGES = (16, 8, 32, 4) if "--smoke" in sys.argv[1:] else (256, 8, 256, 4)
 
 
 class Block(nnx.Module):
