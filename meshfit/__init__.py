@@ -29,6 +29,7 @@ __all__ = [
     "mixed_precision",
     "optimizers",
     "outputs",
+    "pipeline",
     "strategies",
     "utils",
     "__version__",
@@ -56,6 +57,7 @@ if TYPE_CHECKING:  # what type checkers and the API docs see
         mixed_precision,
         optimizers,
         outputs,
+        pipeline,
         strategies,
         utils,
     )

@@ -27,6 +27,7 @@ _NAMES = {
     "MirroredStrategy": "meshfit.strategies.mirrored",
     "MultiWorkerMirroredStrategy": "meshfit.strategies.multi_worker_mirrored",
     "OneDeviceStrategy": "meshfit.strategies.one_device",
+    "Pipeline": "meshfit.strategies.pipeline",
     "ParameterServerStrategy": "meshfit.strategies.parameter_server.strategy",
 }
 
@@ -38,6 +39,7 @@ if TYPE_CHECKING:  # what type checkers and the API docs see
     from meshfit.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
     from meshfit.strategies.one_device import OneDeviceStrategy
     from meshfit.strategies.parameter_server import ParameterServerStrategy
+    from meshfit.strategies.pipeline import Pipeline
 
 
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "MeshStrategy",
     "ParameterServerStrategy",
+    "Pipeline",
     "constrain",
     "get_strategy",
     "has_strategy",

@@ -9,6 +9,10 @@
   3. a default: parameters with at least `min_shard_size` elements are sharded
      on their largest dimension that divides by the `fsdp` axis; smaller ones
      are replicated.
+A parameter of a `meshfit.pipeline.Stages` stack carries metadata whose first
+entry is the `stage` axis: its layer axis is split over `stage` (kept whole on a
+mesh without one) and its other dimensions follow the rest of its metadata, or
+the default when that names no axis.
 Every spec is checked against the mesh and the shape, with an error naming the
 parameter, its shape and the rule.
 """
@@ -25,6 +29,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from meshfit.core.trees import path_name
+from meshfit.strategies.pipeline import STAGE_AXIS
 
 Rules = Sequence[tuple[str, Any]]
 
@@ -109,6 +114,17 @@ def default_spec(shape: tuple[int, ...], mesh: Mesh, fsdp_axis: str, min_shard_s
     return P()
 
 
+def stage_spec(hint: P, shape, mesh: Mesh, name: str, logical: dict, fsdp_axis: str, min_shard_size: int) -> P:
+    """The spec of a stacked layer parameter: its layer axis over `stage`, the rest by metadata or default."""
+    rest = P(*hint[1:])
+    if any(entry is not None for entry in rest):
+        inner = tuple(map_logical(rest, logical, mesh))
+    else:
+        inner = tuple(default_spec(shape[1:], mesh, fsdp_axis, min_shard_size))
+    lead = STAGE_AXIS if STAGE_AXIS in mesh.shape else None
+    return check_spec(as_spec((lead, *inner)), shape, mesh, name, f"its sharding metadata {hint} ->")
+
+
 def resolve_specs(
     tree,
     mesh: Mesh,
@@ -136,6 +152,8 @@ def resolve_specs(
                 matched.add(pattern)
                 return check_spec(spec, shape, mesh, name, f"rule {pattern!r} ->")
         hint = hint_by_name.get(name)
+        if isinstance(hint, P) and len(hint) and hint[0] == STAGE_AXIS and len(shape) >= 1:
+            return stage_spec(hint, shape, mesh, name, logical, fsdp_axis, min_shard_size)
         if isinstance(hint, P) and len(hint):
             mapped = as_spec(map_logical(hint, logical, mesh))
             return check_spec(mapped, shape, mesh, name, f"its sharding metadata {hint} ->")
@@ -174,6 +192,11 @@ def follow_params(tree, params, param_specs):
         return P()
 
     return jax.tree_util.tree_map_with_path(follow, tree)
+
+
+def flatten_specs(specs) -> list[tuple[Any, P]]:
+    """`(path, spec)` for every PartitionSpec of a tree of them."""
+    return jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda s: isinstance(s, P))[0]
 
 
 def spec_tree_leaves(specs) -> Iterable[P]:

@@ -16,6 +16,7 @@ from meshfit.strategies import layout
 from meshfit.strategies.base import Strategy
 from meshfit.strategies.current import get_strategy
 from meshfit.strategies.device_mesh import DeviceMeshStrategy, build_mesh
+from meshfit.strategies.pipeline import STAGE_AXIS, Pipeline
 
 DEFAULT_AXES = {"data": -1, "fsdp": 1, "tensor": 1}
 
@@ -62,6 +63,9 @@ class MeshStrategy(DeviceMeshStrategy):
         fsdp_axis: the axis the default rule shards large parameters over.
         min_shard_size: parameters with fewer elements are replicated by default.
         devices: devices to use; all devices of all processes by default.
+        pipeline: how a `stage` axis runs the model's `meshfit.pipeline.Stages` (`Pipeline`);
+            with a `stage` axis and no `pipeline`, GPipe with one microbatch per stage.
+            The batch is padded to a multiple of the data replicas times the microbatches.
 
     Example:
         >>> strategy = MeshStrategy(axes={"data": 2, "fsdp": 2, "tensor": 2},
@@ -78,6 +82,7 @@ class MeshStrategy(DeviceMeshStrategy):
         fsdp_axis: str = "fsdp",
         min_shard_size: int = 2**12,
         devices: Sequence[jax.Device] | None = None,
+        pipeline: Pipeline | None = None,
     ):
         if devices is None:
             cluster.initialize()
@@ -90,6 +95,17 @@ class MeshStrategy(DeviceMeshStrategy):
         self.logical_axis_rules = list(logical_axis_rules or [])
         self.fsdp_axis = fsdp_axis
         self.min_shard_size = min_shard_size
+        self.pipeline = _pipeline(sizes, pipeline)
+
+    @property
+    def stages(self) -> int:
+        """The size of the `stage` axis (1 without one)."""
+        return int(self.mesh.shape.get(STAGE_AXIS, 1))
+
+    @property
+    def batch_multiple(self) -> int:
+        microbatches = self.pipeline.microbatches if self.pipeline is not None else 1
+        return self.num_replicas_in_sync * microbatches
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[MeshStrategy]:
@@ -102,7 +118,9 @@ class MeshStrategy(DeviceMeshStrategy):
 
     def param_specs(self, params: Any, hints: Any = None) -> Any:
         """One PartitionSpec per parameter (rules, then metadata, then the default)."""
-        return layout.resolve_specs(
+        if self.pipeline is not None:
+            self._check_stages(params, hints)
+        specs = layout.resolve_specs(
             params,
             self.mesh,
             rules=self.rules,
@@ -111,6 +129,28 @@ class MeshStrategy(DeviceMeshStrategy):
             fsdp_axis=self.fsdp_axis,
             min_shard_size=self.min_shard_size,
         )
+        if self.pipeline is not None:
+            self._check_stages(params, specs, required=True)
+        return specs
+
+    def _check_stages(self, params: Any, specs: Any, required: bool = False) -> None:
+        """Raises unless each stack `specs` puts on `stage` splits evenly (and, if `required`, there is one)."""
+        assert self.pipeline is not None
+        if specs is None:
+            return
+        names = {layout.path_name(path): spec for path, spec in layout.flatten_specs(specs)}
+        staged = [
+            leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+            if (spec := names.get(layout.path_name(path))) is not None and len(spec) and spec[0] == STAGE_AXIS
+        ]
+        if required and not staged:
+            raise ValueError(
+                f"MeshStrategy has a '{STAGE_AXIS}' axis of size {self.stages}, but no parameter of the model lies "
+                "on it. Build the pipelined blocks with meshfit.pipeline.Stages, or drop the 'stage' axis."
+            )
+        for leaf in staged:
+            self.pipeline.check_layers(int(np.shape(leaf)[0]), self.stages)
 
     def state_specs(self, state: Any, param_hints: Any = None) -> Any:
         """Specs for a whole TrainState: parameters by rule, the rest following them."""
@@ -161,6 +201,22 @@ class MeshStrategy(DeviceMeshStrategy):
     def __repr__(self) -> str:
         axes = ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
         return f"MeshStrategy({axes})"
+
+
+def _pipeline(sizes: Mapping[str, int], pipeline: Pipeline | None) -> Pipeline | None:
+    """The strategy's pipeline: `pipeline`, GPipe by default with a `stage` axis, None without one."""
+    if STAGE_AXIS not in sizes:
+        if pipeline is not None:
+            raise ValueError(
+                f"`pipeline` needs a '{STAGE_AXIS}' mesh axis to run over. Received axes={dict(sizes)}. "
+                f'Add one, e.g. axes={{"{STAGE_AXIS}": 4, "data": -1}}.'
+            )
+        return None
+    pipeline = pipeline if pipeline is not None else Pipeline(microbatches=sizes[STAGE_AXIS])
+    if not isinstance(pipeline, Pipeline):
+        raise TypeError(f"`pipeline` must be a meshfit.strategies.Pipeline. Received: {type(pipeline).__name__}.")
+    pipeline.check(sizes[STAGE_AXIS])
+    return pipeline
 
 
 def constrain(x: jax.Array, *spec: Any) -> jax.Array:

@@ -1,0 +1,89 @@
+"""The pipelined loop: microbatches through the stages of a `stage` mesh axis, a tick at a time.
+
+Inside `jax.shard_map` over the `stage` axis (the other mesh axes stay with
+the compiler), each stage holds its layers' parameters. At tick t, stage s
+works on item i = t - s: microbatch i mod M in round i // M (rounds > 0 only
+for "circular"). Stage 0 reads its microbatch from the batch in round 0 and
+from what the last stage sent round in later rounds; every stage then applies
+its layers of that round and sends the result to the next stage with
+`lax.ppermute`. After repeats * M + P - 1 ticks, the first stage holds every
+microbatch's output. GPipe's and the circular schedule's backward pass is
+autodiff of this loop; "1f1b" (`one_f_one_b.py`) runs forward and backward
+ticks interleaved under a custom VJP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from meshfit.strategies.pipeline import STAGE_AXIS, Pipeline
+
+Apply = Callable[[Any, jax.Array], jax.Array]
+
+
+def run(apply: Apply, params: Any, x: jax.Array, *, mesh: Mesh, pipeline: Pipeline, replicas: int) -> jax.Array:
+    """Runs the stacked layers `params` (leading layer axis) on `x` pipelined over `mesh`'s stage axis.
+
+    `apply(layer_params, h)` applies one layer. The batch `x` is cut into
+    `pipeline.microbatches` parts within each of the `replicas` data replicas.
+    """
+    stages, microbatches, repeats = mesh.shape[STAGE_AXIS], pipeline.microbatches, pipeline.repeats
+    layers = jax.tree.leaves(params)[0].shape[0]
+    pipeline.check_layers(layers, stages)
+    rows = x.shape[0]
+    if rows % (microbatches * replicas):
+        raise ValueError(
+            f"A pipelined batch is cut into {microbatches} microbatches per data replica ({replicas} replicas): "
+            f"its rows must divide by {microbatches * replicas}. Received a batch of {rows} rows."
+        )
+    per_round = layers // (stages * repeats)
+    # (layers, ...) -> (stages, repeats, layers of a stage's round, ...): stage s runs layer blocks s, s + P, ...
+    grouped = jax.tree.map(lambda a: jnp.swapaxes(a.reshape(repeats, stages, per_round, *a.shape[1:]), 0, 1), params)
+    # Each data replica's rows are cut into microbatches in place: row j * M + m goes to microbatch m.
+    micro = jnp.swapaxes(x.reshape(rows // microbatches, microbatches, *x.shape[1:]), 0, 1)
+    body = _loop(apply, stages, microbatches, repeats)
+    out = jax.shard_map(body, mesh=mesh, in_specs=(P(STAGE_AXIS), P()), out_specs=P(), axis_names={STAGE_AXIS})(
+        grouped, micro
+    )
+    return jnp.swapaxes(out, 0, 1).reshape(x.shape)
+
+
+def _loop(apply: Apply, stages: int, microbatches: int, repeats: int) -> Callable:
+    items = repeats * microbatches
+    ring = [(s, (s + 1) % stages) for s in range(stages)]
+
+    def body(grouped: Any, micro: jax.Array) -> jax.Array:
+        local = jax.tree.map(lambda a: a[0], grouped)  # (repeats, layers of a round, ...)
+        stage = lax.axis_index(STAGE_AXIS)
+
+        def layers_of_round(r, h):
+            round_params = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, keepdims=False), local)
+            return lax.scan(lambda h, p: (apply(p, h), None), h, round_params)[0]
+
+        def tick(carry, t):
+            received, done = carry
+            item = jnp.clip(t - stage, 0, items - 1)
+            m, r = item % microbatches, item // microbatches
+            first = jnp.where(r == 0, micro[m], done[m])
+            out = layers_of_round(r, jnp.where(stage == 0, first, received))
+            sent = lax.ppermute(out, STAGE_AXIS, ring)
+            # Stage 0 keeps what the last stage finished (item t - P + 1) for its next round or the result.
+            back = t - (stages - 1)
+            slot = jnp.clip(back, 0, items - 1) % microbatches
+            keep = (stage == 0) & (back >= 0)
+            done = lax.dynamic_update_index_in_dim(done, jnp.where(keep, sent, done[slot]), slot, 0)
+            return (sent, done), None
+
+        varying = lambda a: lax.pcast(a, (STAGE_AXIS,), to="varying")  # noqa: E731  (each stage's own values)
+        start = (varying(jnp.zeros_like(micro[0])), varying(jnp.zeros_like(micro)))
+        (_, done), _ = lax.scan(tick, start, jnp.arange(items + stages - 1))
+        return lax.psum(jnp.where(stage == 0, done, jnp.zeros_like(done)), STAGE_AXIS)
+
+    return body

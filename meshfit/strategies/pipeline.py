@@ -1,0 +1,80 @@
+"""Pipeline: how a `MeshStrategy` with a `stage` axis runs a model's `meshfit.pipeline.Stages`.
+
+The `stage` mesh axis splits the layer axis of a `Stages` stack in contiguous
+blocks, one per stage; a batch is cut into `microbatches` that flow through the
+stages, each stage passing its output to the next (`jax.lax.ppermute`).
+Schedules:
+  * "gpipe": every microbatch forward, then every one backward (what autodiff
+    of the forward loop gives); a stage keeps the activations of all M.
+  * "circular": each stage runs `repeats` groups of layers, a microbatch
+    going round the ring `repeats` times; the bubble shrinks to
+    (P - 1) / (repeats * M + P - 1).
+  * "1f1b": one forward, one backward a tick once the pipeline is full; a
+    stage keeps the activations of at most P microbatches instead of M.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: The mesh axis that splits a `Stages` stack's layer axis.
+STAGE_AXIS = "stage"
+SCHEDULES = ("gpipe", "circular", "1f1b")
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """How the stages of a `stage` mesh axis share the work of a step.
+
+    Args:
+        microbatches: M, the number of parts each data replica's rows are cut into.
+        schedule: "gpipe", "circular" or "1f1b" (see the module docstring).
+        repeats: v, the layer groups each stage runs per microbatch (circular only).
+
+    Example:
+        >>> strategy = MeshStrategy(axes={"stage": 4, "data": 2},
+        ...                         pipeline=Pipeline(microbatches=8, schedule="circular", repeats=2))
+    """
+
+    microbatches: int
+    schedule: str = "gpipe"
+    repeats: int = 1
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"Pipeline `schedule` must be one of {SCHEDULES}. Received: schedule={self.schedule!r}.")
+        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise ValueError(f"Pipeline `microbatches` must be a positive int. Received: {self.microbatches!r}.")
+        if not isinstance(self.repeats, int) or self.repeats < 1:
+            raise ValueError(f"Pipeline `repeats` must be a positive int. Received: repeats={self.repeats!r}.")
+        if self.repeats > 1 and self.schedule != "circular":
+            raise ValueError(
+                f"Pipeline `repeats` > 1 needs schedule='circular'. Received: schedule={self.schedule!r}, "
+                f"repeats={self.repeats}."
+            )
+
+    def bubble(self, stages: int) -> float:
+        """The fraction of a step's ticks a stage idles: (P - 1) / (repeats * M + P - 1)."""
+        return (stages - 1) / (self.repeats * self.microbatches + stages - 1)
+
+    def ticks(self, stages: int) -> int:
+        """Forward ticks of one step: repeats * M + P - 1."""
+        return self.repeats * self.microbatches + stages - 1
+
+    def check(self, stages: int) -> None:
+        """Raises if this schedule cannot run on `stages` stages."""
+        if self.schedule == "circular" and self.repeats > 1 and self.microbatches < stages:
+            raise ValueError(
+                f"A circular pipeline needs at least as many microbatches as stages ({stages}), so a microbatch "
+                f"is back at the first stage before its next round. Received: microbatches={self.microbatches}."
+            )
+
+    def check_layers(self, layers: int, stages: int, where: str = "Stages") -> None:
+        """Raises if `layers` do not split evenly over `stages` stages (times `repeats`)."""
+        groups = stages * self.repeats
+        if layers % groups:
+            by = f"stages x repeats = {stages} x {self.repeats} = {groups}" if self.repeats > 1 else f"{stages} stages"
+            raise ValueError(
+                f"{where} holds {layers} layers, which do not split over {by}. "
+                f"Use a number of layers divisible by {groups}, or change the `stage` axis or `repeats`."
+            )
