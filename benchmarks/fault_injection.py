@@ -4,6 +4,7 @@ Every fault is real: processes are killed with SIGKILL or SIGTERM, files Orbax
 wrote are altered, a different model loads the backups, a second job writes into
 the same directory, a backup directory is made read-only, a parameter server is
 stopped with SIGSTOP, a callback hangs and SIGTERM must still end the process
+(or, sent to `meshfit launch`, every rank of a job one of whose ranks hangs)
 within its bound, symlinks to files outside are planted at the names meshfit
 writes in a model, checkpoint or backup directory (with the pid of the process
  about to write there), a saved model's compile settings are garbled, a rerun's labels are out of
@@ -355,6 +356,46 @@ def launcher_sigterm(base, reference_two):
     return resumed == 0 and same(out, reference_two), lost
 
 
+HANG_LAUNCH_FAULT = "SIGTERM to `meshfit launch` while a rank hangs (2 ranks)"
+
+
+def launcher_sigterm_in_hang(base, reference_two):
+    """Rank 1 of a 2-rank job never returns from a callback at step 13 (rank 0 then waits for it in a
+    collective), then SIGTERM to the launcher: every rank must end within its preemption_timeout (no step
+    boundary comes, so nothing is saved), the launcher with 143, no rank outlive it, and a new job must resume
+    exactly from the newest complete backup."""
+    out, backup, fifo = base / "out", base / "backup", base / "fifo"
+    os.mkfifo(fifo)
+    argv = LAUNCH + ["--nprocs", "2", "--devices-per-proc", "2", WORKER, str(out), str(backup)]
+    argv += ["--strategy", "multi_worker"]
+    hang = ["--hang-at-step", "13", str(fifo), "--hang-rank", "1", "--preemption-timeout", str(HANG_TIMEOUT)]
+    with Job(argv + ["--slow", "0.02"] + hang, timeout=BOUND) as job:
+        try:
+            job.wait_for(r"\[rank 1\] hanging at step 13$")
+            ranks = job.children()
+            time.sleep(0.5)
+            sent = time.monotonic()
+            job.proc.send_signal(signal.SIGTERM)
+            status = job.finish(timeout=90)
+        except AssertionError as error:
+            raise Hang(str(error)[:300]) from None
+    took = time.monotonic() - sent
+    print(f"    launcher ended {took:.1f} s after the SIGTERM (bound {HANG_TIMEOUT:g} s), status {status}", flush=True)
+    orphans = [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]
+    if orphans:
+        raise Hang(f"ranks {orphans} outlived the launcher")
+    if took > HANG_TIMEOUT + 10:
+        raise Hang(f"the job ended {took:.1f} s after the SIGTERM, past its {HANG_TIMEOUT:g} s bound")
+    ended = re.findall(r"\[launch\] rank \d ended with status (-?\d+)", job.stderr)
+    lost = status != 143 or ended != ["143", "143"] or not steps_in(backup)
+    with Job(argv, timeout=BOUND) as job:
+        try:
+            resumed = job.finish()
+        except AssertionError as error:
+            raise Hang(str(error)[:300]) from None
+    return resumed == 0 and same(out, reference_two), lost
+
+
 def stopped_server(base):
     argv = LAUNCH + [
         "--ps",
@@ -652,7 +693,7 @@ def main() -> None:
     print("reference runs (uninterrupted)", flush=True)
     status, output = worker(base / "ref", base / "ref-backup")
     assert status == 0, output[-2000:]
-    if tally.only in LAUNCH_FAULT:  # the two-rank reference, only for the fault that compares with it
+    if tally.only in LAUNCH_FAULT or tally.only in HANG_LAUNCH_FAULT:  # the two-rank reference, for those faults
         with Job(
             LAUNCH
             + [
@@ -695,6 +736,7 @@ def main() -> None:
     trial(tally, "second job on the same backup directory", lambda: two_writers(fresh(), base / "ref"))
     trial(tally, "backup directory read-only", lambda: read_only(fresh(), base / "ref"))
     trial(tally, LAUNCH_FAULT, lambda: launcher_sigterm(fresh(), base / "ref2"))
+    trial(tally, HANG_LAUNCH_FAULT, lambda: launcher_sigterm_in_hang(fresh(), base / "ref2"))
     trial(tally, "parameter server stopped (SIGSTOP)", lambda: stopped_server(fresh()))
     for kind in ("model", "weights", "checkpoint", "backup"):
         trial(tally, "hostile directory: symlinks at meshfit names", lambda kind=kind: planted_symlinks(fresh(), kind))

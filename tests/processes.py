@@ -121,6 +121,15 @@ class Job:
             self.kill()
 
 
+def alive(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie waiting for its parent is gone too)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def run(argv: list[str], timeout: float, env: dict | None = None) -> Job:
     """Runs a command to the end, bounded by `timeout`; like `subprocess.run`, with .returncode, .stdout, .stderr."""
     with Job(argv, timeout, env) as job:

@@ -14,8 +14,11 @@ brings its own layout.
 No rank outlives the launcher: SIGTERM, SIGINT or SIGHUP to the launcher (a
 scheduler preempting the job) is passed on to every rank as SIGTERM, the
 ranks get `--grace-period` seconds to write their preemption backups, what
-is left is killed, and the launcher exits with 128 + the signal (143 for
-SIGTERM). A launcher killed outright takes its ranks along: the kernel kills
+is left is killed, and the launcher writes how each rank ended and exits
+with 128 + the signal (143 for SIGTERM). A rank's own bound
+(BackupAndRestore's `preemption_timeout`) ends a rank stuck in a hang; a
+rank that cannot run at all (stopped) is killed after the grace period. A
+launcher killed outright takes its ranks along: the kernel kills
 them (their output would have nowhere to go, and a rank failing on that alone
 could leave the other waiting in a collective); the last periodic backup is
 what is left. A rank stopped (SIGSTOP) for longer than the heartbeat
@@ -348,6 +351,8 @@ def run_once(config: LaunchConfig, attempt: int, log: TextIO = sys.stderr) -> in
             )
         if killed:
             log.write(f"[launch] rank(s) {killed} did not end within the grace period and were killed.\n")
+        for rank, proc in enumerate(procs) if signalled else ():
+            log.write(f"[launch] rank {rank} ended with status {status_text(proc.returncode)}.\n")
     return status
 
 

@@ -62,6 +62,8 @@ class PreemptionWatch:
     From the first SIGTERM or SIGINT the block has `timeout` seconds (None:
     no bound) to end before the process exits without saving
     (`SignalDeadline`); `timer` (the fit's `FitTimer`) names what it waited for.
+    After a SIGTERM, and in a multi-process job after a SIGINT too, the bound
+    also covers the process's exit.
 
     In a multi-process job JAX's preemption notifier owns SIGTERM (a C
     handler setting a flag that its own thread polls). The watch then installs
@@ -95,7 +97,12 @@ class PreemptionWatch:
         if not self._armed:
             return
         self._armed = False
-        self._deadline.end(keep=self.requested)  # after a SIGTERM the bound covers the way out too
+        # After a SIGTERM the bound covers the way out too; in a multi-process job after a SIGINT as well: the
+        # job is ending (Ctrl-C reaches every rank), and an exit that waits for a peer must not hang. The
+        # KeyboardInterrupt may come out of the block before the deadline's thread has read its SIGINT.
+        interrupted = self._deadline.received is not None or isinstance(exc[1], KeyboardInterrupt)
+        signalled = self._jax_handler is not None and interrupted
+        self._deadline.end(keep=self.requested or signalled)
         if self.requested:
             # After a preemption the process is on its way out with status 143: a repeated
             # SIGTERM (schedulers send more than one) must not turn that into a kill by signal.
@@ -112,7 +119,8 @@ class PreemptionWatch:
             self.requested = True
 
     def _first_signal(self, signum: int) -> None:
-        """On the deadline's thread, as the first SIGTERM or SIGINT comes (the main thread may be stuck)."""
+        """On the deadline's thread, as the first SIGTERM or SIGINT comes, and a SIGTERM after a SIGINT (the main
+        thread may be stuck)."""
         if signum != signal.SIGTERM:
             return
         if self._jax_handler is not None:

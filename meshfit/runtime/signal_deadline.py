@@ -13,8 +13,11 @@ for SIGINT), without saving: what is half-written stays incomplete (Orbax lists
 a checkpoint only once its commit marker is written), so the newest complete
 backup is the one a restart resumes from. A second signal of the same kind, at
 least `REPEAT_AFTER` seconds after the first and while no preemption backup is
-being written, ends the process at once. `end(keep=True)` leaves the bound
-in force past the block (after a SIGTERM the process is on its way out).
+being written, ends the process at once. A SIGTERM after a first SIGINT
+(Ctrl-C at a terminal reaches every rank of `meshfit launch`, which then
+sends each SIGTERM) is passed to `on_signal` too, within the SIGINT's bound.
+`end(keep=True)` leaves the bound in force past the block (after a SIGTERM
+the process is on its way out).
 
 A main thread that holds the GIL in C the whole time (an extension that never
 releases it) also stops this thread: no Python code can bound that.
@@ -59,6 +62,7 @@ class SignalDeadline:
         self.describe = describe
         self.saving = False  # a preemption backup is being written: repeats no longer end the process at once
         self.ended = False  # the block ended (the process is exiting)
+        self.received: int | None = None  # the first bounded signal, once it came
         self._write_end: int | None = None
         self._previous_fd = -1
         self._thread: threading.Thread | None = None
@@ -95,6 +99,7 @@ class SignalDeadline:
     def _watch(self, read_end: int) -> None:
         first: int | None = None
         since = 0.0
+        terminated = False  # a SIGTERM came (passed to on_signal once)
         try:
             while True:
                 wait = None if first is None or self.timeout is None else since + self.timeout - time.monotonic()
@@ -110,10 +115,14 @@ class SignalDeadline:
                     now = time.monotonic()
                     if first is None:
                         first, since = signum, now
+                        self.received = signum
                         self.on_signal(signum)
                     elif signum == first and now - since >= REPEAT_AFTER and not self.saving:
                         name = signal.Signals(signum).name
                         self._exit(signum, f"a second {name} came {now - since:.1f} s after the first")
+                    elif signum == signal.SIGTERM and not terminated:  # after a SIGINT: told to go as well
+                        self.on_signal(signum)
+                    terminated = terminated or signum == signal.SIGTERM
         finally:
             os.close(read_end)
 

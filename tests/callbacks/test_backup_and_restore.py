@@ -18,7 +18,7 @@ import warnings
 import numpy as np
 import pytest
 from helpers import MLP, classification_data, linked_meshfit_names, meshfit_names, plant_symlinks, read_all
-from processes import Job, run
+from processes import Job, alive, run
 
 import meshfit as mf
 from meshfit.checkpointing.checkpoint import MARKER
@@ -556,15 +556,6 @@ def test_a_full_disk_ends_the_process_with_a_clear_error(tmp_path):
                 pass
         status, output = run_worker(tmp_path / "out", tmp_path / "backup" / "b", timeout=90)
         assert status == 1 and "No space left on device" in output and "CheckpointWriteError" in output, output[-3000:]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie waiting for its parent is gone too
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_sigterm_to_the_launcher_reaches_every_rank_saves_and_exits_143(tmp_path, uninterrupted_two_processes):

@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from processes import Job, run
+from processes import Job, alive, run
 
 from meshfit.launch import local as launch
 
@@ -82,12 +82,12 @@ def rank_one_killed(tmp_path_factory):
 
 
 def test_killed_worker_ends_the_job_with_a_clear_error_in_bounded_time(rank_one_killed):
-    for job, _, took, alive in rank_one_killed:
+    for job, _, took, rank_zero_alive in rank_one_killed:
         proc, err = job.proc, job.stderr
         assert took < 30
         assert proc.returncode == 128 + signal.SIGKILL
         assert "[launch] rank 1 exited with status -9 (killed by SIGKILL); stopping the other 1 process(es)." in err
-        assert not alive, "rank 0 was left running"
+        assert not rank_zero_alive, "rank 0 was left running"
 
 
 def test_launch_requires_a_script():
@@ -238,3 +238,41 @@ def test_the_coordinator_port_is_free_and_outside_the_range_outgoing_connections
     for port in ports:
         with socket.create_server(("", port)):
             pass
+
+
+@pytest.mark.parametrize("ctrl_c", [False, True], ids=["sigint-to-the-launcher", "ctrl-c-to-the-process-group"])
+def test_sigint_to_the_launcher_ends_a_training_job_with_130(tmp_path, ctrl_c):
+    """`kill -INT` of the launcher: each rank gets SIGTERM, the ranks agree on a step, save it and exit 143; the
+    launcher exits 130. Ctrl-C at a terminal signals the whole process group: each rank also gets the SIGINT
+    itself and ends unsaved (KeyboardInterrupt, or 130 from its bound if its exit waits for a peer)."""
+    backup = tmp_path / "backup"
+    argv = launch_cmd("--nprocs", "2", "--devices-per-proc", "2")
+    argv += [os.path.join(WORKERS, "train_resumable.py"), str(tmp_path / "out"), str(backup)]
+    argv += ["--strategy", "multi_worker", "--slow", "0.05"] + (["--preemption-timeout", "3"] if ctrl_c else [])
+    with Job(argv, timeout=120) as job:
+        pids = {int(m[1]): int(m[2]) for m in job.wait_for(r"\[rank (\d)\] pid (\d+) fitting", count=2)}
+        job.wait_for(r"\[rank 0\] step 5$")
+        sent = time.monotonic()
+        if ctrl_c:
+            os.killpg(job.proc.pid, signal.SIGINT)
+        else:
+            job.proc.send_signal(signal.SIGINT)
+        status = job.finish(timeout=90)
+        took = time.monotonic() - sent
+    assert status == 130, job.stderr[-3000:]
+    err = job.stderr
+    assert "[launch] received SIGINT: sending SIGTERM to every rank" in err and "[launch] stopped by SIGINT." in err
+    assert "did not end within the grace period" not in err, err
+    assert not [pid for pid in pids.values() if alive(pid)], "a rank outlived the launcher"
+    steps = sorted(int(p) for p in os.listdir(backup) if p.isdigit())
+    if ctrl_c:
+        assert took < 3 + 5, took  # each rank's bound, not the launcher's 60 s grace
+        for rank in range(2):
+            ended = rf"^\[launch\] rank {rank} ended with status (-2 \(killed by SIGINT\)|130)\.$"
+            assert re.search(ended, err, re.M), err
+        assert steps and steps[-1] % 3 == 0  # the periodic backups only
+    else:
+        for rank in range(2):
+            assert f"[launch] rank {rank} ended with status 143." in err, err
+        synced = {int(s) for s in re.findall(r"Reached preemption sync point, step=(\d+)", job.stdout)}
+        assert len(synced) == 1 and steps[-1] == synced.pop(), (steps, job.stdout[-3000:])  # the preemption backup

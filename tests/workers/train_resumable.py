@@ -2,7 +2,8 @@
 
     python train_resumable.py OUT_DIR BACKUP_DIR [--save-freq N] [--spe K] [--epochs E] [--strategy S]
                               [--slow SECONDS] [--pause-at-step STEP FILE] [--die-at-step S] [--hidden H]
-                              [--goodput FILE] [--hang-at-step STEP FIFO] [--preemption-timeout SECONDS]
+                              [--goodput FILE] [--hang-at-step STEP FIFO] [--hang-rank R]
+                              [--preemption-timeout SECONDS]
 Prints "step <global step>" after every batch (flushed), so a test can kill it at a known step.
 """
 
@@ -61,6 +62,12 @@ def main():
         help='after this step, print "hanging at step STEP" and open FIFO (no one writes it): a callback that '
         "never returns",
     )
+    parser.add_argument(
+        "--hang-rank",
+        type=int,
+        default=None,
+        help="only this rank hangs at --hang-at-step (the others block in the next collective); default: every rank",
+    )
     parser.add_argument("--preemption-timeout", type=float, default=None, help="BackupAndRestore's (default: its own)")
     args = parser.parse_args()
     strategy = (
@@ -93,7 +100,8 @@ def main():
             os.kill(os.getpid(), signal.SIGKILL)
         if args.slow:
             time.sleep(args.slow)
-        if args.hang_at_step and model.session.step == int(args.hang_at_step[0]):
+        hangs_here = args.hang_rank is None or args.hang_rank == strategy.process_index
+        if args.hang_at_step and model.session.step == int(args.hang_at_step[0]) and hangs_here:
             print(f"hanging at step {model.session.step}", flush=True)
             open(args.hang_at_step[1]).read()
         if args.pause_at_step and model.session.step == int(args.pause_at_step[0]):
