@@ -86,8 +86,8 @@ def timeout_message(
         head += f" (not joined: process {', '.join(map(str, missing))})"
     return (
         f"{head}. Likely causes: a process was not started, or failed before it joined (see its output); "
-        "MESHFIT_NUM_PROCESSES, SLURM_NTASKS or the launcher's count differs from the processes started; a "
-        f"firewall or a wrong address. MESHFIT_INIT_TIMEOUT (seconds) sets how long to wait."
+        "a wrong process count (MESHFIT_NUM_PROCESSES, SLURM_NTASKS or the launcher's differs from the processes "
+        f"started); a firewall or a wrong address. MESHFIT_INIT_TIMEOUT (seconds) sets how long to wait."
     )
 
 

@@ -167,7 +167,7 @@ class Executables:
     def _refusal_message(self, received: str) -> str:
         return (
             "A custom train_step or test_step sees a partial batch at its real rows, which this strategy "
-            f"cannot give it: {self._real_rows_refusal}. Received: {received}. Make every batch full: a batch "
+            f"cannot give it: {self._real_rows_refusal}. Received: {received}. Make sure every batch is full: a batch "
             "size that divides the samples (a multiple of the devices), or drop the last partial batch."
         )
 

@@ -91,7 +91,7 @@ def test_compilation_counts_on_the_first_fit_and_not_on_a_second_with_the_same_s
     assert first.compile > 0.05
     assert second.compile - first.compile < 0.05 * first.compile
     assert second.idle >= 0.3  # between the fits
-    assert second.wall - first.wall - second.idle == pytest.approx(seconds, rel=0.01, abs=0.005)  # a short fit
+    assert second.wall - first.wall - second.idle == pytest.approx(seconds, rel=0.01, abs=0.02)  # a short fit
     assert second.startup == first.startup and second.step == first.step + 2 * 8
 
 
@@ -111,7 +111,7 @@ def test_a_sleeping_input_generator_shows_as_input_wait():
     # first step compiles; the loop waits for the others.
     assert 0.6 <= ledger.input < 1.2
     assert ledger.input > ledger.steps + ledger.callbacks
-    assert ledger.wall - ledger.startup == pytest.approx(seconds, rel=0.01)
+    assert ledger.wall - ledger.startup == pytest.approx(seconds, rel=0.01, abs=0.02)
 
 
 @pytest.mark.slow
