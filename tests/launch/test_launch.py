@@ -244,9 +244,11 @@ def test_the_coordinator_port_is_free_and_outside_the_range_outgoing_connections
 def test_sigint_to_the_launcher_ends_a_training_job_with_130(tmp_path, ctrl_c):
     """`kill -INT` of the launcher: each rank gets SIGTERM, the ranks agree on a step, save it and exit 143; the
     launcher exits 130. Ctrl-C at a terminal signals the whole process group: each rank also gets the SIGINT
-    itself and ends unsaved (KeyboardInterrupt, or 130 from its bound if its exit waits for a peer)."""
+    itself and ends unsaved (KeyboardInterrupt, or 130 from its bound if its exit waits for a peer). A rank whose
+    exit blocks in C holding the GIL (seen under load, after the KeyboardInterrupt) cannot run its bound: the
+    launcher's grace period ends it, so the job still ends within a bound."""
     backup = tmp_path / "backup"
-    argv = launch_cmd("--nprocs", "2", "--devices-per-proc", "2")
+    argv = launch_cmd("--nprocs", "2", "--devices-per-proc", "2", *(["--grace-period", "8"] if ctrl_c else []))
     argv += [os.path.join(WORKERS, "train_resumable.py"), str(tmp_path / "out"), str(backup)]
     argv += ["--strategy", "multi_worker", "--slow", "0.05"] + (["--preemption-timeout", "3"] if ctrl_c else [])
     with Job(argv, timeout=120) as job:
@@ -262,13 +264,15 @@ def test_sigint_to_the_launcher_ends_a_training_job_with_130(tmp_path, ctrl_c):
     assert status == 130, job.stderr[-3000:]
     err = job.stderr
     assert "[launch] received SIGINT: sending SIGTERM to every rank" in err and "[launch] stopped by SIGINT." in err
-    assert "did not end within the grace period" not in err, err
+    assert ctrl_c or "did not end within the grace period" not in err, err
     assert not [pid for pid in pids.values() if alive(pid)], "a rank outlived the launcher"
     steps = sorted(int(p) for p in os.listdir(backup) if p.isdigit())
     if ctrl_c:
-        assert took < 3 + 5, took  # each rank's bound, not the launcher's 60 s grace
+        assert took < 8 + 5, took  # each rank's bound (3 s), at worst the launcher's grace period (8 s)
         for rank in range(2):
-            ended = rf"^\[launch\] rank {rank} ended with status (-2 \(killed by SIGINT\)|130)\.$"
+            ended = (
+                rf"^\[launch\] rank {rank} ended with status (-2 \(killed by SIGINT\)|130|-9 \(killed by SIGKILL\))\.$"
+            )
             assert re.search(ended, err, re.M), err
         assert steps and steps[-1] % 3 == 0  # the periodic backups only
     else:
