@@ -20,11 +20,17 @@ them (their output would have nowhere to go, and a rank failing on that alone
 could leave the other waiting in a collective); the last periodic backup is
 what is left. A rank stopped (SIGSTOP) for longer than the heartbeat
 timeout is treated as hung and ends the job.
+
+The launcher also keeps the memory tier of `BackupAndRestore(memory_freq=K)`
+(`meshfit.launch.keeper`): snapshots the ranks send every K steps, held in
+the launcher's memory across restarts, so a restarted job resumes from the
+newest one instead of the older disk backup.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import random
 import re
@@ -38,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from meshfit.launch.keeper import Keeper
 from meshfit.runtime import job_env
 from meshfit.runtime.job_layout import JobLayout, JobStart, status_text
 
@@ -366,16 +373,24 @@ def launch(config: LaunchConfig, log: TextIO = sys.stderr, runner: Runner | None
     """
     if config.nprocs < 1:
         raise ValueError(f"--nprocs must be at least 1. Received: {config.nprocs}.")
+    snapshots = None
     if runner is None:
         _gpus_to_assign(config)  # a misconfiguration fails before any process starts
         runner = run_once
+    if runner is run_once and config.layout.keeps_snapshots:
+        snapshots = Keeper(log)  # the memory tier of BackupAndRestore, across restarts
+        config = dataclasses.replace(config, env={**config.env, **snapshots.env()})
     attempt = 0
-    while True:
-        status = runner(config, attempt, log)
-        if status == 0 or -status in FORWARDED or attempt >= config.max_restarts:
-            break
-        attempt += 1
-        log.write(f"[launch] restarting the job ({attempt}/{config.max_restarts}).\n")
+    try:
+        while True:
+            status = runner(config, attempt, log)
+            if status == 0 or -status in FORWARDED or attempt >= config.max_restarts:
+                break
+            attempt += 1
+            log.write(f"[launch] restarting the job ({attempt}/{config.max_restarts}).\n")
+    finally:
+        if snapshots is not None:
+            snapshots.close()
     if -status in FORWARDED:
         log.write(f"[launch] stopped by {signal.Signals(-status).name}.\n")
     elif status:

@@ -56,6 +56,9 @@ class JobLayout(ABC):
 
     #: Whether the ranks' connections need a secret, fresh at each start (`JobStart.authkey`).
     needs_authkey: bool = False
+    #: Whether the launcher keeps the memory tier of the ranks' backups (`meshfit.launch.keeper`): jobs whose
+    #: ranks resume from `BackupAndRestore` together (all-reduce strategies).
+    keeps_snapshots: bool = False
 
     @property
     @abstractmethod
@@ -122,6 +125,7 @@ class DistributedJob(JobLayout):
     """`meshfit launch --nprocs N`: N copies of the script in one `jax.distributed` job; any failure ends it."""
 
     processes: int
+    keeps_snapshots = True
 
     @property
     def nprocs(self) -> int:

@@ -213,6 +213,25 @@ def test_restart_under_launch_with_a_killed_worker(tmp_path, uninterrupted_two_p
     assert_same_run(tmp_path / "a", uninterrupted_two_processes)
 
 
+def test_a_killed_rank_resumes_from_the_launchers_memory_snapshot(tmp_path, uninterrupted_two_processes):
+    """memory_freq=5 and no disk backup after step 0; rank 1 SIGKILLed at step 23: the restart resumes at
+    step 20 from the launcher's memory, finishes bitwise equal to an uninterrupted job; no backup on disk."""
+    killed = run(
+        LAUNCH
+        + ["--max-restarts", "1", "--stop-grace", "1"]
+        + [WORKER, str(tmp_path / "a"), str(tmp_path / "ab"), "--strategy", "multi_worker", "--keep-backups"]
+        + ["--save-freq", "1000", "--memory-freq", "5", "--die-at-step", "23"],
+        timeout=300,
+    )
+    assert killed.returncode == 0, killed.stdout[-3000:] + killed.stderr[-3000:]
+    assert "rank 1 exited with status -9" in killed.stderr and "restarting the job (1/1)" in killed.stderr
+    assert "[rank 0] BackupAndRestore: resumed from the launcher's memory snapshot" in killed.stdout
+    assert "(step 20; tier: memory)" in killed.stdout
+    assert "keeper: committed the memory snapshot of step 5" in killed.stderr
+    assert not [p for p in os.listdir(tmp_path / "ab") if p.split(".")[0].isdigit()]  # no disk backup at all
+    assert_same_run(tmp_path / "a", uninterrupted_two_processes)
+
+
 def test_sigterm_to_every_process_agrees_on_a_step_saves_and_resumes(tmp_path, uninterrupted_two_processes):
     """A preempted multi-process job: all ranks stop at one step (JAX's sync point), save, exit 143."""
     with Job(

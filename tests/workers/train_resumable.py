@@ -3,6 +3,7 @@
     python train_resumable.py OUT_DIR BACKUP_DIR [--save-freq N] [--spe K] [--epochs E] [--strategy S]
                               [--slow SECONDS] [--pause-at-step STEP FILE] [--die-at-step S] [--hidden H]
                               [--goodput FILE] [--hang-at-step STEP FIFO] [--preemption-timeout SECONDS]
+                              [--memory-freq K] [--keep-backups]
 Prints "step <global step>" after every batch (flushed), so a test can kill it at a known step.
 """
 
@@ -62,6 +63,8 @@ def main():
         "never returns",
     )
     parser.add_argument("--preemption-timeout", type=float, default=None, help="BackupAndRestore's (default: its own)")
+    parser.add_argument("--memory-freq", type=int, default=None, help="BackupAndRestore's (snapshots in the launcher)")
+    parser.add_argument("--keep-backups", action="store_true", help="BackupAndRestore(delete_checkpoint=False)")
     args = parser.parse_args()
     strategy = (
         mf.strategies.MultiWorkerMirroredStrategy()
@@ -117,6 +120,8 @@ def main():
             args.backup,
             save_freq=save_freq,
             **({} if args.preemption_timeout is None else {"preemption_timeout": args.preemption_timeout}),
+            memory_freq=args.memory_freq,
+            delete_checkpoint=not args.keep_backups,
         ),
     ]
     if args.sigterm_in_setup:

@@ -1,0 +1,267 @@
+"""The memory tier of `BackupAndRestore`: snapshots of a backup kept in the launcher's RAM.
+
+Every K steps each process sends the launcher's keeper
+(`meshfit.launch.keeper`) its part of exactly what a disk backup holds (the
+tree and JSON part of `checkpoint_schema.BACKUP`, with the same fingerprints,
+`meshfit.checkpointing.integrity`). Taking one holds the loop as long as an
+async disk save's start: one program copies the state on its devices and
+fingerprints the copy; a thread then waits for it, copies this process's
+shards to the host and sends them. A restarted process asks the keeper for
+the newest committed snapshot and rebuilds its arrays, laid out as the live
+state, from the shards it had; a part whose SHA-256 or fingerprints do not
+match is never restored.
+
+A part is this process's shards only (a replicated array: one copy), as raw
+bytes described by a JSON header; nothing is pickled:
+
+    b"MFSNAP1\\n" | header length (8 bytes, big-endian) | header JSON | array bytes
+
+Restoring needs the same shards in each process: the same world size and
+devices (elastic restarts onto fewer processes use a disk backup).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import threading
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshfit.checkpointing import integrity
+from meshfit.core.trees import decode, encode, path_name
+from meshfit.runtime import keeper_protocol as protocol
+
+MAGIC = b"MFSNAP1\n"
+#: `latest` asks for the newest snapshot below this step: any.
+NEWEST = 1 << 62
+
+
+class MemoryTierUnavailable(RuntimeError):
+    """The keeper cannot hold snapshots (no room on the host, or it is gone): back up to disk only."""
+
+
+def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> str:
+    """A shard's place in its array as text: "0:4,0:3" (full ranges spelt out)."""
+    return ",".join(f"{s.start or 0}:{dim if s.stop is None else s.stop}" for s, dim in zip(index, shape, strict=True))
+
+
+def pack(step: int, tree, meta: dict[str, Any]) -> bytes:
+    """This process's part of a snapshot of `tree` (arrays already on the host or fetched here) as bytes."""
+    leaves, chunks, offset = [], [], 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(leaf, jax.Array):
+            shards, seen = [], set()
+            for shard in leaf.addressable_shards:
+                key = _index_key(shard.index, leaf.shape)
+                if key not in seen:
+                    seen.add(key)
+                    shards.append((key, np.asarray(shard.data)))
+        else:
+            value = np.asarray(leaf)
+            shards = [(_index_key(tuple(slice(None) for _ in value.shape), value.shape), value)]
+        described = []
+        for key, data in shards:
+            raw = np.ascontiguousarray(data).tobytes()
+            described.append({"index": key, "offset": offset, "nbytes": len(raw)})
+            chunks.append(raw)
+            offset += len(raw)
+        dtype = leaf.dtype
+        leaves.append(
+            {"path": path_name(path), "dtype": np.dtype(dtype).name, "shape": list(leaf.shape), "shards": described}
+        )
+    header = json.dumps({"step": step, "meta": meta, "leaves": leaves}).encode()
+    return b"".join([MAGIC, struct.pack(">Q", len(header)), header, *chunks])
+
+
+def unpack_header(part: bytes) -> tuple[dict, memoryview]:
+    """The JSON header of a part and a view of its array bytes; `ValueError` if it is not one."""
+    if not part.startswith(MAGIC) or len(part) < len(MAGIC) + 8:
+        raise ValueError("not a meshfit snapshot part (no MFSNAP1 header)")
+    (length,) = struct.unpack(">Q", part[len(MAGIC) : len(MAGIC) + 8])
+    start = len(MAGIC) + 8
+    if start + length > len(part):
+        raise ValueError("a snapshot part cut short in its header")
+    header = json.loads(part[start : start + length].decode())
+    return header, memoryview(part)[start + length :]
+
+
+def unpack(part: bytes, template) -> Any:
+    """The tree of a part, laid out as `template` (device arrays on its shardings, numpy arrays on the host).
+
+    `ValueError` names what differs when the part does not fit the template (another model, another layout).
+    """
+    header, data = unpack_header(part)
+    by_path = {leaf["path"]: leaf for leaf in header["leaves"]}
+    flat, treedef = jax.tree_util.tree_flatten_with_path(encode(template))
+    rebuilt = []
+    for path, like in flat:
+        name = path_name(path)
+        saved = by_path.get(name)
+        if saved is None:
+            raise ValueError(f"{name}: not in the snapshot")
+        dtype = jnp.dtype(saved["dtype"])
+        shape = tuple(saved["shape"])
+        if shape != tuple(like.shape) or dtype != np.dtype(like.dtype):
+            raise ValueError(
+                f"{name}: saved {shape} {dtype.name}, expected {tuple(like.shape)} {np.dtype(like.dtype).name}"
+            )
+        shards = {}
+        for shard in saved["shards"]:
+            raw = data[shard["offset"] : shard["offset"] + shard["nbytes"]]
+            shards[shard["index"]] = np.frombuffer(raw, dtype=dtype)
+        if isinstance(like, jax.Array):
+
+            def piece(index, shards=shards, shape=shape, name=name):
+                key = _index_key(index, shape)
+                if key not in shards:
+                    raise ValueError(f"{name}: this process holds no shard [{key}] (another layout or world size)")
+                block = shards[key]
+                return block.reshape(tuple(len(range(*s.indices(d))) for s, d in zip(index, shape, strict=True)))
+
+            rebuilt.append(jax.make_array_from_callback(shape, like.sharding, piece))
+        else:
+            (only,) = shards.values()
+            rebuilt.append(np.array(only.reshape(shape)))
+    return decode(jax.tree_util.tree_unflatten(treedef, rebuilt), template)
+
+
+class MemoryTier:
+    """This process's side of the keeper, for one fit (`fit`: its backup directory).
+
+    `save` starts a snapshot and returns; `latest` fetches the newest committed one.
+    """
+
+    def __init__(self, fit: str):
+        if not protocol.available():
+            raise MemoryTierUnavailable(
+                "no snapshot keeper: `memory_freq` needs a launcher that keeps snapshots, "
+                f"{protocol.LAUNCHERS_WITH_KEEPER}."
+            )
+        self.fit = fit
+        self.rank = jax.process_index()
+        self.world = jax.process_count()
+        self.start = int(os.environ.get("MESHFIT_RESTART_COUNT", "0"))
+        self._conn = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.committed: list[int] = []  # steps this process saw committed (the keeper says so to the last sender)
+
+    def _connection(self):
+        if self._conn is None:
+            self._conn = protocol.connect()
+        return self._conn
+
+    def _request(self, message: dict) -> dict:
+        conn = self._connection()
+        protocol.send_json(conn, {"fit": self.fit, "rank": self.rank, "world": self.world, **message})
+        return protocol.recv_json(conn)
+
+    # -- saving ------------------------------------------------------------------------
+
+    def save(self, step: int, tree, meta: dict[str, Any]) -> None:
+        """Starts a snapshot of `tree` (device arrays copied on their devices now) and its JSON part `meta`.
+
+        Waits for the previous snapshot first (at most one in flight); a previous one the keeper could not
+        hold raises `MemoryTierUnavailable` here. In a multi-process job every process calls this at the
+        same step with the same tree.
+        """
+        self.wait()
+        copy, pending = integrity.snapshot(encode(tree))
+
+        def send() -> None:
+            try:
+                report = pending.result()
+                if report.non_finite():
+                    return  # never kept: the disk tier refuses such a state too
+                part = pack(step, copy, {**meta, "fingerprints": report.fingerprints})
+                self._send(step, part)
+            except BaseException as error:  # noqa: BLE001 - raised by the next save, wait or close
+                self._error = error
+
+        self._thread = threading.Thread(target=send, name=f"meshfit-memory-snapshot-{step}", daemon=True)
+        self._thread.start()
+
+    def _send(self, step: int, part: bytes) -> None:
+        conn = self._connection()
+        header = {"op": "put", "step": step, "start": self.start, "size": len(part)}
+        reply = self._request({**header, "sha256": hashlib.sha256(part).hexdigest()})
+        if not reply.get("ok"):
+            raise MemoryTierUnavailable(f"the keeper refused the snapshot of step {step}: {reply.get('message')}")
+        conn.send_bytes(part)
+        reply = protocol.recv_json(conn)
+        if not reply.get("ok"):
+            raise MemoryTierUnavailable(f"the keeper refused the snapshot of step {step}: {reply.get('message')}")
+        if reply.get("committed"):
+            self.committed.append(step)
+
+    def wait(self) -> None:
+        """Returns when the snapshot in flight has been sent; raises what went wrong with it."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            if isinstance(error, MemoryTierUnavailable):
+                raise error
+            raise MemoryTierUnavailable(f"sending a snapshot to the keeper failed ({type(error).__name__}: {error})")
+
+    def drop(self) -> None:
+        """Asks the keeper to forget this fit's snapshots (a fit that ended)."""
+        self._request({"op": "drop", "step": 0})
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    # -- restoring ---------------------------------------------------------------------
+
+    def newest(self) -> tuple[int, bytes] | None:
+        """The newest committed snapshot's step and this process's part, checked against its SHA-256; None if
+        the keeper has none for this job's world size."""
+        reply = self._request({"op": "latest", "step": NEWEST})
+        if reply.get("step") is None:
+            return None
+        part = protocol.recv_payload(self._connection(), int(reply["size"]))
+        if hashlib.sha256(part).hexdigest() != reply.get("sha256"):
+            warnings.warn(f"the memory snapshot of step {reply['step']} arrived damaged; not restored.", stacklevel=2)
+            return None
+        return int(reply["step"]), part
+
+    def restore(self, step: int, part: bytes, template_of) -> tuple[Any, dict[str, Any]] | None:
+        """The tree and JSON part of a fetched snapshot, laid out as `template_of(meta)`; None (with a warning)
+        when it does not fit this process or its arrays do not match their fingerprints.
+
+        In a multi-process job every process calls this with the same step (the fingerprints are computed
+        across processes).
+        """
+        try:
+            header, _ = unpack_header(part)
+            meta = header["meta"]
+            template = template_of(meta)
+            tree = unpack(part, template)
+        except (ValueError, KeyError, TypeError) as error:
+            warnings.warn(
+                f"the memory snapshot of step {step} does not fit this fit ({error}); not restored.", stacklevel=2
+            )
+            return None
+        report = integrity.snapshot(encode(tree))[1].result()  # the program the saves compiled: no new one
+        altered = integrity.mismatched(meta.get("fingerprints", {}), report.fingerprints)
+        if altered:
+            warnings.warn(
+                f"the memory snapshot of step {step} does not match its fingerprints ({', '.join(altered[:6])}); "
+                "not restored.",
+                stacklevel=2,
+            )
+            return None
+        return tree, meta

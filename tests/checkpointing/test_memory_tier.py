@@ -1,0 +1,118 @@
+"""The memory tier: BackupAndRestore's snapshots in a keeper, restored exactly; refused without a launcher.
+
+In one process: a real keeper (`meshfit.launch.keeper.Keeper`, real sockets) stands
+in the launcher's place, its address in the environment as `meshfit launch` sets it.
+The multi-process restart with a real SIGKILL is in tests/callbacks/test_backup_and_restore.py.
+"""
+
+import io
+import os
+import warnings
+
+import numpy as np
+import pytest
+from helpers import MLP, classification_data
+
+import meshfit as mf
+from meshfit.checkpointing import memory_tier
+from meshfit.launch.keeper import Keeper
+from meshfit.runtime import keeper_protocol
+
+
+@pytest.fixture
+def keeper(monkeypatch):
+    k = Keeper(io.StringIO())
+    for name, value in k.env().items():
+        monkeypatch.setenv(name, value)
+    yield k
+    k.close()
+
+
+def fit(backup_dir, epochs, **backup_kwargs):
+    x, y = classification_data(n=96)
+    model = mf.Model(MLP(), seed=3)
+    model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    callbacks = [mf.callbacks.BackupAndRestore(backup_dir, **backup_kwargs)] if backup_dir else []
+    history = model.fit(x, y, batch_size=16, epochs=epochs, callbacks=callbacks, verbose=0)
+    return model, history
+
+
+def test_memory_freq_without_a_launcher_is_refused_naming_the_launcher(tmp_path, monkeypatch):
+    monkeypatch.delenv(keeper_protocol.ENV_KEEPER_ADDRESS, raising=False)
+    with pytest.raises(ValueError, match=r"memory_freq=5.*meshfit launch --nprocs N"):
+        mf.callbacks.BackupAndRestore(tmp_path / "b", memory_freq=5)
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "5"])
+def test_a_bad_memory_freq_is_refused(tmp_path, bad):
+    with pytest.raises(ValueError, match="`memory_freq` must be a positive int or None"):
+        mf.callbacks.BackupAndRestore(tmp_path / "b", memory_freq=bad)
+
+
+def test_memory_replicas_other_than_one_are_refused(tmp_path, keeper):
+    with pytest.raises(ValueError, match="`memory_replicas` must be 1"):
+        mf.callbacks.BackupAndRestore(tmp_path / "b", memory_freq=2, memory_replicas=2)
+
+
+def test_a_fit_resumes_from_the_newest_memory_snapshot_exactly(tmp_path, keeper, capsys):
+    """Snapshots every 2 steps and no disk backup: the next fit resumes at step 6 from memory, bitwise."""
+    full, full_history = fit(None, 2)
+    fit(tmp_path / "b", 1, save_freq=1000, memory_freq=2, delete_checkpoint=False)  # 6 steps; snapshots at 2, 4, 6
+    assert keeper.committed_steps(os.path.abspath(tmp_path / "b")) == [4, 6]  # the newest two
+    assert not [p for p in os.listdir(tmp_path / "b") if p.isdigit()]  # nothing on disk
+    resumed, resumed_history = fit(tmp_path / "b", 2, save_freq=1000, memory_freq=2)
+    assert "(step 6; tier: memory)" in capsys.readouterr().out
+    assert resumed_history.history == full_history.history
+    for a, b in zip(full.get_weights(), resumed.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert keeper.committed_steps(os.path.abspath(tmp_path / "b")) == []  # a finished fit's snapshots are dropped
+
+
+def test_a_disk_backup_newer_than_the_memory_snapshot_wins(tmp_path, keeper, capsys):
+    fit(tmp_path / "b", 1, save_freq=5, memory_freq=4, delete_checkpoint=False)  # 6 steps
+    steps = keeper.committed_steps(os.path.abspath(tmp_path / "b"))
+    disk = sorted(int(p) for p in os.listdir(tmp_path / "b") if p.isdigit())
+    assert disk == [5] and steps == [4], (disk, steps)  # at 6 no multiple of 4 was passed since the backup at 5
+    fit(tmp_path / "b", 2, save_freq=5, memory_freq=4)
+    assert "(step 5; tier: disk)" in capsys.readouterr().out
+
+
+def test_a_part_that_does_not_match_its_fingerprints_is_not_restored(tmp_path, keeper):
+    fit(tmp_path / "b", 1, save_freq=1000, memory_freq=3, delete_checkpoint=False)
+    tier = memory_tier.MemoryTier(os.path.abspath(tmp_path / "b"))
+    step, part = tier.newest()
+    header, data = memory_tier.unpack_header(part)
+    kernel = next(leaf for leaf in header["leaves"] if leaf["path"].endswith("kernel"))
+    at = len(part) - len(data) + kernel["shards"][0]["offset"]
+    damaged = part[:at] + bytes([part[at] ^ 0x01]) + part[at + 1 :]  # one bit of one weight
+    model = mf.Model(MLP(), seed=3)
+    model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = classification_data(n=16)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)  # a live state to lay the arrays out like
+    from meshfit.checkpointing.checkpoint_schema import BACKUP
+
+    def template_of(meta):
+        return BACKUP.target(model.session.store.latest, meta)
+
+    assert tier.restore(step, part, template_of) is not None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert tier.restore(step, damaged, template_of) is None
+    assert any("does not match its fingerprints" in str(w.message) for w in caught)
+    tier.close()
+
+
+def test_a_host_that_cannot_hold_the_snapshots_falls_back_to_disk_with_one_warning(tmp_path, monkeypatch):
+    k = Keeper(io.StringIO(), max_bytes=1000)
+    for name, value in k.env().items():
+        monkeypatch.setenv(name, value)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, history = fit(tmp_path / "b", 2, save_freq=4, memory_freq=2)
+        said = [w for w in caught if "memory snapshots are off" in str(w.message)]
+        assert len(said) == 1 and "may hold 1000 B" in str(said[0].message)
+        assert len(history.history["loss"]) == 2 and k.held_bytes() == 0
+    finally:
+        k.close()
