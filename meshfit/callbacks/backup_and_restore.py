@@ -296,12 +296,20 @@ class BackupAndRestore(Callback):
         position = Position(backup.epoch, backup.step_in_epoch, step, backup.data_origin, backup.data)
         self.context.restore(backup.state, position)
         if model.strategy.is_chief:
-            where = "the launcher's memory snapshot" if tier == "memory" else self._dir.directory
-            print(
-                f"BackupAndRestore: resumed from {where} at epoch {backup.epoch + 1}, "
-                f"batch {backup.step_in_epoch} (step {step}; tier: {tier}).",
-                flush=True,
-            )
+            if tier == "memory":
+                disk = self._dir.steps()
+                print(
+                    f"BackupAndRestore: resumed from the launcher's memory snapshot at epoch {backup.epoch + 1}, "
+                    f"batch {backup.step_in_epoch} (step {step}), newer than the newest disk backup "
+                    f"({f'step {disk[-1]}' if disk else 'none'}).",
+                    flush=True,
+                )
+            else:
+                print(
+                    f"BackupAndRestore: resumed from {self._dir.directory} at epoch {backup.epoch + 1}, "
+                    f"batch {backup.step_in_epoch} (step {step}).",
+                    flush=True,
+                )
 
     def _from_memory(self, template_of):
         """The newest committed memory snapshot as (step, tree, meta) when it is newer than every disk backup;

@@ -62,7 +62,7 @@ def test_a_fit_resumes_from_the_newest_memory_snapshot_exactly(tmp_path, keeper,
     assert keeper.committed_steps(os.path.abspath(tmp_path / "b")) == [4, 6]  # the newest two
     assert not [p for p in os.listdir(tmp_path / "b") if p.isdigit()]  # nothing on disk
     resumed, resumed_history = fit(tmp_path / "b", 2, save_freq=1000, memory_freq=2)
-    assert "(step 6; tier: memory)" in capsys.readouterr().out
+    assert "resumed from the launcher's memory snapshot at epoch 1, batch 6 (step 6)" in capsys.readouterr().out
     assert resumed_history.history == full_history.history
     for a, b in zip(full.get_weights(), resumed.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -75,7 +75,7 @@ def test_a_disk_backup_newer_than_the_memory_snapshot_wins(tmp_path, keeper, cap
     disk = sorted(int(p) for p in os.listdir(tmp_path / "b") if p.isdigit())
     assert disk == [5] and steps == [4], (disk, steps)  # at 6 no multiple of 4 was passed since the backup at 5
     fit(tmp_path / "b", 2, save_freq=5, memory_freq=4)
-    assert "(step 5; tier: disk)" in capsys.readouterr().out
+    assert f"resumed from {tmp_path / 'b'} at epoch 1, batch 5 (step 5)." in capsys.readouterr().out
 
 
 def test_a_part_that_does_not_match_its_fingerprints_is_not_restored(tmp_path, keeper):
