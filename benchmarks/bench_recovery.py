@@ -81,7 +81,7 @@ def worker(args) -> None:
                 }
                 print(f"a{start} cost {json.dumps(total)}", flush=True)
 
-    backup = mf.callbacks.BackupAndRestore(args.backup, save_freq=args.disk_freq, memory_freq=args.memory_freq)
+    backup = mf.callbacks.BackupAndRestore(args.backup, save_freq=args.disk_freq, memory_freq=args.memory_freq or None)
     model.fit(x, y, batch_size=32, epochs=args.epochs, callbacks=[Report(), backup], verbose=0)
 
 
@@ -92,7 +92,7 @@ def launch(base: str, name: str, epochs: int, disk_freq: int, memory_freq: int |
     argv = LAUNCH + ["--nprocs", "2", "--devices-per-proc", "1", "--max-restarts", str(len(kills))]
     argv += ["--stop-grace", "1", __file__, "--worker", "--backup", os.path.join(base, name)]
     argv += ["--epochs", str(epochs), "--disk-freq", str(disk_freq)]
-    argv += ["--memory-freq", str(memory_freq)] if memory_freq else []
+    argv += ["--memory-freq", str(memory_freq or 0)]  # 0: disk backups only
     argv += ["--kill-at", ",".join(map(str, kills))] if kills else []
     env = dict(os.environ, PYTHONPATH=os.path.join(HERE, ".."), JAX_PLATFORMS="cpu")
     with Job(argv, timeout=1800, env=env) as job:
