@@ -89,8 +89,11 @@ class BackupAndRestore(Callback):
     long as starting an async save (a copy on the devices; the copy to the
     host and the transfer run behind the next steps). A snapshot counts once
     every process's part has arrived whole; a restart resumes from the newest
-    such snapshot when it is newer than the newest disk backup (and the world
-    size is the same), else from disk, and says which. A snapshot whose
+    such snapshot when it is newer than the newest disk backup, else from disk,
+    and says which. After an elastic restart onto fewer processes the snapshot
+    of the larger job is restored when each process's part holds the arrays
+    whole (replicated state, as under data parallelism); a state sharded
+    across processes resumes from disk (with a warning). A snapshot whose
     fingerprints do not match, or one a process died while sending, is never
     restored. When the keeper's host cannot hold the snapshots, the fit warns
     once and backs up to disk only.
@@ -298,8 +301,11 @@ class BackupAndRestore(Callback):
         if model.strategy.is_chief:
             if tier == "memory":
                 disk = self._dir.steps()
+                saved_world = self._memory.saved_world if self._memory is not None else 0
+                of_job = f" of a {saved_world}-process job" if saved_world != self._memory.world else ""
                 print(
-                    f"BackupAndRestore: resumed from the launcher's memory snapshot at epoch {backup.epoch + 1}, "
+                    f"BackupAndRestore: resumed from the launcher's memory snapshot{of_job} at epoch "
+                    f"{backup.epoch + 1}, "
                     f"batch {backup.step_in_epoch} (step {step}), newer than the newest disk backup "
                     f"({f'step {disk[-1]}' if disk else 'none'}).",
                     flush=True,

@@ -16,8 +16,13 @@ bytes described by a JSON header; nothing is pickled:
 
     b"MFSNAP1\\n" | header length (8 bytes, big-endian) | header JSON | array bytes
 
-Restoring needs the same shards in each process: the same world size and
-devices (elastic restarts onto fewer processes use a disk backup).
+Restoring needs each array's shards of this process in its part: the same
+world size and layout, or, after an elastic restart onto fewer processes, a
+part of the larger job that holds each array whole (replicated, as data
+parallelism keeps the state: rank r of the smaller job reads rank r's part).
+An array sharded across the larger job's processes cannot be assembled from
+one part: such a snapshot is not restored (with a warning) and the restart
+resumes from the disk backup, which restores onto any world size.
 """
 
 from __future__ import annotations
@@ -117,13 +122,20 @@ def unpack(part: bytes, template) -> Any:
             raw = data[shard["offset"] : shard["offset"] + shard["nbytes"]]
             shards[shard["index"]] = np.frombuffer(raw, dtype=dtype)
         if isinstance(like, jax.Array):
+            whole = _index_key(tuple(slice(None) for _ in shape), shape)
 
-            def piece(index, shards=shards, shape=shape, name=name):
+            def piece(index, shards=shards, shape=shape, name=name, whole=whole):
                 key = _index_key(index, shape)
-                if key not in shards:
-                    raise ValueError(f"{name}: this process holds no shard [{key}] (another layout or world size)")
-                block = shards[key]
-                return block.reshape(tuple(len(range(*s.indices(d))) for s, d in zip(index, shape, strict=True)))
+                if key in shards:
+                    return shards[key].reshape(
+                        tuple(len(range(*s.indices(d))) for s, d in zip(index, shape, strict=True))
+                    )
+                if whole in shards:  # a replicated array: any shard is a slice of the whole
+                    return shards[whole].reshape(shape)[index]
+                raise ValueError(
+                    f"{name}: this process's part holds no shard [{key}] nor the whole array (another layout, or "
+                    "a world size that split it across processes)"
+                )
 
             rebuilt.append(jax.make_array_from_callback(shape, like.sharding, piece))
         else:
@@ -152,6 +164,7 @@ class MemoryTier:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.committed: list[int] = []  # steps this process saw committed (the keeper says so to the last sender)
+        self.saved_world = self.world  # the world size of the job that took the snapshot `newest` fetched
 
     def _connection(self):
         if self._conn is None:
@@ -228,10 +241,11 @@ class MemoryTier:
 
     def newest(self) -> tuple[int, bytes] | None:
         """The newest committed snapshot's step and this process's part, checked against its SHA-256; None if
-        the keeper has none for this job's world size."""
+        the keeper has none of this job's world size or a larger one (`saved_world`: the job that took it)."""
         reply = self._request({"op": "latest", "step": NEWEST})
         if reply.get("step") is None:
             return None
+        self.saved_world = int(reply.get("world", self.world))
         part = protocol.recv_payload(self._connection(), int(reply["size"]))
         if hashlib.sha256(part).hexdigest() != reply.get("sha256"):
             warnings.warn(f"the memory snapshot of step {reply['step']} arrived damaged; not restored.", stacklevel=2)

@@ -287,13 +287,17 @@ class Keeper:
         fit, below, rank, world, _ = self._fields(request)
         with self._lock:
             steps = self._committed.get(fit, {})
-            found = [s for s in sorted(steps) if s < below and steps[s].world == world]
-            part = steps[found[-1]].parts[rank] if found else None
-        if part is None:
+            # A smaller world (an elastic restart) gets the part of its own rank in the larger one: the rank
+            # decides whether that part alone holds its arrays (`memory_tier.unpack`).
+            found = [s for s in sorted(steps) if s < below and steps[s].world >= world]
+            saved = steps[found[-1]] if found else None
+            part = saved.parts[rank] if saved is not None else None
+        if saved is None or part is None:
             protocol.send_json(conn, {"step": None})
             return
         protocol.send_json(
-            conn, {"step": found[-1], "size": len(part), "sha256": hashlib.sha256(part).hexdigest(), "world": world}
+            conn,
+            {"step": found[-1], "size": len(part), "sha256": hashlib.sha256(part).hexdigest(), "world": saved.world},
         )
         conn.send_bytes(part)
 

@@ -5,10 +5,14 @@ in the launcher's place, its address in the environment as `meshfit launch` sets
 The multi-process restart with a real SIGKILL is in tests/callbacks/test_backup_and_restore.py.
 """
 
+import hashlib
 import io
+import json
 import os
+import struct
 import warnings
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import MLP, classification_data
@@ -116,3 +120,51 @@ def test_a_host_that_cannot_hold_the_snapshots_falls_back_to_disk_with_one_warni
         assert len(history.history["loss"]) == 2 and k.held_bytes() == 0
     finally:
         k.close()
+
+
+def put(fit_key: str, step: int, rank: int, world: int, part: bytes) -> dict:
+    """Sends one process's part of a snapshot to the keeper, as `MemoryTier` does for rank `rank` of `world`."""
+    conn = keeper_protocol.connect()
+    try:
+        request = {"op": "put", "fit": fit_key, "rank": rank, "world": world, "step": step, "start": 0}
+        keeper_protocol.send_json(conn, {**request, "size": len(part), "sha256": hashlib.sha256(part).hexdigest()})
+        assert keeper_protocol.recv_json(conn)["ok"]
+        conn.send_bytes(part)
+        return keeper_protocol.recv_json(conn)
+    finally:
+        conn.close()
+
+
+def test_a_smaller_world_resumes_from_a_larger_jobs_snapshot_whose_parts_hold_the_arrays_whole(
+    tmp_path, keeper, capsys
+):
+    """A snapshot of a 2-process data-parallel job (each part: the whole replicated state) restores onto 1
+    process, exactly: what an elastic restart onto fewer processes does."""
+    full, full_history = fit(None, 2)
+    fit(tmp_path / "b", 1, save_freq=1000, memory_freq=2, delete_checkpoint=False)
+    fit_key = os.path.abspath(tmp_path / "b")
+    tier = memory_tier.MemoryTier(fit_key)
+    step, part = tier.newest()
+    tier.drop()
+    assert put(fit_key, step, 0, 2, part)["committed"] is False  # one part of two: not yet a snapshot
+    assert put(fit_key, step, 1, 2, part)["committed"] is True
+    tier.close()
+    resumed, resumed_history = fit(tmp_path / "b", 2, save_freq=1000, memory_freq=2)
+    out = capsys.readouterr().out
+    assert "resumed from the launcher's memory snapshot of a 2-process job at epoch 1, batch 6 (step 6)" in out
+    assert resumed_history.history == full_history.history
+    for a, b in zip(full.get_weights(), resumed.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_an_array_split_across_the_larger_jobs_processes_is_not_assembled_from_one_part():
+    """A part that holds only a slice of an array (sharded across processes) cannot fill this process's
+    whole array: refused naming the array and the shard, so the restart resumes from disk."""
+    part = memory_tier.pack(4, {"w": jnp.arange(8.0).reshape(4, 2)}, {})
+    header, data = memory_tier.unpack_header(part)
+    header["leaves"][0]["shards"] = [{"index": "0:2,0:2", "offset": 0, "nbytes": 16}]  # rows 0-1 only
+    raw = json.dumps(header).encode()
+    half = memory_tier.MAGIC + struct.pack(">Q", len(raw)) + raw + bytes(data[:16])
+    with pytest.raises(ValueError, match=r"w: this process's part holds no shard \[0:4,0:2\] nor the whole array"):
+        memory_tier.unpack(half, {"w": jnp.zeros((4, 2))})
+    np.testing.assert_array_equal(memory_tier.unpack(part, {"w": jnp.zeros((4, 2))})["w"], np.arange(8.0).reshape(4, 2))
