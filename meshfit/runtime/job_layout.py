@@ -94,6 +94,12 @@ class JobLayout(ABC):
         """Whether the job is over and succeeded, given the statuses of the ranks that have exited."""
         return all(statuses.get(rank) == 0 for rank in self.needed_ranks)
 
+    def resized(self, nprocs: int) -> JobLayout | None:
+        """The same job on `nprocs` processes (an elastic restart onto fewer), or None when it cannot run on
+        another number (a layout whose ranks have roles of their own)."""
+        del nprocs
+        return None
+
 
 def status_text(status: int) -> str:
     """`status`, and the signal that killed the process when it is negative: "-9 (killed by SIGKILL)"."""
@@ -142,3 +148,6 @@ class DistributedJob(JobLayout):
             f"rank {rank} exited with status {status_text(status)}; stopping the other {self.processes - 1} "
             "process(es).",
         )
+
+    def resized(self, nprocs: int) -> DistributedJob:
+        return DistributedJob(nprocs)

@@ -3,7 +3,7 @@
     python train_resumable.py OUT_DIR BACKUP_DIR [--save-freq N] [--spe K] [--epochs E] [--strategy S]
                               [--slow SECONDS] [--pause-at-step STEP FILE] [--die-at-step S] [--hidden H]
                               [--goodput FILE] [--hang-at-step STEP FIFO] [--preemption-timeout SECONDS]
-                              [--memory-freq K] [--keep-backups]
+                              [--memory-freq K] [--keep-backups] [--rank1-fails-to-restart]
 Prints "step <global step>" after every batch (flushed), so a test can kill it at a known step.
 """
 
@@ -65,7 +65,16 @@ def main():
     parser.add_argument("--preemption-timeout", type=float, default=None, help="BackupAndRestore's (default: its own)")
     parser.add_argument("--memory-freq", type=int, default=None, help="BackupAndRestore's (snapshots in the launcher)")
     parser.add_argument("--keep-backups", action="store_true", help="BackupAndRestore(delete_checkpoint=False)")
+    parser.add_argument(
+        "--rank1-fails-to-restart",
+        action="store_true",
+        help="in every restart of a launched job, rank 1 exits with status 3 at once (a rank that cannot start)",
+    )
     args = parser.parse_args()
+    restarted = os.environ.get("MESHFIT_RESTART_COUNT", "0") != "0"
+    if args.rank1_fails_to_restart and restarted and os.environ.get("MESHFIT_PROCESS_ID") == "1":
+        print("rank 1 cannot start", flush=True)
+        sys.exit(3)
     strategy = (
         mf.strategies.MultiWorkerMirroredStrategy()
         if args.strategy == "multi_worker"
