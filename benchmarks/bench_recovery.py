@@ -23,7 +23,7 @@ difference of the runs' mean step times (noisier: it includes the background
 copy and transfer, on a shared 2-core machine).
 
     python benchmarks/bench_recovery.py [--failures 3] [--memory-freq 5] [--disk-freq 100] [--seed 0]
-                                        [--no-early-cache]
+                                        [--no-early-cache] [--cost-rounds 1]
 """
 
 from __future__ import annotations
@@ -192,11 +192,12 @@ def main() -> None:
         action="store_true",
         help="no compilation cache before the model is built (only BackupAndRestore's, from fit's start)",
     )
-    parser.add_argument("--failures", type=int, default=3)
     parser.add_argument("--memory-freq", type=int, default=5)
     parser.add_argument("--disk-freq", type=int, default=100)
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--failures", type=int, default=3, help="SIGKILLs per setting (0: only the cost)")
+    parser.add_argument("--cost-rounds", type=int, default=1, help="pairs of jobs without failures for the cost")
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -211,17 +212,19 @@ def main() -> None:
     base = tempfile.mkdtemp(prefix="bench_recovery_")
     try:
         print(f"digits MLP, 2 processes x 1 CPU device, {steps} steps, SIGKILL of rank 1 at steps {kills}", flush=True)
+        print(f"load average before: {' '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)
         rows = []
         for label, memory in (
             (f"disk every {args.disk_freq}", None),
             (f"memory every {args.memory_freq}", args.memory_freq),
-        ):
+        )[: 2 if kills else 0]:
             out = launch(base, label.replace(" ", "_"), args.epochs, args.disk_freq, memory, kills)
             for failure in failures(out, kills):
                 rows.append((label, failure))
                 print(f"  {label}: {failure}", flush=True)
-        print("\n| setting | killed at | resumed from (tier) | steps lost | kill to first resumed step (s) |")
-        print("| --- | --- | --- | --- | --- |")
+        if rows:
+            print("\n| setting | killed at | resumed from (tier) | steps lost | kill to first resumed step (s) |")
+            print("| --- | --- | --- | --- | --- |")
         for label, f in rows:
             print(f"| {label} | {f['killed']} | {f['resumed']} ({f['tier']}) | {f['lost']} | {f['seconds']:.1f} |")
         for label in {label for label, _ in rows}:
@@ -231,14 +234,18 @@ def main() -> None:
                 f"{max(f['lost'] for f in mine)}; seconds mean {statistics.mean(f['seconds'] for f in mine):.1f}, "
                 f"max {max(f['seconds'] for f in mine):.1f}"
             )
-        off = cost(launch(base, "cost_off", args.epochs, args.disk_freq, None, []))
-        on = cost(launch(base, "cost_on", args.epochs, args.disk_freq, args.memory_freq, []))
-        print(
-            f"\ncost of the memory tier (K={args.memory_freq}): loop held {1e3 * on['held']:.3f} ms/step "
-            f"(disk-only {1e3 * off['held']:.3f} ms/step) of a {1e3 * off['step']:.2f} ms step: "
-            f"{100 * (on['held'] - off['held']) / off['step']:.2f} %; mean step {1e3 * on['step']:.2f} ms with the "
-            f"tier vs {1e3 * off['step']:.2f} ms without ({100 * (on['step'] / off['step'] - 1):+.1f} %)"
-        )
+        print()
+        for i in range(args.cost_rounds):  # disk-only and with the tier, back to back
+            off = cost(launch(base, f"cost_off{i}", args.epochs, args.disk_freq, None, []))
+            on = cost(launch(base, f"cost_on{i}", args.epochs, args.disk_freq, args.memory_freq, []))
+            print(
+                f"cost of the memory tier (K={args.memory_freq}): loop held {1e3 * on['held']:.3f} ms/step "
+                f"(disk-only {1e3 * off['held']:.3f} ms/step) of a {1e3 * off['step']:.2f} ms step: "
+                f"{100 * (on['held'] - off['held']) / off['step']:.2f} %; mean step {1e3 * on['step']:.2f} ms with "
+                f"the tier vs {1e3 * off['step']:.2f} ms without ({100 * (on['step'] / off['step'] - 1):+.1f} %)",
+                flush=True,
+            )
+        print(f"load average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

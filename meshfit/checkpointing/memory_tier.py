@@ -30,9 +30,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import struct
 import threading
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -161,7 +163,12 @@ class MemoryTier:
         self.world = jax.process_count()
         self.start = int(os.environ.get("MESHFIT_RESTART_COUNT", "0"))
         self._conn = None
-        self._thread: threading.Thread | None = None
+        # One sender thread for the fit, fed a snapshot at a time: starting a thread per snapshot holds the
+        # loop about a millisecond (the new thread must take the GIL before `start` returns).
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._sender: threading.Thread | None = None
         self._error: BaseException | None = None
         self.committed: list[int] = []  # steps this process saw committed (the keeper says so to the last sender)
         self.saved_world = self.world  # the world size of the job that took the snapshot `newest` fetched
@@ -198,8 +205,18 @@ class MemoryTier:
             except BaseException as error:  # noqa: BLE001 - raised by the next save, wait or close
                 self._error = error
 
-        self._thread = threading.Thread(target=send, name=f"meshfit-memory-snapshot-{step}", daemon=True)
-        self._thread.start()
+        self._idle.clear()
+        self._jobs.put(send)
+        if self._sender is None:
+            self._sender = threading.Thread(target=self._send_loop, name="meshfit-memory-snapshots", daemon=True)
+            self._sender.start()
+
+    def _send_loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                job()
+            finally:
+                self._idle.set()
 
     def _send(self, step: int, part: bytes) -> None:
         conn = self._connection()
@@ -216,9 +233,7 @@ class MemoryTier:
 
     def wait(self) -> None:
         """Returns when the snapshot in flight has been sent; raises what went wrong with it."""
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join()
+        self._idle.wait()
         error, self._error = self._error, None
         if error is not None:
             if isinstance(error, MemoryTierUnavailable):
@@ -233,6 +248,9 @@ class MemoryTier:
         try:
             self.wait()
         finally:
+            if self._sender is not None:
+                self._jobs.put(None)  # the sender ends
+                self._sender = None
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
