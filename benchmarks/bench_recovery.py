@@ -235,9 +235,12 @@ def main() -> None:
                 f"max {max(f['seconds'] for f in mine):.1f}"
             )
         print()
-        for i in range(args.cost_rounds):  # disk-only and with the tier, back to back
-            off = cost(launch(base, f"cost_off{i}", args.epochs, args.disk_freq, None, []))
-            on = cost(launch(base, f"cost_on{i}", args.epochs, args.disk_freq, args.memory_freq, []))
+        for i in range(args.cost_rounds):  # disk-only and with the tier back to back, first one then the other
+            order = [("off", None), ("on", args.memory_freq)][:: 1 if i % 2 == 0 else -1]
+            runs = {}
+            for name, k in order:
+                runs[name] = cost(launch(base, f"cost_{name}{i}", args.epochs, args.disk_freq, k, []))
+            off, on = runs["off"], runs["on"]
             print(
                 f"cost of the memory tier (K={args.memory_freq}): loop held {1e3 * on['held']:.3f} ms/step "
                 f"(disk-only {1e3 * off['held']:.3f} ms/step) of a {1e3 * off['step']:.2f} ms step: "
