@@ -93,9 +93,9 @@ class BackupAndRestore(Callback):
     and says which. After an elastic restart onto fewer processes the snapshot
     of the larger job is restored when each process's part holds the arrays
     whole (replicated state, as under data parallelism); a state sharded
-    across processes resumes from disk (with a warning). A snapshot whose
-    fingerprints do not match, or one a process died while sending, is never
-    restored. When the keeper's host cannot hold the snapshots, the fit warns
+    across processes resumes from disk (with a warning). A snapshot with a
+    shard that does not match its SHA-256, or one a process died while
+    sending, is never restored. When the keeper's host cannot hold the snapshots, the fit warns
     once and backs up to disk only.
 
     Args:

@@ -2,13 +2,14 @@
 
 Every K steps each process sends the launcher's keeper
 (`meshfit.launch.keeper`) its part of exactly what a disk backup holds (the
-tree and JSON part of `checkpoint_schema.BACKUP`, with the same fingerprints,
-`meshfit.checkpointing.integrity`). Taking one holds the loop as long as an
-async disk save's start: one program copies the state on its devices and
-fingerprints the copy; a thread then waits for it, copies this process's
-shards to the host and sends them. A restarted process asks the keeper for
-the newest committed snapshot and rebuilds its arrays, laid out as the live
-state, from the shards it had; a part whose SHA-256 or fingerprints do not
+tree and JSON part of `checkpoint_schema.BACKUP`). Taking one holds the loop
+for a copy of this process's shards on its own devices (a program per local
+device, none across processes: one across processes costs the steps around
+it a collective's wait); a thread then copies them to the host, skips a
+state that is not finite (as the disk tier refuses one), records each
+shard's SHA-256 and sends them. A restarted process asks the keeper for the
+newest committed snapshot and rebuilds its arrays, laid out as the live
+state, from the shards it had; a part, or a shard, whose SHA-256 does not
 match is never restored.
 
 A part is this process's shards only (a replicated array: one copy), as raw
@@ -41,7 +42,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshfit.checkpointing import integrity
 from meshfit.core.trees import decode, encode, path_name
 from meshfit.runtime import keeper_protocol as protocol
 
@@ -59,32 +59,73 @@ def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> str:
     return ",".join(f"{s.start or 0}:{dim if s.stop is None else s.stop}" for s, dim in zip(index, shape, strict=True))
 
 
-def pack(step: int, tree, meta: dict[str, Any]) -> bytes:
-    """This process's part of a snapshot of `tree` (arrays already on the host or fetched here) as bytes."""
-    leaves, chunks, offset = [], [], 0
+def _shards(tree) -> list[tuple[str, Any, tuple[int, ...], list[tuple[str, Any]]]]:
+    """Per leaf of `tree`: its path, dtype, shape and this process's distinct shards as (index key, data):
+    a device array's addressable shards (one copy of each replicated piece), a host value whole."""
+    entries = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if isinstance(leaf, jax.Array):
-            shards, seen = [], set()
+            seen: dict[str, Any] = {}
             for shard in leaf.addressable_shards:
-                key = _index_key(shard.index, leaf.shape)
-                if key not in seen:
-                    seen.add(key)
-                    shards.append((key, np.asarray(shard.data)))
+                seen.setdefault(_index_key(shard.index, leaf.shape), shard.data)
+            shards = list(seen.items())
         else:
             value = np.asarray(leaf)
             shards = [(_index_key(tuple(slice(None) for _ in value.shape), value.shape), value)]
+        entries.append((path_name(path), leaf.dtype, tuple(leaf.shape), shards))
+    return entries
+
+
+def _pack(step: int, entries, meta: dict[str, Any]) -> bytes:
+    """A part from `_shards` entries whose data are host arrays; each shard with its SHA-256."""
+    leaves, chunks, offset = [], [], 0
+    for name, dtype, shape, shards in entries:
         described = []
         for key, data in shards:
             raw = np.ascontiguousarray(data).tobytes()
-            described.append({"index": key, "offset": offset, "nbytes": len(raw)})
+            described.append(
+                {"index": key, "offset": offset, "nbytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+            )
             chunks.append(raw)
             offset += len(raw)
-        dtype = leaf.dtype
-        leaves.append(
-            {"path": path_name(path), "dtype": np.dtype(dtype).name, "shape": list(leaf.shape), "shards": described}
-        )
+        leaves.append({"path": name, "dtype": np.dtype(dtype).name, "shape": list(shape), "shards": described})
     header = json.dumps({"step": step, "meta": meta, "leaves": leaves}).encode()
     return b"".join([MAGIC, struct.pack(">Q", len(header)), header, *chunks])
+
+
+def pack(step: int, tree, meta: dict[str, Any]) -> bytes:
+    """This process's part of a snapshot of `tree` (its device arrays fetched here) as bytes."""
+    entries = [(n, d, s, [(k, np.asarray(x)) for k, x in shards]) for n, d, s, shards in _shards(tree)]
+    return _pack(step, entries, meta)
+
+
+@jax.jit
+def _copy_on_device(arrays):
+    """New buffers holding `arrays` (all on one device): a program of this process alone."""
+    return [jnp.copy(x) for x in arrays]
+
+
+def _local_copy(entries):
+    """`entries` with each device shard replaced by a copy on its device, dispatched, not waited for: later
+    steps that donate the state's buffers leave the copies intact. One program per local device, none
+    across processes (such a program costs the steps around it a collective's wait)."""
+    by_device: dict[Any, list[tuple[int, int]]] = {}
+    for i, (_, _, _, shards) in enumerate(entries):
+        for j, (_, data) in enumerate(shards):
+            if isinstance(data, jax.Array):
+                by_device.setdefault(next(iter(data.devices())), []).append((i, j))
+    copied = [[data for _, data in shards] for _, _, _, shards in entries]
+    for places in by_device.values():
+        for (i, j), copy in zip(places, _copy_on_device([copied[i][j] for i, j in places]), strict=True):
+            copied[i][j] = copy
+    return [
+        (name, dtype, shape, [(key, data) for (key, _), data in zip(shards, copies, strict=True)])
+        for (name, dtype, shape, shards), copies in zip(entries, copied, strict=True)
+    ]
+
+
+class AlteredPart(ValueError):
+    """A shard whose bytes do not match the SHA-256 recorded when the part was packed."""
 
 
 def unpack_header(part: bytes) -> tuple[dict, memoryview]:
@@ -122,6 +163,8 @@ def unpack(part: bytes, template) -> Any:
         shards = {}
         for shard in saved["shards"]:
             raw = data[shard["offset"] : shard["offset"] + shard["nbytes"]]
+            if "sha256" in shard and hashlib.sha256(raw).hexdigest() != shard["sha256"]:
+                raise AlteredPart(f"{name} [{shard['index']}]")
             shards[shard["index"]] = np.frombuffer(raw, dtype=dtype)
         if isinstance(like, jax.Array):
             whole = _index_key(tuple(slice(None) for _ in shape), shape)
@@ -193,15 +236,16 @@ class MemoryTier:
         same step with the same tree.
         """
         self.wait()
-        copy, pending = integrity.snapshot(encode(tree))
+        copies = _local_copy(_shards(encode(tree)))
 
         def send() -> None:
             try:
-                report = pending.result()
-                if report.non_finite():
-                    return  # never kept: the disk tier refuses such a state too
-                part = pack(step, copy, {**meta, "fingerprints": report.fingerprints})
-                self._send(step, part)
+                entries = [(n, d, s, [(k, np.asarray(x)) for k, x in shards]) for n, d, s, shards in copies]
+                for _, _, _, shards in entries:
+                    for _, x in shards:
+                        if np.issubdtype(x.dtype, np.inexact) and not np.isfinite(x).all():
+                            return  # never kept: the disk tier refuses such a state too
+                self._send(step, _pack(step, entries, meta))
             except BaseException as error:  # noqa: BLE001 - raised by the next save, wait or close
                 self._error = error
 
@@ -272,28 +316,21 @@ class MemoryTier:
 
     def restore(self, step: int, part: bytes, template_of) -> tuple[Any, dict[str, Any]] | None:
         """The tree and JSON part of a fetched snapshot, laid out as `template_of(meta)`; None (with a warning)
-        when it does not fit this process or its arrays do not match their fingerprints.
-
-        In a multi-process job every process calls this with the same step (the fingerprints are computed
-        across processes).
-        """
+        when it does not fit this process or a shard does not match its SHA-256."""
         try:
             header, _ = unpack_header(part)
             meta = header["meta"]
             template = template_of(meta)
             tree = unpack(part, template)
+        except AlteredPart as error:
+            warnings.warn(
+                f"the memory snapshot of step {step} does not match its digests ({error}); not restored.",
+                stacklevel=2,
+            )
+            return None
         except (ValueError, KeyError, TypeError) as error:
             warnings.warn(
                 f"the memory snapshot of step {step} does not fit this fit ({error}); not restored.", stacklevel=2
-            )
-            return None
-        report = integrity.snapshot(encode(tree))[1].result()  # the program the saves compiled: no new one
-        altered = integrity.mismatched(meta.get("fingerprints", {}), report.fingerprints)
-        if altered:
-            warnings.warn(
-                f"the memory snapshot of step {step} does not match its fingerprints ({', '.join(altered[:6])}); "
-                "not restored.",
-                stacklevel=2,
             )
             return None
         return tree, meta

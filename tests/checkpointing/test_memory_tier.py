@@ -82,7 +82,7 @@ def test_a_disk_backup_newer_than_the_memory_snapshot_wins(tmp_path, keeper, cap
     assert f"resumed from {tmp_path / 'b'} at epoch 1, batch 5 (step 5)." in capsys.readouterr().out
 
 
-def test_a_part_that_does_not_match_its_fingerprints_is_not_restored(tmp_path, keeper):
+def test_a_part_whose_shard_does_not_match_its_digest_is_not_restored(tmp_path, keeper):
     fit(tmp_path / "b", 1, save_freq=1000, memory_freq=3, delete_checkpoint=False)
     tier = memory_tier.MemoryTier(os.path.abspath(tmp_path / "b"))
     step, part = tier.newest()
@@ -103,7 +103,8 @@ def test_a_part_that_does_not_match_its_fingerprints_is_not_restored(tmp_path, k
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert tier.restore(step, damaged, template_of) is None
-    assert any("does not match its fingerprints" in str(w.message) for w in caught)
+    said = [str(w.message) for w in caught]
+    assert any("does not match its digests (train/params/hidden/kernel [0:4,0:16])" in m for m in said), said
     tier.close()
 
 
