@@ -9,7 +9,8 @@ within its bound, symlinks to files outside are planted at the names meshfit
 writes in a model, checkpoint or backup directory (with the pid of the process
  about to write there), a saved model's compile settings are garbled, a rerun's labels are out of
  range, another user (uid 65534, as root) owns or opens the backup directory, plants compiled
- programs or a FIFO in its compilation cache, or replaces Goodput's record. Most trials
+ programs or a FIFO in its compilation cache, or replaces Goodput's record, a rank is SIGKILLed with the
+ memory tier on or while it sends a snapshot, and strangers connect to the launcher's keeper. Most trials
 run the resumable worker of the test suite (`tests/workers/train_resumable.py`: an MLP with dropout, EarlyStopping,
 ReduceLROnPlateau and BackupAndRestore) and compares the final weights and History
 bitwise with an uninterrupted run.
@@ -128,6 +129,79 @@ def steps_in(backup) -> list[int]:
 
 
 LAUNCH_FAULT = "SIGTERM to `meshfit launch` (2 ranks)"
+MEMORY_FAULT = "SIGKILL of a rank, memory tier on (2 ranks)"
+
+
+def memory_sigkill(base, reference_two, step):
+    """Rank 1 SIGKILLs itself at `step` with snapshots every 5 steps and no disk backup: the restart must resume
+    from the newest committed snapshot (the newest multiple of 5 below `step`, or the one before when the kill
+    came while that one was in flight) and end as the uninterrupted job."""
+    out, backup = base / "out", base / "backup"
+    argv = LAUNCH + ["--nprocs", "2", "--devices-per-proc", "2", "--max-restarts", "1", "--stop-grace", "1"]
+    argv += [WORKER, str(out), str(backup), "--strategy", "multi_worker", "--save-freq", "1000"]
+    argv += ["--memory-freq", "5", "--die-at-step", str(step)]
+    with Job(argv, timeout=2 * BOUND) as job:
+        try:
+            status = job.finish()
+        except AssertionError as error:
+            raise Hang(str(error)[:300]) from None
+    said = re.search(r"BackupAndRestore: resumed from the launcher's memory snapshot at .*? \(step (\d+)\)", job.stdout)
+    # The newest snapshot taken before the kill (the rank dies before its callback at `step` runs), or the one
+    # before it when the kill came while the newest was still in flight.
+    newest = (step - 1) // 5 * 5
+    resumed = said is not None and int(said.group(1)) in (newest, newest - 5)
+    return status == 0 and resumed and same(out, reference_two), status != 0 or not resumed
+
+
+KILLED_MID_SNAPSHOT = textwrap.dedent("""
+    import hashlib, os, signal, struct, sys
+    from meshfit.runtime import keeper_protocol as protocol
+    conn = protocol.connect(sys.argv[1], bytes.fromhex(sys.argv[2]))
+    payload = os.urandom(1 << 20)
+    protocol.send_json(conn, {"op": "put", "fit": "f", "rank": 1, "world": 2, "step": 10, "start": 0,
+                              "size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()})
+    assert protocol.recv_json(conn)["ok"]
+    os.write(conn.fileno(), struct.pack("!i", len(payload)) + payload[: len(payload) // 2])
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def killed_mid_snapshot(base):
+    """A launcher's keeper holds step 5 of 2 ranks; rank 0 sends step 10 and rank 1 is SIGKILLed half-way
+    through its part: both ranks must be handed step 5, whole."""
+    import io
+
+    from meshfit.launch.keeper import Keeper
+    from meshfit.runtime import keeper_protocol as protocol
+
+    keeper = Keeper(io.StringIO())
+    try:
+        ranks = [protocol.connect(keeper.address, keeper.key) for _ in range(2)]
+
+        def put(rank, step, payload):
+            header = {"fit": "f", "rank": rank, "world": 2, "step": step, "start": 0, "size": len(payload)}
+            protocol.send_json(ranks[rank], {"op": "put", **header, "sha256": hashlib.sha256(payload).hexdigest()})
+            protocol.recv_json(ranks[rank])
+            ranks[rank].send_bytes(payload)
+            protocol.recv_json(ranks[rank])
+
+        put(0, 5, b"0" * 4096)
+        put(1, 5, b"1" * 4096)
+        put(0, 10, b"0" * 4096)
+        env = dict(os.environ, PYTHONPATH=os.path.join(HERE, ".."))
+        child = subprocess.run(
+            [sys.executable, "-c", KILLED_MID_SNAPSHOT, keeper.address, keeper.key.hex()], env=env, timeout=BOUND
+        )
+        time.sleep(0.2)
+        got = []
+        for rank in (0, 1):
+            protocol.send_json(ranks[rank], {"op": "latest", "fit": "f", "rank": rank, "world": 2, "step": 1 << 62})
+            reply = protocol.recv_json(ranks[rank])
+            got.append((reply["step"], protocol.recv_payload(ranks[rank], reply["size"]) if reply["step"] else b""))
+        exact = child.returncode == -signal.SIGKILL and got == [(5, b"0" * 4096), (5, b"1" * 4096)]
+        return exact, got[0][0] != 5
+    finally:
+        keeper.close()
 
 
 class Tally:
@@ -606,6 +680,14 @@ HOSTILE_JOBS = {
         lambda out: LAUNCH + ["--nprocs", "2", "--devices-per-proc", "2", DATA_PARALLEL_WORKER, str(out)],
         "params.npz",
     ),
+    "multi-worker-mirrored launch job with the memory tier (its keeper attacked too)": (
+        lambda out: (
+            LAUNCH
+            + ["--nprocs", "2", "--devices-per-proc", "2", WORKER, str(out), str(out) + "-backup"]
+            + ["--strategy", "multi_worker", "--memory-freq", "5"]
+        ),
+        "weights.npz",
+    ),
     "parameter-server launch job (--ps 1 --workers 2, sync)": (ps_job(1), "weights.npz"),
     "parameter-server launch job (--ps 2 --workers 2, sync)": (ps_job(2), "weights.npz"),
 }
@@ -693,7 +775,7 @@ def main() -> None:
     print("reference runs (uninterrupted)", flush=True)
     status, output = worker(base / "ref", base / "ref-backup")
     assert status == 0, output[-2000:]
-    if tally.only in LAUNCH_FAULT or tally.only in HANG_LAUNCH_FAULT:  # the two-rank reference, for those faults
+    if tally.only in LAUNCH_FAULT or tally.only in HANG_LAUNCH_FAULT or tally.only in MEMORY_FAULT:  # two ranks
         with Job(
             LAUNCH
             + [
@@ -737,6 +819,10 @@ def main() -> None:
     trial(tally, "backup directory read-only", lambda: read_only(fresh(), base / "ref"))
     trial(tally, LAUNCH_FAULT, lambda: launcher_sigterm(fresh(), base / "ref2"))
     trial(tally, HANG_LAUNCH_FAULT, lambda: launcher_sigterm_in_hang(fresh(), base / "ref2"))
+    for _ in range(2):
+        step = rng.randint(6, STEPS - 2)
+        trial(tally, MEMORY_FAULT, lambda step=step: memory_sigkill(fresh(), base / "ref2", step))
+    trial(tally, "SIGKILL during a memory snapshot (the previous one used)", lambda: killed_mid_snapshot(fresh()))
     trial(tally, "parameter server stopped (SIGSTOP)", lambda: stopped_server(fresh()))
     for kind in ("model", "weights", "checkpoint", "backup"):
         trial(tally, "hostile directory: symlinks at meshfit names", lambda kind=kind: planted_symlinks(fresh(), kind))

@@ -39,6 +39,13 @@ def _parser() -> argparse.ArgumentParser:
         "--max-restarts", type=int, default=0, help="start the whole job again up to this many times after a failure"
     )
     run.add_argument(
+        "--min-nprocs",
+        type=int,
+        default=None,
+        help="elastic restarts: a rank that fails within seconds of a restart is dropped and the job restarts "
+        "with fewer processes, down to this many (BackupAndRestore resumes onto the smaller job); default: --nprocs",
+    )
+    run.add_argument(
         "--heartbeat-timeout",
         type=int,
         default=10,
@@ -114,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             layout=_layout(args),
             devices_per_proc=args.devices_per_proc,
             max_restarts=args.max_restarts,
+            min_nprocs=args.min_nprocs,
             heartbeat_timeout=args.heartbeat_timeout,
             grace_period=args.grace_period,
             stop_grace=args.stop_grace,

@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 import os
 import re
+import warnings
 
 from meshfit import compilation_cache
+from meshfit.checkpointing import memory_tier
 from meshfit.checkpointing.checkpoint import CheckpointDir, NonFiniteState
 from meshfit.checkpointing.checkpoint_schema import BACKUP, Backup
 from meshfit.checkpointing.save_policy import (
@@ -16,8 +18,10 @@ from meshfit.checkpointing.save_policy import (
     AnySavePolicy,
     DecisionContext,
     PreemptionPolicy,
+    StepIntervalPolicy,
     from_save_freq,
 )
+from meshfit.runtime import keeper_protocol
 from meshfit.runtime.preemption import DEFAULT_PREEMPTION_TIMEOUT
 from meshfit.training.callback_protocol import Callback, state_keys
 from meshfit.training.fit_cursor import Position
@@ -78,6 +82,22 @@ class BackupAndRestore(Callback):
     without saving, the newest complete backup intact. After a `fit` that
     ends normally the backups are deleted (`delete_checkpoint=True`), as in Keras.
 
+    With `memory_freq=K`, every K steps between disk backups a snapshot of
+    exactly what a backup holds goes to host RAM outside the training
+    processes: the keeper of `meshfit launch`, which outlives its ranks across
+    `--max-restarts` (`meshfit.launch.keeper`). Taking one holds the loop as
+    long as starting an async save (a copy on the devices; the copy to the
+    host and the transfer run behind the next steps). A snapshot counts once
+    every process's part has arrived whole; a restart resumes from the newest
+    such snapshot when it is newer than the newest disk backup, else from disk,
+    and says which. After an elastic restart onto fewer processes the snapshot
+    of the larger job is restored when each process's part holds the arrays
+    whole (replicated state, as under data parallelism); a state sharded
+    across processes resumes from disk (with a warning). A snapshot with a
+    shard that does not match its SHA-256, or one a process died while
+    sending, is never restored. When the keeper's host cannot hold the snapshots, the fit warns
+    once and backs up to disk only.
+
     Args:
         backup_dir: directory for the backups, created with mode 0700; a
             directory holding anything else, or one that is not yours alone
@@ -107,12 +127,22 @@ class BackupAndRestore(Callback):
             30 s grace period of Kubernetes, SLURM and GCE preemptions). Past
             it the process exits with 143 (130 after SIGINT) without saving.
             None: wait for the step boundary however long it takes.
+        memory_freq: steps between snapshots in the launcher's memory (see
+            above), or None for disk backups only. Needs `meshfit launch`
+            (one machine); a process started without it is refused with a
+            `ValueError` before any step.
+        memory_replicas: copies of each process's snapshot on distinct hosts'
+            keepers. Only 1 (the launcher's own) is available: keepers on
+            other nodes of a Ray cluster are not implemented.
 
     Example:
 
     ```python
     backup = mf.callbacks.BackupAndRestore("/ckpt/run1", save_freq=100, preemption_timeout=25)
     model.fit(dataset, epochs=10, steps_per_epoch=1000, callbacks=[backup])
+
+    # under `meshfit launch --nprocs 2 --max-restarts 3 train.py`: a snapshot in RAM every 10 steps
+    backup = mf.callbacks.BackupAndRestore("/ckpt/run1", save_freq=1000, memory_freq=10)
     ```
     """
 
@@ -129,8 +159,13 @@ class BackupAndRestore(Callback):
         compilation_cache: bool | str | os.PathLike = True,
         device_copy: bool = True,
         preemption_timeout: float | None = DEFAULT_PREEMPTION_TIMEOUT,
+        memory_freq: int | None = None,
+        memory_replicas: int = 1,
     ):
         super().__init__()
+        self.memory_policy = self._memory_policy(memory_freq, memory_replicas)
+        self.memory_freq = memory_freq
+        self.memory_replicas = memory_replicas
         if preemption_timeout is not None and (
             isinstance(preemption_timeout, bool)
             or not isinstance(preemption_timeout, (int, float))
@@ -156,6 +191,28 @@ class BackupAndRestore(Callback):
         self._saved_step = 0  # the step of the last save (or of the fit's start): what `save_freq` counts from
         self._refused_step: int | None = None  # a step whose state was not finite, so not saved
         self._others: dict[str, Callback] = {}  # the fit's other callbacks, by state key
+        self._memory: memory_tier.MemoryTier | None = None  # this fit's snapshots in the launcher's keeper
+        self._memory_step = 0  # the step of the last snapshot (or disk backup, or start)
+
+    @staticmethod
+    def _memory_policy(memory_freq, memory_replicas) -> StepIntervalPolicy | None:
+        """The memory tier's interval, after checking it can be kept (refused before any state changes)."""
+        if memory_freq is None:
+            return None
+        if isinstance(memory_freq, bool) or not isinstance(memory_freq, int) or memory_freq < 1:
+            raise ValueError(f"`memory_freq` must be a positive int or None. Received: memory_freq={memory_freq!r}.")
+        if memory_replicas != 1:
+            raise ValueError(
+                "`memory_replicas` must be 1: the launcher's own keeper holds the snapshots (replicas on other "
+                f"nodes' keepers are not available). Received: memory_replicas={memory_replicas!r}."
+            )
+        if not keeper_protocol.available():
+            raise ValueError(
+                f"`memory_freq={memory_freq}` keeps snapshots in a launcher's memory, and this process was not "
+                f"started by one that keeps them: {keeper_protocol.LAUNCHERS_WITH_KEEPER}. Start it with "
+                "`meshfit launch --nprocs N ... train.py`, or pass memory_freq=None for disk backups only."
+            )
+        return StepIntervalPolicy(memory_freq)
 
     # -- what goes into a backup ---------------------------------------------------
 
@@ -169,7 +226,8 @@ class BackupAndRestore(Callback):
         with self.context.timer.phase("checkpoint"):  # the time the save holds the loop
             self._write(logs, wait=wait)
 
-    def _write(self, logs, *, wait: bool) -> None:
+    def _backup_tree(self, logs=None) -> tuple[int, dict, dict]:
+        """The step, tree and JSON part of a backup of the fit's state at its position (settles the state)."""
         context = self.context
         position = context.position()  # settles the state to match it
         history = self.model.history
@@ -193,8 +251,11 @@ class BackupAndRestore(Callback):
             callbacks=callbacks,
         )
         tree, meta = BACKUP.tree_and_meta(backup)
-        step = position.step
-        self._saved_step = step
+        return position.step, tree, meta
+
+    def _write(self, logs, *, wait: bool) -> None:
+        step, tree, meta = self._backup_tree(logs)
+        self._saved_step = self._memory_step = step
         try:
             self._dir.save(step, tree, meta, wait=wait or not self.async_save, finite_only=True)
         except NonFiniteState as error:
@@ -211,10 +272,17 @@ class BackupAndRestore(Callback):
         return steps[-1] if steps else "none"
 
     def _restore(self) -> None:
-        """Continues from the newest readable backup, if any; checks first that every saved callback state
-        has its callback in this fit, so a refusal changes nothing."""
+        """Continues from the newest committed memory snapshot when it is newer than the newest readable disk
+        backup, else from that backup, if any; checks first that every saved callback state has its callback
+        in this fit, so a refusal changes nothing."""
         model = self.model
-        found = self._dir.restore_latest(lambda meta: BACKUP.target(self.context.latest, meta))
+
+        def template_of(meta):
+            return BACKUP.target(self.context.latest, meta)
+
+        found, tier = self._from_memory(template_of), "memory"
+        if found is None:
+            found, tier = self._dir.restore_latest(template_of), "disk"
         if found is None:
             return
         step, tree, meta = found
@@ -231,10 +299,52 @@ class BackupAndRestore(Callback):
         position = Position(backup.epoch, backup.step_in_epoch, step, backup.data_origin, backup.data)
         self.context.restore(backup.state, position)
         if model.strategy.is_chief:
-            print(
-                f"BackupAndRestore: resumed from {self._dir.directory} at epoch {backup.epoch + 1}, "
-                f"batch {backup.step_in_epoch} (step {step}).",
-                flush=True,
+            if tier == "memory":
+                disk = self._dir.steps()
+                saved_world = self._memory.saved_world if self._memory is not None else 0
+                of_job = f" of a {saved_world}-process job" if saved_world != self._memory.world else ""
+                print(
+                    f"BackupAndRestore: resumed from the launcher's memory snapshot{of_job} at epoch "
+                    f"{backup.epoch + 1}, "
+                    f"batch {backup.step_in_epoch} (step {step}), newer than the newest disk backup "
+                    f"({f'step {disk[-1]}' if disk else 'none'}).",
+                    flush=True,
+                )
+            else:
+                print(
+                    f"BackupAndRestore: resumed from {self._dir.directory} at epoch {backup.epoch + 1}, "
+                    f"batch {backup.step_in_epoch} (step {step}).",
+                    flush=True,
+                )
+
+    def _from_memory(self, template_of):
+        """The newest committed memory snapshot as (step, tree, meta) when it is newer than every disk backup;
+        None otherwise (also when it cannot be used: then with a warning)."""
+        if self._memory is None:
+            return None
+        disk = self._dir.steps()
+        try:
+            fetched = self._memory.newest()
+        except (OSError, EOFError, keeper_protocol.ProtocolError) as error:
+            self._memory_off(f"the keeper did not answer ({type(error).__name__}: {error})")
+            return None
+        if fetched is None or (disk and fetched[0] <= disk[-1]):
+            return None
+        restored = self._memory.restore(fetched[0], fetched[1], template_of)
+        return None if restored is None else (fetched[0], *restored)
+
+    def _memory_off(self, why) -> None:
+        """Backs up to disk only for the rest of the fit, saying why once."""
+        memory, self._memory = self._memory, None
+        if memory is not None:
+            try:
+                memory.close()
+            except memory_tier.MemoryTierUnavailable:
+                pass
+        if self.model.strategy.is_chief:
+            warnings.warn(
+                f"BackupAndRestore: memory snapshots are off for this fit, backing up to disk only: {why}.",
+                stacklevel=2,
             )
 
     def _check_every_state_has_a_callback(self, saved: dict[str, dict], step: int) -> None:
@@ -254,6 +364,8 @@ class BackupAndRestore(Callback):
     def on_train_begin(self, logs=None):
         self._refused_step = None
         self._others = self._keyed_others()
+        if self.memory_policy is not None:
+            self._memory = memory_tier.MemoryTier(os.path.abspath(self.backup_dir))
         with self.context.timer.phase("checkpoint"):
             self._dir = CheckpointDir(
                 self.backup_dir,
@@ -264,7 +376,7 @@ class BackupAndRestore(Callback):
             )
             self._restore()
         self._use_compilation_cache()  # after a restore that may refuse the directory: a refusal writes nothing
-        self._saved_step = self.context.step
+        self._saved_step = self._memory_step = self.context.step
 
     def _use_compilation_cache(self) -> None:
         """Points JAX's persistent cache at the backups (before the first step compiles), unless told otherwise."""
@@ -281,6 +393,20 @@ class BackupAndRestore(Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self._should_save(AFTER_BATCH):
             self._save()
+        elif self._memory is not None and self.memory_policy.should_save(
+            self.context.step, (self._memory_step,), context=AFTER_BATCH
+        ):
+            self._snapshot()
+
+    def _snapshot(self) -> None:
+        """Starts a snapshot in the launcher's memory (the copy to the host and the send run in a thread)."""
+        with self.context.timer.phase("checkpoint"):
+            step, tree, meta = self._backup_tree()
+            self._memory_step = step
+            try:
+                self._memory.save(step, tree, meta)
+            except memory_tier.MemoryTierUnavailable as error:
+                self._memory_off(error)
 
     def on_epoch_end(self, epoch, logs=None):
         if self._should_save(AT_EPOCH_END):
@@ -293,6 +419,7 @@ class BackupAndRestore(Callback):
     def on_train_end(self, logs=None):
         directory = self._dir
         newest = self._newest()
+        memory = self._memory
         self.close()
         if not self.delete_checkpoint or directory is None:
             return
@@ -306,6 +433,9 @@ class BackupAndRestore(Callback):
                     flush=True,
                 )
             return
+        if memory is not None:
+            memory.drop()  # a finished fit resumes from nothing
+            memory.close()
         if self._own_cache is not None and self.model.strategy.is_chief:
             compilation_cache.remove(self._own_cache)  # but what was moved aside in it
         kept = directory.remove_complete()
@@ -332,6 +462,12 @@ class BackupAndRestore(Callback):
         if self._cache is not None:
             compilation_cache.release(self._cache)
             self._cache = None
+        if self._memory is not None:
+            memory, self._memory = self._memory, None
+            try:
+                memory.close()  # after the snapshot in flight, so it is complete when the fit returns
+            except memory_tier.MemoryTierUnavailable as error:
+                self._memory_off(error)
         if self._dir is not None:
             with self.context.timer.phase("checkpoint"):
                 self._dir.close()

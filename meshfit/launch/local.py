@@ -23,11 +23,26 @@ them (their output would have nowhere to go, and a rank failing on that alone
 could leave the other waiting in a collective); the last periodic backup is
 what is left. A rank stopped (SIGSTOP) for longer than the heartbeat
 timeout is treated as hung and ends the job.
+
+The launcher also keeps the memory tier of `BackupAndRestore(memory_freq=K)`
+(`meshfit.launch.keeper`): snapshots the ranks send every K steps, held in
+the launcher's memory across restarts, so a restarted job resumes from the
+newest one instead of the older disk backup.
+
+Elastic restarts (`--min-nprocs M`): a rank that fails within
+`START_WINDOW_SECONDS` of being started in a restart (a process that cannot
+come up: a lost device, a slot that no longer works) is dropped, and the job
+restarts with one process fewer, down to M; the ranks left keep their own
+devices. A failure in the first start, or later than that in a restart,
+restarts the job at its size as usual. BackupAndRestore resumes onto the
+smaller job (from a memory snapshot when each process's part holds the
+state whole, else from disk).
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import random
 import re
@@ -41,11 +56,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from meshfit.launch.keeper import Keeper
 from meshfit.runtime import job_env
 from meshfit.runtime.job_layout import JobLayout, JobStart, status_text
 
 GRACE_SECONDS = 5.0  # after a rank failed: the others get this long to end before SIGKILL
 PREEMPTION_GRACE_SECONDS = 60.0  # after a signal to the launcher: time for the ranks' preemption backups
+#: A rank of a restarted job that fails this soon after it was started cannot be restarted (with
+#: `--min-nprocs`, the job restarts without it): long enough for a process that cannot come up (a lost
+#: device, a dead host's slot), short of a job that trained.
+START_WINDOW_SECONDS = 20.0
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 #: What gloo (JAX's CPU collectives) prints to each process's stdout from C++ as the processes connect, one
 #: line per device: nothing a user acts on, so the launcher drops it unless `--verbose`.
@@ -120,6 +140,13 @@ class LaunchConfig:
     stop_grace: float = GRACE_SECONDS
     #: Pass on every line of the ranks' output, also gloo's connection lines (`GLOO_CONNECTED`).
     verbose: bool = False
+    #: Elastic restarts: the fewest processes the job may restart with (`--min-nprocs`); None: always
+    #: `nprocs`. A restart drops a rank that fails within `start_window` seconds of being started.
+    min_nprocs: int | None = None
+    start_window: float = START_WINDOW_SECONDS
+    #: The slot (devices) each rank runs on: after an elastic restart, the ranks left keep their own
+    #: devices and the dropped rank's are not used. None: rank r on slot r.
+    slots: tuple[int, ...] | None = None
 
     @property
     def nprocs(self) -> int:
@@ -134,7 +161,7 @@ def process_env(config: LaunchConfig, rank: int, start: JobStart, attempt: int, 
     """The environment of process `rank`: the launcher's own variables, the layout's, and its devices."""
     env = dict(os.environ, **config.env, MESHFIT_RESTART_COUNT=str(attempt), PYTHONUNBUFFERED="1")
     env.update(config.layout.env(rank, start))
-    _set_devices(env, config, rank, gpus)
+    _set_devices(env, config, config.slots[rank] if config.slots is not None else rank, gpus)
     return env
 
 
@@ -202,6 +229,7 @@ class _Exits:
 
     def __init__(self, procs: list[subprocess.Popen]):
         self.order: list[tuple[int, int]] = []  # (rank, status), first to end first
+        self.at: dict[int, float] = {}  # rank -> when it ended (time.monotonic)
         self.changed = threading.Condition()
         for rank, proc in enumerate(procs):
             threading.Thread(target=self._wait, args=(rank, proc), daemon=True).start()
@@ -209,6 +237,7 @@ class _Exits:
     def _wait(self, rank: int, proc: subprocess.Popen) -> None:
         status = proc.wait()
         with self.changed:
+            self.at[rank] = time.monotonic()
             self.order.append((rank, status))
             self.changed.notify_all()
 
@@ -305,9 +334,24 @@ def _watch(config: LaunchConfig, procs: list[subprocess.Popen], exits: _Exits, s
             return 0
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """How one start of the job ended: its status (as `run_once` returns it), and the first rank to fail with
+    the seconds it ran (None, None when none failed)."""
+
+    status: int
+    failed_rank: int | None = None
+    ran_for: float | None = None
+
+
 def run_once(config: LaunchConfig, attempt: int, log: TextIO = sys.stderr) -> int:
     """Runs the job once; returns 0, the status of the first process that failed, or -signal if the
     launcher was signalled."""
+    return run_once_outcome(config, attempt, log).status
+
+
+def run_once_outcome(config: LaunchConfig, attempt: int, log: TextIO = sys.stderr) -> Outcome:
+    """`run_once`, also saying which rank failed first and how long it had run (for elastic restarts)."""
     gpus = _gpus_to_assign(config)
     start = JobStart(
         coordinator_port=free_port(),
@@ -315,10 +359,12 @@ def run_once(config: LaunchConfig, attempt: int, log: TextIO = sys.stderr) -> in
         heartbeat_timeout=config.heartbeat_timeout,
         authkey=job_env.new_authkey() if config.layout.needs_authkey else "",
     )
-    procs, pumps = [], []
+    procs, pumps, started = [], [], []
+    exits = None
     with Signals() as signals:
         try:
             for rank in range(config.nprocs):
+                started.append(time.monotonic())
                 proc = subprocess.Popen(
                     process_command(config, rank),
                     env=process_env(config, rank, start, attempt, gpus),
@@ -353,7 +399,52 @@ def run_once(config: LaunchConfig, attempt: int, log: TextIO = sys.stderr) -> in
             log.write(f"[launch] rank(s) {killed} did not end within the grace period and were killed.\n")
         for rank, proc in enumerate(procs) if signalled else ():
             log.write(f"[launch] rank {rank} ended with status {status_text(proc.returncode)}.\n")
-    return status
+    if failures and exits is not None and not signalled:
+        rank = failures[0][0]
+        return Outcome(status, rank, exits.at[rank] - started[rank])
+    return Outcome(status)
+
+
+def _check_elastic(config: LaunchConfig, runner: Runner) -> bool:
+    """Whether the job restarts elastically (`--min-nprocs` below `--nprocs`); refuses what cannot."""
+    if config.min_nprocs is None or config.min_nprocs == config.nprocs:
+        return False
+    if not 1 <= config.min_nprocs <= config.nprocs:
+        raise ValueError(
+            f"--min-nprocs must be between 1 and --nprocs ({config.nprocs}). Received: {config.min_nprocs}."
+        )
+    if runner is not run_once or config.layout.resized(config.min_nprocs) is None:
+        raise ValueError(
+            "--min-nprocs needs a `meshfit launch --nprocs N` job on this machine (not --ray, nor a layout whose "
+            f"ranks have roles). Received: --min-nprocs {config.min_nprocs}; drop it, or launch with --nprocs."
+        )
+    return True
+
+
+def _shrunk(config: LaunchConfig, outcome: Outcome, attempt: int, log: TextIO) -> LaunchConfig:
+    """The config of the next start: without the rank that failed at the start of a restart, while the job
+    keeps at least `min_nprocs` processes; else the same."""
+    rank, ran = outcome.failed_rank, outcome.ran_for
+    restarted = attempt >= 2  # the start that just failed was itself a restart
+    if rank is None or ran is None or not restarted or ran > config.start_window:
+        return config
+    assert config.min_nprocs is not None
+    if config.nprocs - 1 < config.min_nprocs:
+        log.write(
+            f"[launch] rank {rank} failed {ran:.1f} s after it was restarted; the job cannot shrink below "
+            f"--min-nprocs {config.min_nprocs}: restarting it with {config.nprocs} process(es).\n"
+        )
+        return config
+    slots = list(config.slots if config.slots is not None else range(config.nprocs))
+    dropped = slots.pop(rank)
+    layout = config.layout.resized(config.nprocs - 1)
+    assert layout is not None
+    log.write(
+        f"[launch] rank {rank} (slot {dropped}) failed {ran:.1f} s after it was restarted (within "
+        f"{config.start_window:g} s): it cannot be restarted; restarting the job with {layout.nprocs} "
+        f"process(es) (--min-nprocs {config.min_nprocs}).\n"
+    )
+    return dataclasses.replace(config, layout=layout, slots=tuple(slots))
 
 
 def _gpus_to_assign(config: LaunchConfig) -> int:
@@ -379,16 +470,31 @@ def launch(config: LaunchConfig, log: TextIO = sys.stderr, runner: Runner | None
     """
     if config.nprocs < 1:
         raise ValueError(f"--nprocs must be at least 1. Received: {config.nprocs}.")
+    snapshots = None
     if runner is None:
         _gpus_to_assign(config)  # a misconfiguration fails before any process starts
         runner = run_once
+    if runner is run_once and config.layout.keeps_snapshots:
+        snapshots = Keeper(log)  # the memory tier of BackupAndRestore, across restarts
+        config = dataclasses.replace(config, env={**config.env, **snapshots.env()})
+    elastic = _check_elastic(config, runner)
     attempt = 0
-    while True:
-        status = runner(config, attempt, log)
-        if status == 0 or -status in FORWARDED or attempt >= config.max_restarts:
-            break
-        attempt += 1
-        log.write(f"[launch] restarting the job ({attempt}/{config.max_restarts}).\n")
+    try:
+        while True:
+            if elastic:
+                outcome = run_once_outcome(config, attempt, log)
+                status = outcome.status
+            else:
+                status = runner(config, attempt, log)
+            if status == 0 or -status in FORWARDED or attempt >= config.max_restarts:
+                break
+            attempt += 1
+            if elastic:
+                config = _shrunk(config, outcome, attempt, log)
+            log.write(f"[launch] restarting the job ({attempt}/{config.max_restarts}).\n")
+    finally:
+        if snapshots is not None:
+            snapshots.close()
     if -status in FORWARDED:
         log.write(f"[launch] stopped by {signal.Signals(-status).name}.\n")
     elif status:

@@ -56,6 +56,9 @@ class JobLayout(ABC):
 
     #: Whether the ranks' connections need a secret, fresh at each start (`JobStart.authkey`).
     needs_authkey: bool = False
+    #: Whether the launcher keeps the memory tier of the ranks' backups (`meshfit.launch.keeper`): jobs whose
+    #: ranks resume from `BackupAndRestore` together (all-reduce strategies).
+    keeps_snapshots: bool = False
 
     @property
     @abstractmethod
@@ -91,6 +94,12 @@ class JobLayout(ABC):
         """Whether the job is over and succeeded, given the statuses of the ranks that have exited."""
         return all(statuses.get(rank) == 0 for rank in self.needed_ranks)
 
+    def resized(self, nprocs: int) -> JobLayout | None:
+        """The same job on `nprocs` processes (an elastic restart onto fewer), or None when it cannot run on
+        another number (a layout whose ranks have roles of their own)."""
+        del nprocs
+        return None
+
 
 def status_text(status: int) -> str:
     """`status`, and the signal that killed the process when it is negative: "-9 (killed by SIGKILL)"."""
@@ -122,6 +131,7 @@ class DistributedJob(JobLayout):
     """`meshfit launch --nprocs N`: N copies of the script in one `jax.distributed` job; any failure ends it."""
 
     processes: int
+    keeps_snapshots = True
 
     @property
     def nprocs(self) -> int:
@@ -138,3 +148,6 @@ class DistributedJob(JobLayout):
             f"rank {rank} exited with status {status_text(status)}; stopping the other {self.processes - 1} "
             "process(es).",
         )
+
+    def resized(self, nprocs: int) -> DistributedJob:
+        return DistributedJob(nprocs)

@@ -214,6 +214,25 @@ def test_restart_under_launch_with_a_killed_worker(tmp_path, uninterrupted_two_p
     assert_same_run(tmp_path / "a", uninterrupted_two_processes)
 
 
+def test_a_killed_rank_resumes_from_the_launchers_memory_snapshot(tmp_path, uninterrupted_two_processes):
+    """memory_freq=5 and no disk backup after step 0; rank 1 SIGKILLed at step 23: the restart resumes at
+    step 20 from the launcher's memory, finishes bitwise equal to an uninterrupted job; no backup on disk."""
+    killed = run(
+        LAUNCH
+        + ["--max-restarts", "1", "--stop-grace", "1"]
+        + [WORKER, str(tmp_path / "a"), str(tmp_path / "ab"), "--strategy", "multi_worker", "--keep-backups"]
+        + ["--save-freq", "1000", "--memory-freq", "5", "--die-at-step", "23"],
+        timeout=300,
+    )
+    assert killed.returncode == 0, killed.stdout[-3000:] + killed.stderr[-3000:]
+    assert "rank 1 exited with status -9" in killed.stderr and "restarting the job (1/1)" in killed.stderr
+    assert "[rank 0] BackupAndRestore: resumed from the launcher's memory snapshot" in killed.stdout
+    assert "(step 20), newer than the newest disk backup (none)" in killed.stdout
+    assert "keeper: committed the memory snapshot of step 5" in killed.stderr
+    assert not [p for p in os.listdir(tmp_path / "ab") if p.split(".")[0].isdigit()]  # no disk backup at all
+    assert_same_run(tmp_path / "a", uninterrupted_two_processes)
+
+
 def test_sigterm_to_every_process_agrees_on_a_step_saves_and_resumes(tmp_path, uninterrupted_two_processes):
     """A preempted multi-process job: all ranks stop at one step (JAX's sync point), save, exit 143."""
     with Job(
@@ -794,3 +813,45 @@ def test_kerass_double_checkpoint_keeps_the_previous_backup(tmp_path):
     keras_style = mf.callbacks.BackupAndRestore(tmp_path, "epoch", True, max_to_keep=1)
     assert keras_style.double_checkpoint and keras_style.max_to_keep == 2
     assert mf.callbacks.BackupAndRestore(tmp_path, max_to_keep=1).max_to_keep == 1
+
+
+def test_an_elastic_restart_onto_one_process_resumes_from_the_two_process_jobs_memory_snapshot(tmp_path):
+    """--min-nprocs 1: rank 1 is SIGKILLed at step 23, then fails at once in the restart; the launcher drops
+    it and restarts the job on 1 process (2 devices), which resumes from the 2-process job's memory snapshot
+    of step 20 and finishes as a 1-process job resumed from a disk backup of that step does."""
+    # The reference: 2 processes to the end of epoch 2 (step 20, backup kept), then 1 process resumes it.
+    first = run(
+        LAUNCH
+        + [WORKER, str(tmp_path / "r"), str(tmp_path / "rb"), "--strategy", "multi_worker"]
+        + ["--epochs", "2", "--save-freq", "epoch", "--keep-backups"],
+        timeout=300,
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    one_process = [sys.executable, "-m", "meshfit.cli", "launch", "--nprocs", "1", "--devices-per-proc", "2"]
+    reference = run(
+        one_process + [WORKER, str(tmp_path / "r"), str(tmp_path / "rb"), "--strategy", "multi_worker"], timeout=300
+    )
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    assert "resumed from" in reference.stdout and "(step 20)." in reference.stdout
+
+    elastic = run(
+        LAUNCH
+        + ["--min-nprocs", "1", "--max-restarts", "2", "--stop-grace", "1"]
+        + [WORKER, str(tmp_path / "a"), str(tmp_path / "ab"), "--strategy", "multi_worker", "--keep-backups"]
+        + ["--save-freq", "1000", "--memory-freq", "5", "--die-at-step", "23", "--slow", "0.03"]
+        + ["--rank1-fails-to-restart"],
+        timeout=300,
+    )
+    assert elastic.returncode == 0, elastic.stdout[-3000:] + elastic.stderr[-3000:]
+    assert "rank 1 exited with status 3" in elastic.stderr
+    assert "rank 1 (slot 1) failed" in elastic.stderr and "restarting the job with 1 process(es)" in elastic.stderr
+    assert "resumed from the launcher's memory snapshot of a 2-process job at epoch 2, batch 10 (step 20)" in (
+        elastic.stdout
+    )
+    assert not [p for p in os.listdir(tmp_path / "ab") if p.split(".")[0].isdigit()]  # no disk backup at all
+    (wa, ha), (wr, hr) = load(tmp_path / "a"), load(tmp_path / "r")
+    for x, y in zip(wa, wr, strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)  # as saved_under_mirrored8_restores_onto_other_layouts
+    assert ha["epoch"] == hr["epoch"] == [0, 1, 2, 3] and ha["history"].keys() == hr["history"].keys()
+    for key, values in hr["history"].items():
+        np.testing.assert_allclose(ha["history"][key], values, rtol=1e-5, atol=1e-6, err_msg=key)

@@ -280,3 +280,42 @@ def test_sigint_to_the_launcher_ends_a_training_job_with_130(tmp_path, ctrl_c):
             assert f"[launch] rank {rank} ended with status 143." in err, err
         synced = {int(s) for s in re.findall(r"Reached preemption sync point, step=(\d+)", job.stdout)}
         assert len(synced) == 1 and steps[-1] == synced.pop(), (steps, job.stdout[-3000:])  # the preemption backup
+
+
+def elastic(tmp_path, nprocs: int, min_nprocs: int, *bad: str):
+    """A job of `nprocs` processes of 2 (listed) GPUs each whose processes on the GPU sets `bad` fail."""
+    argv = launch_cmd("--nprocs", str(nprocs), "--devices-per-proc", "2", "--min-nprocs", str(min_nprocs))
+    argv += ["--max-restarts", "3", os.path.join(WORKERS, "bad_slot.py"), *bad]
+    return run(argv, timeout=60, env=_gpu_machine_env(tmp_path, 2 * nprocs, None))
+
+
+def test_min_nprocs_restarts_without_a_rank_that_fails_at_once_in_a_restart_on_the_devices_left(tmp_path):
+    """3 processes; the one on GPUs 2,3 fails in the first start (a restart as usual) and at once in the
+    restart: the job restarts on 2 processes, on GPUs 0,1 and 4,5, and succeeds."""
+    result = elastic(tmp_path, 3, 2, "2,3")
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"rank 1 \(slot 1\) failed \d+\.\d s after it was restarted \(within 20 s\)", result.stderr)
+    assert "it cannot be restarted; restarting the job with 2 process(es) (--min-nprocs 2)" in result.stderr
+    assert result.stderr.count("restarting the job (") == 2  # after the first failure, then after the one at start
+    assert "[rank 0] start 2: rank 0 of 2 gpus=0,1" in result.stdout
+    assert "[rank 1] start 2: rank 1 of 2 gpus=4,5" in result.stdout
+
+
+def test_min_nprocs_is_a_floor_the_job_does_not_shrink_below(tmp_path):
+    result = elastic(tmp_path, 3, 2, "2,3", "4,5")
+    assert result.returncode == 3
+    assert result.stderr.count("it cannot be restarted; restarting the job with 2 process(es)") == 1
+    assert "the job cannot shrink below --min-nprocs 2: restarting it with 2 process(es)" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (("--nprocs", "2", "--min-nprocs", "3"), "--min-nprocs must be between 1 and --nprocs (2). Received: 3."),
+        (("--nprocs", "2", "--min-nprocs", "0"), "--min-nprocs must be between 1 and --nprocs (2). Received: 0."),
+        (("--ps", "1", "--workers", "2", "--min-nprocs", "2"), "--min-nprocs needs a `meshfit launch --nprocs N` job"),
+    ],
+)
+def test_min_nprocs_that_cannot_apply_is_refused_before_anything_starts(args, expected):
+    result = run(launch_cmd(*args, os.path.join(WORKERS, "exit_with.py"), "0"), timeout=60)
+    assert result.returncode == 2 and expected in result.stderr and "[rank" not in result.stdout

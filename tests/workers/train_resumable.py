@@ -3,7 +3,8 @@
     python train_resumable.py OUT_DIR BACKUP_DIR [--save-freq N] [--spe K] [--epochs E] [--strategy S]
                               [--slow SECONDS] [--pause-at-step STEP FILE] [--die-at-step S] [--hidden H]
                               [--goodput FILE] [--hang-at-step STEP FIFO] [--hang-rank R]
-                              [--preemption-timeout SECONDS]
+                              [--preemption-timeout SECONDS] [--memory-freq K] [--keep-backups]
+                              [--rank1-fails-to-restart]
 Prints "step <global step>" after every batch (flushed), so a test can kill it at a known step.
 """
 
@@ -69,7 +70,18 @@ def main():
         help="only this rank hangs at --hang-at-step (the others block in the next collective); default: every rank",
     )
     parser.add_argument("--preemption-timeout", type=float, default=None, help="BackupAndRestore's (default: its own)")
+    parser.add_argument("--memory-freq", type=int, default=None, help="BackupAndRestore's (snapshots in the launcher)")
+    parser.add_argument("--keep-backups", action="store_true", help="BackupAndRestore(delete_checkpoint=False)")
+    parser.add_argument(
+        "--rank1-fails-to-restart",
+        action="store_true",
+        help="in every restart of a launched job, rank 1 exits with status 3 at once (a rank that cannot start)",
+    )
     args = parser.parse_args()
+    restarted = os.environ.get("MESHFIT_RESTART_COUNT", "0") != "0"
+    if args.rank1_fails_to_restart and restarted and os.environ.get("MESHFIT_PROCESS_ID") == "1":
+        print("rank 1 cannot start", flush=True)
+        sys.exit(3)
     strategy = (
         mf.strategies.MultiWorkerMirroredStrategy()
         if args.strategy == "multi_worker"
@@ -125,6 +137,8 @@ def main():
             args.backup,
             save_freq=save_freq,
             **({} if args.preemption_timeout is None else {"preemption_timeout": args.preemption_timeout}),
+            memory_freq=args.memory_freq,
+            delete_checkpoint=not args.keep_backups,
         ),
     ]
     if args.sigterm_in_setup:

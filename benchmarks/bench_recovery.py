@@ -1,0 +1,257 @@
+"""Recovery from a killed rank: steps lost and seconds to the first resumed step, disk backups vs the memory tier.
+
+A 2-process `meshfit launch --max-restarts F` job trains the digits MLP
+(`examples/digits.py`, MultiWorkerMirroredStrategy, batches of 32) with
+`BackupAndRestore`; in the i-th start, rank 1 SIGKILLs itself at a random step
+(seeded) once its devices have computed that step (JAX dispatches steps ahead
+of the device: the Python step counter alone can run several steps past the
+state that exists), and the launcher restarts the job. For each failure: the
+steps lost (killed step - resumed step) and the wall time from the kill to the
+first step after the resume, with when each rank reached each phase of its
+start (process created, meshfit imported, `jax.distributed` joined, the
+script's libraries imported, the model built, the backup restored), in
+seconds from the kill. The compilation cache is on from before the model is
+built (`mf.compilation_cache.use`, the one BackupAndRestore then keeps;
+`--no-early-cache`: only BackupAndRestore's own, from the fit's start). Two
+settings: disk-only backups every `--disk-freq` steps, and the same disk
+backups plus the memory tier every `--memory-freq` steps.
+
+The tier's cost per step: two jobs without failures, one with the memory tier
+and one without; from the loop's phases (`FitTimer`), the time the loop is held
+in "checkpoint" per step after the first, over the mean step time, and the
+difference of the runs' mean step times (noisier: it includes the background
+copy and transfer, on a shared 2-core machine).
+
+    python benchmarks/bench_recovery.py [--failures 3] [--memory-freq 5] [--disk-freq 100] [--seed 0]
+                                        [--no-early-cache] [--cost-rounds 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+
+STEPS_PER_EPOCH = 44  # 1437 training rows of digits in batches of 32, the partial batch dropped
+EARLY_CACHE = True  # --no-early-cache: only BackupAndRestore's cache, from the fit's start
+
+
+def _process_start() -> float:
+    """When this process was created (wall clock), from /proc: before the interpreter started."""
+    with open("/proc/self/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/stat") as f:
+        boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def worker(args) -> None:
+    """One rank: trains, prints "a<start> step <n> t=<time>" after each batch; rank 1 kills itself at its step
+    once the devices have computed it (so the step killed at is a step whose state existed).
+
+    Each rank also prints "a<start> phase <name> t=<time>" as it starts: the process created, meshfit (and JAX)
+    imported, the `jax.distributed` job joined, the model compiled, the backup restored."""
+    start = int(os.environ.get("MESHFIT_RESTART_COUNT", "0"))
+
+    def phase(name: str, when: float | None = None) -> None:
+        print(f"a{start} phase {name} t={time.time() if when is None else when:.4f}", flush=True)
+
+    phase("process", _process_start())
+    import meshfit as mf
+
+    phase("imported")
+    strategy = mf.strategies.MultiWorkerMirroredStrategy()
+    phase("joined")
+    if args.early_cache:
+        # The cache from the first compile on, the model's initialisers included (BackupAndRestore turns its
+        # own on only when fit starts, and keeps a cache the user chose).
+        mf.compilation_cache.use(args.backup + ".jax-cache")
+    import jax
+    from digits import MLP, load_data  # with flax and scikit-learn
+    from flax import nnx
+
+    phase("libraries")
+
+    x, _, y, _ = load_data()
+    x, y = x[: STEPS_PER_EPOCH * 32], y[: STEPS_PER_EPOCH * 32]
+    with strategy.scope():
+        model = mf.Model(MLP(64, 128, 10, rngs=nnx.Rngs(0)), seed=0)
+        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    phase("built")
+    kills = [int(s) for s in args.kill_at.split(",")] if args.kill_at else []
+    kill_at = kills[start] if start < len(kills) else None
+    rank = strategy.process_index
+    held = {}
+
+    class Report(mf.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            step, now = model.session.step, time.time()
+            if "first" not in held:
+                held["first"] = (self.context.timer.totals()["checkpoint"], time.perf_counter(), step)
+            if rank == 0:
+                print(f"a{start} step {step} t={now:.4f}", flush=True)
+            if rank == 1 and step == kill_at:
+                jax.block_until_ready(self.context.latest)  # the step is computed, not only dispatched
+                print(f"a{start} kill at step {step} t={time.time():.4f}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def on_train_end(self, logs=None):
+            checkpoint, began, step = held["first"]
+            steps = model.session.step - step
+            if rank == 0 and steps > 0:
+                total = {
+                    "held": (self.context.timer.totals()["checkpoint"] - checkpoint) / steps,
+                    "step": (time.perf_counter() - began) / steps,
+                    "steps": steps,
+                }
+                print(f"a{start} cost {json.dumps(total)}", flush=True)
+
+    class Restored(mf.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            phase("restored")
+
+    backup = mf.callbacks.BackupAndRestore(
+        args.backup,
+        save_freq=args.disk_freq,
+        memory_freq=args.memory_freq or None,
+        compilation_cache=mf.compilation_cache.directory() if args.early_cache else True,
+    )
+    model.fit(x, y, batch_size=32, epochs=args.epochs, callbacks=[Report(), backup, Restored()], verbose=0)
+
+
+def launch(base: str, name: str, epochs: int, disk_freq: int, memory_freq: int | None, kills: list[int]) -> str:
+    """Runs one job; returns its output (stdout, then stderr)."""
+    from processes import LAUNCH, Job
+
+    argv = LAUNCH + ["--nprocs", "2", "--devices-per-proc", "1", "--max-restarts", str(len(kills))]
+    argv += ["--stop-grace", "1", __file__, "--worker", "--backup", os.path.join(base, name)]
+    argv += ["--epochs", str(epochs), "--disk-freq", str(disk_freq)]
+    argv += ["--memory-freq", str(memory_freq or 0)]  # 0: disk backups only
+    argv += ["--early-cache"] if EARLY_CACHE else []
+    argv += ["--kill-at", ",".join(map(str, kills))] if kills else []
+    env = dict(os.environ, PYTHONPATH=os.path.join(HERE, ".."), JAX_PLATFORMS="cpu")
+    with Job(argv, timeout=1800, env=env) as job:
+        status = job.finish()
+    if status != 0:
+        raise RuntimeError(f"{name}: the job failed ({status}):\n{job.stdout[-2000:]}\n{job.stderr[-2000:]}")
+    return job.stdout + job.stderr
+
+
+def failures(output: str, kills: list[int]) -> list[dict]:
+    """Per failure: the step killed, the step resumed from, the tier, and seconds from the kill to the next step."""
+    found = []
+    for start, killed in enumerate(kills):
+        kill = re.search(rf"a{start} kill at step {killed} t=([\d.]+)", output)
+        # Non-greedy: a memory resume's line names the disk backup's step after its own.
+        pattern = r"\[rank 0\] BackupAndRestore: resumed from (the launcher's memory snapshot)?.*? \(step (\d+)\)"
+        first = re.search(rf"\[rank 0\] a{start + 1} step (\d+) t=([\d.]+)", output)
+        # The resume of this restart only: between the kill and the restarted job's first step.
+        resumed = re.search(pattern, output[kill.end() : first.start()]) if kill and first else None
+        step = int(resumed.group(2)) if resumed else 0
+        split = {}
+        for rank in (0, 1):  # when each rank reached each phase, in seconds from the kill (cumulative)
+            phases = re.findall(rf"\[rank {rank}\] a{start + 1} phase (\w+) t=([\d.]+)", output)
+            split[rank] = {name: round(float(t) - float(kill.group(1)), 2) for name, t in phases}
+        found.append(
+            {
+                "killed": killed,
+                "resumed": step,
+                "tier": ("memory" if resumed.group(1) else "disk") if resumed else "none (from scratch)",
+                "lost": killed - step,
+                "seconds": float(first.group(2)) - float(kill.group(1)),
+                "phases": split,
+            }
+        )
+    return found
+
+
+def cost(output: str) -> dict:
+    return json.loads(re.search(r"a0 cost (\{.*\})", output).group(1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--backup", help=argparse.SUPPRESS)
+    parser.add_argument("--kill-at", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--early-cache", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--no-early-cache",
+        action="store_true",
+        help="no compilation cache before the model is built (only BackupAndRestore's, from fit's start)",
+    )
+    parser.add_argument("--memory-freq", type=int, default=5)
+    parser.add_argument("--disk-freq", type=int, default=100)
+    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--failures", type=int, default=3, help="SIGKILLs per setting (0: only the cost)")
+    parser.add_argument("--cost-rounds", type=int, default=1, help="pairs of jobs without failures for the cost")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    global EARLY_CACHE
+    EARLY_CACHE = not args.no_early_cache
+    steps = args.epochs * STEPS_PER_EPOCH
+    rng = random.Random(args.seed)
+    # One kill in each of `failures` equal stretches of the run, past the first stretch's start-up.
+    stretch = steps // (args.failures + 1)
+    kills = [(i + 1) * stretch + rng.randrange(stretch // 2) for i in range(args.failures)]
+    base = tempfile.mkdtemp(prefix="bench_recovery_")
+    try:
+        print(f"digits MLP, 2 processes x 1 CPU device, {steps} steps, SIGKILL of rank 1 at steps {kills}", flush=True)
+        print(f"load average before: {' '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)
+        rows = []
+        for label, memory in (
+            (f"disk every {args.disk_freq}", None),
+            (f"memory every {args.memory_freq}", args.memory_freq),
+        )[: 2 if kills else 0]:
+            out = launch(base, label.replace(" ", "_"), args.epochs, args.disk_freq, memory, kills)
+            for failure in failures(out, kills):
+                rows.append((label, failure))
+                print(f"  {label}: {failure}", flush=True)
+        if rows:
+            print("\n| setting | killed at | resumed from (tier) | steps lost | kill to first resumed step (s) |")
+            print("| --- | --- | --- | --- | --- |")
+        for label, f in rows:
+            print(f"| {label} | {f['killed']} | {f['resumed']} ({f['tier']}) | {f['lost']} | {f['seconds']:.1f} |")
+        for label in {label for label, _ in rows}:
+            mine = [f for name, f in rows if name == label]
+            print(
+                f"{label}: steps lost mean {statistics.mean(f['lost'] for f in mine):.1f}, max "
+                f"{max(f['lost'] for f in mine)}; seconds mean {statistics.mean(f['seconds'] for f in mine):.1f}, "
+                f"max {max(f['seconds'] for f in mine):.1f}"
+            )
+        print()
+        for i in range(args.cost_rounds):  # disk-only and with the tier back to back, first one then the other
+            order = [("off", None), ("on", args.memory_freq)][:: 1 if i % 2 == 0 else -1]
+            runs = {}
+            for name, k in order:
+                runs[name] = cost(launch(base, f"cost_{name}{i}", args.epochs, args.disk_freq, k, []))
+            off, on = runs["off"], runs["on"]
+            print(
+                f"cost of the memory tier (K={args.memory_freq}): loop held {1e3 * on['held']:.3f} ms/step "
+                f"(disk-only {1e3 * off['held']:.3f} ms/step) of a {1e3 * off['step']:.2f} ms step: "
+                f"{100 * (on['held'] - off['held']) / off['step']:.2f} %; mean step {1e3 * on['step']:.2f} ms with "
+                f"the tier vs {1e3 * off['step']:.2f} ms without ({100 * (on['step'] / off['step'] - 1):+.1f} %)",
+                flush=True,
+            )
+        print(f"load average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,336 @@
+"""The memory tier of `BackupAndRestore`: snapshots of a backup kept in the launcher's RAM.
+
+Every K steps each process sends the launcher's keeper
+(`meshfit.launch.keeper`) its part of exactly what a disk backup holds (the
+tree and JSON part of `checkpoint_schema.BACKUP`). Taking one holds the loop
+for a copy of this process's shards on its own devices (a program per local
+device, none across processes: one across processes costs the steps around
+it a collective's wait); a thread then copies them to the host, skips a
+state that is not finite (as the disk tier refuses one), records each
+shard's SHA-256 and sends them. A restarted process asks the keeper for the
+newest committed snapshot and rebuilds its arrays, laid out as the live
+state, from the shards it had; a part, or a shard, whose SHA-256 does not
+match is never restored.
+
+A part is this process's shards only (a replicated array: one copy), as raw
+bytes described by a JSON header; nothing is pickled:
+
+    b"MFSNAP1\\n" | header length (8 bytes, big-endian) | header JSON | array bytes
+
+Restoring needs each array's shards of this process in its part: the same
+world size and layout, or, after an elastic restart onto fewer processes, a
+part of the larger job that holds each array whole (replicated, as data
+parallelism keeps the state: rank r of the smaller job reads rank r's part).
+An array sharded across the larger job's processes cannot be assembled from
+one part: such a snapshot is not restored (with a warning) and the restart
+resumes from the disk backup, which restores onto any world size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import struct
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshfit.core.trees import decode, encode, path_name
+from meshfit.runtime import keeper_protocol as protocol
+
+MAGIC = b"MFSNAP1\n"
+#: `latest` asks for the newest snapshot below this step: any.
+NEWEST = 1 << 62
+
+
+class MemoryTierUnavailable(RuntimeError):
+    """The keeper cannot hold snapshots (no room on the host, or it is gone): back up to disk only."""
+
+
+def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> str:
+    """A shard's place in its array as text: "0:4,0:3" (full ranges spelt out)."""
+    return ",".join(f"{s.start or 0}:{dim if s.stop is None else s.stop}" for s, dim in zip(index, shape, strict=True))
+
+
+def _shards(tree) -> list[tuple[str, Any, tuple[int, ...], list[tuple[str, Any]]]]:
+    """Per leaf of `tree`: its path, dtype, shape and this process's distinct shards as (index key, data):
+    a device array's addressable shards (one copy of each replicated piece), a host value whole."""
+    entries = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(leaf, jax.Array):
+            seen: dict[str, Any] = {}
+            for shard in leaf.addressable_shards:
+                seen.setdefault(_index_key(shard.index, leaf.shape), shard.data)
+            shards = list(seen.items())
+        else:
+            value = np.asarray(leaf)
+            shards = [(_index_key(tuple(slice(None) for _ in value.shape), value.shape), value)]
+        entries.append((path_name(path), leaf.dtype, tuple(leaf.shape), shards))
+    return entries
+
+
+def _pack(step: int, entries, meta: dict[str, Any]) -> bytes:
+    """A part from `_shards` entries whose data are host arrays; each shard with its SHA-256."""
+    leaves, chunks, offset = [], [], 0
+    for name, dtype, shape, shards in entries:
+        described = []
+        for key, data in shards:
+            raw = np.ascontiguousarray(data).tobytes()
+            described.append(
+                {"index": key, "offset": offset, "nbytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+            )
+            chunks.append(raw)
+            offset += len(raw)
+        leaves.append({"path": name, "dtype": np.dtype(dtype).name, "shape": list(shape), "shards": described})
+    header = json.dumps({"step": step, "meta": meta, "leaves": leaves}).encode()
+    return b"".join([MAGIC, struct.pack(">Q", len(header)), header, *chunks])
+
+
+def pack(step: int, tree, meta: dict[str, Any]) -> bytes:
+    """This process's part of a snapshot of `tree` (its device arrays fetched here) as bytes."""
+    entries = [(n, d, s, [(k, np.asarray(x)) for k, x in shards]) for n, d, s, shards in _shards(tree)]
+    return _pack(step, entries, meta)
+
+
+@jax.jit
+def _copy_on_device(arrays):
+    """New buffers holding `arrays` (all on one device): a program of this process alone."""
+    return [jnp.copy(x) for x in arrays]
+
+
+def _local_copy(entries):
+    """`entries` with each device shard replaced by a copy on its device, dispatched, not waited for: later
+    steps that donate the state's buffers leave the copies intact. One program per local device, none
+    across processes (such a program costs the steps around it a collective's wait)."""
+    by_device: dict[Any, list[tuple[int, int]]] = {}
+    for i, (_, _, _, shards) in enumerate(entries):
+        for j, (_, data) in enumerate(shards):
+            if isinstance(data, jax.Array):
+                by_device.setdefault(next(iter(data.devices())), []).append((i, j))
+    copied = [[data for _, data in shards] for _, _, _, shards in entries]
+    for places in by_device.values():
+        for (i, j), copy in zip(places, _copy_on_device([copied[i][j] for i, j in places]), strict=True):
+            copied[i][j] = copy
+    return [
+        (name, dtype, shape, [(key, data) for (key, _), data in zip(shards, copies, strict=True)])
+        for (name, dtype, shape, shards), copies in zip(entries, copied, strict=True)
+    ]
+
+
+class AlteredPart(ValueError):
+    """A shard whose bytes do not match the SHA-256 recorded when the part was packed."""
+
+
+def unpack_header(part: bytes) -> tuple[dict, memoryview]:
+    """The JSON header of a part and a view of its array bytes; `ValueError` if it is not one."""
+    if not part.startswith(MAGIC) or len(part) < len(MAGIC) + 8:
+        raise ValueError("not a meshfit snapshot part (no MFSNAP1 header)")
+    (length,) = struct.unpack(">Q", part[len(MAGIC) : len(MAGIC) + 8])
+    start = len(MAGIC) + 8
+    if start + length > len(part):
+        raise ValueError("a snapshot part cut short in its header")
+    header = json.loads(part[start : start + length].decode())
+    return header, memoryview(part)[start + length :]
+
+
+def unpack(part: bytes, template) -> Any:
+    """The tree of a part, laid out as `template` (device arrays on its shardings, numpy arrays on the host).
+
+    `ValueError` names what differs when the part does not fit the template (another model, another layout).
+    """
+    header, data = unpack_header(part)
+    by_path = {leaf["path"]: leaf for leaf in header["leaves"]}
+    flat, treedef = jax.tree_util.tree_flatten_with_path(encode(template))
+    rebuilt = []
+    for path, like in flat:
+        name = path_name(path)
+        saved = by_path.get(name)
+        if saved is None:
+            raise ValueError(f"{name}: not in the snapshot")
+        dtype = jnp.dtype(saved["dtype"])
+        shape = tuple(saved["shape"])
+        if shape != tuple(like.shape) or dtype != np.dtype(like.dtype):
+            raise ValueError(
+                f"{name}: saved {shape} {dtype.name}, expected {tuple(like.shape)} {np.dtype(like.dtype).name}"
+            )
+        shards = {}
+        for shard in saved["shards"]:
+            raw = data[shard["offset"] : shard["offset"] + shard["nbytes"]]
+            if "sha256" in shard and hashlib.sha256(raw).hexdigest() != shard["sha256"]:
+                raise AlteredPart(f"{name} [{shard['index']}]")
+            shards[shard["index"]] = np.frombuffer(raw, dtype=dtype)
+        if isinstance(like, jax.Array):
+            whole = _index_key(tuple(slice(None) for _ in shape), shape)
+
+            def piece(index, shards=shards, shape=shape, name=name, whole=whole):
+                key = _index_key(index, shape)
+                if key in shards:
+                    return shards[key].reshape(
+                        tuple(len(range(*s.indices(d))) for s, d in zip(index, shape, strict=True))
+                    )
+                if whole in shards:  # a replicated array: any shard is a slice of the whole
+                    return shards[whole].reshape(shape)[index]
+                raise ValueError(
+                    f"{name}: this process's part holds no shard [{key}] nor the whole array (another layout, or "
+                    "a world size that split it across processes)"
+                )
+
+            rebuilt.append(jax.make_array_from_callback(shape, like.sharding, piece))
+        else:
+            (only,) = shards.values()
+            rebuilt.append(np.array(only.reshape(shape)))
+    return decode(jax.tree_util.tree_unflatten(treedef, rebuilt), template)
+
+
+class MemoryTier:
+    """This process's side of the keeper, for one fit (`fit`: its backup directory).
+
+    `save` starts a snapshot and returns; `latest` fetches the newest committed one.
+    """
+
+    def __init__(self, fit: str):
+        if not protocol.available():
+            raise MemoryTierUnavailable(
+                "no snapshot keeper: `memory_freq` needs a launcher that keeps snapshots, "
+                f"{protocol.LAUNCHERS_WITH_KEEPER}."
+            )
+        self.fit = fit
+        self.rank = jax.process_index()
+        self.world = jax.process_count()
+        self.start = int(os.environ.get("MESHFIT_RESTART_COUNT", "0"))
+        self._conn = None
+        # One sender thread for the fit, fed a snapshot at a time: starting a thread per snapshot holds the
+        # loop about a millisecond (the new thread must take the GIL before `start` returns).
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._sender: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.committed: list[int] = []  # steps this process saw committed (the keeper says so to the last sender)
+        self.saved_world = self.world  # the world size of the job that took the snapshot `newest` fetched
+
+    def _connection(self):
+        if self._conn is None:
+            self._conn = protocol.connect()
+        return self._conn
+
+    def _request(self, message: dict) -> dict:
+        conn = self._connection()
+        protocol.send_json(conn, {"fit": self.fit, "rank": self.rank, "world": self.world, **message})
+        return protocol.recv_json(conn)
+
+    # -- saving ------------------------------------------------------------------------
+
+    def save(self, step: int, tree, meta: dict[str, Any]) -> None:
+        """Starts a snapshot of `tree` (device arrays copied on their devices now) and its JSON part `meta`.
+
+        Waits for the previous snapshot first (at most one in flight); a previous one the keeper could not
+        hold raises `MemoryTierUnavailable` here. In a multi-process job every process calls this at the
+        same step with the same tree.
+        """
+        self.wait()
+        copies = _local_copy(_shards(encode(tree)))
+
+        def send() -> None:
+            try:
+                entries = [(n, d, s, [(k, np.asarray(x)) for k, x in shards]) for n, d, s, shards in copies]
+                for _, _, _, shards in entries:
+                    for _, x in shards:
+                        if np.issubdtype(x.dtype, np.inexact) and not np.isfinite(x).all():
+                            return  # never kept: the disk tier refuses such a state too
+                self._send(step, _pack(step, entries, meta))
+            except BaseException as error:  # noqa: BLE001 - raised by the next save, wait or close
+                self._error = error
+
+        self._idle.clear()
+        self._jobs.put(send)
+        if self._sender is None:
+            self._sender = threading.Thread(target=self._send_loop, name="meshfit-memory-snapshots", daemon=True)
+            self._sender.start()
+
+    def _send_loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                job()
+            finally:
+                self._idle.set()
+
+    def _send(self, step: int, part: bytes) -> None:
+        conn = self._connection()
+        header = {"op": "put", "step": step, "start": self.start, "size": len(part)}
+        reply = self._request({**header, "sha256": hashlib.sha256(part).hexdigest()})
+        if not reply.get("ok"):
+            raise MemoryTierUnavailable(f"the keeper refused the snapshot of step {step}: {reply.get('message')}")
+        conn.send_bytes(part)
+        reply = protocol.recv_json(conn)
+        if not reply.get("ok"):
+            raise MemoryTierUnavailable(f"the keeper refused the snapshot of step {step}: {reply.get('message')}")
+        if reply.get("committed"):
+            self.committed.append(step)
+
+    def wait(self) -> None:
+        """Returns when the snapshot in flight has been sent; raises what went wrong with it."""
+        self._idle.wait()
+        error, self._error = self._error, None
+        if error is not None:
+            if isinstance(error, MemoryTierUnavailable):
+                raise error
+            raise MemoryTierUnavailable(f"sending a snapshot to the keeper failed ({type(error).__name__}: {error})")
+
+    def drop(self) -> None:
+        """Asks the keeper to forget this fit's snapshots (a fit that ended)."""
+        self._request({"op": "drop", "step": 0})
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._sender is not None:
+                self._jobs.put(None)  # the sender ends
+                self._sender = None
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    # -- restoring ---------------------------------------------------------------------
+
+    def newest(self) -> tuple[int, bytes] | None:
+        """The newest committed snapshot's step and this process's part, checked against its SHA-256; None if
+        the keeper has none of this job's world size or a larger one (`saved_world`: the job that took it)."""
+        reply = self._request({"op": "latest", "step": NEWEST})
+        if reply.get("step") is None:
+            return None
+        self.saved_world = int(reply.get("world", self.world))
+        part = protocol.recv_payload(self._connection(), int(reply["size"]))
+        if hashlib.sha256(part).hexdigest() != reply.get("sha256"):
+            warnings.warn(f"the memory snapshot of step {reply['step']} arrived damaged; not restored.", stacklevel=2)
+            return None
+        return int(reply["step"]), part
+
+    def restore(self, step: int, part: bytes, template_of) -> tuple[Any, dict[str, Any]] | None:
+        """The tree and JSON part of a fetched snapshot, laid out as `template_of(meta)`; None (with a warning)
+        when it does not fit this process or a shard does not match its SHA-256."""
+        try:
+            header, _ = unpack_header(part)
+            meta = header["meta"]
+            template = template_of(meta)
+            tree = unpack(part, template)
+        except AlteredPart as error:
+            warnings.warn(
+                f"the memory snapshot of step {step} does not match its digests ({error}); not restored.",
+                stacklevel=2,
+            )
+            return None
+        except (ValueError, KeyError, TypeError) as error:
+            warnings.warn(
+                f"the memory snapshot of step {step} does not fit this fit ({error}); not restored.", stacklevel=2
+            )
+            return None
+        return tree, meta

@@ -1,0 +1,306 @@
+"""The snapshot keeper: the memory tier of `BackupAndRestore(memory_freq=K)`, held by the launcher.
+
+`meshfit launch` starts one `Keeper` (a listener and its threads in the
+launcher's process) before the ranks and keeps it across `--max-restarts`, so
+snapshots outlive the processes that sent them. Each rank sends its part of a
+snapshot every K steps (`meshfit.checkpointing.memory_tier`); a snapshot is
+*committed* once the part of every rank of the job has arrived whole (its
+SHA-256 checked on arrival), and only committed snapshots are handed out: a
+rank killed while sending leaves a partial one that no restart sees. Parts
+from an earlier start of the job never complete a snapshot of a later one.
+
+The keeper holds bytes only: it parses no array and unpickles nothing (the
+frames are JSON and raw bytes, `meshfit.runtime.keeper_protocol`). It keeps
+the newest two committed snapshots of each fit (by its backup directory) and
+refuses a part the host cannot hold (`ENV_KEEPER_MAX_BYTES`, else half the
+memory the kernel says is available), which the rank takes as its cue to back
+up to disk only. Every connection proves it knows the job's key (HMAC) within
+`HANDSHAKE_TIMEOUT` on a thread of its own: a stranger that stays silent,
+sends garbage or lacks the key is closed and holds nothing up.
+
+Imports nothing of JAX or numpy: the launcher starts in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import sys
+import threading
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, Listener
+from typing import TextIO
+
+from meshfit.runtime import keeper_protocol as protocol
+
+#: Committed snapshots kept per fit: the newest, and the one before in case the newest cannot be used.
+KEEP = 2
+
+
+def size_text(nbytes: int) -> str:
+    """`nbytes` in the unit that reads best: "512 B", "3.2 KiB", "1.5 MiB", "2.0 GiB"."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+def available_memory() -> int:
+    """Bytes the kernel says can be allocated without swapping (`MemAvailable`); a large number if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 1 << 62
+
+
+@dataclass
+class _Snapshot:
+    """The parts of one snapshot (one fit, one step, one start of the job), by rank."""
+
+    world: int
+    parts: dict[int, bytes] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(p) for p in self.parts.values())
+
+
+class Keeper:
+    """Holds the ranks' snapshots in this process; `env()` tells the ranks where and how to reach it.
+
+    Args:
+        log: where the keeper says what it holds (the launcher's stderr).
+        max_bytes: the most bytes it holds; None: `ENV_KEEPER_MAX_BYTES`, else half of `available_memory()`
+            at each part.
+    """
+
+    _MAX_HANDSHAKES = 64  # connections being authenticated at once; more are closed at once
+
+    def __init__(self, log: TextIO = sys.stderr, max_bytes: int | None = None):
+        if max_bytes is None and os.environ.get(protocol.ENV_KEEPER_MAX_BYTES):
+            max_bytes = int(os.environ[protocol.ENV_KEEPER_MAX_BYTES])
+        self.max_bytes = max_bytes
+        self.key = secrets.token_bytes(32)
+        self.log = log
+        self.listener = Listener(("127.0.0.1", 0), backlog=128)  # no authkey: the handshake runs off this thread
+        host, port = self.listener.address
+        self.address = f"{host}:{port}"
+        self.closed = threading.Event()
+        self.peak_bytes = 0
+        self._lock = threading.Lock()
+        self._committed: dict[str, dict[int, _Snapshot]] = {}  # fit -> step -> snapshot
+        self._pending: dict[tuple[str, int, int], _Snapshot] = {}  # (fit, start, step) -> parts so far
+        self._decided: dict[tuple[str, int, int], str] = {}  # (fit, start, step) -> why refused ("": accepted)
+        self._refused: dict[tuple[str, int], str] = {}  # (fit, start) -> why its snapshots are refused
+        self._handshakes = threading.BoundedSemaphore(self._MAX_HANDSHAKES)
+        self._stranger_seen = False
+        self._said_holding: set[str] = set()
+        self._thread = threading.Thread(target=self._accept, daemon=True, name="meshfit-keeper")
+        self._thread.start()
+
+    def env(self) -> dict[str, str]:
+        """The variables that point the ranks at this keeper."""
+        return {protocol.ENV_KEEPER_ADDRESS: self.address, protocol.ENV_KEEPER_AUTHKEY: self.key.hex()}
+
+    def held_bytes(self) -> int:
+        with self._lock:
+            return self._held()
+
+    def committed_steps(self, fit: str) -> list[int]:
+        with self._lock:
+            return sorted(self._committed.get(fit, {}))
+
+    def close(self) -> None:
+        self.closed.set()
+        self.listener.close()
+        if self.peak_bytes:
+            self._say(f"held at most {size_text(self.peak_bytes)} of memory snapshots.")
+        with self._lock:
+            self._committed.clear()
+            self._pending.clear()
+
+    # -- connections -------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        while not self.closed.is_set():
+            try:
+                conn = self.listener.accept()
+            except OSError:
+                if self.closed.wait(0.05):
+                    return
+                continue
+            if not self._handshakes.acquire(blocking=False):
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn,), daemon=True, name="meshfit-keeper-conn").start()
+
+    def _serve(self, conn: Connection) -> None:
+        try:
+            try:
+                protocol.handshake(conn, self.key, accepting=True)
+            finally:
+                self._handshakes.release()
+        except protocol.HANDSHAKE_ERRORS as error:
+            conn.close()
+            self._stranger(error)
+            return
+        try:
+            while not self.closed.is_set():
+                request = protocol.recv_json(conn)
+                self._handle(conn, request)
+        except (EOFError, OSError):
+            pass  # the rank closed its connection, or died
+        except protocol.ProtocolError as error:
+            self._say(f"closed a connection of the job that broke the protocol: {error}.")
+        finally:
+            conn.close()
+
+    def _stranger(self, error: BaseException) -> None:
+        if self._stranger_seen:
+            return
+        self._stranger_seen = True
+        why = f"{type(error).__name__}: {str(error) or 'silent, or closed'}"
+        self._say(
+            f"closed a connection to {self.address} that did not complete the handshake ({why}); it is not one "
+            "of the job's processes. Further ones are closed without a word."
+        )
+
+    def _say(self, line: str) -> None:
+        self.log.write(f"[launch] keeper: {line}\n")
+        self.log.flush()
+
+    # -- requests ----------------------------------------------------------------------
+
+    def _handle(self, conn: Connection, request: dict) -> None:
+        op = request.get("op")
+        if op == "put":
+            self._put(conn, request)
+        elif op == "latest":
+            self._latest(conn, request)
+        elif op == "drop":
+            with self._lock:
+                fit = str(request.get("fit"))
+                self._committed.pop(fit, None)
+                for key in [k for k in self._pending if k[0] == fit]:
+                    del self._pending[key]
+            protocol.send_json(conn, {"ok": True})
+        else:
+            raise protocol.ProtocolError(f"an unknown request {str(op)[:40]!r}")
+
+    @staticmethod
+    def _fields(request: dict) -> tuple[str, int, int, int, int]:
+        try:
+            fit, step, rank, world, start = (
+                request["fit"],
+                request["step"],
+                request["rank"],
+                request["world"],
+                request.get("start", 0),
+            )
+        except KeyError as missing:
+            raise protocol.ProtocolError(f"a request without {missing}") from None
+        ints = (step, rank, world, start)
+        if not isinstance(fit, str) or not all(type(v) is int for v in ints) or not 0 <= rank < world:
+            raise protocol.ProtocolError(f"a request with malformed fields {str(request)[:200]}")
+        return fit, step, rank, world, start
+
+    def _room(self, size: int, world: int) -> str | None:
+        """Why a snapshot of `world` parts like one of `size` bytes cannot be held (None when it can)."""
+        held = self._held()
+        if self.max_bytes is not None:
+            if held + world * size > self.max_bytes:
+                return (
+                    f"a snapshot of {world} part(s) of {size_text(size)} does not fit: the keeper holds "
+                    f"{size_text(held)} and may hold {size_text(self.max_bytes)} ({protocol.ENV_KEEPER_MAX_BYTES})"
+                )
+            return None
+        # Steady state: KEEP committed snapshots and one arriving, `world` parts each.
+        needed = (KEEP + 1) * world * size - held
+        free = available_memory() // 2
+        if needed > free:
+            return (
+                f"holding the snapshots needs {size_text(needed)} more, and half the host's available memory is "
+                f"{size_text(free)}"
+            )
+        return None
+
+    def _put(self, conn: Connection, request: dict) -> None:
+        fit, step, rank, world, start = self._fields(request)
+        size, digest = request.get("size"), request.get("sha256")
+        if type(size) is not int or size < 0 or not isinstance(digest, str):
+            raise protocol.ProtocolError("a put without its size and sha256")
+        with self._lock:
+            # One answer for every part of a snapshot, and none after a refusal: the ranks stop sending
+            # together (a snapshot's device copy is one program across all of them).
+            refusal = self._refused.get((fit, start)) or self._decided.get((fit, start, step), "")
+            if (fit, start, step) not in self._decided and not refusal:
+                refusal = self._room(size, world) or ""
+                self._decided[(fit, start, step)] = refusal
+            if refusal:
+                self._refused[(fit, start)] = refusal
+        if refusal:
+            protocol.send_json(conn, {"ok": False, "error": "memory", "message": refusal})
+            return
+        protocol.send_json(conn, {"ok": True})
+        payload = protocol.recv_payload(conn, size)
+        if hashlib.sha256(payload).hexdigest() != digest:
+            protocol.send_json(conn, {"ok": True, "committed": False, "damaged": True})  # never committed
+            return
+        committed = None
+        with self._lock:
+            # Parts of an earlier start of the job never complete a snapshot of this one.
+            for key in [k for k in self._pending if k[0] == fit and k[1] < start]:
+                del self._pending[key]
+            snapshot = self._pending.setdefault((fit, start, step), _Snapshot(world))
+            if snapshot.world == world:
+                snapshot.parts[rank] = payload
+            if len(snapshot.parts) == world:
+                committed = self._commit(fit, start, step)
+            self.peak_bytes = max(self.peak_bytes, self._held())
+            held = self._held()
+        if committed is not None and fit not in self._said_holding:
+            self._said_holding.add(fit)
+            self._say(
+                f"committed the memory snapshot of step {step} ({world} process(es), {size_text(committed)}); "
+                f"holding {size_text(held)} (at most the newest {KEEP} snapshots of each process)."
+            )
+        protocol.send_json(conn, {"ok": True, "committed": committed is not None, "held": held})
+
+    def _commit(self, fit: str, start: int, step: int) -> int:
+        snapshot = self._pending.pop((fit, start, step))
+        steps = self._committed.setdefault(fit, {})
+        steps[step] = snapshot
+        for old in sorted(steps)[:-KEEP]:
+            del steps[old]
+        for key in [k for k in self._pending if k[0] == fit and k[2] <= step]:
+            del self._pending[key]
+        for key in [k for k in self._decided if k[0] == fit and k[2] <= step]:
+            del self._decided[key]
+        return snapshot.nbytes
+
+    def _latest(self, conn: Connection, request: dict) -> None:
+        fit, below, rank, world, _ = self._fields(request)
+        with self._lock:
+            steps = self._committed.get(fit, {})
+            # A smaller world (an elastic restart) gets the part of its own rank in the larger one: the rank
+            # decides whether that part alone holds its arrays (`memory_tier.unpack`).
+            found = [s for s in sorted(steps) if s < below and steps[s].world >= world]
+            saved = steps[found[-1]] if found else None
+            part = saved.parts[rank] if saved is not None else None
+        if saved is None or part is None:
+            protocol.send_json(conn, {"step": None})
+            return
+        protocol.send_json(
+            conn,
+            {"step": found[-1], "size": len(part), "sha256": hashlib.sha256(part).hexdigest(), "world": saved.world},
+        )
+        conn.send_bytes(part)
+
+    def _held(self) -> int:
+        committed = sum(s.nbytes for steps in self._committed.values() for s in steps.values())
+        return committed + sum(s.nbytes for s in self._pending.values())

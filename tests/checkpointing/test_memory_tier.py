@@ -1,0 +1,171 @@
+"""The memory tier: BackupAndRestore's snapshots in a keeper, restored exactly; refused without a launcher.
+
+In one process: a real keeper (`meshfit.launch.keeper.Keeper`, real sockets) stands
+in the launcher's place, its address in the environment as `meshfit launch` sets it.
+The multi-process restart with a real SIGKILL is in tests/callbacks/test_backup_and_restore.py.
+"""
+
+import hashlib
+import io
+import json
+import os
+import struct
+import warnings
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import MLP, classification_data
+
+import meshfit as mf
+from meshfit.checkpointing import memory_tier
+from meshfit.launch.keeper import Keeper
+from meshfit.runtime import keeper_protocol
+
+
+@pytest.fixture
+def keeper(monkeypatch):
+    k = Keeper(io.StringIO())
+    for name, value in k.env().items():
+        monkeypatch.setenv(name, value)
+    yield k
+    k.close()
+
+
+def fit(backup_dir, epochs, **backup_kwargs):
+    x, y = classification_data(n=96)
+    model = mf.Model(MLP(), seed=3)
+    model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    callbacks = [mf.callbacks.BackupAndRestore(backup_dir, **backup_kwargs)] if backup_dir else []
+    history = model.fit(x, y, batch_size=16, epochs=epochs, callbacks=callbacks, verbose=0)
+    return model, history
+
+
+def test_memory_freq_without_a_launcher_is_refused_naming_the_launcher(tmp_path, monkeypatch):
+    monkeypatch.delenv(keeper_protocol.ENV_KEEPER_ADDRESS, raising=False)
+    with pytest.raises(ValueError, match=r"memory_freq=5.*meshfit launch --nprocs N"):
+        mf.callbacks.BackupAndRestore(tmp_path / "b", memory_freq=5)
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "5"])
+def test_a_bad_memory_freq_is_refused(tmp_path, bad):
+    with pytest.raises(ValueError, match="`memory_freq` must be a positive int or None"):
+        mf.callbacks.BackupAndRestore(tmp_path / "b", memory_freq=bad)
+
+
+def test_memory_replicas_other_than_one_are_refused(tmp_path, keeper):
+    with pytest.raises(ValueError, match="`memory_replicas` must be 1"):
+        mf.callbacks.BackupAndRestore(tmp_path / "b", memory_freq=2, memory_replicas=2)
+
+
+def test_a_fit_resumes_from_the_newest_memory_snapshot_exactly(tmp_path, keeper, capsys):
+    """Snapshots every 2 steps and no disk backup: the next fit resumes at step 6 from memory, bitwise."""
+    full, full_history = fit(None, 2)
+    fit(tmp_path / "b", 1, save_freq=1000, memory_freq=2, delete_checkpoint=False)  # 6 steps; snapshots at 2, 4, 6
+    assert keeper.committed_steps(os.path.abspath(tmp_path / "b")) == [4, 6]  # the newest two
+    assert not [p for p in os.listdir(tmp_path / "b") if p.isdigit()]  # nothing on disk
+    resumed, resumed_history = fit(tmp_path / "b", 2, save_freq=1000, memory_freq=2)
+    assert "resumed from the launcher's memory snapshot at epoch 1, batch 6 (step 6)" in capsys.readouterr().out
+    assert resumed_history.history == full_history.history
+    for a, b in zip(full.get_weights(), resumed.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert keeper.committed_steps(os.path.abspath(tmp_path / "b")) == []  # a finished fit's snapshots are dropped
+
+
+def test_a_disk_backup_newer_than_the_memory_snapshot_wins(tmp_path, keeper, capsys):
+    fit(tmp_path / "b", 1, save_freq=5, memory_freq=4, delete_checkpoint=False)  # 6 steps
+    steps = keeper.committed_steps(os.path.abspath(tmp_path / "b"))
+    disk = sorted(int(p) for p in os.listdir(tmp_path / "b") if p.isdigit())
+    assert disk == [5] and steps == [4], (disk, steps)  # at 6 no multiple of 4 was passed since the backup at 5
+    fit(tmp_path / "b", 2, save_freq=5, memory_freq=4)
+    assert f"resumed from {tmp_path / 'b'} at epoch 1, batch 5 (step 5)." in capsys.readouterr().out
+
+
+def test_a_part_whose_shard_does_not_match_its_digest_is_not_restored(tmp_path, keeper):
+    fit(tmp_path / "b", 1, save_freq=1000, memory_freq=3, delete_checkpoint=False)
+    tier = memory_tier.MemoryTier(os.path.abspath(tmp_path / "b"))
+    step, part = tier.newest()
+    header, data = memory_tier.unpack_header(part)
+    kernel = next(leaf for leaf in header["leaves"] if leaf["path"].endswith("kernel"))
+    at = len(part) - len(data) + kernel["shards"][0]["offset"]
+    damaged = part[:at] + bytes([part[at] ^ 0x01]) + part[at + 1 :]  # one bit of one weight
+    model = mf.Model(MLP(), seed=3)
+    model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = classification_data(n=16)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)  # a live state to lay the arrays out like
+    from meshfit.checkpointing.checkpoint_schema import BACKUP
+
+    def template_of(meta):
+        return BACKUP.target(model.session.store.latest, meta)
+
+    assert tier.restore(step, part, template_of) is not None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert tier.restore(step, damaged, template_of) is None
+    said = [str(w.message) for w in caught]
+    assert any("does not match its digests (train/params/hidden/kernel [0:4,0:16])" in m for m in said), said
+    tier.close()
+
+
+def test_a_host_that_cannot_hold_the_snapshots_falls_back_to_disk_with_one_warning(tmp_path, monkeypatch):
+    k = Keeper(io.StringIO(), max_bytes=1000)
+    for name, value in k.env().items():
+        monkeypatch.setenv(name, value)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, history = fit(tmp_path / "b", 2, save_freq=4, memory_freq=2)
+        said = [w for w in caught if "memory snapshots are off" in str(w.message)]
+        assert len(said) == 1 and "may hold 1000 B" in str(said[0].message)
+        assert len(history.history["loss"]) == 2 and k.held_bytes() == 0
+    finally:
+        k.close()
+
+
+def put(fit_key: str, step: int, rank: int, world: int, part: bytes) -> dict:
+    """Sends one process's part of a snapshot to the keeper, as `MemoryTier` does for rank `rank` of `world`."""
+    conn = keeper_protocol.connect()
+    try:
+        request = {"op": "put", "fit": fit_key, "rank": rank, "world": world, "step": step, "start": 0}
+        keeper_protocol.send_json(conn, {**request, "size": len(part), "sha256": hashlib.sha256(part).hexdigest()})
+        assert keeper_protocol.recv_json(conn)["ok"]
+        conn.send_bytes(part)
+        return keeper_protocol.recv_json(conn)
+    finally:
+        conn.close()
+
+
+def test_a_smaller_world_resumes_from_a_larger_jobs_snapshot_whose_parts_hold_the_arrays_whole(
+    tmp_path, keeper, capsys
+):
+    """A snapshot of a 2-process data-parallel job (each part: the whole replicated state) restores onto 1
+    process, exactly: what an elastic restart onto fewer processes does."""
+    full, full_history = fit(None, 2)
+    fit(tmp_path / "b", 1, save_freq=1000, memory_freq=2, delete_checkpoint=False)
+    fit_key = os.path.abspath(tmp_path / "b")
+    tier = memory_tier.MemoryTier(fit_key)
+    step, part = tier.newest()
+    tier.drop()
+    assert put(fit_key, step, 0, 2, part)["committed"] is False  # one part of two: not yet a snapshot
+    assert put(fit_key, step, 1, 2, part)["committed"] is True
+    tier.close()
+    resumed, resumed_history = fit(tmp_path / "b", 2, save_freq=1000, memory_freq=2)
+    out = capsys.readouterr().out
+    assert "resumed from the launcher's memory snapshot of a 2-process job at epoch 1, batch 6 (step 6)" in out
+    assert resumed_history.history == full_history.history
+    for a, b in zip(full.get_weights(), resumed.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_an_array_split_across_the_larger_jobs_processes_is_not_assembled_from_one_part():
+    """A part that holds only a slice of an array (sharded across processes) cannot fill this process's
+    whole array: refused naming the array and the shard, so the restart resumes from disk."""
+    part = memory_tier.pack(4, {"w": jnp.arange(8.0).reshape(4, 2)}, {})
+    header, data = memory_tier.unpack_header(part)
+    header["leaves"][0]["shards"] = [{"index": "0:2,0:2", "offset": 0, "nbytes": 16}]  # rows 0-1 only
+    raw = json.dumps(header).encode()
+    half = memory_tier.MAGIC + struct.pack(">Q", len(raw)) + raw + bytes(data[:16])
+    with pytest.raises(ValueError, match=r"w: this process's part holds no shard \[0:4,0:2\] nor the whole array"):
+        memory_tier.unpack(half, {"w": jnp.zeros((4, 2))})
+    np.testing.assert_array_equal(memory_tier.unpack(part, {"w": jnp.zeros((4, 2))})["w"], np.arange(8.0).reshape(4, 2))

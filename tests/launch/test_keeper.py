@@ -1,0 +1,173 @@
+"""The launcher's snapshot keeper: commits only whole snapshots of every rank, authenticated peers only.
+
+Real sockets and real processes: a rank is a client speaking the protocol
+(`meshfit.runtime.keeper_protocol`); a rank killed half-way through sending is
+a subprocess SIGKILLed after writing part of its frame.
+"""
+
+import hashlib
+import io
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from hostile import garbage, unauthenticated
+
+from meshfit.launch.keeper import Keeper
+from meshfit.runtime import keeper_protocol as protocol
+
+
+@pytest.fixture
+def keeper():
+    log = io.StringIO()
+    k = Keeper(log)
+    k.test_log = log
+    yield k
+    k.close()
+
+
+def client(keeper):
+    return protocol.connect(keeper.address, keeper.key)
+
+
+def put(conn, step, rank, payload, world=2, fit="f", start=0):
+    digest = hashlib.sha256(payload).hexdigest()
+    header = {"fit": fit, "rank": rank, "world": world, "step": step, "start": start, "size": len(payload)}
+    protocol.send_json(conn, {"op": "put", **header, "sha256": digest})
+    reply = protocol.recv_json(conn)
+    if not reply["ok"]:
+        return reply
+    conn.send_bytes(payload)
+    return protocol.recv_json(conn)
+
+
+def latest(conn, rank, world=2, fit="f"):
+    protocol.send_json(conn, {"op": "latest", "fit": fit, "rank": rank, "world": world, "step": 1 << 62})
+    reply = protocol.recv_json(conn)
+    if reply["step"] is None:
+        return None
+    return reply["step"], protocol.recv_payload(conn, reply["size"])
+
+
+def test_a_snapshot_is_committed_only_once_every_rank_sent_its_part(keeper):
+    a, b = client(keeper), client(keeper)
+    assert put(a, 5, 0, b"r0@5")["committed"] is False
+    assert latest(a, 0) is None  # rank 1's part has not arrived: nothing to restore
+    assert put(b, 5, 1, b"r1@5")["committed"] is True
+    assert latest(a, 0) == (5, b"r0@5") and latest(b, 1) == (5, b"r1@5")
+    assert latest(a, 0, world=3) is None  # another world size: its parts are not this job's
+    for step in (10, 15):
+        put(a, step, 0, b"r0@%d" % step)
+        put(b, step, 1, b"r1@%d" % step)
+    assert keeper.committed_steps("f") == [10, 15]  # the newest two
+    assert keeper.held_bytes() == 4 * len(b"r0@10")
+    assert "committed the memory snapshot of step 5" in keeper.test_log.getvalue()
+
+
+def test_parts_of_an_earlier_start_never_complete_a_snapshot(keeper):
+    a, b = client(keeper), client(keeper)
+    put(a, 5, 0, b"old", start=0)  # rank 0 of the first start sent step 5; rank 1 died first
+    put(b, 5, 1, b"new", start=1)  # the restarted rank 1 reaches step 5 again
+    assert latest(a, 0) is None
+    put(a, 5, 0, b"new0", start=1)
+    assert latest(a, 0) == (5, b"new0")
+
+
+def test_a_part_the_host_cannot_hold_is_refused_for_every_rank():
+    keeper = Keeper(io.StringIO(), max_bytes=10)
+    try:
+        a, b = client(keeper), client(keeper)
+        refused = put(a, 5, 0, b"0123456")  # two parts of 7 bytes: 14 > 10
+        assert refused["error"] == "memory" and "may hold 10 B" in refused["message"], refused
+        assert put(b, 5, 1, b"0123456") == refused  # the same answer for every part of the snapshot
+        assert not put(a, 10, 0, b"0")["ok"]  # once refused, the fit is disk-only: the ranks stop together
+        assert latest(a, 0) is None
+        assert keeper.held_bytes() == 0
+    finally:
+        keeper.close()
+
+
+KILLED_MID_SEND = textwrap.dedent("""
+    import hashlib, os, signal, sys
+    from meshfit.runtime import keeper_protocol as protocol
+    address, key, start = sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3])
+    conn = protocol.connect(address, key)
+    payload = os.urandom(1 << 20)
+    header = {"op": "put", "fit": "f", "rank": 1, "world": 2, "step": 10, "start": start, "size": len(payload),
+              "sha256": hashlib.sha256(payload).hexdigest()}
+    protocol.send_json(conn, header)
+    assert protocol.recv_json(conn)["ok"]
+    import struct
+    os.write(conn.fileno(), struct.pack("!i", len(payload)) + payload[: len(payload) // 2])  # half the frame
+    print("half sent", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_a_snapshot_whose_sender_was_killed_half_way_is_never_restored(keeper):
+    a, b = client(keeper), client(keeper)
+    put(a, 5, 0, b"r0@5")
+    put(b, 5, 1, b"r1@5")
+    put(a, 10, 0, b"r0@10")  # rank 0's part of step 10 arrived; rank 1 dies sending its own
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_MID_SEND, keeper.address, keeper.key.hex(), "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert proc.returncode == -signal.SIGKILL and "half sent" in proc.stdout, proc.stderr
+    time.sleep(0.2)
+    assert keeper.committed_steps("f") == [5]
+    assert latest(a, 0) == (5, b"r0@5") and latest(b, 1) == (5, b"r1@5")  # the previous committed one
+
+
+def test_a_damaged_part_is_not_committed(keeper):
+    a, b = client(keeper), client(keeper)
+    put(a, 5, 0, b"r0@5")
+    header = {"fit": "f", "rank": 1, "world": 2, "step": 5, "start": 0, "size": 4}
+    protocol.send_json(b, {"op": "put", **header, "sha256": hashlib.sha256(b"r1@5").hexdigest()})
+    assert protocol.recv_json(b)["ok"]
+    b.send_bytes(b"r1@X")  # altered in transit
+    assert protocol.recv_json(b) == {"ok": True, "committed": False, "damaged": True}
+    assert keeper.committed_steps("f") == []
+
+
+def test_strangers_are_closed_and_the_job_still_gets_through(keeper):
+    """Silent, garbage and unauthenticated connections, then a rank with the key: served at once."""
+    import socket
+
+    port = int(keeper.address.rsplit(":", 1)[1])
+    silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(8)]
+    try:
+        assert garbage(port, 1)
+        assert unauthenticated(port)
+        with pytest.raises(protocol.HANDSHAKE_ERRORS):
+            protocol.connect(keeper.address, b"not the key" * 3)
+        started = time.monotonic()
+        a, b = client(keeper), client(keeper)
+        put(a, 5, 0, b"r0")
+        put(b, 5, 1, b"r1")
+        assert latest(a, 0) == (5, b"r0")
+        assert time.monotonic() - started < 5
+    finally:
+        for sock in silent:
+            sock.close()
+    assert "did not complete the handshake" in keeper.test_log.getvalue()
+
+
+def test_a_rank_that_breaks_the_protocol_after_the_handshake_is_closed(keeper):
+    a = client(keeper)
+    a.send_bytes(b"\x80\x04not json")
+    with pytest.raises((EOFError, OSError)):
+        a.recv_bytes()
+    b = client(keeper)
+    protocol.send_json(b, {"op": "put", "fit": "f", "rank": 5, "world": 2, "step": 1, "size": 1, "sha256": ""})
+    with pytest.raises((EOFError, OSError)):
+        b.recv_bytes()
+    assert "broke the protocol" in keeper.test_log.getvalue()
