@@ -33,6 +33,7 @@ from multiprocessing.connection import Connection, Listener
 from typing import TextIO
 
 from meshfit.runtime import keeper_protocol as protocol
+from meshfit.runtime.handshake import HANDSHAKE_ERRORS, handshake
 
 #: Committed snapshots kept per fit: the newest, and the one before in case the newest cannot be used.
 KEEP = 2
@@ -142,10 +143,10 @@ class Keeper:
     def _serve(self, conn: Connection) -> None:
         try:
             try:
-                protocol.handshake(conn, self.key, accepting=True)
+                handshake(conn, self.key, accepting=True)
             finally:
                 self._handshakes.release()
-        except protocol.HANDSHAKE_ERRORS as error:
+        except HANDSHAKE_ERRORS as error:
             conn.close()
             self._stranger(error)
             return

@@ -22,9 +22,9 @@ from __future__ import annotations
 import json
 import os
 import socket
-import threading
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from multiprocessing.connection import Connection
+
+from meshfit.runtime.handshake import HANDSHAKE_TIMEOUT, handshake
 
 #: `host:port` of the launcher's keeper (set by `meshfit launch`; absent without a launcher).
 ENV_KEEPER_ADDRESS = "MESHFIT_KEEPER_ADDRESS"
@@ -35,13 +35,8 @@ ENV_KEEPER_MAX_BYTES = "MESHFIT_KEEPER_MAX_BYTES"
 #: The launchers that keep snapshots, for messages.
 LAUNCHERS_WITH_KEEPER = "`meshfit launch --nprocs N` (one machine)"
 
-#: Seconds a connection has to complete the HMAC challenge both ways.
-HANDSHAKE_TIMEOUT = 10.0
 #: The largest JSON frame read: requests and replies are a few hundred bytes.
 HEADER_LIMIT = 64 * 1024
-#: What a peer that is not one of the job's processes can make the handshake raise: silence (EOFError once the
-#: bound shuts the socket), garbage (OSError "bad message length", AssertionError) or a wrong key.
-HANDSHAKE_ERRORS = (AuthenticationError, EOFError, OSError, AssertionError)
 
 
 class ProtocolError(Exception):
@@ -51,36 +46,6 @@ class ProtocolError(Exception):
 def available() -> bool:
     """Whether this process was started by a launcher that keeps snapshots."""
     return bool(os.environ.get(ENV_KEEPER_ADDRESS) and os.environ.get(ENV_KEEPER_AUTHKEY))
-
-
-def handshake(conn: Connection, key: bytes, accepting: bool, timeout: float = HANDSHAKE_TIMEOUT) -> None:
-    """Runs the HMAC challenge both ways on `conn` within `timeout` s; raises one of `HANDSHAKE_ERRORS` if the
-    peer fails or does not finish in time (the bound shuts the socket, so a silent peer ends in EOFError)."""
-    done, lock = False, threading.Lock()
-
-    def shut():
-        with lock:
-            if not done:
-                with socket.socket(fileno=os.dup(conn.fileno())) as sock:
-                    try:
-                        sock.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
-
-    timer = threading.Timer(timeout, shut)
-    timer.daemon = True
-    timer.start()
-    try:
-        if accepting:
-            deliver_challenge(conn, key)
-            answer_challenge(conn, key)
-        else:
-            answer_challenge(conn, key)
-            deliver_challenge(conn, key)
-        with lock:
-            done = True
-    finally:
-        timer.cancel()
 
 
 def connect(address: str | None = None, key: bytes | None = None, timeout: float = HANDSHAKE_TIMEOUT) -> Connection:

@@ -18,6 +18,7 @@ import pytest
 from hostile import garbage, unauthenticated
 
 from meshfit.launch.keeper import Keeper
+from meshfit.runtime import handshake
 from meshfit.runtime import keeper_protocol as protocol
 
 
@@ -147,7 +148,7 @@ def test_strangers_are_closed_and_the_job_still_gets_through(keeper):
     try:
         assert garbage(port, 1)
         assert unauthenticated(port)
-        with pytest.raises(protocol.HANDSHAKE_ERRORS):
+        with pytest.raises(handshake.HANDSHAKE_ERRORS):
             protocol.connect(keeper.address, b"not the key" * 3)
         started = time.monotonic()
         a, b = client(keeper), client(keeper)

@@ -33,12 +33,13 @@ import termios
 import threading
 import time
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
+from multiprocessing.connection import Connection, Listener
 
 import jax
 import numpy as np
 
 from meshfit.core.batch import Batch
+from meshfit.runtime.handshake import HANDSHAKE_ERRORS, HANDSHAKE_TIMEOUT, handshake
 from meshfit.strategies.parameter_server import launcher
 
 # The exported gradient program takes a Batch; both ends must know its name.
@@ -46,13 +47,6 @@ jax.export.register_namedtuple_serialization(Batch, serialized_name="meshfit.cor
 
 #: Seconds a worker waits for a server's part of the parameters (a server of rank 1.. sends it when rank 0 says).
 PULL_TIMEOUT = 30.0
-#: Seconds a control connection has to complete the HMAC handshake and say hello (milliseconds between the job's
-#: own processes); past it the connection is dropped.
-HANDSHAKE_TIMEOUT = 10.0
-#: What a peer that is not one of the job's processes can make the handshake raise: it stays silent (EOFError
-#: once the bound shuts the socket), sends garbage (OSError "bad message length", AssertionError in
-#: `answer_challenge`) or does not know the secret (AuthenticationError).
-HANDSHAKE_ERRORS = (AuthenticationError, EOFError, OSError, AssertionError)
 
 
 def role() -> str | None:
@@ -178,45 +172,6 @@ class Channel:
 
     def close(self) -> None:
         self.conn.close()
-
-
-def handshake(conn: Connection, key: bytes, accepting: bool, timeout: float = HANDSHAKE_TIMEOUT, then=None):
-    """Runs the HMAC challenge both ways on `conn` (and `then(conn)`, say reading a hello) within `timeout` s.
-
-    Returns what `then` returned; raises one of `HANDSHAKE_ERRORS` if the peer
-    fails or does not finish in time: the bound shuts the socket, so a silent or
-    trickling peer ends in EOFError instead of blocking the caller. The accepting
-    side delivers the challenge first, as `multiprocessing.connection.Listener` does.
-    """
-    done, lock = False, threading.Lock()
-
-    def shut():
-        with lock:
-            if not done:
-                with socket.socket(fileno=os.dup(conn.fileno())) as sock:  # wakes a read blocked on `conn`
-                    try:
-                        sock.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
-
-    timer = threading.Timer(timeout, shut)
-    timer.daemon = True
-    timer.start()
-    try:
-        if accepting:
-            deliver_challenge(conn, key)
-            answer_challenge(conn, key)
-        else:
-            answer_challenge(conn, key)
-            deliver_challenge(conn, key)
-        result = then(conn) if then else None
-        with lock:
-            done = True
-            timer.cancel()
-        return result
-    except BaseException:
-        timer.cancel()
-        raise
 
 
 def connect(timeout: float = 120.0, where: tuple[str, int] | None = None, what: str = "coordinator") -> Channel:
