@@ -44,6 +44,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
+from smoke import parse_args  # noqa: E402
+
 STEPS_PER_EPOCH = 44  # 1437 training rows of digits in batches of 32, the partial batch dropped
 EARLY_CACHE = True  # --no-early-cache: only BackupAndRestore's cache, from the fit's start
 
@@ -198,7 +200,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--failures", type=int, default=3, help="SIGKILLs per setting (0: only the cost)")
     parser.add_argument("--cost-rounds", type=int, default=1, help="pairs of jobs without failures for the cost")
-    args = parser.parse_args()
+    args = parse_args(parser, epochs=1, failures=1, cost_rounds=0)
     if args.worker:
         worker(args)
         return
@@ -217,7 +219,7 @@ def main() -> None:
         for label, memory in (
             (f"disk every {args.disk_freq}", None),
             (f"memory every {args.memory_freq}", args.memory_freq),
-        )[: 2 if kills else 0]:
+        )[(1 if args.smoke else 0) : 2 if kills else 0]:  # --smoke: the memory tier's row only
             out = launch(base, label.replace(" ", "_"), args.epochs, args.disk_freq, memory, kills)
             for failure in failures(out, kills):
                 rows.append((label, failure))

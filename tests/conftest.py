@@ -40,3 +40,32 @@ def pytest_unconfigure(config):
         import shutil
 
         shutil.rmtree(made, ignore_errors=True)
+
+
+#: Test modules whose tests share a module- or session-scoped fixture (a started job, a compiled model), by the
+#: group they run in: under `--dist loadgroup` a group runs on one worker, so its fixtures start once; every
+#: other test goes to whichever worker is free. The Ray modules share a group: a test there finds "the cluster
+#: running on this machine", which another module's cluster on the other worker would make ambiguous.
+GROUPS = {
+    "tests/callbacks/test_backup_and_restore.py": "backup_and_restore",
+    "tests/launch/test_launch.py": "launch",
+    "tests/launch/test_launch_ray.py": "ray",
+    "tests/strategies/parameter_server/test_ray.py": "ray",
+    "tests/pipeline/test_stages.py": "pipeline",
+    "tests/strategies/test_data_parallel.py": "data_parallel",
+    "tests/strategies/test_mesh.py": "mesh",
+    "tests/strategies/test_mirrored.py": "mirrored",
+    "tests/strategies/test_multi_worker_mirrored.py": "multi_worker_mirrored",
+    "tests/test_examples_transformer.py": "examples_transformer",
+    "tests/test_losses.py": "losses",
+    "tests/test_metrics.py": "metrics",
+    "tests/test_transformer_options.py": "transformer_options",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = GROUPS.get(item.nodeid.split("::")[0])
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
