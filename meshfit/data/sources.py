@@ -112,7 +112,7 @@ PREFETCH_BATCHES = 2
 STUCK_READER_WAIT = 5.0
 
 #: Bytes to which gathered groups of batches are aligned: XLA's CPU client takes a host buffer so aligned
-#: without copying it first (placing a 0.5 MiB stage inside a fit: about 60 µs against 170 µs, session 15).
+#: without copying it first (placing a 0.5 MiB stage inside a fit: about 60 µs against 170 µs).
 HOST_ALIGNMENT = 64
 
 

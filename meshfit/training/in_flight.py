@@ -25,7 +25,7 @@ class InFlight:
     once marks come more than `4 * SHORT_INTERVAL` apart. Each wait that finds
     its mark unfinished puts the host thread to sleep and costs a wake-up:
     waiting every 4 executions of 60 µs cost 2 to 10 µs a step on a shared
-    2-core machine, the more the busier (benchmarks/RESULTS.md, session 15). The queued work
+    2-core machine, the more the busier. The queued work
     stays within `2 * limit` executions or about `8 * SHORT_INTERVAL`,
     whichever holds more, so a preemption's backup still waits for little.
     """
