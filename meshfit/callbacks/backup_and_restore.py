@@ -129,11 +129,13 @@ class BackupAndRestore(Callback):
             None: wait for the step boundary however long it takes.
         memory_freq: steps between snapshots in the launcher's memory (see
             above), or None for disk backups only. Needs `meshfit launch`
-            (one machine); a process started without it is refused with a
-            `ValueError` before any step.
-        memory_replicas: copies of each process's snapshot on distinct hosts'
-            keepers. Only 1 (the launcher's own) is available: keepers on
-            other nodes of a Ray cluster are not implemented.
+            (one machine) or `meshfit launch --ray`; a process started
+            without either is refused with a `ValueError` before any step.
+        memory_replicas: keepers holding each process's snapshot, on
+            distinct nodes: its own node's and the next ones' (under
+            `--ray`, a keeper runs on each node that runs ranks), so losing
+            a node loses no snapshot. None: 2 where the ranks run on
+            several nodes, else 1. More than the job's nodes is refused.
 
     Example:
 
@@ -160,12 +162,12 @@ class BackupAndRestore(Callback):
         device_copy: bool = True,
         preemption_timeout: float | None = DEFAULT_PREEMPTION_TIMEOUT,
         memory_freq: int | None = None,
-        memory_replicas: int = 1,
+        memory_replicas: int | None = None,
     ):
         super().__init__()
         self.memory_policy = self._memory_policy(memory_freq, memory_replicas)
         self.memory_freq = memory_freq
-        self.memory_replicas = memory_replicas
+        self.memory_replicas = memory_replicas  # None: 2 where the ranks run on several nodes, else 1
         if preemption_timeout is not None and (
             isinstance(preemption_timeout, bool)
             or not isinstance(preemption_timeout, (int, float))
@@ -201,10 +203,11 @@ class BackupAndRestore(Callback):
             return None
         if isinstance(memory_freq, bool) or not isinstance(memory_freq, int) or memory_freq < 1:
             raise ValueError(f"`memory_freq` must be a positive int or None. Received: memory_freq={memory_freq!r}.")
-        if memory_replicas != 1:
+        if memory_replicas is not None and (
+            isinstance(memory_replicas, bool) or not isinstance(memory_replicas, int) or memory_replicas < 1
+        ):
             raise ValueError(
-                "`memory_replicas` must be 1: the launcher's own keeper holds the snapshots (replicas on other "
-                f"nodes' keepers are not available). Received: memory_replicas={memory_replicas!r}."
+                f"`memory_replicas` must be a positive int or None. Received: memory_replicas={memory_replicas!r}."
             )
         if not keeper_protocol.available():
             raise ValueError(
@@ -212,7 +215,20 @@ class BackupAndRestore(Callback):
                 f"started by one that keeps them: {keeper_protocol.LAUNCHERS_WITH_KEEPER}. Start it with "
                 "`meshfit launch --nprocs N ... train.py`, or pass memory_freq=None for disk backups only."
             )
+        nodes = keeper_protocol.nodes()
+        if memory_replicas is not None and memory_replicas > nodes:
+            raise ValueError(
+                f"`memory_replicas={memory_replicas}` needs a keeper on as many nodes; this job's ranks run on "
+                f"{nodes} node(s), each with one. Pass memory_replicas <= {nodes}, or None (2 where there are "
+                "several nodes)."
+            )
         return StepIntervalPolicy(memory_freq)
+
+    def _replicas(self) -> int:
+        """Keepers holding each process's snapshot: as asked, else 2 where the ranks run on several nodes."""
+        if self.memory_replicas is not None:
+            return self.memory_replicas
+        return min(2, keeper_protocol.nodes())
 
     # -- what goes into a backup ---------------------------------------------------
 
@@ -301,10 +317,8 @@ class BackupAndRestore(Callback):
         if model.strategy.is_chief:
             if tier == "memory":
                 disk = self._dir.steps()
-                saved_world = self._memory.saved_world if self._memory is not None else 0
-                of_job = f" of a {saved_world}-process job" if saved_world != self._memory.world else ""
                 print(
-                    f"BackupAndRestore: resumed from the launcher's memory snapshot{of_job} at epoch "
+                    f"BackupAndRestore: resumed from the launcher's memory snapshot{self._memory_source()} at epoch "
                     f"{backup.epoch + 1}, "
                     f"batch {backup.step_in_epoch} (step {step}), newer than the newest disk backup "
                     f"({f'step {disk[-1]}' if disk else 'none'}).",
@@ -316,6 +330,17 @@ class BackupAndRestore(Callback):
                     f"batch {backup.step_in_epoch} (step {step}).",
                     flush=True,
                 )
+
+    def _memory_source(self) -> str:
+        """Whose snapshot was restored, for the log: another world size's job; a keeper on another node."""
+        memory = self._memory
+        if memory is None:
+            return ""
+        said = f" of a {memory.saved_world}-process job" if memory.saved_world != memory.world else ""
+        if len(memory.addresses) > 1:
+            own = memory.source == memory.addresses[memory.home]
+            said += f" held by {'this node' if own else 'a replica on another node'}'s keeper at {memory.source}"
+        return said
 
     def _from_memory(self, template_of):
         """The newest committed memory snapshot as (step, tree, meta) when it is newer than every disk backup;
@@ -365,7 +390,7 @@ class BackupAndRestore(Callback):
         self._refused_step = None
         self._others = self._keyed_others()
         if self.memory_policy is not None:
-            self._memory = memory_tier.MemoryTier(os.path.abspath(self.backup_dir))
+            self._memory = memory_tier.MemoryTier(os.path.abspath(self.backup_dir), self._replicas())
         with self.context.timer.phase("checkpoint"):
             self._dir = CheckpointDir(
                 self.backup_dir,

@@ -195,7 +195,7 @@ class MemoryTier:
     `save` starts a snapshot and returns; `latest` fetches the newest committed one.
     """
 
-    def __init__(self, fit: str):
+    def __init__(self, fit: str, replicas: int = 1):
         if not protocol.available():
             raise MemoryTierUnavailable(
                 "no snapshot keeper: `memory_freq` needs a launcher that keeps snapshots, "
@@ -205,7 +205,18 @@ class MemoryTier:
         self.rank = jax.process_index()
         self.world = jax.process_count()
         self.start = int(os.environ.get("MESHFIT_RESTART_COUNT", "0"))
-        self._conn = None
+        self.addresses = protocol.addresses()
+        homes = protocol.homes(self.world)
+        if len(homes) != self.world or max(homes) >= len(self.addresses):
+            raise MemoryTierUnavailable(
+                f"{protocol.ENV_KEEPER_HOMES}={os.environ.get(protocol.ENV_KEEPER_HOMES)!r} does not name a keeper "
+                f"of {protocol.ENV_KEEPER_ADDRESS} for each of the {self.world} processes"
+            )
+        self.home = homes[self.rank]
+        # This rank's part goes to its node's keeper and `replicas - 1` others; each expects a known set of ranks.
+        self.targets = protocol.replica_keepers(homes, self.rank, replicas)
+        self._expect = {k: protocol.expected_ranks(homes, k, replicas) for k in self.targets}
+        self._conns: dict[int, Any] = {}
         # One sender thread for the fit, fed a snapshot at a time: starting a thread per snapshot holds the
         # loop about a millisecond (the new thread must take the GIL before `start` returns).
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -215,14 +226,15 @@ class MemoryTier:
         self._error: BaseException | None = None
         self.committed: list[int] = []  # steps this process saw committed (the keeper says so to the last sender)
         self.saved_world = self.world  # the world size of the job that took the snapshot `newest` fetched
+        self.source = self.addresses[self.home]  # the keeper `newest` fetched from
 
-    def _connection(self):
-        if self._conn is None:
-            self._conn = protocol.connect()
-        return self._conn
+    def _connection(self, keeper: int = 0):
+        if keeper not in self._conns:
+            self._conns[keeper] = protocol.connect(self.addresses[keeper])
+        return self._conns[keeper]
 
-    def _request(self, message: dict) -> dict:
-        conn = self._connection()
+    def _request(self, message: dict, keeper: int = 0) -> dict:
+        conn = self._connection(keeper)
         protocol.send_json(conn, {"fit": self.fit, "rank": self.rank, "world": self.world, **message})
         return protocol.recv_json(conn)
 
@@ -263,16 +275,22 @@ class MemoryTier:
                 self._idle.set()
 
     def _send(self, step: int, part: bytes) -> None:
-        conn = self._connection()
-        header = {"op": "put", "step": step, "start": self.start, "size": len(part)}
-        reply = self._request({**header, "sha256": hashlib.sha256(part).hexdigest()})
-        if not reply.get("ok"):
-            raise MemoryTierUnavailable(f"the keeper refused the snapshot of step {step}: {reply.get('message')}")
-        conn.send_bytes(part)
-        reply = protocol.recv_json(conn)
-        if not reply.get("ok"):
-            raise MemoryTierUnavailable(f"the keeper refused the snapshot of step {step}: {reply.get('message')}")
-        if reply.get("committed"):
+        """Sends the part to each of this rank's keepers (its node's first, then its replicas')."""
+        digest = hashlib.sha256(part).hexdigest()
+        committed = True
+        for keeper in self.targets:
+            conn = self._connection(keeper)
+            header = {"op": "put", "step": step, "start": self.start, "size": len(part), "sha256": digest}
+            reply = self._request({**header, "expect": self._expect[keeper]}, keeper)
+            where = f"the keeper at {self.addresses[keeper]}"
+            if not reply.get("ok"):
+                raise MemoryTierUnavailable(f"{where} refused the snapshot of step {step}: {reply.get('message')}")
+            conn.send_bytes(part)
+            reply = protocol.recv_json(conn)
+            if not reply.get("ok"):
+                raise MemoryTierUnavailable(f"{where} refused the snapshot of step {step}: {reply.get('message')}")
+            committed = committed and bool(reply.get("committed"))
+        if committed:
             self.committed.append(step)
 
     def wait(self) -> None:
@@ -285,8 +303,9 @@ class MemoryTier:
             raise MemoryTierUnavailable(f"sending a snapshot to the keeper failed ({type(error).__name__}: {error})")
 
     def drop(self) -> None:
-        """Asks the keeper to forget this fit's snapshots (a fit that ended)."""
-        self._request({"op": "drop", "step": 0})
+        """Asks this rank's keepers to forget this fit's snapshots (a fit that ended)."""
+        for keeper in self.targets:
+            self._request({"op": "drop", "step": 0}, keeper)
 
     def close(self) -> None:
         try:
@@ -295,23 +314,46 @@ class MemoryTier:
             if self._sender is not None:
                 self._jobs.put(None)  # the sender ends
                 self._sender = None
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
+            for conn in self._conns.values():
+                conn.close()
+            self._conns.clear()
 
     # -- restoring ---------------------------------------------------------------------
 
     def newest(self) -> tuple[int, bytes] | None:
         """The newest committed snapshot's step and this process's part, checked against its SHA-256; None if
-        the keeper has none of this job's world size or a larger one (`saved_world`: the job that took it)."""
-        reply = self._request({"op": "latest", "step": NEWEST})
+        the keeper has none of this job's world size or a larger one (`saved_world`: the job that took it).
+
+        Under `meshfit launch --ray` the launcher chose the step every rank resumes from
+        (`ENV_KEEPER_RESUME`); the part comes from the first keeper that holds it, this node's first
+        (`source`: its address), so a part whose node was lost comes from its replica."""
+        resume = os.environ.get(protocol.ENV_KEEPER_RESUME)
+        if resume is None:
+            return self._fetch({"op": "latest", "step": NEWEST}, self.home)
+        chosen = json.loads(resume).get(self.fit)
+        if chosen is None:
+            return None
+        step, start = chosen
+        order = [self.home, *(k for k in range(len(self.addresses)) if k != self.home)]
+        for keeper in order:
+            try:
+                fetched = self._fetch({"op": "get", "step": step, "start": start}, keeper)
+            except (OSError, EOFError, protocol.ProtocolError):
+                continue  # a keeper gone with its node: another holds the part
+            if fetched is not None:
+                return fetched
+        return None
+
+    def _fetch(self, request: dict, keeper: int) -> tuple[int, bytes] | None:
+        reply = self._request(request, keeper)
         if reply.get("step") is None:
             return None
         self.saved_world = int(reply.get("world", self.world))
-        part = protocol.recv_payload(self._connection(), int(reply["size"]))
+        part = protocol.recv_payload(self._connection(keeper), int(reply["size"]))
         if hashlib.sha256(part).hexdigest() != reply.get("sha256"):
             warnings.warn(f"the memory snapshot of step {reply['step']} arrived damaged; not restored.", stacklevel=2)
             return None
+        self.source = self.addresses[keeper]
         return int(reply["step"]), part
 
     def restore(self, step: int, part: bytes, template_of) -> tuple[Any, dict[str, Any]] | None:

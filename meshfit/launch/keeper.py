@@ -61,9 +61,15 @@ def available_memory() -> int:
 
 @dataclass
 class _Snapshot:
-    """The parts of one snapshot (one fit, one step, one start of the job), by rank."""
+    """The parts of one snapshot (one fit, one step, one start of the job) that this keeper holds, by rank.
+
+    `expect`: the ranks whose parts this keeper holds once the snapshot is whole here (every rank of the job
+    for the one keeper of `meshfit launch`; under `--ray`, the ranks whose own or replica keeper this is).
+    """
 
     world: int
+    expect: frozenset[int]
+    start: int = 0
     parts: dict[int, bytes] = field(default_factory=dict)
 
     @property
@@ -78,17 +84,25 @@ class Keeper:
         log: where the keeper says what it holds (the launcher's stderr).
         max_bytes: the most bytes it holds; None: `ENV_KEEPER_MAX_BYTES`, else half of `available_memory()`
             at each part.
+        host: the address it listens on: this machine only, or a Ray node's IP (`meshfit.launch.ray_keepers`).
+        key: the job's secret (one for every keeper of a launch); None: a fresh one.
     """
 
     _MAX_HANDSHAKES = 64  # connections being authenticated at once; more are closed at once
 
-    def __init__(self, log: TextIO = sys.stderr, max_bytes: int | None = None):
+    def __init__(
+        self,
+        log: TextIO = sys.stderr,
+        max_bytes: int | None = None,
+        host: str = "127.0.0.1",
+        key: bytes | None = None,
+    ):
         if max_bytes is None and os.environ.get(protocol.ENV_KEEPER_MAX_BYTES):
             max_bytes = int(os.environ[protocol.ENV_KEEPER_MAX_BYTES])
         self.max_bytes = max_bytes
-        self.key = secrets.token_bytes(32)
+        self.key = key if key is not None else secrets.token_bytes(32)
         self.log = log
-        self.listener = Listener(("127.0.0.1", 0), backlog=128)  # no authkey: the handshake runs off this thread
+        self.listener = Listener((host, 0), backlog=128)  # no authkey: the handshake runs off this thread
         host, port = self.listener.address
         self.address = f"{host}:{port}"
         self.closed = threading.Event()
@@ -115,6 +129,24 @@ class Keeper:
     def committed_steps(self, fit: str) -> list[int]:
         with self._lock:
             return sorted(self._committed.get(fit, {}))
+
+    def inventory(self) -> dict[str, dict]:
+        """What this keeper holds, by fit: its committed snapshots' steps with their start, world size and
+        the ranks whose parts it holds, and the steps of snapshots whose parts are still arriving (JSON-able:
+        the Ray launcher asks every node's keeper, `agreed_steps`)."""
+        with self._lock:
+            fits: dict[str, dict] = {}
+            for fit, steps in self._committed.items():
+                entry = fits.setdefault(fit, {"committed": {}, "pending": []})
+                for step, snapshot in steps.items():
+                    entry["committed"][step] = {
+                        "start": snapshot.start,
+                        "world": snapshot.world,
+                        "ranks": sorted(snapshot.parts),
+                    }
+            for fit, _, step in self._pending:
+                fits.setdefault(fit, {"committed": {}, "pending": []})["pending"].append(step)
+            return fits
 
     def close(self) -> None:
         self.closed.set()
@@ -183,6 +215,8 @@ class Keeper:
             self._put(conn, request)
         elif op == "latest":
             self._latest(conn, request)
+        elif op == "get":
+            self._get(conn, request)
         elif op == "drop":
             with self._lock:
                 fit = str(request.get("fit"))
@@ -235,12 +269,19 @@ class Keeper:
         size, digest = request.get("size"), request.get("sha256")
         if type(size) is not int or size < 0 or not isinstance(digest, str):
             raise protocol.ProtocolError("a put without its size and sha256")
+        expect = request.get("expect", list(range(world)))
+        if (
+            not isinstance(expect, list)
+            or not all(type(r) is int and 0 <= r < world for r in expect)
+            or rank not in expect
+        ):
+            raise protocol.ProtocolError(f"a put whose expected ranks are malformed {str(expect)[:200]}")
         with self._lock:
             # One answer for every part of a snapshot, and none after a refusal: the ranks stop sending
             # together (a snapshot's device copy is one program across all of them).
             refusal = self._refused.get((fit, start)) or self._decided.get((fit, start, step), "")
             if (fit, start, step) not in self._decided and not refusal:
-                refusal = self._room(size, world) or ""
+                refusal = self._room(size, len(set(expect))) or ""
                 self._decided[(fit, start, step)] = refusal
             if refusal:
                 self._refused[(fit, start)] = refusal
@@ -257,17 +298,18 @@ class Keeper:
             # Parts of an earlier start of the job never complete a snapshot of this one.
             for key in [k for k in self._pending if k[0] == fit and k[1] < start]:
                 del self._pending[key]
-            snapshot = self._pending.setdefault((fit, start, step), _Snapshot(world))
-            if snapshot.world == world:
+            snapshot = self._pending.setdefault((fit, start, step), _Snapshot(world, frozenset(expect), start))
+            if snapshot.world == world and snapshot.expect == frozenset(expect):
                 snapshot.parts[rank] = payload
-            if len(snapshot.parts) == world:
+            if set(snapshot.parts) == snapshot.expect:
                 committed = self._commit(fit, start, step)
             self.peak_bytes = max(self.peak_bytes, self._held())
             held = self._held()
         if committed is not None and fit not in self._said_holding:
             self._said_holding.add(fit)
             self._say(
-                f"committed the memory snapshot of step {step} ({world} process(es), {size_text(committed)}); "
+                f"committed the memory snapshot of step {step} ({len(expect)} of {world} process(es)'s parts, "
+                f"{size_text(committed)}); "
                 f"holding {size_text(held)} (at most the newest {KEEP} snapshots of each process)."
             )
         protocol.send_json(conn, {"ok": True, "committed": committed is not None, "held": held})
@@ -292,16 +334,57 @@ class Keeper:
             # decides whether that part alone holds its arrays (`memory_tier.unpack`).
             found = [s for s in sorted(steps) if s < below and steps[s].world >= world]
             saved = steps[found[-1]] if found else None
-            part = saved.parts[rank] if saved is not None else None
+            part = saved.parts.get(rank) if saved is not None else None
+        self._send_part(conn, found[-1] if found else None, saved, part)
+
+    def _get(self, conn: Connection, request: dict) -> None:
+        """This rank's part of the committed snapshot of exactly `step` (and `start`, when given), if held."""
+        fit, step, rank, _, _ = self._fields(request)
+        start = request.get("start")
+        with self._lock:
+            saved = self._committed.get(fit, {}).get(step)
+            if saved is not None and start is not None and saved.start != start:
+                saved = None
+            part = saved.parts.get(rank) if saved is not None else None
+        self._send_part(conn, step, saved, part)
+
+    @staticmethod
+    def _send_part(conn: Connection, step: int | None, saved: _Snapshot | None, part: bytes | None) -> None:
         if saved is None or part is None:
             protocol.send_json(conn, {"step": None})
             return
         protocol.send_json(
             conn,
-            {"step": found[-1], "size": len(part), "sha256": hashlib.sha256(part).hexdigest(), "world": saved.world},
+            {"step": step, "size": len(part), "sha256": hashlib.sha256(part).hexdigest(), "world": saved.world},
         )
         conn.send_bytes(part)
 
     def _held(self) -> int:
         committed = sum(s.nbytes for steps in self._committed.values() for s in steps.values())
         return committed + sum(s.nbytes for s in self._pending.values())
+
+
+def agreed_steps(inventories: list[dict[str, dict]]) -> dict[str, dict]:
+    """The snapshot each fit resumes from, given the `inventory()` of every keeper still reachable.
+
+    Per fit: the newest committed (step, start) whose part of every rank of its world some keeper holds,
+    and that no keeper holds still incomplete (a snapshot cut short by the failure: some part or replica
+    never arrived). Returns {fit: {"step", "start", "world", "holders": {rank: [keeper index, ...]}}};
+    a fit with no such snapshot is absent (it resumes from disk). Every rank restores this one step, so
+    the restarted job agrees on it even when the keeper that held a part is gone with its node.
+    """
+    chosen: dict[str, dict] = {}
+    for fit in sorted({fit for inventory in inventories for fit in inventory}):
+        pending = {step for inventory in inventories for step in inventory.get(fit, {}).get("pending", [])}
+        holders: dict[tuple[int, int, int], dict[int, list[int]]] = {}
+        for index, inventory in enumerate(inventories):
+            for step, held in inventory.get(fit, {}).get("committed", {}).items():
+                by_rank = holders.setdefault((int(step), held["start"], held["world"]), {})
+                for rank in held["ranks"]:
+                    by_rank.setdefault(rank, []).append(index)
+        for step, start, world in sorted(holders, reverse=True):
+            by_rank = holders[(step, start, world)]
+            if step not in pending and set(by_rank) == set(range(world)):
+                chosen[fit] = {"step": step, "start": start, "world": world, "holders": by_rank}
+                break
+    return chosen

@@ -495,6 +495,9 @@ def launch(config: LaunchConfig, log: TextIO = sys.stderr, runner: Runner | None
     finally:
         if snapshots is not None:
             snapshots.close()
+        close = getattr(runner, "close", None)
+        if close is not None:
+            close()  # a runner's own resources for the launch (the Ray launcher's keepers)
     if -status in FORWARDED:
         log.write(f"[launch] stopped by {signal.Signals(-status).name}.\n")
     elif status:

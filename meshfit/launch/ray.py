@@ -186,6 +186,13 @@ class RayRunner:
         if options.placement not in PLACEMENTS:
             raise ValueError(f"--placement expected one of {', '.join(PLACEMENTS)}. Received: {options.placement!r}.")
         self.options = options
+        self.keepers = None  # the memory tier's keepers (`ray_keepers.NodeKeepers`), for the whole launch
+
+    def close(self) -> None:
+        """Ends the launch's snapshot keepers (after its last start)."""
+        if self.keepers is not None:
+            self.keepers.close()
+            self.keepers = None
 
     def __call__(self, config: LaunchConfig, attempt: int, log: TextIO = sys.stderr) -> int:
         if not isinstance(config.layout, DistributedJob):
@@ -219,7 +226,11 @@ class RayRunner:
                 ).remote()
                 for rank in range(n)
             ]
-            return _Job(ray, config, actors, attempt, log).run()
+            if config.layout.keeps_snapshots and self.keepers is None:
+                from meshfit.launch.ray_keepers import NodeKeepers
+
+                self.keepers = NodeKeepers(ray, log)
+            return _Job(ray, config, actors, attempt, log, self.keepers).run()
         finally:
             for actor in actors:
                 ray.kill(actor)
@@ -229,9 +240,11 @@ class RayRunner:
 class _Job:
     """One start of the job: the ranks' actors, their output, their exits."""
 
-    def __init__(self, ray, config: LaunchConfig, actors: list, attempt: int, log: TextIO):
+    def __init__(self, ray, config: LaunchConfig, actors: list, attempt: int, log: TextIO, keepers=None):
         self.ray, self.config, self.actors, self.log = ray, config, actors, log
         self.nodes = ray.get([actor.where.remote() for actor in actors])
+        if keepers is not None:  # the memory tier: each rank's node's keeper, its replicas, the step to resume
+            config = self.config = replace(config, env={**config.env, **keepers.env(self.nodes)})
         self.pids: list[int | None] = [None] * len(actors)
         port = ray.get(actors[0].free_port.remote())
         start = JobStart(

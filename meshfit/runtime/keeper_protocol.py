@@ -26,14 +26,24 @@ from multiprocessing.connection import Connection
 
 from meshfit.runtime.handshake import HANDSHAKE_TIMEOUT, handshake
 
-#: `host:port` of the launcher's keeper (set by `meshfit launch`; absent without a launcher).
+#: `host:port` of the launcher's keeper (set by `meshfit launch`; absent without a launcher). Under
+#: `meshfit launch --ray`, the keepers of the nodes that run ranks, comma-separated (node 0's first), then
+#: those of nodes that ran ranks before a restart and still hold snapshots.
 ENV_KEEPER_ADDRESS = "MESHFIT_KEEPER_ADDRESS"
-#: The keeper's secret, hex: every connection proves it knows it.
+#: The keepers' secret, hex (one per launch): every connection proves it knows it.
 ENV_KEEPER_AUTHKEY = "MESHFIT_KEEPER_AUTHKEY"
+#: Under `--ray`: each rank's own node's keeper, as indices into `ENV_KEEPER_ADDRESS`, comma-separated by
+#: rank. Absent: every rank's keeper is the first.
+ENV_KEEPER_HOMES = "MESHFIT_KEEPER_HOMES"
+#: Under `--ray`: the snapshot each fit resumes from, chosen by the launcher from what the surviving keepers
+#: hold, as JSON {fit: [step, start]}. Absent: each rank asks its keeper for the newest.
+ENV_KEEPER_RESUME = "MESHFIT_KEEPER_RESUME"
 #: Bytes the keeper may hold (a number; read by the launcher). Default: what `MemAvailable` allows.
 ENV_KEEPER_MAX_BYTES = "MESHFIT_KEEPER_MAX_BYTES"
 #: The launchers that keep snapshots, for messages.
-LAUNCHERS_WITH_KEEPER = "`meshfit launch --nprocs N` (one machine)"
+LAUNCHERS_WITH_KEEPER = (
+    "`meshfit launch --nprocs N` (one machine) and `meshfit launch --ray` (a keeper on each node that runs ranks)"
+)
 
 #: The largest JSON frame read: requests and replies are a few hundred bytes.
 HEADER_LIMIT = 64 * 1024
@@ -48,9 +58,36 @@ def available() -> bool:
     return bool(os.environ.get(ENV_KEEPER_ADDRESS) and os.environ.get(ENV_KEEPER_AUTHKEY))
 
 
+def addresses() -> list[str]:
+    """The keepers' `host:port`s named by the environment (the first: this rank's keeper on one machine)."""
+    return [a for a in os.environ.get(ENV_KEEPER_ADDRESS, "").split(",") if a]
+
+
+def homes(world: int) -> list[int]:
+    """Each rank's own node's keeper (an index into `addresses()`), by rank."""
+    text = os.environ.get(ENV_KEEPER_HOMES, "")
+    return [int(h) for h in text.split(",")] if text else [0] * world
+
+
+def nodes() -> int:
+    """How many keepers of distinct nodes the ranks can send to (the nodes that run ranks)."""
+    return max(homes(1)) + 1
+
+
+def replica_keepers(homes: list[int], rank: int, replicas: int) -> list[int]:
+    """The keepers that hold `rank`'s part: its own node's, then the next `replicas - 1` nodes' in turn."""
+    n = max(homes) + 1
+    return [(homes[rank] + i) % n for i in range(min(replicas, n))]
+
+
+def expected_ranks(homes: list[int], keeper: int, replicas: int) -> list[int]:
+    """The ranks whose parts `keeper` holds once a snapshot is whole there."""
+    return [r for r in range(len(homes)) if keeper in replica_keepers(homes, r, replicas)]
+
+
 def connect(address: str | None = None, key: bytes | None = None, timeout: float = HANDSHAKE_TIMEOUT) -> Connection:
     """An authenticated connection to the keeper named by the environment (or `address`, `key`)."""
-    address = address or os.environ[ENV_KEEPER_ADDRESS]
+    address = address or addresses()[0]
     key = key if key is not None else bytes.fromhex(os.environ[ENV_KEEPER_AUTHKEY])
     host, port = address.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=timeout)

@@ -54,9 +54,47 @@ def test_a_bad_memory_freq_is_refused(tmp_path, bad):
         mf.callbacks.BackupAndRestore(tmp_path / "b", memory_freq=bad)
 
 
-def test_memory_replicas_other_than_one_are_refused(tmp_path, keeper):
-    with pytest.raises(ValueError, match="`memory_replicas` must be 1"):
+def test_more_memory_replicas_than_nodes_with_keepers_are_refused(tmp_path, keeper):
+    with pytest.raises(ValueError, match=r"`memory_replicas=2` needs a keeper on as many nodes; .* run on 1 node"):
         mf.callbacks.BackupAndRestore(tmp_path / "b", memory_freq=2, memory_replicas=2)
+    with pytest.raises(ValueError, match="`memory_replicas` must be a positive int or None"):
+        mf.callbacks.BackupAndRestore(tmp_path / "b", memory_freq=2, memory_replicas=0)
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.filterwarnings("ignore:BackupAndRestore. memory snapshots are off")  # its own keeper stays gone
+def test_a_part_whose_own_keeper_is_gone_is_restored_from_its_replica(tmp_path, monkeypatch, capsys):
+    """Two nodes' keepers (as under `meshfit launch --ray`), this rank's own on node 1: each snapshot goes to
+    both (memory_replicas defaults to 2). Node 1's keeper is lost; the launcher agrees on the step from the
+    survivor's inventory and the fit resumes from the replica, exactly."""
+    from meshfit.launch.keeper import agreed_steps
+
+    full, full_history = fit(None, 2)
+    key = os.urandom(32)
+    other, own = Keeper(io.StringIO(), key=key), Keeper(io.StringIO(), key=key)
+    try:
+        monkeypatch.setenv(keeper_protocol.ENV_KEEPER_ADDRESS, f"{other.address},{own.address}")
+        monkeypatch.setenv(keeper_protocol.ENV_KEEPER_AUTHKEY, key.hex())
+        monkeypatch.setenv(keeper_protocol.ENV_KEEPER_HOMES, "1")
+        fit(tmp_path / "b", 1, save_freq=1000, memory_freq=2, delete_checkpoint=False)
+        fit_key = os.path.abspath(tmp_path / "b")
+        assert other.committed_steps(fit_key) == own.committed_steps(fit_key) == [4, 6]
+        own.close()  # gone with its node
+        chosen = agreed_steps([other.inventory()])
+        assert chosen[fit_key]["step"] == 6
+        monkeypatch.setenv(keeper_protocol.ENV_KEEPER_RESUME, json.dumps({fit_key: [6, chosen[fit_key]["start"]]}))
+        resumed, resumed_history = fit(tmp_path / "b", 2, save_freq=1000, memory_freq=2)
+        out = capsys.readouterr().out
+        assert (
+            f"resumed from the launcher's memory snapshot held by a replica on another node's keeper at "
+            f"{other.address} at epoch 1, batch 6 (step 6)"
+        ) in out, out
+        assert resumed_history.history == full_history.history
+        for a, b in zip(full.get_weights(), resumed.get_weights(), strict=True):
+            np.testing.assert_array_equal(a, b)
+    finally:
+        other.close()
+        own.close()
 
 
 def test_a_fit_resumes_from_the_newest_memory_snapshot_exactly(tmp_path, keeper, capsys):

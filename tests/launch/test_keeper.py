@@ -17,7 +17,7 @@ import time
 import pytest
 from hostile import garbage, unauthenticated
 
-from meshfit.launch.keeper import Keeper
+from meshfit.launch.keeper import Keeper, agreed_steps
 from meshfit.runtime import handshake
 from meshfit.runtime import keeper_protocol as protocol
 
@@ -35,9 +35,11 @@ def client(keeper):
     return protocol.connect(keeper.address, keeper.key)
 
 
-def put(conn, step, rank, payload, world=2, fit="f", start=0):
+def put(conn, step, rank, payload, world=2, fit="f", start=0, expect=None):
     digest = hashlib.sha256(payload).hexdigest()
     header = {"fit": fit, "rank": rank, "world": world, "step": step, "start": start, "size": len(payload)}
+    if expect is not None:
+        header["expect"] = expect
     protocol.send_json(conn, {"op": "put", **header, "sha256": digest})
     reply = protocol.recv_json(conn)
     if not reply["ok"]:
@@ -172,3 +174,37 @@ def test_a_rank_that_breaks_the_protocol_after_the_handshake_is_closed(keeper):
     with pytest.raises((EOFError, OSError)):
         b.recv_bytes()
     assert "broke the protocol" in keeper.test_log.getvalue()
+
+
+def test_the_launcher_agrees_on_the_newest_snapshot_whose_every_part_survives_a_lost_keeper():
+    """Three nodes' keepers, a rank on each, two copies of every part (its node's keeper and the next one's,
+    as `replica_keepers` places them). Snapshot 10 commits everywhere; snapshot 15 is cut short (rank 2 dies
+    after sending to its own keeper only). Keeper 1 is lost with its node: every part of step 10 survives on
+    keepers 0 and 2, and step 15 (incomplete on keeper 0) is not chosen."""
+    key = os.urandom(32)
+    keepers = [Keeper(io.StringIO(), key=key) for _ in range(3)]
+    homes, world = [0, 1, 2], 3
+    try:
+        for step, senders in ((10, (0, 1, 2)), (15, (0, 1))):
+            for rank in senders:
+                for k in protocol.replica_keepers(homes, rank, 2):
+                    expect = protocol.expected_ranks(homes, k, 2)
+                    with client(keepers[k]) as conn:
+                        put(conn, step, rank, f"r{rank}@{step}".encode(), world=world, expect=expect)
+        with client(keepers[2]) as conn:  # rank 2's own copy of step 15: its replica on keeper 0 never came
+            put(conn, 15, 2, b"r2@15", world=world, expect=protocol.expected_ranks(homes, 2, 2))
+        assert protocol.replica_keepers(homes, 2, 2) == [2, 0] and protocol.expected_ranks(homes, 0, 2) == [0, 2]
+        everyone = agreed_steps([k.inventory() for k in keepers])
+        assert everyone["f"]["step"] == 10  # 15 is incomplete on keeper 0 (rank 2's replica missing)
+        survivors = [keepers[0], keepers[2]]
+        chosen = agreed_steps([k.inventory() for k in survivors])["f"]
+        assert (chosen["step"], chosen["start"], chosen["world"]) == (10, 0, 3)
+        assert chosen["holders"] == {0: [0], 1: [1], 2: [0, 1]}  # rank 1's part: only its replica on keeper 2
+        with client(keepers[2]) as conn:  # and that replica is handed out, whole
+            protocol.send_json(conn, {"op": "get", "fit": "f", "rank": 1, "world": 3, "step": 10, "start": 0})
+            reply = protocol.recv_json(conn)
+            assert protocol.recv_payload(conn, reply["size"]) == b"r1@10"
+        assert agreed_steps([keepers[0].inventory()]) == {}  # rank 1's part is on no survivor: none agreed
+    finally:
+        for k in keepers:
+            k.close()
