@@ -339,7 +339,7 @@ class BackupAndRestore(Callback):
         said = f" of a {memory.saved_world}-process job" if memory.saved_world != memory.world else ""
         if len(memory.addresses) > 1:
             own = memory.source == memory.addresses[memory.home]
-            said += f" held by {'this node' if own else 'a replica on another node'}'s keeper at {memory.source}"
+            said += f" held by the keeper at {memory.source} ({'this' if own else 'another'} node's)"
         return said
 
     def _from_memory(self, template_of):

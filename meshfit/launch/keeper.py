@@ -308,7 +308,7 @@ class Keeper:
         if committed is not None and fit not in self._said_holding:
             self._said_holding.add(fit)
             self._say(
-                f"committed the memory snapshot of step {step} ({len(expect)} of {world} process(es)'s parts, "
+                f"committed the memory snapshot of step {step} (parts of {len(expect)} of {world} process(es), "
                 f"{size_text(committed)}); "
                 f"holding {size_text(held)} (at most the newest {KEEP} snapshots of each process)."
             )

@@ -86,8 +86,8 @@ def test_a_part_whose_own_keeper_is_gone_is_restored_from_its_replica(tmp_path, 
         resumed, resumed_history = fit(tmp_path / "b", 2, save_freq=1000, memory_freq=2)
         out = capsys.readouterr().out
         assert (
-            f"resumed from the launcher's memory snapshot held by a replica on another node's keeper at "
-            f"{other.address} at epoch 1, batch 6 (step 6)"
+            f"resumed from the launcher's memory snapshot held by the keeper at {other.address} (another node's) "
+            "at epoch 1, batch 6 (step 6)"
         ) in out, out
         assert resumed_history.history == full_history.history
         for a, b in zip(full.get_weights(), resumed.get_weights(), strict=True):

@@ -170,3 +170,51 @@ def test_resources_per_proc_must_be_a_json_object_of_amounts():
     assert result.returncode == 2
     assert "--resources-per-proc expected a JSON object of Ray resources and amounts" in result.stderr
     assert "Received: 'CPU=1'." in result.stderr
+
+
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # add_node forks the new node's processes
+def test_a_lost_node_resumes_from_the_memory_snapshots_replica_on_another_nodes_keeper(cluster, tmp_path):
+    """Three nodes, a rank on each of two (the third free); memory_freq=5, no disk backup. Both ranks pause at
+    step 12 (the snapshot of step 10 committed on both nodes' keepers); rank 0's node, its keeper with it, is
+    removed. The restart agrees on step 10 from the surviving keeper, resumes from there and ends bitwise equal
+    to an uninterrupted run of the same 2-process job."""
+    worker = os.path.join(WORKERS, "train_resumable.py")
+    args = ["--strategy", "multi_worker", "--epochs", "2", "--save-freq", "1000", "--keep-backups"]
+    go_on = tmp_path / "go_on"
+    with Job(  # the uninterrupted run, on this machine meanwhile
+        [sys.executable, "-m", "meshfit.cli", "launch", "--nprocs", "2"]
+        + [worker, str(tmp_path / "ref"), str(tmp_path / "refb"), *args],
+        timeout=300,
+    ) as reference:
+        cluster.add_node(num_cpus=1)  # the free third node
+        cluster.wait_for_nodes()
+        with Job(
+            launch_ray(cluster.address, "--nprocs", "2", "--max-restarts", "1", "--stop-grace", "1")
+            + [worker, str(tmp_path / "out"), str(tmp_path / "b"), *args]
+            + ["--memory-freq", "5", "--pause-at-step", "12", str(go_on)],
+            timeout=300,
+        ) as job:
+            job.wait_for(r"\[rank \d\] paused at step 12", count=2)
+            time.sleep(2)  # the snapshot of step 10, sent behind steps 11 and 12, is committed
+            placed = dict(re.findall(r"\[launch\] rank (\d) runs on node \S+ \(node id (\w+)\)", job.stderr))
+            lost = next(n for n in cluster.worker_nodes if n.node_id.startswith(placed["0"]))
+            cluster.remove_node(lost)
+            go_on.touch()  # the restarted job passes step 12
+            assert job.finish(timeout=240) == 0, job.stdout[-3000:] + job.stderr[-3000:]
+        assert reference.finish(timeout=120) == 0, reference.stderr[-3000:]
+    survivor = placed["1"]
+    chosen = re.search(r"\[launch\] memory snapshots: \S+ resumes from step 10, .*\n", job.stderr)
+    assert chosen and placed["0"] not in chosen[0] and chosen[0].count(f"node id {survivor}") == 2, job.stderr
+    address = re.search(rf"rank 0's part on node id {survivor} \(([\d.]+:\d+)\)", chosen[0])[1]
+    assert re.search(
+        rf"\[rank 0\] BackupAndRestore: resumed from the launcher's memory snapshot held by the keeper at "
+        rf"{re.escape(address)} \((this|another) node's\) at epoch 1, batch 10 \(step 10\)",
+        job.stdout,
+    ), job.stdout[-3000:]
+    assert not [p for p in os.listdir(tmp_path / "b") if p.split(".")[0].isdigit()]  # no disk backup at all
+    for name in ("weights.npz",):
+        saved, expected = np.load(tmp_path / "out" / name), np.load(tmp_path / "ref" / name)
+        assert list(saved) == list(expected)
+        for key in saved:
+            np.testing.assert_array_equal(saved[key], expected[key])  # bitwise
+    assert (tmp_path / "out" / "history.json").read_text() == (tmp_path / "ref" / "history.json").read_text()
