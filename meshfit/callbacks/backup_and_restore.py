@@ -85,7 +85,9 @@ class BackupAndRestore(Callback):
     With `memory_freq=K`, every K steps between disk backups a snapshot of
     exactly what a backup holds goes to host RAM outside the training
     processes: the keeper of `meshfit launch`, which outlives its ranks across
-    `--max-restarts` (`meshfit.launch.keeper`). Taking one holds the loop as
+    `--max-restarts` (`meshfit.launch.keeper`), or under `meshfit launch
+    --ray` the keeper of each node that runs ranks, each process's snapshot
+    copied to `memory_replicas` nodes' keepers so a lost node loses none. Taking one holds the loop as
     long as starting an async save (a copy on the devices; the copy to the
     host and the transfer run behind the next steps). A snapshot counts once
     every process's part has arrived whole; a restart resumes from the newest

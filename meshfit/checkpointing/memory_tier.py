@@ -1,14 +1,16 @@
 """The memory tier of `BackupAndRestore`: snapshots of a backup kept in the launcher's RAM.
 
 Every K steps each process sends the launcher's keeper
-(`meshfit.launch.keeper`) its part of exactly what a disk backup holds (the
+(`meshfit.launch.keeper`; under `meshfit launch --ray`, its node's keeper and
+`replicas - 1` other nodes' keepers) its part of exactly what a disk backup holds (the
 tree and JSON part of `checkpoint_schema.BACKUP`). Taking one holds the loop
 for a copy of this process's shards on its own devices (a program per local
 device, none across processes: one across processes costs the steps around
 it a collective's wait); a thread then copies them to the host, skips a
 state that is not finite (as the disk tier refuses one), records each
 shard's SHA-256 and sends them. A restarted process asks the keeper for the
-newest committed snapshot and rebuilds its arrays, laid out as the live
+newest committed snapshot (under Ray: for the step the launcher chose, from
+any keeper that holds its part) and rebuilds its arrays, laid out as the live
 state, from the shards it had; a part, or a shard, whose SHA-256 does not
 match is never restored.
 

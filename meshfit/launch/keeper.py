@@ -2,12 +2,17 @@
 
 `meshfit launch` starts one `Keeper` (a listener and its threads in the
 launcher's process) before the ranks and keeps it across `--max-restarts`, so
-snapshots outlive the processes that sent them. Each rank sends its part of a
-snapshot every K steps (`meshfit.checkpointing.memory_tier`); a snapshot is
-*committed* once the part of every rank of the job has arrived whole (its
-SHA-256 checked on arrival), and only committed snapshots are handed out: a
-rank killed while sending leaves a partial one that no restart sees. Parts
-from an earlier start of the job never complete a snapshot of a later one.
+snapshots outlive the processes that sent them; `meshfit launch --ray` runs
+one on each node that runs ranks (`meshfit.launch.ray_keepers`). Each rank
+sends its part of a snapshot every K steps (`meshfit.checkpointing.memory_tier`),
+under Ray to its node's keeper and to replicas on other nodes' keepers; a
+snapshot is *committed* at a keeper once the part of every rank it expects
+(every rank of the job, on one machine) has arrived whole (its SHA-256 checked
+on arrival), and only committed snapshots are handed out: a rank killed while
+sending leaves a partial one that no restart sees. Parts from an earlier start
+of the job never complete a snapshot of a later one. `agreed_steps` picks,
+from the inventories of the keepers left after a node is lost, the one step
+every restarted rank resumes from.
 
 The keeper holds bytes only: it parses no array and unpickles nothing (the
 frames are JSON and raw bytes, `meshfit.runtime.keeper_protocol`). It keeps

@@ -8,6 +8,10 @@ by `launch`'s rules: a failed rank stops the others (named with its node), SIGTE
 passed on to every rank, which gets `--grace-period` seconds for its preemption backup. As Ray Train's
 JAX trainer does, but for meshfit's own strategies (MultiWorkerMirrored, Mesh) and scripts.
 
+With `BackupAndRestore(memory_freq=K)` in the script, a snapshot keeper runs on each node that runs ranks
+for the whole launch (`meshfit.launch.ray_keepers`): a restart after a lost node resumes from the replicas
+on the nodes left.
+
 The script (and `cwd`) must be where every node can read it: the same path on a shared filesystem, or
 in the image every node runs. Ray is imported only here, only for `--ray`.
 
