@@ -215,7 +215,7 @@ class BackupAndRestore(Callback):
             raise ValueError(
                 f"`memory_freq={memory_freq}` keeps snapshots in a launcher's memory, and this process was not "
                 f"started by one that keeps them: {keeper_protocol.LAUNCHERS_WITH_KEEPER}. Start it with "
-                "`meshfit launch --nprocs N ... train.py`, or pass memory_freq=None for disk backups only."
+                "`meshfit launch [--ray] --nprocs N ... train.py`, or pass memory_freq=None for disk backups only."
             )
         nodes = keeper_protocol.nodes()
         if memory_replicas is not None and memory_replicas > nodes:
