@@ -10,7 +10,8 @@ writes in a model, checkpoint or backup directory (with the pid of the process
  about to write there), a saved model's compile settings are garbled, a rerun's labels are out of
  range, another user (uid 65534, as root) owns or opens the backup directory, plants compiled
  programs or a FIFO in its compilation cache, or replaces Goodput's record, a rank is SIGKILLed with the
- memory tier on or while it sends a snapshot, and strangers connect to the launcher's keeper. Most trials
+ memory tier on or while it sends a snapshot, a Ray node holding a rank and its snapshot keeper is removed
+ (the replica on another node's keeper must be used), and strangers connect to the launcher's keeper. Most trials
 run the resumable worker of the test suite (`tests/workers/train_resumable.py`: an MLP with dropout, EarlyStopping,
 ReduceLROnPlateau and BackupAndRestore) and compares the final weights and History
 bitwise with an uninterrupted run.
@@ -150,6 +151,36 @@ def memory_sigkill(base, reference_two, step):
     # before it when the kill came while the newest was still in flight.
     newest = (step - 1) // 5 * 5
     resumed = said is not None and int(said.group(1)) in (newest, newest - 5)
+    return status == 0 and resumed and same(out, reference_two), status != 0 or not resumed
+
+
+RAY_FAULT = "lost Ray node holding a keeper, memory tier on (2 ranks)"
+
+
+def ray_node_lost(base, reference_two):
+    """A Ray cluster of three nodes (token auth), a rank on each of two; both pause at step 12 (the snapshot of
+    step 10 committed on both keepers) and rank 0's node, its keeper with it, is removed: the restart must
+    resume at step 10 from the replica on the node left and end as the uninterrupted job."""
+    from ray_clusters import token_cluster
+
+    out, backup, go_on = base / "out", base / "backup", base / "go_on"
+    with token_cluster({"num_cpus": 0}, [{"num_cpus": 1}] * 3) as (cluster, _):
+        argv = LAUNCH + ["--ray", cluster.address, "--placement", "SPREAD", "--nprocs", "2", "--devices-per-proc", "2"]
+        argv += ["--max-restarts", "1", "--stop-grace", "1", WORKER, str(out), str(backup), "--strategy"]
+        argv += ["multi_worker", "--save-freq", "1000", "--memory-freq", "5", "--pause-at-step", "12", str(go_on)]
+        with Job(argv, timeout=2 * BOUND) as job:
+            try:
+                job.wait_for(r"\[rank \d\] paused at step 12", count=2)
+                time.sleep(2)  # the snapshot of step 10, sent behind steps 11 and 12, is committed
+                placed = dict(re.findall(r"\[launch\] rank (\d) runs on node \S+ \(node id (\w+)\)", job.stderr))
+                cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id.startswith(placed["0"])))
+                go_on.touch()
+                status = job.finish()
+            except AssertionError as error:
+                raise Hang(str(error)[:300]) from None
+    held = r"memory snapshot held by the keeper at \S+ \((?:this|another) node's\) at .*? \(step (\d+)\)"
+    said = re.search(held, job.stdout)
+    resumed = said is not None and int(said.group(1)) == 10
     return status == 0 and resumed and same(out, reference_two), status != 0 or not resumed
 
 
@@ -775,7 +806,8 @@ def main() -> None:
     print("reference runs (uninterrupted)", flush=True)
     status, output = worker(base / "ref", base / "ref-backup")
     assert status == 0, output[-2000:]
-    if tally.only in LAUNCH_FAULT or tally.only in HANG_LAUNCH_FAULT or tally.only in MEMORY_FAULT:  # two ranks
+    two_ranks = (LAUNCH_FAULT, HANG_LAUNCH_FAULT, MEMORY_FAULT, RAY_FAULT)
+    if any(tally.only in fault for fault in two_ranks):
         with Job(
             LAUNCH
             + [
@@ -823,6 +855,7 @@ def main() -> None:
         step = rng.randint(6, STEPS - 2)
         trial(tally, MEMORY_FAULT, lambda step=step: memory_sigkill(fresh(), base / "ref2", step))
     trial(tally, "SIGKILL during a memory snapshot (the previous one used)", lambda: killed_mid_snapshot(fresh()))
+    trial(tally, RAY_FAULT, lambda: ray_node_lost(fresh(), base / "ref2"))
     trial(tally, "parameter server stopped (SIGSTOP)", lambda: stopped_server(fresh()))
     for kind in ("model", "weights", "checkpoint", "backup"):
         trial(tally, "hostile directory: symlinks at meshfit names", lambda kind=kind: planted_symlinks(fresh(), kind))
