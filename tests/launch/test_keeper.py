@@ -173,7 +173,14 @@ def test_a_rank_that_breaks_the_protocol_after_the_handshake_is_closed(keeper):
     protocol.send_json(b, {"op": "put", "fit": "f", "rank": 5, "world": 2, "step": 1, "size": 1, "sha256": ""})
     with pytest.raises((EOFError, OSError)):
         b.recv_bytes()
+    for expect in ([1], [0, 2], "0,1"):  # ranks a replica keeper expects: must hold the sender, within the world
+        c = client(keeper)
+        header = {"op": "put", "fit": "f", "rank": 0, "world": 2, "step": 1, "size": 1, "sha256": "", "expect": expect}
+        protocol.send_json(c, header)
+        with pytest.raises((EOFError, OSError)):
+            c.recv_bytes()
     assert "broke the protocol" in keeper.test_log.getvalue()
+    assert "expected ranks are malformed" in keeper.test_log.getvalue()
 
 
 def test_the_launcher_agrees_on_the_newest_snapshot_whose_every_part_survives_a_lost_keeper():
