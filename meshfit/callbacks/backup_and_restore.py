@@ -479,6 +479,18 @@ class BackupAndRestore(Callback):
             return True
         return bool(directory.non_finite(self.context.latest))  # the program its saves compiled: no new one
 
+    def wait_until_finished(self) -> None:
+        """Returns when the backup being written and the memory snapshot being sent are complete (as Orbax's
+        `CheckpointManager.wait_until_finished`): say, before a step that must find them committed."""
+        if self._memory is not None:
+            try:
+                self._memory.wait()
+            except memory_tier.MemoryTierUnavailable as error:
+                self._memory_off(error)
+        if self._dir is not None:
+            with self.context.timer.phase("checkpoint"):
+                self._dir.wait()
+
     def close(self) -> None:
         """Waits for the backup being written and releases the directory (also after a failed fit).
 

@@ -117,6 +117,7 @@ def main():
             print(f"hanging at step {model.session.step}", flush=True)
             open(args.hang_at_step[1]).read()
         if args.pause_at_step and model.session.step == int(args.pause_at_step[0]):
+            backup.wait_until_finished()  # what it took before this step is committed while paused
             print(f"paused at step {model.session.step}", flush=True)
             deadline = time.monotonic() + 120
             while not os.path.exists(args.pause_at_step[1]) and time.monotonic() < deadline:
@@ -129,17 +130,18 @@ def main():
             print("sent SIGTERM in setup", flush=True)
 
     save_freq = "epoch" if args.save_freq == "epoch" else int(args.save_freq)
+    backup = mf.callbacks.BackupAndRestore(
+        args.backup,
+        save_freq=save_freq,
+        **({} if args.preemption_timeout is None else {"preemption_timeout": args.preemption_timeout}),
+        memory_freq=args.memory_freq,
+        delete_checkpoint=not args.keep_backups,
+    )
     callbacks = [
         mf.callbacks.LambdaCallback(on_train_batch_end=on_batch_end),
         mf.callbacks.EarlyStopping(monitor="val_loss", patience=10, restore_best_weights=True),
         mf.callbacks.ReduceLROnPlateau(monitor="loss", patience=1, factor=0.5, min_delta=0.05),
-        mf.callbacks.BackupAndRestore(
-            args.backup,
-            save_freq=save_freq,
-            **({} if args.preemption_timeout is None else {"preemption_timeout": args.preemption_timeout}),
-            memory_freq=args.memory_freq,
-            delete_checkpoint=not args.keep_backups,
-        ),
+        backup,
     ]
     if args.sigterm_in_setup:
         callbacks.insert(0, SigtermInSetup())
