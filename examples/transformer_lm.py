@@ -87,6 +87,7 @@ if __name__ == "__main__":
 
 import argparse  # noqa: E402
 import time  # noqa: E402
+from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -371,6 +372,7 @@ class TransformerLM(nnx.Module):
         def make_block(rngs):
             return Block(d_model, heads, attention=attention, rope=position == "rope", pin=not stages, rngs=rngs)
 
+        self.blocks: Any
         if stages:
             self.blocks = Stages(make_block, layers, rngs=rngs)
         elif scan_layers:
