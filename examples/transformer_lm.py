@@ -27,11 +27,20 @@ After training, text is sampled from a prompt with the trained module.
     python examples/transformer_lm.py --mesh 1,8,1 --layers 12 --d-model 1024 --heads 16 --context 256 --report-only
     python examples/transformer_lm.py --backup-dir /tmp/lm_backup  # kill it, run it again: it resumes, with a ledger
     python examples/transformer_lm.py --preset tiny --scan-layers --position rope --remat minimal --loss-chunk 8
+    python examples/transformer_lm.py --layers 4 --pipeline 4 --microbatches 8 --schedule 1f1b
 
 The last line turns on the fast-decoder options (docs/performance.md, "Fast decoder options"): a
 scanned layer stack, rotary positions, a named remat policy and chunked cross-entropy, with
 `--attention auto` (the default) taking cuDNN flash attention where it can run; `--preset 350m|1b|2b`
 and `--vocab` other than 256 train on synthetic tokens.
+
+`--pipeline P` builds the decoder's blocks on `meshfit.pipeline.Stages` and trains on a
+`MeshStrategy(axes={"stage": P, "data": devices / P}, pipeline=Pipeline(microbatches=M,
+schedule=...))`: each stage's devices hold `layers / P` blocks, the batch flows through them in M
+microbatches per data replica (`--microbatches`, default P; `--schedule gpipe|circular|1f1b`,
+`--repeats` for circular), the embeddings and head run outside the pipeline; the step report
+prints the bubble, the point-to-point bytes and a stage's memory (docs/sharding.md, "Pipeline
+parallelism"). `--layers` must divide by P (times `--repeats`).
 
 The model is built from a factory (`mf.Model(lambda: TransformerLM(...))`):
 its parameters are created straight into their sharded layout, so a model
@@ -78,6 +87,7 @@ if __name__ == "__main__":
 
 import argparse  # noqa: E402
 import time  # noqa: E402
+from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -87,6 +97,7 @@ from jax.ad_checkpoint import checkpoint_name  # noqa: E402
 
 import meshfit as mf  # noqa: E402
 from meshfit.cost.summary import bytes_per_device  # noqa: E402
+from meshfit.pipeline import Stages  # noqa: E402
 
 BATCH = ("data", "fsdp")  # mesh axes the batch dimension is split over
 VOCAB = 256  # bytes
@@ -274,17 +285,32 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x)).
 
-    def __init__(self, d_model: int, heads: int, *, attention: str = "auto", rope: bool = False, rngs: nnx.Rngs):
+    `pin`: constrain its outputs to the batch axes (off inside a pipeline, whose stage loop lays out
+    what it passes between stages itself).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        heads: int,
+        *,
+        attention: str = "auto",
+        rope: bool = False,
+        pin: bool = True,
+        rngs: nnx.Rngs,
+    ):
+        self.pin = pin
         self.ln1 = nnx.LayerNorm(d_model, rngs=rngs)
         self.attn = CausalSelfAttention(d_model, heads, attention=attention, rope=rope, rngs=rngs)
         self.ln2 = nnx.LayerNorm(d_model, rngs=rngs)
         self.mlp = MLP(d_model, 4 * d_model, rngs=rngs)
 
     def __call__(self, x):
-        x = mf.strategies.constrain(x + self.attn(self.ln1(x)), BATCH, None, None)
-        return mf.strategies.constrain(x + self.mlp(self.ln2(x)), BATCH, None, None)
+        pin = (lambda h: mf.strategies.constrain(h, BATCH, None, None)) if self.pin else (lambda h: h)
+        x = pin(x + self.attn(self.ln1(x)))
+        return pin(x + self.mlp(self.ln2(x)))
 
 
 class TransformerLM(nnx.Module):
@@ -298,6 +324,8 @@ class TransformerLM(nnx.Module):
         position: "learned" (a position embedding table) or "rope" (rotary, no parameters).
         scan_layers: stack the blocks' parameters on a leading layer axis and run them with
             `nnx.scan`: one block is traced and compiled, whatever the depth.
+        stages: build the blocks on `meshfit.pipeline.Stages` (stacked, run in one scan without a
+            `stage` mesh axis and pipelined under one); no `remat` or `scan_layers` with it.
         output: "logits", or "hidden": {"hidden": final hidden states, "head": the (d_model, vocab)
             output kernel}, for a loss that projects in chunks (`chunked_cross_entropy`).
     """
@@ -316,17 +344,24 @@ class TransformerLM(nnx.Module):
         position: str = "learned",
         scan_layers: bool = False,
         output: str = "logits",
+        stages: bool = False,
         rngs: nnx.Rngs,
     ):
         if position not in POSITION_CHOICES:
             raise ValueError(f"`position` must be one of {POSITION_CHOICES}. Received: position={position!r}.")
         if output not in ("logits", "hidden"):
             raise ValueError(f"`output` must be 'logits' or 'hidden'. Received: output={output!r}.")
+        if stages and (remat or scan_layers):
+            raise ValueError(
+                "`stages` runs the blocks on meshfit.pipeline.Stages, without remat or scan_layers. "
+                f"Received: remat={remat!r}, scan_layers={scan_layers!r}."
+            )
         self.context = context
         self.tied = tied
         self.remat = remat
         self.remat_policy = remat_policy_name(remat)
         self.scan_layers = scan_layers
+        self.stages = stages
         self.output = output
         embed_init = nnx.initializers.normal(0.02)
         self.tok_embed = nnx.Embed(vocab, d_model, embedding_init=embed_init, rngs=rngs)
@@ -335,13 +370,15 @@ class TransformerLM(nnx.Module):
         )
 
         def make_block(rngs):
-            return Block(d_model, heads, attention=attention, rope=position == "rope", rngs=rngs)
+            return Block(d_model, heads, attention=attention, rope=position == "rope", pin=not stages, rngs=rngs)
 
-        self.blocks = (
-            stacked_blocks(layers, make_block, rngs)
-            if scan_layers
-            else nnx.List([make_block(rngs) for _ in range(layers)])
-        )
+        self.blocks: Any
+        if stages:
+            self.blocks = Stages(make_block, layers, rngs=rngs)
+        elif scan_layers:
+            self.blocks = stacked_blocks(layers, make_block, rngs)
+        else:
+            self.blocks = nnx.List([make_block(rngs) for _ in range(layers)])
         self.ln_f = nnx.LayerNorm(d_model, rngs=rngs)
         self.lm_head = None if tied else nnx.Linear(d_model, vocab, use_bias=False, rngs=rngs)
 
@@ -362,7 +399,9 @@ class TransformerLM(nnx.Module):
             x = x + self.pos_embed(jnp.arange(tokens.shape[1]))[None]
         x = mf.strategies.constrain(x, BATCH, None, None)
         call = block_call(self.remat_policy)
-        if self.scan_layers:
+        if self.stages:
+            x = self.blocks(x)
+        elif self.scan_layers:
             x = scan_blocks(call, self.blocks, x)
         else:
             for block in self.blocks:
@@ -613,6 +652,7 @@ def module_options(args: argparse.Namespace) -> dict:
         "position": args.position,
         "scan_layers": args.scan_layers,
         "output": "hidden" if args.loss_chunk else "logits",
+        "stages": getattr(args, "pipeline", None) is not None,
     }
 
 
@@ -626,6 +666,15 @@ def parse_args(argv=None):
         help='data,fsdp,tensor sizes; one may be -1 (default "1,4,2" on 8 devices, else "-1,1,1")',
     )
     add_model_arguments(parser)
+    parser.add_argument(
+        "--pipeline",
+        type=int,
+        metavar="P",
+        help="build the blocks on meshfit.pipeline.Stages and train on a stage=P x data=devices/P mesh (not --mesh)",
+    )
+    parser.add_argument("--microbatches", type=int, help="with --pipeline: microbatches per data replica (default P)")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="gpipe", help="with --pipeline: the schedule")
+    parser.add_argument("--repeats", type=int, default=1, help="with --pipeline --schedule circular: layer groups")
     parser.add_argument(
         "--untied-head", action="store_true", help="a separate output projection instead of reusing the token embedding"
     )
@@ -672,6 +721,9 @@ def parse_args(argv=None):
     return resolve_sizes(parser.parse_args(argv))
 
 
+SCHEDULES = ("gpipe", "circular", "1f1b")
+
+
 def parse_mesh(text: str | None) -> dict[str, int]:
     if text is None:
         text = "1,4,2" if len(jax.devices()) == 8 else "-1,1,1"
@@ -679,6 +731,23 @@ def parse_mesh(text: str | None) -> dict[str, int]:
     if len(sizes) != 3:
         raise SystemExit(f"--mesh takes three sizes data,fsdp,tensor. Received: {text!r}.")
     return dict(zip(("data", "fsdp", "tensor"), sizes, strict=True))
+
+
+def make_strategy(args: argparse.Namespace, tied: bool) -> mf.strategies.MeshStrategy:
+    """`--mesh`'s data x fsdp x tensor mesh with the Megatron rules, or with `--pipeline P` a stage=P x data
+    mesh whose `Pipeline` runs the decoder's `Stages` (its other parameters replicated, the batch split)."""
+    if args.pipeline is None:
+        rules = sharding_rules(tied, scan_layers=args.scan_layers)
+        return mf.strategies.MeshStrategy(axes=parse_mesh(args.mesh), rules=rules)
+    if args.mesh is not None:
+        raise SystemExit(f"--pipeline lays the devices out as stage={args.pipeline} x data; leave --mesh out.")
+    pipeline = mf.strategies.Pipeline(
+        microbatches=args.microbatches or args.pipeline, schedule=args.schedule, repeats=args.repeats
+    )
+    # fsdp=1, tensor=1: the axes the model pins its activations to (BATCH, heads) exist on the mesh.
+    return mf.strategies.MeshStrategy(
+        axes={"stage": args.pipeline, "data": -1, "fsdp": 1, "tensor": 1}, pipeline=pipeline
+    )
 
 
 def load_data(args):
@@ -706,8 +775,7 @@ def main(argv=None, callbacks=()) -> dict:
     (x_train, y_train), (x_val, y_val), source = load_data(args)
     tied = not args.untied_head
 
-    rules = sharding_rules(tied, scan_layers=args.scan_layers)
-    strategy = mf.strategies.MeshStrategy(axes=parse_mesh(args.mesh), rules=rules)
+    strategy = make_strategy(args, tied)
     chief = strategy.is_chief
     if chief:
         print(

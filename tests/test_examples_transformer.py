@@ -1,9 +1,13 @@
 """examples/transformer_lm.py trains (loss falls) and samples on the 8 simulated devices of conftest.py."""
 
 import jax
+import numpy as np
 import pytest
-from helpers import load_example
+from flax import nnx
+from helpers import assert_trees_close, load_example
 from jax.sharding import PartitionSpec as P
+
+import meshfit as mf
 
 pytestmark = pytest.mark.slow  # trains the examples for seconds each (the fast tier leaves these out)
 
@@ -80,3 +84,44 @@ def test_report_only_compares_a_rematerialised_step(example, capsys):
     assert result["model"].session.step == 0
     out = capsys.readouterr().out
     assert "temporaries per device with --remat" in out and "on device 0" in out
+
+
+def test_pipeline_trains_the_decoder_on_stages(example, capsys):
+    """`--pipeline 2`: the blocks on Stages, split over stage=2 x data=4; the loss falls, the report shows the stage."""
+    quick = ["--steps-per-epoch", "8", "--validation-steps", "1", "--sample-len", "4"]
+    result = example.main(TINY + ["--layers", "2", "--pipeline", "2", "--schedule", "1f1b"] + quick)
+    losses = result["history"]["loss"]
+    assert np.isfinite(losses).all() and losses[-1] < losses[0] - 0.3, losses
+    model = result["model"]
+    assert model.strategy.stages == 2 and model.strategy.pipeline == mf.strategies.Pipeline(2, "1f1b")
+    specs = jax.tree.map(lambda a: a.sharding.spec, model.params)
+    assert specs["blocks"]["blocks"]["mlp"]["up"]["kernel"][0] == "stage"  # each stage holds its block
+    assert "stage" not in specs["tok_embed"]["embedding"]
+    assert "Pipeline (2 stages, 2 microbatches, 1f1b" in capsys.readouterr().out
+
+
+def test_the_pipelined_decoder_equals_one_device(example):
+    """The same Stages decoder, 1f1b over stage=2 x data=4 and on one device: the same losses and parameters."""
+    x, y = example.synthetic_tokens(32, 16, 64, seed=0)
+
+    def train(strategy):
+        with strategy.scope():
+            model = mf.Model(
+                lambda: example.TransformerLM(
+                    vocab=64, context=16, layers=2, d_model=32, heads=2, stages=True, rngs=nnx.Rngs(0)
+                )
+            )
+            model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+        history = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        return model, history.history["loss"]
+
+    args = example.parse_args(["--pipeline", "2", "--microbatches", "2", "--schedule", "1f1b"])
+    piped, piped_loss = train(example.make_strategy(args, tied=True))
+    one, one_loss = train(mf.strategies.OneDeviceStrategy())
+    np.testing.assert_allclose(piped_loss, one_loss, rtol=1e-5)
+    assert_trees_close(one.params, piped.params, rtol=1e-4, atol=1e-5)
+
+
+def test_pipeline_takes_no_mesh(example):
+    with pytest.raises(SystemExit, match="leave --mesh out"):
+        example.make_strategy(example.parse_args(["--pipeline", "2", "--mesh", "2,2,2"]), tied=True)

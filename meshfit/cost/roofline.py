@@ -93,10 +93,15 @@ def step_time(report: StepReport, spec: DeviceSpec) -> StepTime:
     A device's FLOPs and bytes are the larger of XLA's two counts: the whole
     step's divided over the devices (misses work each device repeats, as under
     tensor-parallel layouts with replicated activations) and the compiled
-    program's of one device (misses library calls on GPU).
+    program's of one device (misses library calls on GPU). A pipelined step's
+    collective-permutes count as its point-to-point bytes over all ticks (the
+    compiled program shows a loop's sends once).
     """
+    collectives = dict(report.collectives)
+    if report.pipeline is not None:
+        collectives["collective-permute"] = max(collectives.get("collective-permute", 0), report.pipeline.p2p_bytes)
     return StepTime(
         compute=max(report.flops, report.device_flops) / spec.peak_flops,
         memory=max(report.bytes_accessed, report.device_bytes_accessed) / spec.memory_bandwidth,
-        collectives=sum(report.collectives.values()) / spec.interconnect_bandwidth,
+        collectives=sum(collectives.values()) / spec.interconnect_bandwidth,
     )

@@ -23,6 +23,8 @@ from typing import Any
 import jax
 from jax.extend import core as jax_core
 
+from meshfit.cost.pipeline_cost import PipelineCost
+
 #: HLO collective kinds `StepReport.collectives` counts (asynchronous `-start` forms count as their kind).
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -58,6 +60,8 @@ class StepReport:
             not), but matrix products XLA hands to a library (cuBLAS on GPU) are
             missing. 0 where the backend gives no cost analysis of a compiled program.
         device_bytes_accessed: bytes of one device's compiled program, likewise.
+        pipeline: under a `stage` axis, what the pipeline costs a stage (`PipelineCost`: its
+            parameters, the activations its schedule keeps, point-to-point bytes, bubble); else None.
     """
 
     flops: float
@@ -70,6 +74,7 @@ class StepReport:
     lowered_collectives: dict
     device_flops: float = 0.0
     device_bytes_accessed: float = 0.0
+    pipeline: PipelineCost | None = None
 
     @property
     def flops_per_sample(self) -> float:

@@ -9,6 +9,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 if TYPE_CHECKING:
+    from meshfit.cost.pipeline_cost import PipelineCost
     from meshfit.cost.step_report import StepReport
     from meshfit.strategies import Strategy
 
@@ -46,7 +47,19 @@ def format_step_report(report: StepReport) -> str:
         widened = report.widened_collectives
         note = f" (the backend widened {', '.join(widened)}: lowered {report.lowered_collectives})" if widened else ""
         lines.append(f"Collectives per step: {parts}{note}")
+    if report.pipeline is not None:
+        lines.append(format_pipeline_cost(report.pipeline))
     return "\n".join(lines)
+
+
+def format_pipeline_cost(cost: PipelineCost) -> str:
+    """One line: what a pipelined step costs a stage (per device)."""
+    schedule = cost.schedule + (f" x{cost.repeats}" if cost.repeats > 1 else "")
+    return (
+        f"Pipeline ({cost.stages} stages, {cost.microbatches} microbatches, {schedule}; per device): "
+        f"bubble {cost.bubble:.1%}, point-to-point {human_bytes(cost.p2p_bytes)} per step, stage parameters "
+        f"{human_bytes(cost.stage_param_bytes)}, activations kept {human_bytes(cost.activation_bytes)}"
+    )
 
 
 def format_summary(

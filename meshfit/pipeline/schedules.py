@@ -23,6 +23,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from meshfit.pipeline import one_f_one_b
 from meshfit.strategies.pipeline import STAGE_AXIS, Pipeline
 
 Apply = Callable[[Any, jax.Array], jax.Array]
@@ -49,9 +50,10 @@ def run(apply: Apply, params: Any, x: jax.Array, *, mesh: Mesh, pipeline: Pipeli
     # Each data replica's rows are cut into microbatches in place: row j * M + m goes to microbatch m.
     micro = jnp.swapaxes(x.reshape(rows // microbatches, microbatches, *x.shape[1:]), 0, 1)
     body = _loop(apply, stages, microbatches, repeats)
-    out = jax.shard_map(body, mesh=mesh, in_specs=(P(STAGE_AXIS), P()), out_specs=P(), axis_names={STAGE_AXIS})(
-        grouped, micro
-    )
+    forward = jax.shard_map(body, mesh=mesh, in_specs=(P(STAGE_AXIS), P()), out_specs=P(), axis_names={STAGE_AXIS})
+    if pipeline.schedule == "1f1b":
+        forward = one_f_one_b.pipeline(apply, forward, mesh, microbatches)
+    out = forward(grouped, micro)
     return jnp.swapaxes(out, 0, 1).reshape(x.shape)
 
 

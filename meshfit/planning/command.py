@@ -25,8 +25,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "plan",
         help="compile the train step for every layout and print which fit and which is fastest",
-        description="Compile a model's train step for every layout of the devices (Mirrored and each data x "
-        "fsdp x tensor mesh), batch size and remat choice, without creating its parameters, and print the "
+        description="Compile a model's train step for every layout of the devices (Mirrored, each data x "
+        "fsdp x tensor mesh, and stage x data meshes for a model on meshfit.pipeline.Stages), batch size and "
+        "remat choice, without creating its parameters, and print the "
         f"table of meshfit.plan. Example: {EXAMPLE}",
     )
     parser.add_argument("factory", metavar="MODULE:FACTORY", help="a function returning a flax.nnx.Module")

@@ -1,7 +1,10 @@
 """`meshfit.plan`: which layout, batch size and rematerialisation fit a model on these devices, and which is fastest.
 
 Before any parameter exists: for every layout of the devices (`Mirrored`,
-and every `data` x `fsdp` x `tensor` factorisation as a `MeshStrategy`),
+every `data` x `fsdp` x `tensor` factorisation as a `MeshStrategy`, and,
+where the model holds `meshfit.pipeline.Stages`, `stage` x `data` layouts
+whose stage counts divide its layers, each with a GPipe `Pipeline` whose
+microbatches divide the batch),
 every global batch size and every rematerialisation choice the model's
 factory offers, the plan builds the model abstractly (`Model(...,
 abstract=True)`: shapes and shardings, the factory run under `nnx.eval_shape`
@@ -29,15 +32,18 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 from tqdm.std import tqdm
 
 from meshfit.cost import roofline
 from meshfit.cost.roofline import DeviceSpec, StepTime
 from meshfit.cost.step_report import COLLECTIVE_KINDS, StepReport
 from meshfit.model import Model
+from meshfit.pipeline import Stages
 from meshfit.strategies.layout import Rules
 from meshfit.strategies.mesh import MeshStrategy
 from meshfit.strategies.mirrored import MirroredStrategy
+from meshfit.strategies.pipeline import STAGE_AXIS, Pipeline
 
 #: The mesh axes a plan factors the devices into, in `MeshStrategy` order.
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -48,16 +54,22 @@ MEASURE_STEPS = 3
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A way to lay the devices out: `MirroredStrategy` (`axes` None) or a `MeshStrategy` over `axes`."""
+    """A way to lay the devices out: `MirroredStrategy` (`axes` None) or a `MeshStrategy` over `axes`
+    (with `pipeline` where `axes` has a `stage` axis)."""
 
     axes: tuple[tuple[str, int], ...] | None = None
+    pipeline: Pipeline | None = None
 
     @property
     def name(self) -> str:
-        """ "mirrored", or the mesh's axes over more than one device: "fsdp=8", "data=2,fsdp=4"."""
+        """ "mirrored", or the mesh's axes over more than one device: "fsdp=8", "data=2,fsdp=4",
+        "stage=4,data=2 gpipe M=8"."""
         if self.axes is None:
             return "mirrored"
-        return ",".join(f"{axis}={size}" for axis, size in self.axes if size > 1) or f"{self.axes[0][0]}=1"
+        name = ",".join(f"{axis}={size}" for axis, size in self.axes if size > 1) or f"{self.axes[0][0]}=1"
+        if self.pipeline is not None:
+            name += f" {self.pipeline.schedule} M={self.pipeline.microbatches}"
+        return name
 
     def strategy(
         self,
@@ -69,7 +81,11 @@ class Layout:
         if self.axes is None:
             return MirroredStrategy(devices)
         return MeshStrategy(
-            axes=dict(self.axes), rules=rules, logical_axis_rules=logical_axis_rules, devices=list(devices)
+            axes=dict(self.axes),
+            rules=rules,
+            logical_axis_rules=logical_axis_rules,
+            devices=list(devices),
+            pipeline=self.pipeline,
         )
 
 
@@ -82,6 +98,27 @@ def layouts(count: int) -> list[Layout]:
         for fsdp in sorted((f for f in range(1, rest + 1) if rest % f == 0), reverse=True):
             if data < count:
                 found.append(Layout(tuple(zip(MESH_AXES, (data, fsdp, rest // fsdp), strict=True))))
+    return found
+
+
+def stage_layouts(count: int, layers: Sequence[int], batch_size: int) -> list[Layout]:
+    """`stage` x `data` layouts of `count` devices for a model whose `Stages` stacks hold `layers` layers.
+
+    A stage count P > 1 is proposed where it divides `count` and every stack's layers, and the
+    batch's rows divide over the `count / P` data replicas; its GPipe `Pipeline` cuts each replica's
+    rows into M microbatches, M the largest divisor of those rows up to 4P (the bubble
+    (P - 1) / (M + P - 1) shrinks as M grows; each microbatch must keep rows). None without stacks.
+    """
+    found = []
+    for stages in range(2, count + 1):
+        if count % stages or not layers or any(n % stages for n in layers):
+            continue
+        data = count // stages
+        if batch_size % data:
+            continue
+        rows = batch_size // data
+        microbatches = max(m for m in range(1, min(rows, 4 * stages) + 1) if rows % m == 0)
+        found.append(Layout(((STAGE_AXIS, stages), ("data", data)), Pipeline(microbatches=microbatches)))
     return found
 
 
@@ -215,7 +252,10 @@ def plan(
     """Compiles the train step for every layout, batch size and remat choice, creating no parameter.
 
     The layouts are `MirroredStrategy` and a `MeshStrategy` for every factorisation of the devices into
-    `data` x `fsdp` x `tensor` (`layouts`); each candidate is compiled once.
+    `data` x `fsdp` x `tensor` (`layouts`), and where the factory's module holds `meshfit.pipeline.Stages`,
+    `stage` x `data` meshes with a GPipe `Pipeline` valid for each batch size (`stage_layouts`); each
+    candidate is compiled once. A pipelined candidate's row shows its bubble, the bytes a device sends
+    to its neighbour stage per step, and one stage's parameters and kept activations per device.
 
     Args:
         factory: a function returning a `flax.nnx.Module` (as `meshfit.Model` takes one); if it has a
@@ -283,10 +323,11 @@ def plan(
     def strategy_of(layout: Layout) -> Callable[[], Any]:
         return functools.partial(layout.strategy, devices, rules, logical_axis_rules)
 
+    stacks = _stage_layers(factory, remats[0])
     jobs = [
         (layout, batch_size, choice)
-        for layout in layouts(len(devices))
         for batch_size in batch_sizes
+        for layout in layouts(len(devices)) + stage_layouts(len(devices), stacks, batch_size)
         for choice in remats
     ]
 
@@ -319,6 +360,13 @@ def plan(
         seconds=time.perf_counter() - start,
         measured=len(timed),
     )
+
+
+def _stage_layers(factory: Callable[..., Any], remat: Any) -> list[int]:
+    """The layers of each `meshfit.pipeline.Stages` stack in the factory's module (built abstractly)."""
+    build = factory if remat is None else functools.partial(factory, remat=remat)
+    module = nnx.eval_shape(build)
+    return [node.layers for _, node in nnx.iter_graph(module) if isinstance(node, Stages)]
 
 
 def _progress(jobs: list[tuple[Layout, int, Any]], verbose: int | str):
@@ -455,6 +503,9 @@ def format_plan(result: Plan) -> str:
         "margin",
         "GFLOP/dev",
         "collectives/dev",
+        "bubble",
+        "p2p/dev",
+        "stage params/act",
         "step ≥ (roofline)",
         "step measured",
         "samples/s",
@@ -463,7 +514,7 @@ def format_plan(result: Plan) -> str:
     for c in result.candidates:
         remat = "-" if c.remat is None else str(c.remat)
         if c.report is None:
-            rows.append((c.layout.name, str(c.batch_size), remat, "-", "does not compile", "", "", "", "", ""))
+            rows.append((c.layout.name, str(c.batch_size), remat, "-", "does not compile", *[""] * 8))
             continue
         collectives = " ".join(
             f"{_SHORT[k]} {_bytes(c.report.collectives[k])}" for k in COLLECTIVE_KINDS if c.report.collectives.get(k)
@@ -473,6 +524,16 @@ def format_plan(result: Plan) -> str:
             measured, samples = f"{c.measured_seconds * 1e3:,.2f} ms", f"{c.measured_samples_per_second:,.0f}"
         else:
             measured, samples = ("failed" if c.measure_error else ""), f"≤ {c.samples_per_second:,.0f}"
+        stage = c.report.pipeline
+        pipelined = (
+            (
+                f"{stage.bubble:.1%}",
+                _bytes(stage.p2p_bytes),
+                f"{_bytes(stage.stage_param_bytes)} / {_bytes(stage.activation_bytes)}",
+            )
+            if stage is not None
+            else ("-", "-", "-")
+        )
         rows.append(
             (
                 c.layout.name,
@@ -482,6 +543,7 @@ def format_plan(result: Plan) -> str:
                 margin,
                 f"{max(c.report.flops, c.report.device_flops) / 1e9:,.3f}",
                 collectives or "none",
+                *pipelined,
                 f"{c.step_seconds * 1e3:,.2f} ms ({c.time.bound})",
                 measured,
                 samples,
@@ -500,6 +562,12 @@ def format_plan(result: Plan) -> str:
         )
     else:
         text.append("Time the best with real steps: measure=K (meshfit plan --measure K); samples/s: ≤ the roofline's.")
+    if any(c.report is not None and c.report.pipeline is not None for c in result.candidates):
+        text.append(
+            "bubble: the share of a stage's ticks idle, (P - 1) / (v * M + P - 1); p2p/dev: bytes a device sends "
+            "to its neighbour stage per step; stage params/act: one stage's parameters and the activations its "
+            "schedule keeps, per device."
+        )
     errors = [c for c in result.candidates if c.error]
     if errors:
         text.append(f"Did not compile: {errors[0].layout.name}: {errors[0].error}")

@@ -196,7 +196,11 @@ class MeshStrategy(DeviceMeshStrategy):
         )
 
     def constrain(self, x: jax.Array, *spec: Any) -> jax.Array:
-        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(*spec)))
+        """Pins `x` to `spec` on this mesh; inside a pipeline's stage loop (a `shard_map` over `stage`),
+        on the mesh as the loop sees it (its `stage` axis manual), so blocks keep their constraints there."""
+        mesh = jax.sharding.get_abstract_mesh()
+        inner = not mesh.empty and STAGE_AXIS in mesh.manual_axes
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh if inner else self.mesh, P(*spec)))
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())

@@ -19,6 +19,8 @@ step at the usual speed; only such steps make the host read masks.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -29,8 +31,10 @@ import numpy as np
 from meshfit.core import compat
 from meshfit.core.state import TrainState
 from meshfit.cost import step_report
+from meshfit.cost.pipeline_cost import pipeline_cost
 from meshfit.cost.step_report import StepReport
 from meshfit.steps.builtin import Steps
+from meshfit.strategies.base import Strategy
 from meshfit.strategies.leaf_programs import LeafProgram
 
 #: The kinds of training program: "execution" (one call of the loop: one step, or K in a scan),
@@ -249,13 +253,18 @@ class Executables:
         lowered = train_step.lower(state, batch)
         compiled = lowered.compile()
 
-        def jaxpr():  # traced only where the backend has no cost analysis of a lowered program
-            return jax.make_jaxpr(self.steps.train_step)(state, batch)
+        @functools.cache
+        def jaxpr():  # traced (in the strategy's scope, as compiled) only where a part of the report needs it
+            with Strategy.scope(self.strategy):
+                return jax.make_jaxpr(self.steps.train_step)(state, batch)
 
         rows = jax.tree.leaves(batch.mask)[0].shape[0]
         leaf = jax.tree.leaves(state.params)[0]
         devices = sorted(leaf.sharding.device_set, key=lambda d: d.id)
-        return step_report.analyse(lowered, compiled, rows, devices, jaxpr)
+        report = step_report.analyse(lowered, compiled, rows, devices, jaxpr)
+        if getattr(self.strategy, "pipeline", None) is not None:
+            report = dataclasses.replace(report, pipeline=pipeline_cost(self.strategy, jaxpr(), state.params))
+        return report
 
 
 class Eager:

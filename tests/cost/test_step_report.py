@@ -1,6 +1,7 @@
 """`model.step_report()`: FLOPs, memory and collectives of the compiled train step, read from XLA."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -9,6 +10,8 @@ from helpers import MLP, classification_data
 import meshfit as mf
 from meshfit.cost import step_report
 from meshfit.cost.step_report import jaxpr_flops
+from meshfit.cost.summary import format_step_report
+from meshfit.pipeline import Stages
 
 eight_devices = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (simulated on a CPU)")
 
@@ -185,3 +188,65 @@ def test_asynchronous_and_grouped_forms(line, kind, size):
     assert step_report.compiled_collectives(line) == {kind: size}
     if "-start(" in line:  # the matching done returns the results: not counted again
         assert step_report.compiled_collectives(line.replace("-start(", "-done(")) == {}
+
+
+class Block(nnx.Module):
+    """(rows, 16) -> (rows, 16); autodiff keeps 16 + 32 + 32 floats a row of it: its input, up's output, tanh's."""
+
+    def __init__(self, rngs):
+        self.up = nnx.Linear(16, 32, rngs=rngs)
+        self.down = nnx.Linear(32, 16, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jnp.tanh(self.up(x)))
+
+
+class Staged(nnx.Module):
+    def __init__(self):
+        rngs = nnx.Rngs(0)
+        self.embed = nnx.Linear(8, 16, rngs=rngs)
+        self.body = Stages(Block, 8, rngs=rngs)
+        self.head = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.body(self.embed(x)))
+
+
+@eight_devices
+@pytest.mark.parametrize("schedule, repeats", [("gpipe", 1), ("circular", 2), ("1f1b", 1)])
+def test_a_pipelined_step_reports_its_stage_cost(schedule, repeats):
+    """Bubble, point-to-point bytes, a stage's parameters and kept activations, against a hand count."""
+    stages, data, micro, batch = 4, 2, 4, 32
+    pipeline = mf.strategies.Pipeline(microbatches=micro, schedule=schedule, repeats=repeats)
+    with mf.strategies.MeshStrategy(axes={"stage": stages, "data": data}, pipeline=pipeline).scope():
+        model = mf.Model(Staged)
+        model.compile(optimizer="sgd", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = np.zeros((batch, 8), np.float32), np.zeros((batch,), np.int32)
+    cost = model.step_report(x, y).pipeline
+    rows = batch // (data * micro)  # a microbatch's rows on one device
+    sent = rows * 16 * 4  # what one tick sends: 256 bytes
+    ticks = repeats * micro + stages - 1
+    assert cost.bubble == pytest.approx((stages - 1) / ticks)
+    assert cost.microbatch_bytes == sent
+    # Forward and backward loops send once a tick; 1f1b's backward loop sends twice (recomputed forward, backward).
+    backward = 2 * (micro + 2 * stages - 2) if schedule == "1f1b" else ticks
+    assert cost.p2p_bytes == (ticks + backward) * sent
+    block = (16 * 32 + 32 + 32 * 16 + 16) * 4
+    assert cost.stage_param_bytes == 8 * block // stages  # one stage's layers, not the stack
+    layers = 8 // (stages * repeats)  # a stage's layers of one round
+    assert cost.pass_residual_bytes == layers * rows * (16 + 32 + 32) * 4
+    if schedule == "1f1b":  # 2P - 1 stashed inputs and one pass in flight
+        assert cost.activation_bytes == (2 * stages - 1) * sent + cost.pass_residual_bytes
+    else:  # every forward tick's pass
+        assert cost.activation_bytes == ticks * cost.pass_residual_bytes
+    text = format_step_report(model.step_report(x, y))
+    assert f"Pipeline (4 stages, 4 microbatches, {schedule}" in text
+    assert f"bubble {cost.bubble:.1%}" in text
+
+
+def test_an_unpipelined_step_has_no_pipeline_cost():
+    model = mf.Model(MLP(din=8, hidden=16, dout=4))
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    report = model.step_report(np.zeros((8, 8), np.float32), np.zeros((8,), np.int32))
+    assert report.pipeline is None
+    assert "Pipeline" not in format_step_report(report)

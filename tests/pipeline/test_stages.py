@@ -155,3 +155,20 @@ def test_a_checkpoint_restores_under_another_pipeline_layout_and_on_one_device(t
     kernel = restored["circular"].session.state.params["body"]["blocks"]["up"]["kernel"]
     assert kernel.sharding.spec[0] == "stage" and kernel.addressable_shards[0].data.shape[0] == LAYERS // 2
     assert_trees_close(restored["one"].params, restored["circular"].params, rtol=2e-5, atol=2e-6)
+
+
+class PinnedBlock(Block):
+    """A Block that pins its activations to the batch axes, as a model's blocks do under a mesh."""
+
+    def __call__(self, x):
+        return mf.strategies.constrain(super().__call__(x), "data", None)
+
+
+def test_blocks_that_constrain_their_activations_run_inside_the_stage_loop():
+    """`constrain` inside a stage's loop pins on the mesh the loop sees (its stage axis manual)."""
+    net = Net()
+    pinned = nnx.merge(nnx.graphdef(Stages(PinnedBlock, LAYERS, rngs=nnx.Rngs(0))), nnx.state(net.body))
+    h = jnp.asarray(classification_data(n=16, din=16)[0])
+    with pipelined(microbatches=2).scope():
+        out = jax.jit(lambda h: pinned(h))(h)
+    np.testing.assert_allclose(out, net.body(h), rtol=1e-5, atol=1e-6)

@@ -3,13 +3,16 @@
 import gc
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from helpers import classification_data
 
 import meshfit as mf
-from meshfit.planning.planner import Layout, layouts
+from meshfit.pipeline import Stages
+from meshfit.planning import planner
+from meshfit.planning.planner import Layout, layouts, stage_layouts
 
 eight_devices = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (simulated on a CPU)")
 COMPILE = dict(optimizer="adam", loss="sparse_categorical_crossentropy")
@@ -190,3 +193,63 @@ def test_bad_arguments_are_refused_before_anything_compiles(kwargs, message):
     with pytest.raises(ValueError, match=message):
         mf.plan(lambda: Recorded(hidden=8), x, y, **arguments)
     assert Recorded.built == []
+
+
+def test_stage_layouts_divide_the_layers_and_cut_the_batch_into_microbatches():
+    """P divides the devices and every stack's layers; M, the largest divisor of a replica's rows up to 4P."""
+    found = {layout.name: layout for layout in stage_layouts(8, [8], batch_size=32)}
+    assert list(found) == ["stage=2,data=4 gpipe M=8", "stage=4,data=2 gpipe M=16", "stage=8 gpipe M=32"]
+    assert [layout.name for layout in stage_layouts(8, [6], batch_size=32)] == ["stage=2,data=4 gpipe M=8"]
+    assert [layout.name for layout in stage_layouts(8, [8, 6], batch_size=32)] == ["stage=2,data=4 gpipe M=8"]
+    assert [layout.name for layout in stage_layouts(8, [8], batch_size=12)] == [
+        "stage=2,data=4 gpipe M=3",  # 3 rows a replica
+        "stage=4,data=2 gpipe M=6",
+        "stage=8 gpipe M=12",
+    ]
+    assert [layout.name for layout in stage_layouts(8, [8], batch_size=30)] == [  # 30 rows do not split over 4
+        "stage=4,data=2 gpipe M=15",
+        "stage=8 gpipe M=30",
+    ]
+    assert stage_layouts(8, [], batch_size=32) == []  # no Stages: no stage layout
+    strategy = found["stage=4,data=2 gpipe M=16"].strategy(jax.devices())
+    assert strategy.stages == 4 and strategy.pipeline == mf.strategies.Pipeline(microbatches=16)
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.up = nnx.Linear(16, 32, rngs=rngs)
+        self.down = nnx.Linear(32, 16, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jnp.tanh(self.up(x)))
+
+
+class Staged(nnx.Module):
+    def __init__(self, layers=4):
+        rngs = nnx.Rngs(0)
+        self.embed = nnx.Linear(32, 16, rngs=rngs)
+        self.body = Stages(Block, layers, rngs=rngs)
+        self.head = nnx.Linear(16, 10, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.body(self.embed(x)))
+
+
+@pytest.mark.slow
+def test_a_model_on_stages_is_planned_with_stage_layouts_and_their_pipeline_cost():
+    x, y = classification_data(n=16, din=32, classes=10)
+    result = mf.plan(Staged, x, y, compile=dict(optimizer="sgd", loss=COMPILE["loss"]), devices=jax.devices()[:2])
+    names = {c.layout.name: c for c in result.candidates}
+    assert set(names) == {"mirrored", "fsdp=2", "tensor=2", "stage=2 gpipe M=8"}
+    staged = names["stage=2 gpipe M=8"]
+    cost = staged.report.pipeline
+    assert cost.bubble == pytest.approx(1 / 9)  # (P - 1) / (M + P - 1)
+    assert cost.p2p_bytes == 2 * 9 * (16 // 8) * 16 * 4  # forward and backward, 9 ticks, 2 rows of 16 floats
+    assert cost.stage_param_bytes == 2 * (16 * 32 + 32 + 32 * 16 + 16) * 4  # 2 of the 4 layers
+    assert all(c.report.pipeline is None for c in result.candidates if c is not staged)
+    text = str(result)
+    assert "bubble" in text.splitlines()[1] and "p2p/dev" in text.splitlines()[1]
+    row = next(line for line in text.splitlines() if line.startswith("stage=2"))
+    assert "11.1%" in row and "2.2 KiB" in row and "8.4 KiB / " in row
+    assert staged.strategy().pipeline == mf.strategies.Pipeline(microbatches=8)
+    assert planner._stage_layers(Staged, None) == [4] and planner._stage_layers(Recorded, False) == []

@@ -1,0 +1,168 @@
+"""What a pipelined step costs a stage: its parameters, the activations its schedule keeps, its
+point-to-point bytes and its bubble, read from the train step's jaxpr.
+
+A `MeshStrategy` with a `stage` axis runs a `meshfit.pipeline.Stages` stack as
+a loop of ticks inside `jax.shard_map` (`meshfit.pipeline.schedules`): each
+tick a stage runs its layers on one microbatch and `lax.ppermute`s the result
+to its neighbour. The jaxpr of the train step holds those loops, forward and
+backward, so the bytes sent are counted from it: each `ppermute` over the
+`stage` axis, its operand's bytes times the ticks of the loops around it. A
+tick's layer residuals (what autodiff of one microbatch's pass through the
+stage's layers keeps for the backward) are read from the same loops, and the
+schedule says how many passes are kept at once:
+
+* "gpipe" and "circular": every tick of the forward loop, repeats * M + P - 1
+  (bubble ticks too: they run on zeros), each the residuals of its pass;
+* "1f1b": the 2P - 1 stage inputs its backward loop stashes, and the residuals
+  of the one pass it differentiates at a time.
+
+Shapes inside the `shard_map` span the whole batch (the other mesh axes stay
+with the compiler); a microbatch's rows are split over the data replicas, so
+its bytes per device are divided by them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+from jax.extend import core as jax_core
+
+from meshfit.strategies.pipeline import STAGE_AXIS
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineCost:
+    """One pipelined train step, per device of one stage.
+
+    Attributes:
+        stages: P, the size of the `stage` axis.
+        microbatches: M, the parts each data replica's rows are cut into.
+        schedule: "gpipe", "circular" or "1f1b".
+        repeats: v, the layer groups a stage runs per microbatch (circular).
+        bubble: the fraction of a stage's ticks spent idle, (P - 1) / (v * M + P - 1).
+        p2p_bytes: bytes a device sends to its neighbour stage per step (`ppermute`
+            operands times the ticks that send them, forward and backward).
+        microbatch_bytes: bytes of one microbatch's activation on one device (what a tick sends).
+        stage_param_bytes: bytes of the `Stages` parameters one device holds: its stage's layers.
+        pass_residual_bytes: bytes autodiff keeps of one microbatch's pass through a stage's
+            layers (of one round, for circular).
+        kept_passes: how many passes' residuals a stage keeps at once (gpipe, circular: every
+            forward tick, v * M + P - 1; 1f1b: one, beside its 2P - 1 stashed inputs).
+        activation_bytes: the activations the schedule keeps on one device:
+            kept_passes * pass_residual_bytes (+ (2P - 1) * microbatch_bytes for 1f1b).
+    """
+
+    stages: int
+    microbatches: int
+    schedule: str
+    repeats: int
+    bubble: float
+    p2p_bytes: int
+    microbatch_bytes: int
+    stage_param_bytes: int
+    pass_residual_bytes: int
+    kept_passes: int
+    activation_bytes: int
+
+
+def pipeline_cost(strategy: Any, jaxpr: jax_core.ClosedJaxpr, params: Any) -> PipelineCost | None:
+    """The `PipelineCost` of a train step's `jaxpr` under `strategy`; None without a `stage` axis or
+    where the step runs no pipelined loop. `params` are the state's parameters (laid out, or abstract
+    with their shardings)."""
+    pipeline = getattr(strategy, "pipeline", None)
+    if pipeline is None:
+        return None
+    loops = _tick_loops(jaxpr.jaxpr)
+    if not loops:
+        return None
+    replicas = max(int(strategy.num_replicas_in_sync), 1)
+    stages, microbatches, repeats = strategy.stages, pipeline.microbatches, pipeline.repeats
+    p2p = sum(loop.sent for loop in loops) // replicas
+    microbatch = loops[0].operand // replicas
+    residuals = max(loop.residuals for loop in loops) // replicas
+    if pipeline.schedule == "1f1b":
+        kept, activations = 1, residuals + (2 * stages - 1) * microbatch
+    else:
+        kept = pipeline.ticks(stages)
+        activations = kept * residuals
+    return PipelineCost(
+        stages=stages,
+        microbatches=microbatches,
+        schedule=pipeline.schedule,
+        repeats=repeats,
+        bubble=pipeline.bubble(stages),
+        p2p_bytes=p2p,
+        microbatch_bytes=microbatch,
+        stage_param_bytes=_stage_param_bytes(params),
+        pass_residual_bytes=residuals,
+        kept_passes=kept,
+        activation_bytes=activations,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Loop:
+    operand: int  # bytes of one ppermute operand (whole batch's microbatch)
+    sent: int  # ppermute bytes over all ticks
+    residuals: int  # ys bytes of the layer loops one tick runs
+
+
+def _tick_loops(jaxpr: jax_core.Jaxpr, inside: bool = False) -> list[_Loop]:
+    """The scans inside a `shard_map` whose bodies send over the stage axis: the pipeline's tick loops."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan" and inside:
+            body = eqn.params["jaxpr"].jaxpr
+            sends = [e for e in body.eqns if e.primitive.name == "ppermute" and STAGE_AXIS in _axes(e)]
+            if sends:
+                aval = sends[0].invars[0].aval
+                sent = eqn.params["length"] * sum(_bytes(e.invars[0].aval) for e in sends)
+                residuals = max((_residual_bytes(e, aval.shape[0]) for e in body.eqns), default=0)
+                found.append(_Loop(_bytes(aval), sent, residuals))
+                continue
+        for sub in _subjaxprs(eqn):
+            found += _tick_loops(sub, inside or eqn.primitive.name == "shard_map")
+    return found
+
+
+def _axes(eqn: Any) -> tuple:
+    names = eqn.params.get("axis_name", ())
+    return names if isinstance(names, tuple) else (names,)
+
+
+def _residual_bytes(eqn: Any, rows: int) -> int:
+    """Bytes of the activations a layer loop stacks over its layers: the outputs beyond its carry
+    shaped (layers, rows of a microbatch, ...), not the parameters' gradients it stacks too."""
+    if eqn.primitive.name != "scan":
+        return 0
+    stacked = [v.aval for v in eqn.outvars[eqn.params["num_carry"] :]]
+    return sum(_bytes(a) for a in stacked if len(a.shape) > 1 and a.shape[1] == rows)
+
+
+def _subjaxprs(eqn: Any) -> list[jax_core.Jaxpr]:
+    subs = []
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, jax_core.ClosedJaxpr):
+                subs.append(item.jaxpr)
+            elif isinstance(item, jax_core.Jaxpr):
+                subs.append(item)
+    return subs
+
+
+def _bytes(aval: Any) -> int:
+    return int(math.prod(aval.shape)) * aval.dtype.itemsize
+
+
+def _stage_param_bytes(params: Any) -> int:
+    """Bytes per device of the parameters laid out on the stage axis (a `Stages` stack's), from their shardings."""
+    total = 0
+    for leaf in jax.tree.leaves(params):
+        sharding = getattr(leaf, "sharding", None)
+        spec = getattr(sharding, "spec", None)
+        if spec is not None and len(spec) and spec[0] == STAGE_AXIS:
+            total += int(math.prod(sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize
+    return total
