@@ -202,7 +202,7 @@ def parse_args(argv=None):
             steps=2,
             repeats=1,
             policies="float32",
-            contenders="raw,meshfit,meshfit_acc4",
+            contenders="raw,meshfit",
         )
     )
     args.contenders = args.contenders.split(",")

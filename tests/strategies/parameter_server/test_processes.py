@@ -9,6 +9,8 @@ import time
 import pytest
 from processes import LAUNCH, Job, run
 
+from meshfit.runtime.handshake import HANDSHAKE_TIMEOUT
+
 pytestmark = pytest.mark.slow  # starts real processes (the fast tier leaves these out)
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "parameter_server.py")
@@ -211,16 +213,19 @@ def test_a_stopped_parameter_server_ends_the_job_naming_it(tmp_path):
     assert re.search(r"\[launch\] worker rank [12] found the parameter server silent", job.stderr), job.stderr[-2000:]
 
 
-@pytest.mark.parametrize("servers", [1, 2])
-def test_strangers_at_every_port_neither_stop_nor_slow_the_job(tmp_path, servers):
+def test_strangers_at_every_port_neither_stop_nor_slow_the_job(tmp_path):
     """Silent, garbage and unauthenticated connections (tests/hostile.py) to every port the job's processes
-    listen on, from start-up to the end: the job gives the undisturbed run's weights, bitwise, in under twice
-    its time. Sync mode without dropout, so that both runs compute the same updates.
+    listen on, from start-up to the end: the job gives the undisturbed run's weights, bitwise, and loses less
+    time than two handshake timeouts. A listener that waited on a silent stranger would lose a whole timeout for
+    each of the at least three silent connections per port. Sync mode without dropout, so that both runs compute
+    the same updates.
 
-    With 2 servers, the servers' listeners for workers and their `jax.distributed` job are attacked too;
-    workers listen on nothing."""
+    Two servers, so that every kind of listener is attacked: rank 0's for workers and servers (it coordinates
+    the job), rank 1's for workers, and the servers' `jax.distributed` job; workers listen on nothing."""
     import numpy as np
     from hostile import Strangers
+
+    servers = 2
 
     def train(weights, hostile):
         argv = LAUNCH + ["--ps", str(servers), "--workers", "2", WORKER, "none", "--mode", "sync", "--dropout", "0"]
@@ -244,4 +249,4 @@ def test_strangers_at_every_port_neither_stop_nor_slow_the_job(tmp_path, servers
     expected, got = np.load(tmp_path / "undisturbed.npz"), np.load(tmp_path / "disturbed.npz")
     for key in expected.files:
         np.testing.assert_array_equal(got[key], expected[key])
-    assert disturbed < 2 * undisturbed, (disturbed, undisturbed, strangers.injected)
+    assert disturbed - undisturbed < 2 * HANDSHAKE_TIMEOUT, (disturbed, undisturbed, strangers.injected)
