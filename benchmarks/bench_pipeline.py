@@ -1,8 +1,19 @@
-"""Pipeline schedules on 8 simulated devices: bubble by formula, activation memory gpipe vs 1f1b at M = 4P.
+"""Pipeline schedules on 8 simulated devices: the bubble and the activation memory measured from the programs.
 
-Compiles the gradient of a `Stages` stack (stage=4 x data=2) under each schedule and reads each
-program's temporaries per device (`compiled.memory_analysis()`), and times the steps against the
-same stack under FSDP alone (data=1 x fsdp=8). Run: `python benchmarks/bench_pipeline.py` (`--smoke`: tiny sizes).
+A `Stages` stack's loss gradient, compiled under `stage=4 x data=2` for each schedule at M = 4P and under
+FSDP alone (`fsdp=8`, the baseline of every ratio). Measures that do not depend on wall time (the 2 cores
+that run 8 simulated devices make every tick cost the same, busy or idle):
+
+  * bubble: the matmul FLOPs per device of the pipelined gradient's jaxpr (loops times their trip counts,
+    idle ticks included) against the useful FLOPs (the FSDP gradient's, over 8 devices):
+    measured = 1 - useful / pipelined, printed against the schedule's formula;
+  * activation memory per device: the residuals `jax.vjp` keeps from the forward to the backward pass and the
+    largest loop carry (the row-proportional part: bytes at 2x the rows minus bytes at 1x), against the
+    formula in units measured on one stage: R = one microbatch's residuals through a stage's layers,
+    I = one microbatch's stage input;
+  * temporaries per device (`compiled.memory_analysis()`) and seconds per step (indicative only).
+
+Run: `python benchmarks/bench_pipeline.py` (`--smoke`: tiny sizes, one timed step).
 """
 
 import os
@@ -10,6 +21,7 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import math  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
@@ -19,8 +31,13 @@ from flax import nnx  # noqa: E402
 
 import meshfit as mf  # noqa: E402
 from meshfit.pipeline import Stages  # noqa: E402
+from meshfit.strategies.mesh import MeshStrategy  # noqa: E402
 
-WIDTH, LAYERS, ROWS, STAGES = (16, 8, 32, 4) if "--smoke" in sys.argv[1:] else (256, 8, 256, 4)
+SMOKE = "--smoke" in sys.argv[1:]
+WIDTH, LAYERS, ROWS, STAGES, DATA = (16, 8, 32, 4, 2) if SMOKE else (256, 8, 256, 4, 2)
+MICRO = 4 * STAGES
+REPEATS = 1 if SMOKE else 5
+MIB = 2**20
 
 
 class Block(nnx.Module):
@@ -32,46 +49,187 @@ class Block(nnx.Module):
         return x + self.down(jnp.tanh(self.up(x)))
 
 
-def measure(strategy):
-    """(temporaries per device in MiB, seconds per gradient step) of the stack's loss gradient."""
+def matmul_flops(jaxpr, devices: int) -> float:
+    """Matmul FLOPs per device of `jaxpr`: loops counted times their trip counts, shard_map bodies per shard."""
+    return _walk(jaxpr, 1.0 / devices, _dot_flops)
+
+
+def largest_loop_carry(jaxpr, devices: int) -> float:
+    """Bytes per device of the largest `scan` carry in `jaxpr` (e.g. the 1f1b stash, the received buffers)."""
+    return _walk(jaxpr, 1.0 / devices, _carry_bytes, combine=max)
+
+
+def _dot_flops(eqn) -> float:
+    if eqn.primitive.name != "dot_general":
+        return 0.0
+    (contract, _), _ = eqn.params["dimension_numbers"]
+    lhs = eqn.invars[0].aval.shape
+    return 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contract)
+
+
+def _carry_bytes(eqn) -> float:
+    if eqn.primitive.name != "scan":
+        return 0.0
+    start = eqn.params["num_consts"]
+    carry = eqn.invars[start : start + eqn.params["num_carry"]]
+    return float(sum(v.aval.size * v.aval.dtype.itemsize for v in carry))
+
+
+def _walk(jaxpr, scale: float, measure, combine=sum) -> float:
+    """`measure` of every equation, times `scale` (1 / the devices an array's global shape spans), combined."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    found = []
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        found.append(measure(eqn) * scale)
+        if name == "while":
+            raise ValueError("A while loop has no static trip count: count its work by hand.")
+        if name == "scan":
+            inner = _walk(eqn.params["jaxpr"], scale, measure, combine)
+            found.append(inner * eqn.params["length"] if combine is sum else inner)
+        elif name == "cond":
+            found.append(max(_walk(b, scale, measure, combine) for b in eqn.params["branches"]))
+        elif name == "shard_map":
+            mesh = eqn.params["mesh"]
+            manual = math.prod(mesh.shape[a] for a in eqn.params["newly_manual_axes"])
+            found.append(_walk(eqn.params["jaxpr"], scale * manual, measure, combine))
+        else:
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, tuple) else (value,):
+                    if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
+                        found.append(_walk(sub, scale, measure, combine))
+    return float(combine(found)) if found else 0.0
+
+
+def kept_bytes(fn, *args) -> float:
+    """Bytes per device of the residuals `jax.vjp(fn, *args)` keeps for the backward pass."""
+    residuals = jax.jit(lambda *a: jax.tree.leaves(jax.vjp(fn, *a)[1])).lower(*args).compile()
+    shapes = jax.eval_shape(lambda *a: jax.tree.leaves(jax.vjp(fn, *a)[1]), *args)
+    return float(
+        sum(
+            math.prod(sharding.shard_shape(s.shape)) * s.dtype.itemsize
+            for s, sharding in zip(shapes, residuals.output_shardings, strict=True)
+        )
+    )
+
+
+def build(strategy, rows):
+    """(forward, loss, params, x) of the stack under `strategy`, parameters and batch laid out as it says."""
     with strategy.scope():
         stack = Stages(Block, LAYERS, rngs=nnx.Rngs(0))
         graphdef, params = nnx.split(stack)
-
-        def loss(params, x):
-            return jnp.mean(nnx.merge(graphdef, params)(x) ** 2)
-
-        x = jax.device_put(jnp.ones((ROWS, WIDTH)), strategy.batch_sharding())
         specs = strategy.param_specs(nnx.to_pure_dict(params), nnx.to_pure_dict(nnx.get_partition_spec(params)))
         shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(strategy.mesh, s), specs)
         params = nnx.State(jax.device_put(nnx.to_pure_dict(params), shardings))
-        step = strategy.compile(jax.grad(loss))
-        compiled = jax.jit(jax.grad(loss)).lower(params, x).compile()
-        temp = compiled.memory_analysis().temp_size_in_bytes / 2**20
+        x = jax.device_put(jnp.ones((rows, WIDTH)), strategy.batch_sharding())
+
+    def forward(params, x):
+        return nnx.merge(graphdef, params)(x)
+
+    def loss(params, x):
+        return jnp.mean(forward(params, x) ** 2)
+
+    return forward, loss, params, x
+
+
+def measure(strategy):
+    """The figures of one layout: FLOPs, kept activations, largest loop carry, temporaries, seconds per step."""
+    with strategy.scope():
+        return _measure(strategy)
+
+
+def _measure(strategy):
+    figures = {}
+    for scale in (1, 2):
+        forward, loss, params, x = build(strategy, scale * ROWS)
+        grad = jax.grad(loss, argnums=(0, 1))
+        jaxpr = jax.make_jaxpr(grad)(params, x)
+        figures[scale] = (kept_bytes(forward, params, x), largest_loop_carry(jaxpr, 8))
+    kept = figures[2][0] - figures[1][0]
+    carry = figures[2][1] - figures[1][1]
+    forward, loss, params, x = build(strategy, ROWS)
+    grad = jax.grad(loss, argnums=(0, 1))
+    flops = matmul_flops(jax.make_jaxpr(grad)(params, x), 8)
+    step = strategy.compile(grad)
+    temp = step.lower(params, x).compile().memory_analysis().temp_size_in_bytes
+    jax.block_until_ready(step(params, x))
+    start = time.perf_counter()
+    for _ in range(REPEATS):
         jax.block_until_ready(step(params, x))
-        start = time.perf_counter()
-        for _ in range(5):
-            jax.block_until_ready(step(params, x))
-        return temp, (time.perf_counter() - start) / 5
+    return {"flops": flops, "kept": kept, "carry": carry, "temp": temp, "s": (time.perf_counter() - start) / REPEATS}
+
+
+def stage_units():
+    """(R, I): one microbatch's residuals through a stage's layers, and its stage input, in bytes per device."""
+    rows = ROWS // (MICRO * DATA)
+    stack = Stages(Block, LAYERS // STAGES, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(stack)
+    run = lambda params, x: nnx.merge(graphdef, params)(x)  # noqa: E731
+    one, two = (kept_bytes(run, params, jnp.ones((n * rows, WIDTH))) for n in (1, 2))
+    return two - one, rows * WIDTH * 4
+
+
+def kib(n: float) -> str:
+    return f"{n / 1024:,.1f} KiB"
 
 
 def main():
+    layouts = [
+        ("gpipe", mf.strategies.Pipeline(microbatches=MICRO)),
+        ("1f1b", mf.strategies.Pipeline(microbatches=MICRO, schedule="1f1b")),
+        ("circular v=2", mf.strategies.Pipeline(microbatches=MICRO, schedule="circular", repeats=2)),
+    ]
+    base = measure(mf.strategies.MeshStrategy(axes={"data": 1, "fsdp": 8}, min_shard_size=1))
     rows = []
-    for name, pipeline in [
-        ("gpipe M=16", mf.strategies.Pipeline(microbatches=16)),
-        ("1f1b M=16", mf.strategies.Pipeline(microbatches=16, schedule="1f1b")),
-        ("circular v=2 M=16", mf.strategies.Pipeline(microbatches=16, schedule="circular", repeats=2)),
-    ]:
-        strategy = mf.strategies.MeshStrategy(axes={"stage": STAGES, "data": 2}, pipeline=pipeline)
-        temp, seconds = measure(strategy)
-        rows.append((name, pipeline.bubble(STAGES), temp, seconds))
-    fsdp = mf.strategies.MeshStrategy(axes={"data": 1, "fsdp": 8}, min_shard_size=1)
-    temp, seconds = measure(fsdp)
-    rows.append(("fsdp=8 alone", 0.0, temp, seconds))
-    print("| layout | bubble (formula) | temporaries per device | s per gradient step |")
-    print("| --- | --- | --- | --- |")
-    for name, bubble, temp, seconds in rows:
-        print(f"| {name} | {bubble:.3f} | {temp:.1f} MiB | {seconds * 1e3:.1f} ms |")
+    for name, pipeline in layouts:
+        rows.append((name, pipeline, measure(MeshStrategy(axes={"stage": STAGES, "data": DATA}, pipeline=pipeline))))
+    r, i = stage_units()
+    m, p = MICRO, STAGES
+    # The work each program runs per stage, in F (one microbatch's forward through a stage; its backward is 2F):
+    # gpipe and circular run M + P - 1 (v M + P - 1) ticks of F forward and 2F backward; 1f1b runs its GPipe
+    # forward with nothing kept (M + P - 1 ticks of F), then M + 2P - 2 ticks that each run a forward (F) and a
+    # backward (2F) after recomputing the stage's forward (F) from the stashed input. Useful: 3 M F.
+    work = {"gpipe": None, "circular v=2": None, "1f1b": 1 - 3 * m / ((m + p - 1) + 4 * (m + 2 * p - 2))}
+    print(f"stage={STAGES} x data={DATA}, M={m}, {LAYERS} blocks of width {WIDTH}, {ROWS} rows; baseline fsdp=8 alone")
+    print(f"units per device: R = {kib(r)} (a microbatch's residuals through a stage), I = {kib(i)} (its input)")
+    print()
+    print(
+        "| layout | matmul GFLOP per device | bubble measured | formula (P-1)/(vM+P-1) | measured / formula "
+        "| work model | measured / model |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print(f"| fsdp=8 alone (useful work) | {base['flops'] / 1e9:.4f} | - | - | - | - | - |")
+    for name, pipeline, got in rows:
+        measured = 1 - base["flops"] / got["flops"]
+        formula = pipeline.bubble(p)
+        model = work[name] if work[name] is not None else formula
+        print(
+            f"| {name} | {got['flops'] / 1e9:.4f} | {measured:.3f} | {formula:.3f} | {measured / formula:.2f} "
+            f"| {model:.3f} | {measured / model:.2f} |"
+        )
+    print()
+    formulas = {
+        "gpipe": (m * r, "M R", m * i, "M I"),
+        "circular v=2": (m * r, "M R", m * i, "M I"),
+        "1f1b": (m * i, "M I", (2 * p - 1 + m) * i, "(2P-1) I + M I"),
+    }
+    print(
+        "| layout | kept fwd->bwd | formula | measured / formula | largest loop carry | formula | measured / formula "
+        "| temporaries | vs fsdp | ms per step | vs fsdp |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        f"| fsdp=8 alone | {kib(base['kept'])} | - | - | {kib(base['carry'])} | - | - | {kib(base['temp'])} | 1.00 "
+        f"| {base['s'] * 1e3:.1f} | 1.00 |"
+    )
+    for name, _, got in rows:
+        kept, kept_name, carry, carry_name = formulas[name]
+        print(
+            f"| {name} | {kib(got['kept'])} | {kept_name} = {kib(kept)} | {got['kept'] / kept:.2f} "
+            f"| {kib(got['carry'])} | {carry_name} = {kib(carry)} | {got['carry'] / carry:.2f} "
+            f"| {kib(got['temp'])} | {got['temp'] / base['temp']:.1f} | {got['s'] * 1e3:.1f} "
+            f"| {got['s'] / base['s']:.1f} |"
+        )
 
 
 if __name__ == "__main__":

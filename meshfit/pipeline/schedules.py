@@ -14,6 +14,7 @@ ticks interleaved under a custom VJP.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -24,16 +25,30 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from meshfit.pipeline import one_f_one_b
+from meshfit.pipeline.vma import vary
 from meshfit.strategies.pipeline import STAGE_AXIS, Pipeline
 
 Apply = Callable[[Any, jax.Array], jax.Array]
 
 
-def run(apply: Apply, params: Any, x: jax.Array, *, mesh: Mesh, pipeline: Pipeline, replicas: int) -> jax.Array:
+def run(
+    apply: Apply,
+    params: Any,
+    x: jax.Array,
+    *,
+    mesh: Mesh,
+    pipeline: Pipeline,
+    replicas: int,
+    data_axes: tuple[str, ...] = (),
+) -> jax.Array:
     """Runs the stacked layers `params` (leading layer axis) on `x` pipelined over `mesh`'s stage axis.
 
     `apply(layer_params, h)` applies one layer. The batch `x` is cut into
     `pipeline.microbatches` parts within each of the `replicas` data replicas.
+    `data_axes` are the leading batch axes over which each stage's parameters
+    are whole copies: the loop runs manual over them too, so each data shard
+    sums its parameters' gradient over the ticks and the shards reduce it once
+    per step (left to the compiler, the reduction runs inside every tick).
     """
     stages, microbatches, repeats = mesh.shape[STAGE_AXIS], pipeline.microbatches, pipeline.repeats
     layers = jax.tree.leaves(params)[0].shape[0]
@@ -49,25 +64,43 @@ def run(apply: Apply, params: Any, x: jax.Array, *, mesh: Mesh, pipeline: Pipeli
     grouped = jax.tree.map(lambda a: jnp.swapaxes(a.reshape(repeats, stages, per_round, *a.shape[1:]), 0, 1), params)
     # Each data replica's rows are cut into microbatches in place: row j * M + m goes to microbatch m.
     micro = jnp.swapaxes(x.reshape(rows // microbatches, microbatches, *x.shape[1:]), 0, 1)
-    body = _loop(apply, stages, microbatches, repeats)
-    forward = jax.shard_map(body, mesh=mesh, in_specs=(P(STAGE_AXIS), P()), out_specs=P(), axis_names={STAGE_AXIS})
+    body = _loop(apply, stages, microbatches, repeats, data_axes)
+    rows_spec = P(None, data_axes or None)
+    forward = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(P(STAGE_AXIS), rows_spec),
+        out_specs=rows_spec,
+        axis_names={STAGE_AXIS, *data_axes},
+    )
     if pipeline.schedule == "1f1b":
-        forward = one_f_one_b.pipeline(apply, forward, mesh, microbatches)
+        forward = one_f_one_b.pipeline(apply, forward, mesh, microbatches, data_axes)
     out = forward(grouped, micro)
     return jnp.swapaxes(out, 0, 1).reshape(x.shape)
 
 
-def _loop(apply: Apply, stages: int, microbatches: int, repeats: int) -> Callable:
+def _loop(apply: Apply, stages: int, microbatches: int, repeats: int, data_axes: tuple[str, ...]) -> Callable:
     items = repeats * microbatches
     ring = [(s, (s + 1) % stages) for s in range(stages)]
 
     def body(grouped: Any, micro: jax.Array) -> jax.Array:
-        local = jax.tree.map(lambda a: a[0], grouped)  # (repeats, layers of a round, ...)
+        # (repeats, layers of a round, ...), each data shard's own copy: the gradient is reduced once, after the loop.
+        local = jax.tree.map(lambda a: vary(a[0], data_axes), grouped)
         stage = lax.axis_index(STAGE_AXIS)
 
-        def layers_of_round(r, h):
-            round_params = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, keepdims=False), local)
-            return lax.scan(lambda h, p: (apply(p, h), None), h, round_params)[0]
+        def scan_layers(params, h):
+            return lax.scan(lambda h, p: (apply(p, h), None), h, params)[0]
+
+        if repeats == 1:  # one round: the stage's parameters are the loop's constants, saved once
+
+            def layers_of_round(r, h):
+                return scan_layers(jax.tree.map(lambda a: a[0], local), h)
+
+        else:  # the round's slice is taken again in the backward pass: saved, it would be a residual of every tick
+
+            @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.dots_saveable)
+            def layers_of_round(r, h):
+                return scan_layers(jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, keepdims=False), local), h)
 
         def tick(carry, t):
             received, done = carry
@@ -83,7 +116,7 @@ def _loop(apply: Apply, stages: int, microbatches: int, repeats: int) -> Callabl
             done = lax.dynamic_update_index_in_dim(done, jnp.where(keep, sent, done[slot]), slot, 0)
             return (sent, done), None
 
-        varying = lambda a: lax.pcast(a, (STAGE_AXIS,), to="varying")  # noqa: E731  (each stage's own values)
+        varying = functools.partial(vary, axes=(STAGE_AXIS, *data_axes))  # each stage's (and data shard's) own values
         start = (varying(jnp.zeros_like(micro[0])), varying(jnp.zeros_like(micro)))
         (_, done), _ = lax.scan(tick, start, jnp.arange(items + stages - 1))
         return lax.psum(jnp.where(stage == 0, done, jnp.zeros_like(done)), STAGE_AXIS)

@@ -74,8 +74,19 @@ class Stages(nnx.Module):
                 mesh=strategy.mesh,
                 pipeline=strategy.pipeline,
                 replicas=strategy.num_replicas_in_sync,
+                data_axes=_whole_copy_axes(strategy),
             )
         return _scan(self.blocks, x)
+
+
+def _whole_copy_axes(strategy: MeshStrategy) -> tuple[str, ...]:
+    """The leading batch axes before the fsdp axis: a stage's devices along them hold whole parameter copies."""
+    axes: list[str] = []
+    for axis in strategy.batch_axes:
+        if axis in (strategy.fsdp_axis, STAGE_AXIS):
+            break
+        axes.append(axis)
+    return tuple(axes)
 
 
 def _mark_stacked(variable: nnx.Variable, lead: str | None) -> None:

@@ -10,7 +10,10 @@ Schedules:
     going round the ring `repeats` times; the bubble shrinks to
     (P - 1) / (repeats * M + P - 1).
   * "1f1b": one forward, one backward a tick once the pipeline is full; a
-    stage keeps the activations of at most P microbatches instead of M.
+    stage keeps only its input from the forward pass and at most 2P - 1
+    stage inputs during the backward, instead of M microbatches' activations,
+    for about twice GPipe's work (each forward is recomputed; see
+    `meshfit.pipeline.one_f_one_b`).
 """
 
 from __future__ import annotations
@@ -54,7 +57,11 @@ class Pipeline:
             )
 
     def bubble(self, stages: int) -> float:
-        """The fraction of a step's ticks a stage idles: (P - 1) / (repeats * M + P - 1)."""
+        """The fraction of a step's ticks a stage idles: (P - 1) / (repeats * M + P - 1).
+
+        For "gpipe" and "circular" this is also the fraction of each device's matmul work that is idle
+        ticks; "1f1b" recomputes forwards on top (see `meshfit.pipeline.one_f_one_b`).
+        """
         return (stages - 1) / (self.repeats * self.microbatches + stages - 1)
 
     def ticks(self, stages: int) -> int:

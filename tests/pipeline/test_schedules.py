@@ -1,0 +1,80 @@
+"""The pipelined loop's cost: one collective per tick, no per-tick parameter copies, 1f1b keeps only its input."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import meshfit as mf
+from meshfit.pipeline import Stages
+
+WIDTH, LAYERS, ROWS = 16, 8, 32
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("circular", 2)]
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.up = nnx.Linear(WIDTH, 2 * WIDTH, rngs=rngs)
+        self.down = nnx.Linear(2 * WIDTH, WIDTH, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jnp.tanh(self.up(x)))
+
+
+def stack(schedule, repeats):
+    """(strategy, forward of (params, x), params laid out by the strategy) of a stage=4 x data=2 stack, M = 8."""
+    strategy = mf.strategies.MeshStrategy(
+        axes={"stage": 4, "data": 2},
+        pipeline=mf.strategies.Pipeline(microbatches=8, schedule=schedule, repeats=repeats),
+    )
+    with strategy.scope():
+        graphdef, params = nnx.split(Stages(Block, LAYERS, rngs=nnx.Rngs(0)))
+    return strategy, lambda params, x: nnx.merge(graphdef, params)(x), params
+
+
+def residual_bytes(strategy, forward, params, rows):
+    """Global bytes of what `jax.vjp` of the stack keeps for the backward pass, on `rows` rows."""
+    with strategy.scope():
+        leaves = jax.eval_shape(
+            lambda p, x: jax.tree.leaves(jax.vjp(forward, p, x)[1]), params, jnp.ones((rows, WIDTH))
+        )
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
+
+
+@pytest.mark.parametrize("schedule, repeats", SCHEDULES)
+def test_a_tick_runs_no_collective_but_its_ppermute(schedule, repeats):
+    strategy, forward, params = stack(schedule, repeats)
+    loss = lambda p, x: jnp.mean(forward(p, x) ** 2)  # noqa: E731
+    x = jax.device_put(jnp.ones((ROWS, WIDTH)), strategy.batch_sharding())
+    with strategy.scope():
+        hlo = jax.jit(jax.grad(loss)).lower(params, x).compile().as_text()
+    in_loops = [
+        line.split("=", 1)[1][:120]
+        for line in hlo.splitlines()
+        if re.search(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all)\(", line) and "while/body" in line
+    ]
+    assert not in_loops, (
+        f"collectives inside the tick loop (the data-parallel gradient reduction belongs after it): {in_loops}"
+    )
+    assert "collective-permute(" in hlo
+
+
+@pytest.mark.parametrize("schedule, repeats", [("gpipe", 1), ("circular", 2)])
+def test_the_stage_parameters_are_kept_once_not_per_tick(schedule, repeats):
+    strategy, forward, params = stack(schedule, repeats)
+    one, two = (residual_bytes(strategy, forward, params, n * ROWS) for n in (1, 2))
+    fixed = one - (two - one)  # what does not grow with the rows: parameters
+    param_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
+    # Each data shard keeps its copy of its stage's parameters (2 shards), plus each tick's indices;
+    # a copy of the parameters per tick would be over 20x.
+    assert fixed < 3 * param_bytes, f"kept {fixed} parameter bytes for {param_bytes} bytes of parameters"
+
+
+def test_1f1b_keeps_only_its_input_from_the_forward_pass():
+    strategy, forward, params = stack("1f1b", 1)
+    gpipe = stack("gpipe", 1)
+    grows = [residual_bytes(*s, 2 * ROWS) - residual_bytes(*s, ROWS) for s in ((strategy, forward, params), gpipe)]
+    assert grows[0] == ROWS * WIDTH * 4  # the batch itself; the stages' activations are recomputed tick by tick
+    assert grows[1] > 8 * grows[0]  # gpipe keeps every tick's activations
