@@ -80,6 +80,9 @@ def pipeline_cost(strategy: Any, jaxpr: jax_core.ClosedJaxpr, params: Any) -> Pi
         return None
     replicas = max(int(strategy.num_replicas_in_sync), 1)
     stages, microbatches, repeats = strategy.stages, pipeline.microbatches, pipeline.repeats
+    # A loop manual over the data axes sees one device's rows already; one left to the compiler, every row.
+    manual = loops[0].manual - {STAGE_AXIS}
+    replicas = max(replicas // math.prod(strategy.mesh.shape[axis] for axis in manual), 1)
     p2p = sum(loop.sent for loop in loops) // replicas
     microbatch = loops[0].operand // replicas
     residuals = max(loop.residuals for loop in loops) // replicas
@@ -105,26 +108,30 @@ def pipeline_cost(strategy: Any, jaxpr: jax_core.ClosedJaxpr, params: Any) -> Pi
 
 @dataclasses.dataclass(frozen=True)
 class _Loop:
-    operand: int  # bytes of one ppermute operand (whole batch's microbatch)
+    operand: int  # bytes of one ppermute operand (as the loop sees it: one device's rows, or every row)
     sent: int  # ppermute bytes over all ticks
     residuals: int  # ys bytes of the layer loops one tick runs
+    manual: frozenset  # the mesh axes the enclosing `shard_map` runs manual over
 
 
-def _tick_loops(jaxpr: jax_core.Jaxpr, inside: bool = False) -> list[_Loop]:
+def _tick_loops(jaxpr: jax_core.Jaxpr, manual: frozenset | None = None) -> list[_Loop]:
     """The scans inside a `shard_map` whose bodies send over the stage axis: the pipeline's tick loops."""
     found = []
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "scan" and inside:
+        if eqn.primitive.name == "scan" and manual is not None:
             body = eqn.params["jaxpr"].jaxpr
             sends = [e for e in body.eqns if e.primitive.name == "ppermute" and STAGE_AXIS in _axes(e)]
             if sends:
                 aval = sends[0].invars[0].aval
                 sent = eqn.params["length"] * sum(_bytes(e.invars[0].aval) for e in sends)
-                residuals = max((_residual_bytes(e, aval.shape[0]) for e in body.eqns), default=0)
-                found.append(_Loop(_bytes(aval), sent, residuals))
+                residuals = max((_residual_bytes(e, aval.shape[0]) for e in _eqns(body)), default=0)
+                found.append(_Loop(_bytes(aval), sent, residuals, manual))
                 continue
+        inner = manual
+        if eqn.primitive.name == "shard_map":
+            inner = (manual or frozenset()) | frozenset(eqn.params.get("newly_manual_axes", ()))
         for sub in _subjaxprs(eqn):
-            found += _tick_loops(sub, inside or eqn.primitive.name == "shard_map")
+            found += _tick_loops(sub, inner)
     return found
 
 
@@ -140,6 +147,17 @@ def _residual_bytes(eqn: Any, rows: int) -> int:
         return 0
     stacked = [v.aval for v in eqn.outvars[eqn.params["num_carry"] :]]
     return sum(_bytes(a) for a in stacked if len(a.shape) > 1 and a.shape[1] == rows)
+
+
+def _eqns(jaxpr: jax_core.Jaxpr) -> list[Any]:
+    """`jaxpr`'s equations and those nested in them (a `checkpoint`'s, a `pjit`'s), in order."""
+    found = []
+    for eqn in jaxpr.eqns:
+        found.append(eqn)
+        if eqn.primitive.name != "scan":
+            for sub in _subjaxprs(eqn):
+                found += _eqns(sub)
+    return found
 
 
 def _subjaxprs(eqn: Any) -> list[jax_core.Jaxpr]:

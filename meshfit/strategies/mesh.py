@@ -196,15 +196,28 @@ class MeshStrategy(DeviceMeshStrategy):
         )
 
     def constrain(self, x: jax.Array, *spec: Any) -> jax.Array:
-        """Pins `x` to `spec` on this mesh; inside a pipeline's stage loop (a `shard_map` over `stage`),
-        on the mesh as the loop sees it (its `stage` axis manual), so blocks keep their constraints there."""
+        """Pins `x` to `spec` on this mesh. Inside a pipeline's stage loop (a `shard_map` manual over `stage`
+        and the data axes), `x` is already one device's part along the loop's axes: they are dropped from
+        `spec`, and what is left pins `x` on the mesh as the loop sees it, so blocks keep their constraints."""
         mesh = jax.sharding.get_abstract_mesh()
-        inner = not mesh.empty and STAGE_AXIS in mesh.manual_axes
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh if inner else self.mesh, P(*spec)))
+        if mesh.empty or STAGE_AXIS not in mesh.manual_axes:
+            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(*spec)))
+        manual = set(mesh.manual_axes)  # the loop's own axes: `x` is already this device's part along them
+        spec = tuple(_without(entry, manual) for entry in spec)
+        if all(entry is None for entry in spec):
+            return x
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
         return f"MeshStrategy({axes})"
+
+
+def _without(entry: Any, axes: set[str]) -> Any:
+    """A `PartitionSpec` entry (None, an axis name or a tuple of them) without `axes`."""
+    names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    kept = tuple(name for name in names if name not in axes)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
 def _pipeline(sizes: Mapping[str, int], pipeline: Pipeline | None) -> Pipeline | None:
