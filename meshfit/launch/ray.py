@@ -10,7 +10,9 @@ JAX trainer does, but for meshfit's own strategies (MultiWorkerMirrored, Mesh) a
 
 With `BackupAndRestore(memory_freq=K)` in the script, a snapshot keeper runs on each node that runs ranks
 for the whole launch (`meshfit.launch.ray_keepers`): a restart after a lost node resumes from the replicas
-on the nodes left.
+on the nodes left. With `--min-nprocs M`, a restart whose ranks the cluster cannot all place within
+`--elastic-wait` seconds (a node gone for good) runs the largest number of ranks down to M that it places
+(`RayRunner._place`, sizes from `ray_placement.placeable`), resuming onto the smaller world.
 
 The script (and `cwd`) must be where every node can read it: the same path on a shared filesystem, or
 in the image every node runs. Ray is imported only here, only for `--ray`.
