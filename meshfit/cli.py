@@ -9,6 +9,7 @@ from types import ModuleType
 
 from meshfit import __version__
 from meshfit.launch.local import GRACE_SECONDS, PREEMPTION_GRACE_SECONDS, LaunchConfig, launch
+from meshfit.launch.ray import ELASTIC_WAIT
 from meshfit.planning import command as plan_command
 from meshfit.runtime.job_layout import LAUNCHERS, DistributedJob, JobLayout
 
@@ -42,8 +43,10 @@ def _parser() -> argparse.ArgumentParser:
         "--min-nprocs",
         type=int,
         default=None,
-        help="elastic restarts: a rank that fails within seconds of a restart is dropped and the job restarts "
-        "with fewer processes, down to this many (BackupAndRestore resumes onto the smaller job); default: --nprocs",
+        help="elastic restarts, down to this many processes (BackupAndRestore resumes onto the smaller job, from "
+        "memory when the state is replicated): on this machine, a rank that fails within seconds of a restart is "
+        "dropped; with --ray, a restart whose ranks the cluster cannot all place within --elastic-wait (a node "
+        "gone for good) runs as many as it can place; default: --nprocs",
     )
     run.add_argument(
         "--heartbeat-timeout",
@@ -87,6 +90,14 @@ def _parser() -> argparse.ArgumentParser:
         default="PACK",
         choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"],
         help="with --ray: the placement group's strategy for the ranks' bundles",
+    )
+    run.add_argument(
+        "--elastic-wait",
+        type=float,
+        default=ELASTIC_WAIT,
+        metavar="SECONDS",
+        help="with --ray and --min-nprocs: seconds a restart waits for the cluster to place each number of "
+        "ranks it tries, from --nprocs down",
     )
     run.add_argument(
         "--verbose",
@@ -151,7 +162,9 @@ def _ray_runner(args: argparse.Namespace):
         resources = ray_launch.parse_resources(args.resources_per_proc) if args.resources_per_proc else {"CPU": 1}
     except ValueError as error:
         _parser().error(str(error))
-    return ray_launch.RayRunner(ray_launch.RayOptions(args.ray or None, resources, args.placement))
+    if args.elastic_wait <= 0:
+        _parser().error(f"--elastic-wait expected a number of seconds above 0. Received: {args.elastic_wait:g}.")
+    return ray_launch.RayRunner(ray_launch.RayOptions(args.ray or None, resources, args.placement, args.elastic_wait))
 
 
 def _layout(args: argparse.Namespace) -> JobLayout:

@@ -137,7 +137,8 @@ class BackupAndRestore(Callback):
             distinct nodes: its own node's and the next ones' (under
             `--ray`, a keeper runs on each node that runs ranks), so losing
             a node loses no snapshot. None: 2 where the ranks run on
-            several nodes, else 1. More than the job's nodes is refused.
+            several nodes, else 1. More than the job's nodes is refused (a
+            restart that lost nodes warns instead).
 
     Example:
 
@@ -218,7 +219,18 @@ class BackupAndRestore(Callback):
                 "`meshfit launch [--ray] --nprocs N ... train.py`, or pass memory_freq=None for disk backups only."
             )
         nodes = keeper_protocol.nodes()
-        if memory_replicas is not None and memory_replicas > nodes:
+        if (
+            memory_replicas is not None
+            and memory_replicas > nodes
+            and os.environ.get("MESHFIT_RESTART_COUNT", "0") != "0"
+        ):
+            # A restart on fewer nodes (a node lost, an elastic restart on Ray): each part goes to every node.
+            warnings.warn(
+                f"BackupAndRestore: `memory_replicas={memory_replicas}`, and this restarted job's ranks run on "
+                f"{nodes} node(s): each memory snapshot is kept on {nodes} node(s) until the job runs on more.",
+                stacklevel=3,
+            )
+        elif memory_replicas is not None and memory_replicas > nodes:
             raise ValueError(
                 f"`memory_replicas={memory_replicas}` needs a keeper on as many nodes; this job's ranks run on "
                 f"{nodes} node(s), each with one. Pass memory_replicas <= {nodes}, or None (2 where there are "
@@ -228,9 +240,7 @@ class BackupAndRestore(Callback):
 
     def _replicas(self) -> int:
         """Keepers holding each process's snapshot: as asked, else 2 where the ranks run on several nodes."""
-        if self.memory_replicas is not None:
-            return self.memory_replicas
-        return min(2, keeper_protocol.nodes())
+        return min(self.memory_replicas or 2, keeper_protocol.nodes())
 
     # -- what goes into a backup ---------------------------------------------------
 

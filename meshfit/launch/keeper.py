@@ -369,14 +369,16 @@ class Keeper:
         return committed + sum(s.nbytes for s in self._pending.values())
 
 
-def agreed_steps(inventories: list[dict[str, dict]]) -> dict[str, dict]:
+def agreed_steps(inventories: list[dict[str, dict]], world: int = 1) -> dict[str, dict]:
     """The snapshot each fit resumes from, given the `inventory()` of every keeper still reachable.
 
     Per fit: the newest committed (step, start) whose part of every rank of its world some keeper holds,
     and that no keeper holds still incomplete (a snapshot cut short by the failure: some part or replica
-    never arrived). Returns {fit: {"step", "start", "world", "holders": {rank: [keeper index, ...]}}};
-    a fit with no such snapshot is absent (it resumes from disk). Every rank restores this one step, so
-    the restarted job agrees on it even when the keeper that held a part is gone with its node.
+    never arrived), taken by a job of at least `world` processes (the restarted job's: rank r reads rank
+    r's part, so a smaller job's snapshot has no part for the ranks a larger restart adds). Returns
+    {fit: {"step", "start", "world", "holders": {rank: [keeper index, ...]}}}; a fit with no such snapshot
+    is absent (it resumes from disk). Every rank restores this one step, so the restarted job agrees on it
+    even when the keeper that held a part is gone with its node.
     """
     chosen: dict[str, dict] = {}
     for fit in sorted({fit for inventory in inventories for fit in inventory}):
@@ -387,9 +389,9 @@ def agreed_steps(inventories: list[dict[str, dict]]) -> dict[str, dict]:
                 by_rank = holders.setdefault((int(step), held["start"], held["world"]), {})
                 for rank in held["ranks"]:
                     by_rank.setdefault(rank, []).append(index)
-        for step, start, world in sorted(holders, reverse=True):
-            by_rank = holders[(step, start, world)]
-            if step not in pending and set(by_rank) == set(range(world)):
-                chosen[fit] = {"step": step, "start": start, "world": world, "holders": by_rank}
+        for step, start, saved in sorted(holders, reverse=True):
+            by_rank = holders[(step, start, saved)]
+            if step not in pending and saved >= world and set(by_rank) == set(range(saved)):
+                chosen[fit] = {"step": step, "start": start, "world": saved, "holders": by_rank}
                 break
     return chosen

@@ -36,7 +36,9 @@ restarts with one process fewer, down to M; the ranks left keep their own
 devices. A failure in the first start, or later than that in a restart,
 restarts the job at its size as usual. BackupAndRestore resumes onto the
 smaller job (from a memory snapshot when each process's part holds the
-state whole, else from disk).
+state whole, else from disk). Under `--ray` the Ray runner sizes each
+restart itself: as many ranks as the cluster can place, down to M
+(`meshfit.launch.ray`).
 """
 
 from __future__ import annotations
@@ -413,9 +415,10 @@ def _check_elastic(config: LaunchConfig, runner: Runner) -> bool:
         raise ValueError(
             f"--min-nprocs must be between 1 and --nprocs ({config.nprocs}). Received: {config.min_nprocs}."
         )
-    if runner is not run_once or config.layout.resized(config.min_nprocs) is None:
+    resizes = runner is run_once or getattr(runner, "elastic", False)  # the Ray runner sizes its restarts
+    if not resizes or config.layout.resized(config.min_nprocs) is None:
         raise ValueError(
-            "--min-nprocs needs a `meshfit launch --nprocs N` job on this machine (not --ray, nor a layout whose "
+            "--min-nprocs needs a `meshfit launch --nprocs N` job, on this machine or --ray (not a layout whose "
             f"ranks have roles). Received: --min-nprocs {config.min_nprocs}; drop it, or launch with --nprocs."
         )
     return True
@@ -477,7 +480,9 @@ def launch(config: LaunchConfig, log: TextIO = sys.stderr, runner: Runner | None
     if runner is run_once and config.layout.keeps_snapshots:
         snapshots = Keeper(log)  # the memory tier of BackupAndRestore, across restarts
         config = dataclasses.replace(config, env={**config.env, **snapshots.env()})
-    elastic = _check_elastic(config, runner)
+    # Elastic on this machine: the launcher drops the rank that cannot restart (`_shrunk`); an elastic runner
+    # (Ray's) sizes each restart to what its cluster can place.
+    elastic = _check_elastic(config, runner) and runner is run_once
     attempt = 0
     try:
         while True:

@@ -10,7 +10,9 @@ JAX trainer does, but for meshfit's own strategies (MultiWorkerMirrored, Mesh) a
 
 With `BackupAndRestore(memory_freq=K)` in the script, a snapshot keeper runs on each node that runs ranks
 for the whole launch (`meshfit.launch.ray_keepers`): a restart after a lost node resumes from the replicas
-on the nodes left.
+on the nodes left. With `--min-nprocs M`, a restart whose ranks the cluster cannot all place within
+`--elastic-wait` seconds (a node gone for good) runs the largest number of ranks down to M that it places
+(`RayRunner._place`, sizes from `ray_placement.placeable`), resuming onto the smaller world.
 
 The script (and `cwd`) must be where every node can read it: the same path on a shared filesystem, or
 in the image every node runs. Ray is imported only here, only for `--ray`.
@@ -48,6 +50,9 @@ from meshfit.runtime.job_layout import DistributedJob, JobStart, status_text
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 #: Seconds to wait for the cluster to place every rank's bundle before giving up.
 PLACEMENT_TIMEOUT = 120.0
+#: With `--min-nprocs`: seconds a restart waits for each placement group (every rank first, then fewer)
+#: before it tries a smaller one.
+ELASTIC_WAIT = 10.0
 LOST = 1  # the job's status when a rank's actor (its node) was lost: no exit status to pass on
 
 
@@ -62,6 +67,9 @@ class RayOptions:
     resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1})
     #: The placement group's strategy: PACK (fewest nodes), SPREAD (a node each where possible), STRICT_*.
     placement: str = "PACK"
+    #: With `--min-nprocs`: seconds a restart waits for the cluster to place each size it tries
+    #: (`--elastic-wait`), from every rank down to the fewest.
+    elastic_wait: float = ELASTIC_WAIT
 
 
 def parse_resources(text: str) -> dict[str, float]:
@@ -191,6 +199,10 @@ class RayRunner:
             raise ValueError(f"--placement expected one of {', '.join(PLACEMENTS)}. Received: {options.placement!r}.")
         self.options = options
         self.keepers = None  # the memory tier's keepers (`ray_keepers.NodeKeepers`), for the whole launch
+        self.nodes: list[tuple[str, str]] = []  # the last start's ranks' nodes (node id, IP)
+
+    #: `launch` lets `--min-nprocs` through to this runner, which sizes each restart itself (`_place`).
+    elastic = True
 
     def close(self) -> None:
         """Ends the launch's snapshot keepers (after its last start)."""
@@ -208,19 +220,16 @@ class RayRunner:
 
         ray = import_ray("meshfit launch --ray")
         _connect(ray, self.options, config.nprocs)
-        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.placement_group import remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        n = config.nprocs
-        group = placement_group([dict(self.options.resources)] * n, strategy=self.options.placement)
+        group, n = self._place(ray, config, attempt, log)
+        if n != config.nprocs:
+            layout = config.layout.resized(n)
+            assert layout is not None  # `launch` refuses --min-nprocs for layouts that cannot resize
+            config = replace(config, layout=layout)
         actors = []
         try:
-            if not group.wait(timeout_seconds=PLACEMENT_TIMEOUT):
-                raise ValueError(
-                    f"the Ray cluster could not place {n} bundles of --resources-per-proc "
-                    f"{json.dumps(self.options.resources)} ({self.options.placement}) within {PLACEMENT_TIMEOUT:g} s. "
-                    f"Received: cluster resources {ray.cluster_resources()}. Ask for fewer processes or resources."
-                )
             remote = ray.remote(_Rank)
             actors = [
                 remote.options(
@@ -234,11 +243,72 @@ class RayRunner:
                 from meshfit.launch.ray_keepers import NodeKeepers
 
                 self.keepers = NodeKeepers(ray, log)
-            return _Job(ray, config, actors, attempt, log, self.keepers).run()
+            job = _Job(ray, config, actors, attempt, log, self.keepers)
+            self.nodes = job.nodes
+            return job.run()
         finally:
             for actor in actors:
                 ray.kill(actor)
             remove_placement_group(group)
+
+    def _group(self, ray, n: int, wait: float):
+        """A placement group of `n` ranks' bundles once placed within `wait` seconds; None (removed) if not."""
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        group = placement_group([dict(self.options.resources)] * n, strategy=self.options.placement)
+        if group.wait(timeout_seconds=wait):
+            return group
+        remove_placement_group(group)
+        return None
+
+    def _place(self, ray, config: LaunchConfig, attempt: int, log: TextIO):
+        """The placement group of this start and its number of ranks.
+
+        Every rank, waiting up to `PLACEMENT_TIMEOUT`; with `--min-nprocs M` in a restart, every rank if the
+        cluster places them within `elastic_wait` seconds, else the largest n >= M that it places (sizes
+        from what the live nodes can hold, `ray_placement.placeable`, down to M, `elastic_wait` each; M
+        itself up to `PLACEMENT_TIMEOUT`).
+        """
+        from meshfit.launch.ray_placement import placeable
+
+        n, fewest = config.nprocs, config.min_nprocs
+        elastic = attempt > 0 and fewest is not None and fewest < n
+        group = self._group(ray, n, self.options.elastic_wait if elastic else PLACEMENT_TIMEOUT)
+        if group is not None:
+            return group, n
+        if elastic:
+            assert fewest is not None
+            alive = [node for node in ray.nodes() if node.get("Alive")]
+            fits = placeable(
+                [node.get("Resources", {}) for node in alive], self.options.resources, self.options.placement, n - 1
+            )
+            for size in range(max(fits, fewest), fewest - 1, -1):
+                group = self._group(ray, size, self.options.elastic_wait if size > fewest else PLACEMENT_TIMEOUT)
+                if group is not None:
+                    log.write(
+                        f"[launch] {self._why(alive, n)}; restarting with {size} of {n} processes "
+                        f"(--min-nprocs {fewest}).\n"
+                    )
+                    log.flush()
+                    return group, size
+            n = fewest
+        raise ValueError(
+            f"the Ray cluster could not place {n} bundles of --resources-per-proc "
+            f"{json.dumps(self.options.resources)} ({self.options.placement}) within {PLACEMENT_TIMEOUT:g} s. "
+            f"Received: cluster resources {ray.cluster_resources()}. Ask for fewer processes or resources."
+        )
+
+    def _why(self, alive: list[dict], n: int) -> str:
+        """Why a restart cannot place every rank: the nodes of the last start that are gone, if any."""
+        ids = {node.get("NodeID") for node in alive}
+        gone = sorted({(node_id, ip) for node_id, ip in self.nodes if node_id not in ids})
+        if gone:
+            names = ", ".join(f"{ip} (node id {node_id[:12]})" for node_id, ip in gone)
+            return f"node{'s' if len(gone) > 1 else ''} {names} {'are' if len(gone) > 1 else 'is'} gone"
+        return (
+            f"the cluster cannot place {n} bundles of {json.dumps(self.options.resources)} "
+            f"({self.options.placement}) within {self.options.elastic_wait:g} s"
+        )
 
 
 class _Job:

@@ -96,7 +96,7 @@ class NodeKeepers:
                 self._start(node_id)
                 held[node_id] = {}
         order += [node for node in self.keepers if node not in order]
-        chosen = agreed_steps([held.get(node, {}) for node in order])
+        chosen = agreed_steps([held.get(node, {}) for node in order], world=len(nodes))
         for fit, snapshot in chosen.items():
             holders = "; ".join(
                 f"rank {rank}'s part on "

@@ -62,6 +62,17 @@ def test_more_memory_replicas_than_nodes_with_keepers_are_refused(tmp_path, keep
     assert not (tmp_path / "b").exists()
 
 
+def test_a_restart_on_fewer_nodes_than_memory_replicas_keeps_the_snapshots_on_the_nodes_it_has(
+    tmp_path, keeper, monkeypatch
+):
+    """The same script restarted on one node (its other node lost; an elastic restart on Ray) warns and trains
+    on with each snapshot on the one keeper, instead of failing the restart."""
+    monkeypatch.setenv("MESHFIT_RESTART_COUNT", "1")
+    with pytest.warns(UserWarning, match=r"`memory_replicas=2`, and this restarted job's ranks run on 1 node"):
+        fit(tmp_path / "b", 1, memory_freq=2, memory_replicas=2)
+    assert "committed the memory snapshot of step 2 (parts of 1 of 1 process(es)" in keeper.log.getvalue()
+
+
 @pytest.mark.filterwarnings("ignore:BackupAndRestore. memory snapshots are off")  # its own keeper stays gone
 def test_a_part_whose_own_keeper_is_gone_is_restored_from_its_replica(tmp_path, monkeypatch, capsys):
     """Two nodes' keepers (as under `meshfit launch --ray`), this rank's own on node 1: each snapshot goes to

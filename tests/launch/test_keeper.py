@@ -212,6 +212,8 @@ def test_the_launcher_agrees_on_the_newest_snapshot_whose_every_part_survives_a_
             reply = protocol.recv_json(conn)
             assert protocol.recv_payload(conn, reply["size"]) == b"r1@10"
         assert agreed_steps([keepers[0].inventory()]) == {}  # rank 1's part is on no survivor: none agreed
+        assert agreed_steps([k.inventory() for k in survivors], world=2)["f"]["step"] == 10  # onto fewer ranks
+        assert agreed_steps([k.inventory() for k in survivors], world=4) == {}  # no part for a 4th rank
     finally:
         for k in keepers:
             k.close()

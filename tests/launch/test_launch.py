@@ -314,6 +314,8 @@ def test_min_nprocs_is_a_floor_the_job_does_not_shrink_below(tmp_path):
         (("--nprocs", "2", "--min-nprocs", "3"), "--min-nprocs must be between 1 and --nprocs (2). Received: 3."),
         (("--nprocs", "2", "--min-nprocs", "0"), "--min-nprocs must be between 1 and --nprocs (2). Received: 0."),
         (("--ps", "1", "--workers", "2", "--min-nprocs", "2"), "--min-nprocs needs a `meshfit launch --nprocs N` job"),
+        (("--ray", "auto", "--nprocs", "2", "--min-nprocs", "3"), "--min-nprocs must be between 1 and --nprocs (2)."),
+        (("--ray", "auto", "--nprocs", "2", "--min-nprocs", "1", "--elastic-wait", "0"), "--elastic-wait expected a"),
     ],
 )
 def test_min_nprocs_that_cannot_apply_is_refused_before_anything_starts(args, expected):

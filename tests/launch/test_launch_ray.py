@@ -217,3 +217,58 @@ def test_a_lost_node_resumes_from_the_memory_snapshots_replica_on_another_nodes_
         for key in saved:
             np.testing.assert_array_equal(saved[key], expected[key])  # bitwise
     assert (tmp_path / "out" / "history.json").read_text() == (tmp_path / "ref" / "history.json").read_text()
+
+
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # add_node forks the new node's processes
+def test_min_nprocs_restarts_on_the_nodes_left_with_fewer_ranks_from_the_memory_snapshots_replica(cluster, tmp_path):
+    """--min-nprocs 1 on two nodes of one CPU; memory_freq=5, no disk backup. Both ranks pause at step 12 (the
+    snapshot of step 10 committed on both keepers); rank 0's node is removed and none takes its place. The
+    restart cannot place 2 ranks within --elastic-wait, names the node gone, runs 1 rank from the replica of
+    the 2-process snapshot of step 10, and ends as the uninterrupted 2-process run does, to float tolerance:
+    one process sums each batch's gradient in another order than two processes' all-reduce."""
+    worker = os.path.join(WORKERS, "train_resumable.py")
+    args = ["--strategy", "multi_worker", "--epochs", "2", "--save-freq", "1000", "--keep-backups"]
+    go_on = tmp_path / "go_on"
+    try:
+        with Job(  # the uninterrupted run, on this machine meanwhile
+            [sys.executable, "-m", "meshfit.cli", "launch", "--nprocs", "2"]
+            + [worker, str(tmp_path / "ref"), str(tmp_path / "refb"), *args],
+            timeout=300,
+        ) as reference:
+            with Job(
+                launch_ray(cluster.address, "--nprocs", "2", "--min-nprocs", "1", "--elastic-wait", "2")
+                + ["--max-restarts", "1", "--stop-grace", "1"]
+                + [worker, str(tmp_path / "out"), str(tmp_path / "b"), *args]
+                + ["--memory-freq", "5", "--pause-at-step", "12", str(go_on)],
+                timeout=300,
+            ) as job:
+                job.wait_for(r"\[rank \d\] paused at step 12", count=2)  # the step-10 snapshot committed
+                placed = re.findall(r"\[launch\] rank (\d) runs on node (\S+) \(node id (\w+)\)", job.stderr)
+                ip, lost_id = next((ip, node) for rank, ip, node in placed if rank == "0")
+                cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id.startswith(lost_id)))
+                go_on.touch()  # the restarted job passes step 12
+                assert job.finish(timeout=240) == 0, job.stdout[-3000:] + job.stderr[-3000:]
+            assert reference.finish(timeout=120) == 0, reference.stderr[-3000:]
+    finally:
+        if len(cluster.worker_nodes) < 2:
+            cluster.add_node(num_cpus=1)  # two nodes again for the other tests
+            cluster.wait_for_nodes()
+    assert (
+        f"[launch] node {ip} (node id {lost_id}) is gone; restarting with 1 of 2 processes (--min-nprocs 1)."
+        in job.stderr
+    ), job.stderr[-3000:]
+    assert re.search(r"\[launch\] memory snapshots: \S+ resumes from step 10, ", job.stderr), job.stderr[-3000:]
+    assert re.search(
+        r"^\[rank 0\] BackupAndRestore: resumed from the launcher's memory snapshot of a 2-process job "
+        r"(held by the keeper at \S+ \(this node's\) )?at epoch 1, batch 10 \(step 10\)",
+        job.stdout,
+        re.M,
+    ), job.stdout[-3000:]
+    assert [rank for rank, _, _ in placed] == ["0", "1"] and [  # the restart ran one rank, on the node left
+        rank for rank, _, node in re.findall(r"\[launch\] rank (\d) runs on node (\S+) \(node id (\w+)\)", job.stderr)
+    ] == ["0", "1", "0"], job.stderr[-3000:]
+    assert not [p for p in os.listdir(tmp_path / "b") if p.split(".")[0].isdigit()]  # no disk backup at all
+    saved, expected = np.load(tmp_path / "out" / "weights.npz"), np.load(tmp_path / "ref" / "weights.npz")
+    assert list(saved) == list(expected)
+    for key in saved:
+        np.testing.assert_allclose(saved[key], expected[key], rtol=1e-5, atol=1e-6)
