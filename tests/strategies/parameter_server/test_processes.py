@@ -75,6 +75,8 @@ def test_a_dead_parameter_server_fails_the_job_and_restarts_resume_from_the_back
             "75",
             "--die-rank",
             str(die_rank),
+            "--epochs",
+            "6",
         ],
         timeout=400,
     )
@@ -85,8 +87,8 @@ def test_a_dead_parameter_server_fails_the_job_and_restarts_resume_from_the_back
     # Backups every 10 steps, written asynchronously: the one at step 70 may still have been in flight.
     assert re.search(r"\[rank 0\] BackupAndRestore: resumed .* \(step (60|70)\)", out), out[-2000:]
     summary = re.search(r"\[rank 0\] epochs (\d+) last (\d+) test accuracy: ([\d.]+)", out)
-    assert summary and int(summary.group(2)) == 11  # all 12 epochs done, counting those before the crash
-    assert float(summary.group(3)) >= 0.95
+    assert summary and int(summary.group(2)) == 5  # all 6 epochs done, counting those before the crash
+    assert float(summary.group(3)) >= 0.92  # 6 epochs of digits reach about 0.945 (chance: 0.1)
     layout = "P(None, 'ps') on 2 server devices of 2" if servers > 1 else "whole on 1 server devices of 1"
     assert f"[rank 0] hidden1/kernel {layout} process(es)" in out
 
