@@ -1,8 +1,13 @@
 """Recovery from a killed rank: steps lost and seconds to the first resumed step, disk backups vs the memory tier.
 
-A 2-process `meshfit launch --max-restarts F` job trains the digits MLP
-(`examples/digits.py`, MultiWorkerMirroredStrategy, batches of 32) with
-`BackupAndRestore`; in the i-th start, rank 1 SIGKILLs itself at a random step
+A 2-process `meshfit launch --max-restarts F` job trains a model
+(MultiWorkerMirroredStrategy, batches of 32, 44 steps an epoch) with
+`BackupAndRestore`. `--model` picks it, or several, comma-separated (each row
+names its model): `digits`, the MLP of `examples/digits.py`; `transformer`,
+`examples/transformer_lm.py`'s decoder at a small CPU size (2 layers, d_model
+64, 4 heads, context 32: tens of ms a step) on the example's windows of
+standard-library bytes, its module and data built by the example's own
+functions. In the i-th start, rank 1 SIGKILLs itself at a random step
 (seeded) once its devices have computed that step (JAX dispatches steps ahead
 of the device: the Python step counter alone can run several steps past the
 state that exists), and the launcher restarts the job. For each failure: the
@@ -22,8 +27,11 @@ in "checkpoint" per step after the first, over the mean step time, and the
 difference of the runs' mean step times (noisier: it includes the background
 copy and transfer, on a shared 2-core machine).
 
-    python benchmarks/bench_recovery.py [--failures 3] [--memory-freq 5] [--disk-freq 100] [--seed 0]
-                                        [--no-early-cache] [--cost-rounds 1]
+    python benchmarks/bench_recovery.py [--model digits|transformer|digits,transformer] [--failures 3]
+                                        [--memory-freq 5] [--disk-freq 100] [--seed 0] [--no-early-cache]
+                                        [--cost-rounds 1]
+
+`--smoke` runs the digits MLP only (a transformer job adds its own start-up and compiles).
 """
 
 from __future__ import annotations
@@ -46,7 +54,13 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
 from smoke import parse_args  # noqa: E402
 
-STEPS_PER_EPOCH = 44  # 1437 training rows of digits in batches of 32, the partial batch dropped
+STEPS_PER_EPOCH = 44  # 1437 training rows of digits in batches of 32, the partial batch dropped; as many windows
+# Small enough for tens of ms a step on a CPU; the example's flags, so its own parser fills in the rest.
+TRANSFORMER_FLAGS = ["--layers", "2", "--d-model", "64", "--heads", "4", "--context", "32", "--max-bytes", "100000"]
+MODELS = {
+    "digits": "digits MLP (64-128-128-10)",
+    "transformer": "transformer_lm (2 layers, d_model 64, 4 heads, context 32, bytes)",
+}
 EARLY_CACHE = True  # --no-early-cache: only BackupAndRestore's cache, from the fit's start
 
 
@@ -59,6 +73,34 @@ def _process_start() -> float:
     return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
+def build(name: str):
+    """(a factory of the module, x, y) of `--model` `name`; prints the "libraries" phase once its example is
+    imported, before the data are loaded."""
+    from flax import nnx
+
+    if name == "digits":
+        from digits import MLP, load_data  # with scikit-learn
+
+        _phase("libraries")
+        x, _, y, _ = load_data()
+        return (lambda: MLP(64, 128, 10, rngs=nnx.Rngs(0))), x, y
+    import transformer_lm
+
+    _phase("libraries")
+    options = transformer_lm.parse_args(TRANSFORMER_FLAGS)
+    (x, y), _, _ = transformer_lm.load_data(options)
+    if len(x) < STEPS_PER_EPOCH * 32:
+        raise RuntimeError(f"transformer: {len(x)} windows, fewer than an epoch's {STEPS_PER_EPOCH * 32}")
+    kwargs = transformer_lm.module_options(options)
+    return (lambda: transformer_lm.TransformerLM(**kwargs, rngs=nnx.Rngs(0))), x, y
+
+
+def _phase(name: str, when: float | None = None) -> None:
+    """Prints "a<start> phase <name> t=<time>": when this start of the rank reached `name` (wall clock)."""
+    start = os.environ.get("MESHFIT_RESTART_COUNT", "0")
+    print(f"a{start} phase {name} t={time.time() if when is None else when:.4f}", flush=True)
+
+
 def worker(args) -> None:
     """One rank: trains, prints "a<start> step <n> t=<time>" after each batch; rank 1 kills itself at its step
     once the devices have computed it (so the step killed at is a step whose state existed).
@@ -66,32 +108,24 @@ def worker(args) -> None:
     Each rank also prints "a<start> phase <name> t=<time>" as it starts: the process created, meshfit (and JAX)
     imported, the `jax.distributed` job joined, the model compiled, the backup restored."""
     start = int(os.environ.get("MESHFIT_RESTART_COUNT", "0"))
-
-    def phase(name: str, when: float | None = None) -> None:
-        print(f"a{start} phase {name} t={time.time() if when is None else when:.4f}", flush=True)
-
-    phase("process", _process_start())
+    _phase("process", _process_start())
     import meshfit as mf
 
-    phase("imported")
+    _phase("imported")
     strategy = mf.strategies.MultiWorkerMirroredStrategy()
-    phase("joined")
+    _phase("joined")
     if args.early_cache:
         # The cache from the first compile on, the model's initialisers included (BackupAndRestore turns its
         # own on only when fit starts, and keeps a cache the user chose).
         mf.compilation_cache.use(args.backup + ".jax-cache")
     import jax
-    from digits import MLP, load_data  # with flax and scikit-learn
-    from flax import nnx
 
-    phase("libraries")
-
-    x, _, y, _ = load_data()
+    module, x, y = build(args.model)  # imports the example (flax, and scikit-learn or the corpus)
     x, y = x[: STEPS_PER_EPOCH * 32], y[: STEPS_PER_EPOCH * 32]
     with strategy.scope():
-        model = mf.Model(MLP(64, 128, 10, rngs=nnx.Rngs(0)), seed=0)
+        model = mf.Model(module(), seed=0)
         model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
-    phase("built")
+    _phase("built")
     kills = [int(s) for s in args.kill_at.split(",")] if args.kill_at else []
     kill_at = kills[start] if start < len(kills) else None
     rank = strategy.process_index
@@ -122,7 +156,7 @@ def worker(args) -> None:
 
     class Restored(mf.callbacks.Callback):
         def on_train_begin(self, logs=None):
-            phase("restored")
+            _phase("restored")
 
     backup = mf.callbacks.BackupAndRestore(
         args.backup,
@@ -133,12 +167,14 @@ def worker(args) -> None:
     model.fit(x, y, batch_size=32, epochs=args.epochs, callbacks=[Report(), backup, Restored()], verbose=0)
 
 
-def launch(base: str, name: str, epochs: int, disk_freq: int, memory_freq: int | None, kills: list[int]) -> str:
-    """Runs one job; returns its output (stdout, then stderr)."""
+def launch(
+    base: str, model: str, name: str, epochs: int, disk_freq: int, memory_freq: int | None, kills: list[int]
+) -> str:
+    """Runs one job training `model`; returns its output (stdout, then stderr)."""
     from processes import LAUNCH, Job
 
     argv = LAUNCH + ["--nprocs", "2", "--devices-per-proc", "1", "--max-restarts", str(len(kills))]
-    argv += ["--stop-grace", "1", __file__, "--worker", "--backup", os.path.join(base, name)]
+    argv += ["--stop-grace", "1", __file__, "--worker", "--model", model, "--backup", os.path.join(base, name)]
     argv += ["--epochs", str(epochs), "--disk-freq", str(disk_freq)]
     argv += ["--memory-freq", str(memory_freq or 0)]  # 0: disk backups only
     argv += ["--early-cache"] if EARLY_CACHE else []
@@ -147,7 +183,7 @@ def launch(base: str, name: str, epochs: int, disk_freq: int, memory_freq: int |
     with Job(argv, timeout=1800, env=env) as job:
         status = job.finish()
     if status != 0:
-        raise RuntimeError(f"{name}: the job failed ({status}):\n{job.stdout[-2000:]}\n{job.stderr[-2000:]}")
+        raise RuntimeError(f"{model} {name}: the job failed ({status}):\n{job.stdout[-2000:]}\n{job.stderr[-2000:]}")
     return job.stdout + job.stderr
 
 
@@ -183,6 +219,15 @@ def cost(output: str) -> dict:
     return json.loads(re.search(r"a0 cost (\{.*\})", output).group(1))
 
 
+def models(text: str) -> list[str]:
+    """`--model`'s comma-separated names, checked."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in MODELS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"expected names of {sorted(MODELS)}, comma-separated; received {text!r}")
+    return names
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -194,6 +239,9 @@ def main() -> None:
         action="store_true",
         help="no compilation cache before the model is built (only BackupAndRestore's, from fit's start)",
     )
+    parser.add_argument(
+        "--model", type=models, default=["digits"], help="digits, transformer, or both: digits,transformer"
+    )
     parser.add_argument("--memory-freq", type=int, default=5)
     parser.add_argument("--disk-freq", type=int, default=100)
     parser.add_argument("--epochs", type=int, default=6)
@@ -202,6 +250,7 @@ def main() -> None:
     parser.add_argument("--cost-rounds", type=int, default=1, help="pairs of jobs without failures for the cost")
     args = parse_args(parser, epochs=1, failures=1, cost_rounds=0)
     if args.worker:
+        (args.model,) = args.model
         worker(args)
         return
     global EARLY_CACHE
@@ -213,43 +262,51 @@ def main() -> None:
     kills = [(i + 1) * stretch + rng.randrange(stretch // 2) for i in range(args.failures)]
     base = tempfile.mkdtemp(prefix="bench_recovery_")
     try:
-        print(f"digits MLP, 2 processes x 1 CPU device, {steps} steps, SIGKILL of rank 1 at steps {kills}", flush=True)
+        print(f"2 processes x 1 CPU device, {steps} steps, SIGKILL of rank 1 at steps {kills}", flush=True)
         print(f"load average before: {' '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)
         rows = []
-        for label, memory in (
-            (f"disk every {args.disk_freq}", None),
-            (f"memory every {args.memory_freq}", args.memory_freq),
-        )[(1 if args.smoke else 0) : 2 if kills else 0]:  # --smoke: the memory tier's row only
-            out = launch(base, label.replace(" ", "_"), args.epochs, args.disk_freq, memory, kills)
-            for failure in failures(out, kills):
-                rows.append((label, failure))
-                print(f"  {label}: {failure}", flush=True)
+        for model in args.model:
+            print(f"{model}: {MODELS[model]}", flush=True)
+            for label, memory in (
+                (f"disk every {args.disk_freq}", None),
+                (f"memory every {args.memory_freq}", args.memory_freq),
+            )[(1 if args.smoke else 0) : 2 if kills else 0]:  # --smoke: the memory tier's row only
+                out = launch(base, model, label.replace(" ", "_"), args.epochs, args.disk_freq, memory, kills)
+                for failure in failures(out, kills):
+                    rows.append((model, label, failure))
+                    print(f"  {model}, {label}: {failure}", flush=True)
         if rows:
-            print("\n| setting | killed at | resumed from (tier) | steps lost | kill to first resumed step (s) |")
-            print("| --- | --- | --- | --- | --- |")
-        for label, f in rows:
-            print(f"| {label} | {f['killed']} | {f['resumed']} ({f['tier']}) | {f['lost']} | {f['seconds']:.1f} |")
-        for label in {label for label, _ in rows}:
-            mine = [f for name, f in rows if name == label]
+            print()
+            print("| model | setting | killed at | resumed from (tier) | steps lost | kill to first resumed step (s) |")
+            print("| --- | --- | --- | --- | --- | --- |")
+        for model, label, f in rows:
             print(
-                f"{label}: steps lost mean {statistics.mean(f['lost'] for f in mine):.1f}, max "
+                f"| {model} | {label} | {f['killed']} | {f['resumed']} ({f['tier']}) | {f['lost']} "
+                f"| {f['seconds']:.1f} |"
+            )
+        for key in dict.fromkeys((model, label) for model, label, _ in rows):
+            mine = [f for *name, f in rows if tuple(name) == key]
+            print(
+                f"{key[0]}, {key[1]}: steps lost mean {statistics.mean(f['lost'] for f in mine):.1f}, max "
                 f"{max(f['lost'] for f in mine)}; seconds mean {statistics.mean(f['seconds'] for f in mine):.1f}, "
                 f"max {max(f['seconds'] for f in mine):.1f}"
             )
         print()
-        for i in range(args.cost_rounds):  # disk-only and with the tier back to back, first one then the other
-            order = [("off", None), ("on", args.memory_freq)][:: 1 if i % 2 == 0 else -1]
-            runs = {}
-            for name, k in order:
-                runs[name] = cost(launch(base, f"cost_{name}{i}", args.epochs, args.disk_freq, k, []))
-            off, on = runs["off"], runs["on"]
-            print(
-                f"cost of the memory tier (K={args.memory_freq}): loop held {1e3 * on['held']:.3f} ms/step "
-                f"(disk-only {1e3 * off['held']:.3f} ms/step) of a {1e3 * off['step']:.2f} ms step: "
-                f"{100 * (on['held'] - off['held']) / off['step']:.2f} %; mean step {1e3 * on['step']:.2f} ms with "
-                f"the tier vs {1e3 * off['step']:.2f} ms without ({100 * (on['step'] / off['step'] - 1):+.1f} %)",
-                flush=True,
-            )
+        for model in args.model:
+            for i in range(args.cost_rounds):  # disk-only and with the tier back to back, first one then the other
+                order = [("off", None), ("on", args.memory_freq)][:: 1 if i % 2 == 0 else -1]
+                runs = {}
+                for name, k in order:
+                    runs[name] = cost(launch(base, model, f"cost_{name}{i}", args.epochs, args.disk_freq, k, []))
+                off, on = runs["off"], runs["on"]
+                change = 100 * (on["step"] / off["step"] - 1)
+                print(
+                    f"{model}: cost of the memory tier (K={args.memory_freq}): loop held {1e3 * on['held']:.3f} "
+                    f"ms/step (disk-only {1e3 * off['held']:.3f} ms/step) of a {1e3 * off['step']:.2f} ms step: "
+                    f"{100 * (on['held'] - off['held']) / off['step']:.2f} %; mean step {1e3 * on['step']:.2f} ms "
+                    f"with the tier vs {1e3 * off['step']:.2f} ms without ({change:+.1f} %)",
+                    flush=True,
+                )
         print(f"load average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)

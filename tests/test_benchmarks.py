@@ -43,3 +43,11 @@ def test_every_command_of_the_gpu_checklist_parses_and_a_wrong_flag_is_caught():
     )
     job = run([sys.executable, "-c", wrong], timeout=120)
     assert job.returncode == 2 and "--no-such-flag" in job.stderr, (job.returncode, job.stderr[-3000:])
+
+
+def test_bench_recovery_refuses_an_unknown_model_before_starting_a_job():
+    script = os.path.join(BENCHMARKS, "bench_recovery.py")
+    job = run([sys.executable, script, "--model", "digits,gpt"], timeout=60)
+    assert job.returncode == 2, (job.returncode, job.stdout[-2000:], job.stderr[-2000:])
+    assert "'digits', 'transformer'" in job.stderr and "digits,gpt" in job.stderr, job.stderr[-2000:]
+    assert "SIGKILL" not in job.stdout, job.stdout[-2000:]
