@@ -1,9 +1,10 @@
-"""`--smoke`: a benchmark's tiny run, a few seconds, which the test suite runs.
+"""`--smoke`: a benchmark's tiny run, a few seconds, which the benchmarks' tests run.
 
 Benchmarks are scripts nobody runs on every change, so they rot: an API change
 broke `bench_checkpoint.py` for sessions before anyone noticed. Each benchmark
 parses its arguments through `parse_args`, giving the sizes of its smoke run;
-`tests/test_benchmarks.py` runs every benchmark with `--smoke`, so a change that
+`benchmarks/test_smoke.py` runs every benchmark with `--smoke` (`python -m
+pytest benchmarks`, which CI runs after the package's tests), so a change that
 breaks one fails CI. Flags given on the command line win over the smoke sizes.
 """
 

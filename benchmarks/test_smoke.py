@@ -9,14 +9,14 @@ from processes import run, without_suite_cache
 
 pytestmark = pytest.mark.slow  # each starts a Python process with JAX and compiles its contenders
 
-BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
+BENCHMARKS = os.path.dirname(os.path.abspath(__file__))
 HELPERS = {"smoke.py"}  # modules the benchmarks import, not benchmarks
 OWN_TESTS = {"bench_plan.py"}  # smoke-run by a test of their own that also checks what they print
 CHECKLISTS = {"gpu_checklist.py"}  # runs benchmarks on a lent GPU: its commands are checked below
 SCRIPTS = sorted(
     name
     for name in map(os.path.basename, glob.glob(os.path.join(BENCHMARKS, "*.py")))
-    if name not in HELPERS | OWN_TESTS | CHECKLISTS
+    if name not in HELPERS | OWN_TESTS | CHECKLISTS and not name.startswith("test_") and name != "conftest.py"
 )
 
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_plan.py")
+BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_plan.py")
 
 
 @pytest.mark.slow
