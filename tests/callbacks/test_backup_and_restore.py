@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -819,6 +820,15 @@ def test_an_elastic_restart_onto_one_process_resumes_from_the_two_process_jobs_m
     """--min-nprocs 1: rank 1 is SIGKILLed at step 23, then fails at once in the restart; the launcher drops
     it and restarts the job on 1 process (2 devices), which resumes from the 2-process job's memory snapshot
     of step 20 and finishes as a 1-process job resumed from a disk backup of that step does."""
+    elastic_argv = (
+        LAUNCH
+        + ["--min-nprocs", "1", "--max-restarts", "2", "--stop-grace", "1"]
+        + [WORKER, str(tmp_path / "a"), str(tmp_path / "ab"), "--strategy", "multi_worker", "--keep-backups"]
+        + ["--save-freq", "1000", "--memory-freq", "5", "--die-at-step", "23", "--slow", "0.03"]
+        + ["--rank1-fails-to-restart"]
+    )
+    pool = ThreadPoolExecutor(1)  # the elastic job runs beside the reference's two
+    elastic_run = pool.submit(run, elastic_argv, timeout=300)
     # The reference: 2 processes to the end of epoch 2 (step 20, backup kept), then 1 process resumes it.
     first = run(
         LAUNCH
@@ -834,14 +844,8 @@ def test_an_elastic_restart_onto_one_process_resumes_from_the_two_process_jobs_m
     assert reference.returncode == 0, reference.stderr[-3000:]
     assert "resumed from" in reference.stdout and "(step 20)." in reference.stdout
 
-    elastic = run(
-        LAUNCH
-        + ["--min-nprocs", "1", "--max-restarts", "2", "--stop-grace", "1"]
-        + [WORKER, str(tmp_path / "a"), str(tmp_path / "ab"), "--strategy", "multi_worker", "--keep-backups"]
-        + ["--save-freq", "1000", "--memory-freq", "5", "--die-at-step", "23", "--slow", "0.03"]
-        + ["--rank1-fails-to-restart"],
-        timeout=300,
-    )
+    elastic = elastic_run.result()
+    pool.shutdown()
     assert elastic.returncode == 0, elastic.stdout[-3000:] + elastic.stderr[-3000:]
     assert "rank 1 exited with status 3" in elastic.stderr
     assert "rank 1 (slot 1) failed" in elastic.stderr and "restarting the job with 1 process(es)" in elastic.stderr

@@ -6,6 +6,7 @@ import signal
 import socket
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from processes import Job, alive, run
@@ -75,10 +76,12 @@ def rank_one_killed(tmp_path_factory):
     launcher's SIGTERM and is killed after the stop grace: the first job has the default 5 s, the others 1 s.
     """
     base = tmp_path_factory.mktemp("killed")
-    return [
-        kill_rank_one_while_training(base / str(attempt), *(["--stop-grace", "1"] if attempt else []))
-        for attempt in range(3)
-    ]
+    with ThreadPoolExecutor(3) as pool:  # independent jobs, mostly waiting: side by side
+        runs = [
+            pool.submit(kill_rank_one_while_training, base / str(attempt), *(["--stop-grace", "1"] if attempt else []))
+            for attempt in range(3)
+        ]
+        return [run.result() for run in runs]
 
 
 def test_killed_worker_ends_the_job_with_a_clear_error_in_bounded_time(rank_one_killed):
