@@ -4,6 +4,7 @@ import importlib.util
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -28,6 +29,18 @@ class MLP(nnx.Module):
 
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
+
+
+class ResidualBlock(nnx.Module):
+    """A block for `meshfit.pipeline.Stages`: (rows, 16) -> (rows, 16); autodiff keeps 16 + 32 + 32 floats a row of
+    it (its input, up's output, tanh's)."""
+
+    def __init__(self, rngs):
+        self.up = nnx.Linear(16, 32, rngs=rngs)
+        self.down = nnx.Linear(32, 16, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jnp.tanh(self.up(x)))
 
 
 def load_example(name: str, module_name: str | None = None):

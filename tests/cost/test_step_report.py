@@ -1,11 +1,10 @@
 """`model.step_report()`: FLOPs, memory and collectives of the compiled train step, read from XLA."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import MLP, classification_data
+from helpers import MLP, ResidualBlock, classification_data
 
 import meshfit as mf
 from meshfit.cost import step_report
@@ -190,22 +189,11 @@ def test_asynchronous_and_grouped_forms(line, kind, size):
         assert step_report.compiled_collectives(line.replace("-start(", "-done(")) == {}
 
 
-class Block(nnx.Module):
-    """(rows, 16) -> (rows, 16); autodiff keeps 16 + 32 + 32 floats a row of it: its input, up's output, tanh's."""
-
-    def __init__(self, rngs):
-        self.up = nnx.Linear(16, 32, rngs=rngs)
-        self.down = nnx.Linear(32, 16, rngs=rngs)
-
-    def __call__(self, x):
-        return x + self.down(jnp.tanh(self.up(x)))
-
-
 class Staged(nnx.Module):
     def __init__(self):
         rngs = nnx.Rngs(0)
         self.embed = nnx.Linear(8, 16, rngs=rngs)
-        self.body = Stages(Block, 8, rngs=rngs)
+        self.body = Stages(ResidualBlock, 8, rngs=rngs)
         self.head = nnx.Linear(16, 4, rngs=rngs)
 
     def __call__(self, x):

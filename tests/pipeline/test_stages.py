@@ -5,23 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import assert_trees_close, classification_data
+from helpers import ResidualBlock, assert_trees_close, classification_data
 
 import meshfit as mf
 from meshfit.pipeline import Stages
 
 LAYERS = 8
-
-
-class Block(nnx.Module):
-    """A residual MLP block: maps (rows, 16) to (rows, 16)."""
-
-    def __init__(self, rngs):
-        self.up = nnx.Linear(16, 32, rngs=rngs)
-        self.down = nnx.Linear(32, 16, rngs=rngs)
-
-    def __call__(self, x):
-        return x + self.down(jnp.tanh(self.up(x)))
 
 
 class Net(nnx.Module):
@@ -30,7 +19,7 @@ class Net(nnx.Module):
     def __init__(self, layers=LAYERS, seed=0):
         rngs = nnx.Rngs(seed)
         self.embed = nnx.Linear(8, 16, rngs=rngs)
-        self.body = Stages(Block, layers, rngs=rngs)
+        self.body = Stages(ResidualBlock, layers, rngs=rngs)
         self.head = nnx.Linear(16, 4, rngs=rngs)
 
     def __call__(self, x):
@@ -64,7 +53,7 @@ def test_stages_run_the_blocks_in_order_as_one_scan():
     h = net.embed(x)
     expected = h
     for layer in range(3):
-        block = Block(nnx.Rngs(0))
+        block = ResidualBlock(nnx.Rngs(0))
         nnx.update(block, jax.tree.map(lambda a, i=layer: a[i], nnx.state(net.body.blocks)))
         expected = block(expected)
     np.testing.assert_allclose(net.body(h), expected, rtol=1e-6)
@@ -157,8 +146,8 @@ def test_a_checkpoint_restores_under_another_pipeline_layout_and_on_one_device(t
     assert_trees_close(restored["one"].params, restored["circular"].params, rtol=2e-5, atol=2e-6)
 
 
-class PinnedBlock(Block):
-    """A Block that pins its activations to the batch axes, as a model's blocks do under a mesh."""
+class PinnedBlock(ResidualBlock):
+    """A ResidualBlock that pins its activations to the batch axes, as a model's blocks do under a mesh."""
 
     def __call__(self, x):
         return mf.strategies.constrain(super().__call__(x), "data", None)

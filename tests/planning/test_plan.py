@@ -3,11 +3,10 @@
 import gc
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import classification_data
+from helpers import ResidualBlock, classification_data
 
 import meshfit as mf
 from meshfit.pipeline import Stages
@@ -215,20 +214,11 @@ def test_stage_layouts_divide_the_layers_and_cut_the_batch_into_microbatches():
     assert strategy.stages == 4 and strategy.pipeline == mf.strategies.Pipeline(microbatches=16)
 
 
-class Block(nnx.Module):
-    def __init__(self, rngs):
-        self.up = nnx.Linear(16, 32, rngs=rngs)
-        self.down = nnx.Linear(32, 16, rngs=rngs)
-
-    def __call__(self, x):
-        return x + self.down(jnp.tanh(self.up(x)))
-
-
 class Staged(nnx.Module):
     def __init__(self, layers=4):
         rngs = nnx.Rngs(0)
         self.embed = nnx.Linear(32, 16, rngs=rngs)
-        self.body = Stages(Block, layers, rngs=rngs)
+        self.body = Stages(ResidualBlock, layers, rngs=rngs)
         self.head = nnx.Linear(16, 10, rngs=rngs)
 
     def __call__(self, x):
