@@ -254,10 +254,11 @@ class BackupAndRestore(Callback):
         with self.context.timer.phase("checkpoint"):  # the time the save holds the loop
             self._write(logs, wait=wait)
 
-    def _backup_tree(self, logs=None) -> tuple[int, dict, dict]:
-        """The step, tree and JSON part of a backup of the fit's state at its position (settles the state)."""
+    def _backup_tree(self, logs=None, finished: bool = True) -> tuple[int, dict, dict]:
+        """The step, tree and JSON part of a backup of the fit's state at its position (settles the state;
+        with `finished`, waits for the devices to compute it)."""
         context = self.context
-        position = context.position()  # settles the state to match it
+        position = context.position(finished)
         history = self.model.history
         history_dict = {k: list(v) for k, v in history.history.items()}
         history_epochs = list(history.epoch)
@@ -438,7 +439,8 @@ class BackupAndRestore(Callback):
     def _snapshot(self) -> None:
         """Starts a snapshot in the launcher's memory (the copy to the host and the send run in a thread)."""
         with self.context.timer.phase("checkpoint"):
-            step, tree, meta = self._backup_tree()
+            # No wait for the steps in flight: the snapshot's device copies queue behind them.
+            step, tree, meta = self._backup_tree(finished=False)
             self._memory_step = step
             try:
                 self._memory.save(step, tree, meta)

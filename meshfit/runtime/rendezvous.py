@@ -45,7 +45,8 @@ PROTOCOL = "meshfit-join/1"
 NOTICE_SECONDS = 5.0
 _HELLO_SECONDS = 10.0  # a connection that has not said who it is by then is not one of ours
 _GOODBYE_SECONDS = 2.0  # after "go": time for the others to close first (the port is then free at once)
-_PROBE_SECONDS = 2.0  # process 0 finding its port taken: time to ask whether a second process 0 holds it
+_PROBE_SECONDS = 5.0  # process 0 finding its port taken: time to ask whether a second process 0 holds it
+# (a holder just started on a loaded machine may take seconds to answer)
 # A process connected to process 0 whose own time is up waits this long for process 0's verdict, so
 # that all give the same count (each process's clock starts when it starts).
 _VERDICT_SECONDS = 5.0

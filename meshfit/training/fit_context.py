@@ -63,9 +63,10 @@ class FitContext:
         traced on the host, nothing compiled or run; None before the model is built."""
         return self._session.train_step_jaxpr()
 
-    def position(self) -> Position:
-        """Where the running fit stands, with the state settled to match it."""
-        return self._session.position()
+    def position(self, finished: bool = True) -> Position:
+        """Where the running fit stands, with the state settled to match it; with `finished`, after the
+        devices computed every step taken (`finished=False`: a saver whose device copies queue behind them)."""
+        return self._session.position(finished)
 
     def restore(self, state: TrainState, position: Position) -> None:
         """Continues the running fit from a backup: its state, step count, input position and epoch."""

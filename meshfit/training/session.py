@@ -140,15 +140,17 @@ class Session:
         self.store.count(steps)
         self.cursor.count(steps)
 
-    def position(self) -> Position:
-        """Where the running fit stands, with the state settled to match it and its steps finished.
+    def position(self, finished: bool = True) -> Position:
+        """Where the running fit stands, with the state settled to match it (and its steps finished).
 
         A saver asks before it writes: waiting here for the steps in flight is step time, so the
-        timer does not count it as the save's.
+        timer does not count it as the save's. With `finished=False` nothing waits for the devices:
+        for a saver whose copies of the state queue behind the steps in flight (the memory tier).
         """
         with self.timer.phase("steps"):
             self.settle()
-            jax.block_until_ready(self.store.latest.step)
+            if finished:
+                jax.block_until_ready(self.store.latest.step)
         return self.cursor.position(self.store.step)
 
     def restore(self, state: TrainState, position: Position) -> None:
