@@ -225,7 +225,7 @@ def main():
     formulas = {
         "gpipe": (m * r, "M R", m * i, "M I"),
         "circular v=2": (m * r, "M R", m * i, "M I"),
-        "1f1b": (m * i, "M I", (2 * p - 1) * r + (m + 2) * i, "(2P-1) R + (M+2) I"),
+        "1f1b": (m * i, "M I", min(2 * p - 1, m) * r + (m + 2) * i, "min(2P-1,M) R + (M+2) I"),
     }
     print(
         "| layout | kept fwd->bwd | formula | measured / formula | largest loop carry | formula | measured / formula "

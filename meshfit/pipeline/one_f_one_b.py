@@ -15,9 +15,9 @@ microbatch leaves the stack, and starts its backward in the same tick:
   tail and the loss (`jax.vjp`) on the microbatch it has just forwarded and
   sends the cotangent back in the same tick;
 * each forward's `jax.vjp` residuals (the function `jax.vjp` returns is a
-  pytree) wait in a ring of 2P - 1 slots until that microbatch's backward:
-  nothing is recomputed. A stage keeps at most 2P - 1 microbatches' residuals,
-  whatever M.
+  pytree) wait in a ring of min(2P - 1, M) slots until that microbatch's
+  backward: nothing is recomputed. A stage keeps at most 2P - 1 microbatches'
+  residuals, whatever M.
 
 With F one microbatch's forward through a stage, a stage runs
 (P - 1) F + 3 M F + (P - 1) 2F = 3 (M + P - 1) F: its idle share is the GPipe
@@ -126,7 +126,8 @@ def objective(fn: Objective, params: Any, batch: Any, consts: Any, path: tuple) 
 def _loop(tail: Callable, call: capture.Captured, stages: int) -> Callable:
     """`(tail params, grouped, micro h, micro batch, consts) -> (objective, aux, (d tail, d grouped, d micro h))`."""
     microbatches, data_axes, apply = call.pipeline.microbatches, call.data_axes, call.apply
-    depth = 2 * stages - 1  # stage s keeps a microbatch's residuals from its forward tick to its backward tick
+    # Stage s keeps a microbatch's residuals from its forward tick to its backward tick, 2(P - 1 - s) later.
+    depth = min(2 * stages - 1, microbatches)
     ahead = [(s, s + 1) for s in range(stages - 1)]
     back = [(s + 1, s) for s in range(stages - 1)]
     every = (STAGE_AXIS, *data_axes)
