@@ -31,8 +31,8 @@ reduce them once, after the loop.
 The tail runs per microbatch, so its rows must be independent (Dense,
 LayerNorm, embedding heads are); the objective must be a sum over rows (one
 loss's weighted total, or losses reduced by "sum"); the tail must not update
-module state (BatchNorm statistics, dropout streams). The step's
-`objective` refuses the rest before any step runs.
+module state (BatchNorm statistics, dropout streams). The built-in train
+step (`meshfit.steps.builtin`) refuses the rest before any step runs.
 """
 
 from __future__ import annotations
