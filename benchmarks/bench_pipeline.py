@@ -7,8 +7,9 @@ that run 8 simulated devices make every tick cost the same, busy or idle):
   * bubble: the matmul FLOPs per device of the pipelined gradient's jaxpr (loops times their trip counts,
     idle ticks included) against the useful FLOPs (the FSDP gradient's, over 8 devices):
     measured = 1 - useful / pipelined, printed against the schedule's formula;
-  * activation memory per device: the residuals `jax.vjp` keeps from the forward to the backward pass and the
-    largest loop carry (the row-proportional part: bytes at 2x the rows minus bytes at 1x), against the
+  * activation memory per device: the residuals `jax.vjp` keeps from the forward to the backward pass (for 1f1b,
+    whose one loop runs both, those of the loss: the input's cotangent) and the largest loop carry
+    (the row-proportional part: bytes at 2x the rows minus bytes at 1x), against the
     formula in units measured on one stage: R = one microbatch's residuals through a stage's layers,
     I = one microbatch's stage input;
   * temporaries per device (`compiled.memory_analysis()`) and seconds per step (indicative only).
@@ -30,7 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import meshfit as mf  # noqa: E402
-from meshfit.pipeline import Stages  # noqa: E402
+from meshfit.pipeline import Stages, one_f_one_b  # noqa: E402
 from meshfit.strategies.mesh import MeshStrategy  # noqa: E402
 
 SMOKE = "--smoke" in sys.argv[1:]
@@ -129,6 +130,19 @@ def build(strategy, rows):
     def loss(params, x):
         return jnp.mean(forward(params, x) ** 2)
 
+    pipeline = getattr(strategy, "pipeline", None)
+    if (
+        pipeline is not None and pipeline.schedule == "1f1b"
+    ):  # the loss inside the last stage, as the train step runs it
+        size = rows * WIDTH
+
+        def parts(tree, x, consts):
+            return jnp.sum(forward(tree["stack"], x) ** 2) / size, ()
+
+        def loss(params, x):  # noqa: F811
+            return one_f_one_b.objective(parts, {"stack": params}, x, (), ("stack",))[0]
+
+        params = nnx.to_pure_dict(params)
     return forward, loss, params, x
 
 
@@ -144,7 +158,8 @@ def _measure(strategy):
         forward, loss, params, x = build(strategy, scale * ROWS)
         grad = jax.grad(loss, argnums=(0, 1))
         jaxpr = jax.make_jaxpr(grad)(params, x)
-        figures[scale] = (kept_bytes(forward, params, x), largest_loop_carry(jaxpr, 8))
+        fused = getattr(strategy.pipeline, "schedule", None) == "1f1b"  # its forward and backward are one loop
+        figures[scale] = (kept_bytes(loss if fused else forward, params, x), largest_loop_carry(jaxpr, 8))
     kept = figures[2][0] - figures[1][0]
     carry = figures[2][1] - figures[1][1]
     forward, loss, params, x = build(strategy, ROWS)
@@ -186,10 +201,9 @@ def main():
     r, i = stage_units()
     m, p = MICRO, STAGES
     # The work each program runs per stage, in F (one microbatch's forward through a stage; its backward is 2F):
-    # gpipe and circular run M + P - 1 (v M + P - 1) ticks of F forward and 2F backward; 1f1b runs its GPipe
-    # forward with nothing kept (M + P - 1 ticks of F), then M + 2P - 2 ticks that each run a forward (F) and a
-    # backward (2F) after recomputing the stage's forward (F) from the stashed input. Useful: 3 M F.
-    work = {"gpipe": None, "circular v=2": None, "1f1b": 1 - 3 * m / ((m + p - 1) + 4 * (m + 2 * p - 2))}
+    # gpipe and circular run M + P - 1 (v M + P - 1) ticks of F forward and 2F backward; 1f1b runs P - 1 ticks
+    # of F, M of F + 2F, P - 1 of 2F (its backward reads the forward's stashed residuals). Useful: 3 M F.
+    work = {"gpipe": None, "circular v=2": None, "1f1b": 1 - 3 * m / ((p - 1) + 3 * m + 2 * (p - 1))}
     print(f"stage={STAGES} x data={DATA}, M={m}, {LAYERS} blocks of width {WIDTH}, {ROWS} rows; baseline fsdp=8 alone")
     print(f"units per device: R = {kib(r)} (a microbatch's residuals through a stage), I = {kib(i)} (its input)")
     print()
@@ -211,7 +225,7 @@ def main():
     formulas = {
         "gpipe": (m * r, "M R", m * i, "M I"),
         "circular v=2": (m * r, "M R", m * i, "M I"),
-        "1f1b": (m * i, "M I", (2 * p - 1 + m) * i, "(2P-1) I + M I"),
+        "1f1b": (m * i, "M I", min(2 * p - 1, m) * r + (m + 2) * i, "min(2P-1,M) R + (M+2) I"),
     }
     print(
         "| layout | kept fwd->bwd | formula | measured / formula | largest loop carry | formula | measured / formula "

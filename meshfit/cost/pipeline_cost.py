@@ -13,8 +13,9 @@ schedule says how many passes are kept at once:
 
 * "gpipe" and "circular": every tick of the forward loop, repeats * M + P - 1
   (bubble ticks too: they run on zeros), each the residuals of its pass;
-* "1f1b": the 2P - 1 stage inputs its backward loop stashes, and the residuals
-  of the one pass it differentiates at a time.
+* "1f1b": min(2P - 1, M), the passes whose residuals its loop stashes between a
+  microbatch's forward tick and its backward tick (the loss runs inside the
+  last stage, `meshfit.pipeline.one_f_one_b`).
 
 Shapes inside the `shard_map` span the whole batch (the other mesh axes stay
 with the compiler); a microbatch's rows are split over the data replicas, so
@@ -50,9 +51,9 @@ class PipelineCost:
         pass_residual_bytes: bytes autodiff keeps of one microbatch's pass through a stage's
             layers (of one round, for circular).
         kept_passes: how many passes' residuals a stage keeps at once (gpipe, circular: every
-            forward tick, v * M + P - 1; 1f1b: one, beside its 2P - 1 stashed inputs).
+            forward tick, v * M + P - 1; 1f1b: the min(2P - 1, M) its ring stashes).
         activation_bytes: the activations the schedule keeps on one device:
-            kept_passes * pass_residual_bytes (+ (2P - 1) * microbatch_bytes for 1f1b).
+            kept_passes * pass_residual_bytes.
     """
 
     stages: int
@@ -87,7 +88,8 @@ def pipeline_cost(strategy: Any, jaxpr: jax_core.ClosedJaxpr, params: Any) -> Pi
     microbatch = loops[0].operand // replicas
     residuals = max(loop.residuals for loop in loops) // replicas
     if pipeline.schedule == "1f1b":
-        kept, activations = 1, residuals + (2 * stages - 1) * microbatch
+        kept = min(2 * stages - 1, microbatches)
+        activations = kept * residuals
     else:
         kept = pipeline.ticks(stages)
         activations = kept * residuals

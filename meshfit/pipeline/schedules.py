@@ -8,8 +8,9 @@ from what the last stage sent round in later rounds; every stage then applies
 its layers of that round and sends the result to the next stage with
 `lax.ppermute`. After repeats * M + P - 1 ticks, the first stage holds every
 microbatch's output. GPipe's and the circular schedule's backward pass is
-autodiff of this loop; "1f1b" (`one_f_one_b.py`) runs forward and backward
-ticks interleaved under a custom VJP.
+autodiff of this loop. "1f1b" runs this loop for evaluation and prediction;
+the built-in train step runs its own loop instead (`one_f_one_b.py`), with
+the loss inside the last stage.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from meshfit.pipeline import one_f_one_b
 from meshfit.pipeline.vma import vary
 from meshfit.strategies.pipeline import STAGE_AXIS, Pipeline
 
@@ -51,19 +51,8 @@ def run(
     per step (left to the compiler, the reduction runs inside every tick).
     """
     stages, microbatches, repeats = mesh.shape[STAGE_AXIS], pipeline.microbatches, pipeline.repeats
-    layers = jax.tree.leaves(params)[0].shape[0]
-    pipeline.check_layers(layers, stages)
-    rows = x.shape[0]
-    if rows % (microbatches * replicas):
-        raise ValueError(
-            f"A pipelined batch is cut into {microbatches} microbatches per data replica ({replicas} replicas): "
-            f"its rows must divide by {microbatches * replicas}. Received a batch of {rows} rows."
-        )
-    per_round = layers // (stages * repeats)
-    # (layers, ...) -> (stages, repeats, layers of a stage's round, ...): stage s runs layer blocks s, s + P, ...
-    grouped = jax.tree.map(lambda a: jnp.swapaxes(a.reshape(repeats, stages, per_round, *a.shape[1:]), 0, 1), params)
-    # Each data replica's rows are cut into microbatches in place: row j * M + m goes to microbatch m.
-    micro = jnp.swapaxes(x.reshape(rows // microbatches, microbatches, *x.shape[1:]), 0, 1)
+    grouped = group(params, stages, pipeline)
+    micro = to_micro(x, microbatches, replicas)
     body = _loop(apply, stages, microbatches, repeats, data_axes)
     rows_spec = P(None, data_axes or None)
     forward = jax.shard_map(
@@ -73,10 +62,32 @@ def run(
         out_specs=rows_spec,
         axis_names={STAGE_AXIS, *data_axes},
     )
-    if pipeline.schedule == "1f1b":
-        forward = one_f_one_b.pipeline(apply, forward, mesh, microbatches, data_axes)
-    out = forward(grouped, micro)
-    return jnp.swapaxes(out, 0, 1).reshape(x.shape)
+    return from_micro(forward(grouped, micro))
+
+
+def group(params: Any, stages: int, pipeline: Pipeline) -> Any:
+    """(layers, ...) -> (stages, repeats, layers of a stage's round, ...): stage s runs layer blocks s, s + P, ..."""
+    layers = jax.tree.leaves(params)[0].shape[0]
+    pipeline.check_layers(layers, stages)
+    repeats = pipeline.repeats
+    per_round = layers // (stages * repeats)
+    return jax.tree.map(lambda a: jnp.swapaxes(a.reshape(repeats, stages, per_round, *a.shape[1:]), 0, 1), params)
+
+
+def to_micro(x: jax.Array, microbatches: int, replicas: int = 1) -> jax.Array:
+    """(rows, ...) -> (M, rows / M, ...): each data replica's rows cut in place, row j * M + m to microbatch m."""
+    rows = x.shape[0]
+    if rows % (microbatches * replicas):
+        raise ValueError(
+            f"A pipelined batch is cut into {microbatches} microbatches per data replica ({replicas} replicas): "
+            f"its rows must divide by {microbatches * replicas}. Received a batch of {rows} rows."
+        )
+    return jnp.swapaxes(x.reshape(rows // microbatches, microbatches, *x.shape[1:]), 0, 1)
+
+
+def from_micro(micro: jax.Array) -> jax.Array:
+    """The inverse of `to_micro`: (M, rows / M, ...) -> (rows, ...) in the batch's row order."""
+    return jnp.swapaxes(micro, 0, 1).reshape(micro.shape[0] * micro.shape[1], *micro.shape[2:])
 
 
 def _loop(apply: Apply, stages: int, microbatches: int, repeats: int, data_axes: tuple[str, ...]) -> Callable:

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from meshfit.pipeline import schedules
+from meshfit.pipeline import capture, schedules
 from meshfit.strategies.current import get_strategy
 from meshfit.strategies.mesh import MeshStrategy
 from meshfit.strategies.pipeline import STAGE_AXIS
@@ -66,15 +66,26 @@ class Stages(nnx.Module):
                     "Pipelined Stages run blocks that hold only nnx.Param variables. Received blocks that also "
                     f"hold {names}. Drop them from the block (e.g. no Dropout), or train without a 'stage' axis."
                 )
-            apply = _block_apply(graphdef)
-            return schedules.run(
-                apply,
+            call = capture.Captured(
+                _block_apply(graphdef),
                 nnx.to_pure_dict(params),
                 x,
                 mesh=strategy.mesh,
                 pipeline=strategy.pipeline,
                 replicas=strategy.num_replicas_in_sync,
                 data_axes=_whole_copy_axes(strategy),
+            )
+            injected = capture.intercept(call)  # the fused 1f1b step splits the module here
+            if injected is not None:
+                return injected
+            return schedules.run(
+                call.apply,
+                call.params,
+                x,
+                mesh=call.mesh,
+                pipeline=call.pipeline,
+                replicas=call.replicas,
+                data_axes=call.data_axes,
             )
         return _scan(self.blocks, x)
 

@@ -20,6 +20,7 @@ from meshfit import losses as losses_lib
 from meshfit.core import precision
 from meshfit.core.batch import Batch
 from meshfit.core.state import TrainState
+from meshfit.pipeline import one_f_one_b
 from meshfit.steps.modules import ModuleAdapter
 from meshfit.steps.terms import LOSS_KEY, LossTerm, MetricTerm
 
@@ -423,6 +424,46 @@ class StepFunctions(ScannedSteps):
             objective = objective * loss_scale
         return objective, (totals, divisors, y_pred, new_model_state)
 
+    @property
+    def _pipelined_loss_parts(self) -> Callable | None:
+        """`_loss_parts` computed inside a "1f1b" pipeline's last stage, where the module holds a `Stages`
+        trained on that schedule (`meshfit.pipeline.one_f_one_b`); None elsewhere."""
+        path = one_f_one_b.stages_path(getattr(self.adapter, "module", None))
+        if path is None:
+            return None
+        scalar = self.scalar_losses
+        several = len(self.losses) > 1 and any(term.loss.reduction != "sum" for term in self.losses)
+        if scalar or several:
+            raise ValueError(
+                "The 1f1b schedule computes the loss per microbatch, so it must be a sum over rows. Received "
+                + (f"losses returning a scalar ({scalar})" if scalar else "several losses with mean reductions")
+                + "; return per-sample values (one loss, or reductions 'sum'), or use schedule='gpipe'."
+            )
+
+        def parts(params, batch, consts, replicas):
+            model_state, rng, loss_scale = consts
+            objective, (totals, divisors, y_pred, new_state) = self._loss_parts(
+                params, model_state, batch, rng, loss_scale, replicas
+            )
+            changed = [
+                a is not b for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(model_state), strict=True)
+            ]
+            if any(changed):
+                raise ValueError(
+                    "The 1f1b schedule runs the layers after Stages per microbatch, which must not update module "
+                    "state. Received a module whose forward pass does (BatchNorm statistics, dropout streams); "
+                    "move those layers before Stages, or use schedule='gpipe'."
+                )
+            return objective, (totals, divisors, y_pred)
+
+        def loss_parts(params, model_state, batch, rng, loss_scale, replicas):
+            consts = (model_state, rng, loss_scale)
+            fn = functools.partial(parts, replicas=replicas)
+            objective, aux = one_f_one_b.objective(fn, params, batch, consts, path)
+            return objective, (*aux, model_state)
+
+        return loss_parts
+
     def gradients(self, params, model_state, batch: Batch, rng, loss_scale=None, replicas: Replicas = ONE_REPLICA):
         """A worker's part of a step: gradients, the updated module state, metric increments.
 
@@ -436,7 +477,7 @@ class StepFunctions(ScannedSteps):
         """
         if rng is not None:
             rng = replicas.rng(rng)
-        grad_fn = jax.grad(self._loss_parts, has_aux=True)
+        grad_fn = jax.grad(self._pipelined_loss_parts or self._loss_parts, has_aux=True)
         grads, (totals, divisors, y_pred, model_state) = grad_fn(params, model_state, batch, rng, loss_scale, replicas)
         grads = replicas.sum_gradients(grads)
         if len(self.losses) > 1:  # the divisors are the whole batch's already

@@ -9,11 +9,13 @@ Schedules:
   * "circular": each stage runs `repeats` groups of layers, a microbatch
     going round the ring `repeats` times; the bubble shrinks to
     (P - 1) / (repeats * M + P - 1).
-  * "1f1b": one forward, one backward a tick once the pipeline is full; a
-    stage keeps only its input from the forward pass and at most 2P - 1
-    stage inputs during the backward, instead of M microbatches' activations,
-    for about twice GPipe's work (each forward is recomputed; see
-    `meshfit.pipeline.one_f_one_b`).
+  * "1f1b": the built-in train step runs the layers after the stack (the
+    tail) and the loss inside the last stage, one microbatch at a time, so a
+    backward starts as soon as a microbatch leaves the stack: a forward and a
+    backward each tick once the pipeline is full. The same work and bubble as
+    GPipe; a stage keeps the residuals of at most 2P - 1 microbatches, not M
+    (see `meshfit.pipeline.one_f_one_b`). Evaluation and prediction run the
+    GPipe forward.
 """
 
 from __future__ import annotations
@@ -59,8 +61,9 @@ class Pipeline:
     def bubble(self, stages: int) -> float:
         """The fraction of a step's ticks a stage idles: (P - 1) / (repeats * M + P - 1).
 
-        For "gpipe" and "circular" this is also the fraction of each device's matmul work that is idle
-        ticks; "1f1b" recomputes forwards on top (see `meshfit.pipeline.one_f_one_b`).
+        It is also the fraction of each device's matmul work spent in idle ticks, for every schedule:
+        "1f1b" runs P - 1 forward-only ticks, M ticks of both and P - 1 backward-only ticks, the
+        GPipe count (`meshfit.pipeline.one_f_one_b`; its tail runs in lockstep on every stage on top).
         """
         return (stages - 1) / (self.repeats * self.microbatches + stages - 1)
 

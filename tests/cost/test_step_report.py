@@ -216,15 +216,15 @@ def test_a_pipelined_step_reports_its_stage_cost(schedule, repeats):
     ticks = repeats * micro + stages - 1
     assert cost.bubble == pytest.approx((stages - 1) / ticks)
     assert cost.microbatch_bytes == sent
-    # Forward and backward loops send once a tick; 1f1b's backward loop sends twice (recomputed forward, backward).
-    backward = 2 * (micro + 2 * stages - 2) if schedule == "1f1b" else ticks
-    assert cost.p2p_bytes == (ticks + backward) * sent
+    # A forward and a backward send a tick each: GPipe's two loops, or 1f1b's warm-up (P - 1 forward),
+    # steady (M ticks of both) and cool-down (P - 1 backward) phases.
+    assert cost.p2p_bytes == 2 * ticks * sent
     block = (16 * 32 + 32 + 32 * 16 + 16) * 4
     assert cost.stage_param_bytes == 8 * block // stages  # one stage's layers, not the stack
     layers = 8 // (stages * repeats)  # a stage's layers of one round
     assert cost.pass_residual_bytes == layers * rows * (16 + 32 + 32) * 4
-    if schedule == "1f1b":  # 2P - 1 stashed inputs and one pass in flight
-        assert cost.activation_bytes == (2 * stages - 1) * sent + cost.pass_residual_bytes
+    if schedule == "1f1b":  # the stashed residuals of min(2P - 1, M) passes
+        assert cost.activation_bytes == min(2 * stages - 1, micro) * cost.pass_residual_bytes
     else:  # every forward tick's pass
         assert cost.activation_bytes == ticks * cost.pass_residual_bytes
     text = format_step_report(model.step_report(x, y))
