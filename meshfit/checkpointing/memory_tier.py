@@ -126,6 +126,19 @@ def _local_copy(entries):
     ]
 
 
+def _smallest_per_device(entries) -> list:
+    """The smallest device array of `entries` on each device: ready when its device's copy program ran
+    (one program per device computes them all), and holding no more device memory than that."""
+    smallest: dict[Any, Any] = {}
+    for _, _, _, shards in entries:
+        for _, data in shards:
+            if isinstance(data, jax.Array):
+                device = next(iter(data.devices()))
+                if device not in smallest or data.nbytes < smallest[device].nbytes:
+                    smallest[device] = data
+    return list(smallest.values())
+
+
 class AlteredPart(ValueError):
     """A shard whose bytes do not match the SHA-256 recorded when the part was packed."""
 
@@ -226,6 +239,7 @@ class MemoryTier:
         self._idle.set()
         self._sender: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._copied: list = []  # one output of each device's copy program of the snapshot in flight
         self.committed: list[int] = []  # steps this process saw committed (the keeper says so to the last sender)
         self.saved_world = self.world  # the world size of the job that took the snapshot `newest` fetched
         self.source = self.addresses[self.home]  # the keeper `newest` fetched from
@@ -251,6 +265,7 @@ class MemoryTier:
         """
         self.wait()
         copies = _local_copy(_shards(encode(tree)))
+        self._copied = _smallest_per_device(copies)
 
         def send() -> None:
             try:
@@ -294,6 +309,12 @@ class MemoryTier:
             committed = committed and bool(reply.get("committed"))
         if committed:
             self.committed.append(step)
+
+    def wait_for_devices(self) -> None:
+        """Returns when the devices computed the copies of the snapshot in flight (and so every step
+        dispatched before it): the part of `wait` that is the steps' time, not the snapshot's."""
+        copied, self._copied = self._copied, []
+        jax.block_until_ready(copied)
 
     def wait(self) -> None:
         """Returns when the snapshot in flight has been sent; raises what went wrong with it."""
