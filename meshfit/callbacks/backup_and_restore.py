@@ -439,10 +439,7 @@ class BackupAndRestore(Callback):
     def _snapshot(self) -> None:
         """Starts a snapshot in the launcher's memory (the copy to the host and the send run in a thread)."""
         with self.context.timer.phase("checkpoint"):
-            # The previous snapshot's copies wait for the steps dispatched before them: step time. This
-            # one's do not wait for the steps in flight: they queue behind them.
-            with self.context.timer.phase("steps"):
-                self._memory.wait_for_devices()
+            # No wait for the steps in flight: the snapshot's device copies queue behind them.
             step, tree, meta = self._backup_tree(finished=False)
             self._memory_step = step
             try:

@@ -52,6 +52,11 @@ MAGIC = b"MFSNAP1\n"
 NEWEST = 1 << 62
 
 
+#: Snapshots a process may have started and not yet sent: one being sent while the next one's copies wait
+#: for the steps before them.
+IN_FLIGHT = 2
+
+
 class MemoryTierUnavailable(RuntimeError):
     """The keeper cannot hold snapshots (no room on the host, or it is gone): back up to disk only."""
 
@@ -124,19 +129,6 @@ def _local_copy(entries):
         (name, dtype, shape, [(key, data) for (key, _), data in zip(shards, copies, strict=True)])
         for (name, dtype, shape, shards), copies in zip(entries, copied, strict=True)
     ]
-
-
-def _smallest_per_device(entries) -> list:
-    """The smallest device array of `entries` on each device: ready when its device's copy program ran
-    (one program per device computes them all), and holding no more device memory than that."""
-    smallest: dict[Any, Any] = {}
-    for _, _, _, shards in entries:
-        for _, data in shards:
-            if isinstance(data, jax.Array):
-                device = next(iter(data.devices()))
-                if device not in smallest or data.nbytes < smallest[device].nbytes:
-                    smallest[device] = data
-    return list(smallest.values())
 
 
 class AlteredPart(ValueError):
@@ -235,11 +227,10 @@ class MemoryTier:
         # One sender thread for the fit, fed a snapshot at a time: starting a thread per snapshot holds the
         # loop about a millisecond (the new thread must take the GIL before `start` returns).
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._idle = threading.Event()
-        self._idle.set()
+        self._in_flight = 0  # snapshots started and not yet sent (at most IN_FLIGHT)
+        self._sent = threading.Condition()
         self._sender: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._copied: list = []  # one output of each device's copy program of the snapshot in flight
         self.committed: list[int] = []  # steps this process saw committed (the keeper says so to the last sender)
         self.saved_world = self.world  # the world size of the job that took the snapshot `newest` fetched
         self.source = self.addresses[self.home]  # the keeper `newest` fetched from
@@ -259,17 +250,20 @@ class MemoryTier:
     def save(self, step: int, tree, meta: dict[str, Any]) -> None:
         """Starts a snapshot of `tree` (device arrays copied on their devices now) and its JSON part `meta`.
 
-        Waits for the previous snapshot first (at most one in flight); a previous one the keeper could not
-        hold raises `MemoryTierUnavailable` here. In a multi-process job every process calls this at the
-        same step with the same tree.
+        At most `IN_FLIGHT` snapshots are started and not yet sent: the previous one's copy to the host
+        and send run while this one's device copies queue behind the steps in flight, so the loop waits
+        only for the one before that. A previous one the keeper could not hold raises
+        `MemoryTierUnavailable` here. In a multi-process job every process calls this at the same step with
+        the same tree.
         """
-        self.wait()
-        copies = _local_copy(_shards(encode(tree)))
-        self._copied = _smallest_per_device(copies)
+        self._wait_until(IN_FLIGHT - 1)
+        held = [_local_copy(_shards(encode(tree)))]
 
         def send() -> None:
             try:
+                copies = held.pop()  # the device copies are freed once on the host
                 entries = [(n, d, s, [(k, np.asarray(x)) for k, x in shards]) for n, d, s, shards in copies]
+                del copies
                 for _, _, _, shards in entries:
                     for _, x in shards:
                         if np.issubdtype(x.dtype, np.inexact) and not np.isfinite(x).all():
@@ -278,7 +272,8 @@ class MemoryTier:
             except BaseException as error:  # noqa: BLE001 - raised by the next save, wait or close
                 self._error = error
 
-        self._idle.clear()
+        with self._sent:
+            self._in_flight += 1
         self._jobs.put(send)
         if self._sender is None:
             self._sender = threading.Thread(target=self._send_loop, name="meshfit-memory-snapshots", daemon=True)
@@ -289,7 +284,9 @@ class MemoryTier:
             try:
                 job()
             finally:
-                self._idle.set()
+                with self._sent:
+                    self._in_flight -= 1
+                    self._sent.notify_all()
 
     def _send(self, step: int, part: bytes) -> None:
         """Sends the part to each of this rank's keepers (its node's first, then its replicas')."""
@@ -310,15 +307,14 @@ class MemoryTier:
         if committed:
             self.committed.append(step)
 
-    def wait_for_devices(self) -> None:
-        """Returns when the devices computed the copies of the snapshot in flight (and so every step
-        dispatched before it): the part of `wait` that is the steps' time, not the snapshot's."""
-        copied, self._copied = self._copied, []
-        jax.block_until_ready(copied)
-
     def wait(self) -> None:
-        """Returns when the snapshot in flight has been sent; raises what went wrong with it."""
-        self._idle.wait()
+        """Returns when every snapshot in flight has been sent; raises what went wrong with one."""
+        self._wait_until(0)
+
+    def _wait_until(self, in_flight: int) -> None:
+        """Returns when at most `in_flight` snapshots are still being sent; raises what went wrong with one."""
+        with self._sent:
+            self._sent.wait_for(lambda: self._in_flight <= in_flight)
         error, self._error = self._error, None
         if error is not None:
             if isinstance(error, MemoryTierUnavailable):
