@@ -43,6 +43,22 @@ class ResidualBlock(nnx.Module):
         return x + self.down(jnp.tanh(self.up(x)))
 
 
+class StagedNet(nnx.Module):
+    """An embedding and a head around a `meshfit.pipeline.Stages` stack of `layers` `ResidualBlock`s:
+    (rows, 8) -> (rows, 4) logits."""
+
+    def __init__(self, layers=8, seed=0):
+        from meshfit.pipeline import Stages
+
+        rngs = nnx.Rngs(seed)
+        self.embed = nnx.Linear(8, 16, rngs=rngs)
+        self.body = Stages(ResidualBlock, layers, rngs=rngs)
+        self.head = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.body(self.embed(x)))
+
+
 def load_example(name: str, module_name: str | None = None):
     """examples/<name>.py imported as a module (under `module_name`, default `name`), without running its main."""
     spec = importlib.util.spec_from_file_location(module_name or name, os.path.join(EXAMPLES, f"{name}.py"))

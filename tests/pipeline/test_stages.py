@@ -1,11 +1,18 @@
 """Stages: one scan without a `stage` axis, pipelined under one; every schedule equals one device; errors first."""
 
+import os
+import signal
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import ResidualBlock, assert_trees_close, classification_data
+from helpers import ResidualBlock, StagedNet, assert_trees_close, classification_data
+from processes import run
 
 import meshfit as mf
 from meshfit.pipeline import Stages
@@ -13,24 +20,11 @@ from meshfit.pipeline import Stages
 LAYERS = 8
 
 
-class Net(nnx.Module):
-    """Embedding and head outside the pipeline, `layers` blocks inside it."""
-
-    def __init__(self, layers=LAYERS, seed=0):
-        rngs = nnx.Rngs(seed)
-        self.embed = nnx.Linear(8, 16, rngs=rngs)
-        self.body = Stages(ResidualBlock, layers, rngs=rngs)
-        self.head = nnx.Linear(16, 4, rngs=rngs)
-
-    def __call__(self, x):
-        return self.head(self.body(self.embed(x)))
-
-
-def train(strategy, layers=LAYERS, steps=3, batch_size=16, model=None):
+def train(strategy, layers=LAYERS, steps=3, batch_size=16, model=None, **settings):
     x, y = classification_data(n=steps * batch_size, din=8, classes=4)
     with strategy.scope():
-        model = mf.Model(model or (lambda: Net(layers)))
-        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model = mf.Model(model or (lambda: StagedNet(layers)))
+        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), **settings)
     history = model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0, shuffle=False)
     return model, history
 
@@ -48,7 +42,7 @@ def reference():
 
 
 def test_stages_run_the_blocks_in_order_as_one_scan():
-    net = Net(layers=3)
+    net = StagedNet(layers=3)
     x = jnp.asarray(classification_data(n=5, din=8)[0])
     h = net.embed(x)
     expected = h
@@ -91,6 +85,93 @@ def test_pipelined_training_equals_one_device(reference, schedule, repeats, micr
     assert model.params["embed"]["kernel"].sharding.spec == jax.sharding.PartitionSpec()
 
 
+ACCUMULATED = dict(steps_per_execution=2, gradient_accumulation_steps=2)
+
+
+@pytest.fixture(scope="module")
+def accumulated_reference():
+    return train(mf.strategies.OneDeviceStrategy(), steps=8, **ACCUMULATED)
+
+
+@pytest.mark.parametrize("schedule, repeats", [("gpipe", 1), ("circular", 2), ("1f1b", 1)])
+@pytest.mark.slow
+def test_steps_per_execution_and_accumulation_train_as_on_one_device(accumulated_reference, schedule, repeats):
+    """Two steps per call, two batches per optimizer update: the pipelined run equals one device's."""
+    one, h_one = accumulated_reference
+    model, history = train(pipelined(schedule, repeats), steps=8, **ACCUMULATED)
+    assert int(model.session.state.step) == 8  # a step per batch; the optimizer updates every 2
+    assert_trees_close(one.params, model.params, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(h_one.history["loss"], history.history["loss"], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_dtype_policy_trains_as_on_one_device():
+    """mixed_bfloat16 under 1f1b (the layers after Stages run in the last stage): float32 weights, and one
+    device's run to bfloat16's precision (the stages compute each microbatch's rows as one device computes them,
+    and sum the microbatches' gradients in another order)."""
+    policy = dict(ACCUMULATED, dtype_policy="mixed_bfloat16")
+    one, h_one = train(mf.strategies.OneDeviceStrategy(), steps=8, **policy)
+    model, history = train(pipelined("1f1b"), steps=8, **policy)
+    assert model.params["body"]["blocks"]["up"]["kernel"].dtype == jnp.float32
+    # Adam moves a parameter by about its learning rate (1e-3) an update whatever the gradient's size, so a
+    # near-zero gradient rounded otherwise in bfloat16 can move it by up to that, 4 updates: atol 4e-3.
+    assert_trees_close(one.params, model.params, rtol=1e-2, atol=4e-3)
+    np.testing.assert_allclose(h_one.history["loss"], history.history["loss"], rtol=1e-2)
+
+
+RESUMABLE = textwrap.dedent(
+    """
+    import os, signal, sys
+    import jax
+    import numpy as np
+    from helpers import StagedNet, classification_data
+    import meshfit as mf
+    out, backup, die_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    x, y = classification_data(n=96, din=8, classes=4)
+    pipeline = mf.strategies.Pipeline(microbatches=4, schedule="1f1b")
+    with mf.strategies.MeshStrategy(axes={"stage": 4, "data": 2}, pipeline=pipeline).scope():
+        model = mf.Model(lambda: StagedNet(), seed=0)
+        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+    class Die(mf.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if model.session.step == die_at:
+                jax.block_until_ready(self.context.latest)  # a step that exists, not one only dispatched
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    backup = mf.callbacks.BackupAndRestore(backup, save_freq=2)
+    history = model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[backup, Die()])
+    np.savez(out, *model.get_weights(), loss=history.history["loss"])
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_sigkilled_pipelined_run_resumes_bitwise(tmp_path):
+    """1f1b over stage=4 x data=2 with backups every 2 steps, SIGKILLed at step 9 of 18: the rerun resumes
+    from the newest backup and ends with the uninterrupted run's weights and losses, bitwise."""
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+
+    def fit(name, die_at):
+        return run(
+            [sys.executable, "-c", RESUMABLE, str(tmp_path / f"{name}.npz"), str(tmp_path / name), str(die_at)],
+            timeout=300,
+            env=env,
+        )
+
+    with ThreadPoolExecutor(2) as pool:  # the uninterrupted run beside the one killed
+        uninterrupted, killed = pool.map(fit, ["whole", "killed"], [-1, 9])
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    resumed = fit("killed", -1)
+    assert resumed.returncode == 0 and "BackupAndRestore: resumed" in resumed.stdout, resumed.stderr[-3000:]
+    expected, got = np.load(tmp_path / "whole.npz"), np.load(tmp_path / "killed.npz")
+    assert expected.files == got.files
+    for key in expected.files:
+        np.testing.assert_array_equal(got[key], expected[key])
+
+
 def test_layers_that_do_not_split_over_the_stages_are_refused_before_any_step():
     with pytest.raises(ValueError, match=r"holds 6 layers, which do not split over 4 stages"):
         train(pipelined(), layers=6)
@@ -104,7 +185,7 @@ def test_a_stage_axis_without_stages_is_refused():
 
 
 def test_a_batch_that_does_not_cut_into_microbatches_is_refused():
-    net = Net()
+    net = StagedNet()
     x = jnp.ones((12, 16))  # 2 data replicas x 4 microbatches need a multiple of 8 rows
     with pipelined().scope(), pytest.raises(ValueError, match=r"rows must divide by 8. Received a batch of 12"):
         net.body(x)
@@ -137,7 +218,7 @@ def test_a_checkpoint_restores_under_another_pipeline_layout_and_on_one_device(t
         ("circular", pipelined("circular", repeats=2, microbatches=2, stages=2)),
     ]:
         with strategy.scope():
-            model = mf.load_model(tmp_path / "model", lambda: Net())
+            model = mf.load_model(tmp_path / "model", lambda: StagedNet())
         assert_trees_close(saved.params, model.params, rtol=0, atol=0)
         model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
         restored[name] = model
@@ -155,7 +236,7 @@ class PinnedBlock(ResidualBlock):
 
 def test_blocks_that_constrain_their_activations_run_inside_the_stage_loop():
     """`constrain` inside a stage's loop pins on the mesh the loop sees (its stage axis manual)."""
-    net = Net()
+    net = StagedNet()
     pinned = nnx.merge(nnx.graphdef(Stages(PinnedBlock, LAYERS, rngs=nnx.Rngs(0))), nnx.state(net.body))
     h = jnp.asarray(classification_data(n=16, din=16)[0])
     with pipelined(microbatches=2).scope():

@@ -138,7 +138,8 @@ def test_measure_times_the_best_predicted_with_real_steps_ranks_them_by_it_and_f
     assert unmeasured.measured == 0 and Recorded.calls == [] and "measure=K" in str(unmeasured)
     result = mf.plan(lambda: Recorded(hidden=64), x, y, compile=COMPILE, devices=jax.devices()[:2], measure=2)
     after = jax.live_arrays()
-    assert len(after) == len(before) and {id(a) for a in after} == before  # each measured model, Adam, batch freed
+    # Each measured model, Adam and batch freed: nothing new is alive (arrays of earlier tests may have gone).
+    assert {id(a) for a in after} <= before, [a.shape for a in after if id(a) not in before]
     assert Recorded.calls  # real steps ran (the parameters are made inside a jitted function: built stays False)
 
     first, second, third = result.candidates
