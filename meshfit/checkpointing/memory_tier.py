@@ -30,6 +30,7 @@ resumes from the disk backup, which restores onto any world size.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -44,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshfit.core.trees import decode, encode, path_name
+from meshfit.core.trees import decode, encode, is_key, path_name
 from meshfit.runtime import keeper_protocol as protocol
 
 MAGIC = b"MFSNAP1\n"
@@ -106,29 +107,60 @@ def pack(step: int, tree, meta: dict[str, Any]) -> bytes:
     return _pack(step, entries, meta)
 
 
-@jax.jit
-def _copy_on_device(arrays):
-    """New buffers holding `arrays` (all on one device): a program of this process alone."""
-    return [jnp.copy(x) for x in arrays]
+@functools.partial(jax.jit, static_argnums=1)
+def _copy_on_device(arrays, keys: tuple[bool, ...]):
+    """New buffers holding `arrays` (all on one device; typed PRNG keys as their raw data): a program of
+    this process alone."""
+    return [jax.random.key_data(x) if key else jnp.copy(x) for x, key in zip(arrays, keys, strict=True)]
 
 
-def _local_copy(entries):
-    """`entries` with each device shard replaced by a copy on its device, dispatched, not waited for: later
-    steps that donate the state's buffers leave the copies intact. One program per local device, none
-    across processes (such a program costs the steps around it a collective's wait)."""
-    by_device: dict[Any, list[tuple[int, int]]] = {}
-    for i, (_, _, _, shards) in enumerate(entries):
-        for j, (_, data) in enumerate(shards):
-            if isinstance(data, jax.Array):
-                by_device.setdefault(next(iter(data.devices())), []).append((i, j))
-    copied = [[data for _, data in shards] for _, _, _, shards in entries]
-    for places in by_device.values():
-        for (i, j), copy in zip(places, _copy_on_device([copied[i][j] for i, j in places]), strict=True):
-            copied[i][j] = copy
-    return [
-        (name, dtype, shape, [(key, data) for (key, _), data in zip(shards, copies, strict=True)])
-        for (name, dtype, shape, shards), copies in zip(entries, copied, strict=True)
-    ]
+class _Layout:
+    """Where a tree's leaves put this process's distinct shards, worked out once for the tree's structure,
+    shapes and shardings: each snapshot then only picks the shards and dispatches one copy per device."""
+
+    def __init__(self, tree):
+        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+        self.leaves: list[tuple[str, Any, tuple[int, ...], list[tuple[str, int]] | None]] = []
+        self.by_device: dict[Any, list[tuple[int, int]]] = {}  # device -> (leaf, shard position) to copy
+        self.keys: dict[Any, tuple[bool, ...]] = {}
+        for i, (path, leaf) in enumerate(flat):
+            if not isinstance(leaf, jax.Array):
+                self.leaves.append((path_name(path), None, (), None))
+                continue
+            encoded = jax.eval_shape(jax.random.key_data, leaf) if is_key(leaf) else leaf
+            seen: dict[str, int] = {}
+            for position, shard in enumerate(leaf.addressable_shards):
+                # (A key array's shard index may already span its raw data's trailing axis.)
+                index = _index_key(shard.index + (slice(None),) * (encoded.ndim - len(shard.index)), encoded.shape)
+                if index not in seen:
+                    seen[index] = position
+                    self.by_device.setdefault(shard.device, []).append((i, position))
+            self.leaves.append((path_name(path), encoded.dtype, tuple(encoded.shape), list(seen.items())))
+        for device, places in self.by_device.items():
+            self.keys[device] = tuple(is_key(flat[i][1]) for i, _ in places)
+
+    @staticmethod
+    def signature(flat: list) -> tuple:
+        return tuple((x.shape, x.dtype, x.sharding) if isinstance(x, jax.Array) else type(x) for x in flat)
+
+    def copy(self, flat: list) -> list:
+        """`_shards`-style entries of the leaves `flat`: device shards copied on their devices (dispatched,
+        not waited for, so later steps that donate the state's buffers leave the copies intact), host values
+        whole. One program per local device, none across processes (such a program costs the steps around it
+        a collective's wait)."""
+        copied: dict[tuple[int, int], Any] = {}
+        for device, places in self.by_device.items():
+            shards = [flat[i].addressable_shards[position].data for i, position in places]
+            copied.update(zip(places, _copy_on_device(shards, self.keys[device]), strict=True))
+        entries = []
+        for i, (name, dtype, shape, shards) in enumerate(self.leaves):
+            if shards is None:
+                value = np.asarray(flat[i])
+                whole = _index_key(tuple(slice(None) for _ in value.shape), value.shape)
+                entries.append((name, value.dtype, tuple(value.shape), [(whole, value)]))
+            else:
+                entries.append((name, dtype, shape, [(index, copied[i, position]) for index, position in shards]))
+        return entries
 
 
 class AlteredPart(ValueError):
@@ -227,6 +259,7 @@ class MemoryTier:
         # One sender thread for the fit, fed a snapshot at a time: starting a thread per snapshot holds the
         # loop about a millisecond (the new thread must take the GIL before `start` returns).
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._layouts: dict[tuple, _Layout] = {}  # by the saved tree's structure, shapes and shardings
         self._in_flight = 0  # snapshots started and not yet sent (at most IN_FLIGHT)
         self._sent = threading.Condition()
         self._sender: threading.Thread | None = None
@@ -257,7 +290,12 @@ class MemoryTier:
         the same tree.
         """
         self._wait_until(IN_FLIGHT - 1)
-        held = [_local_copy(_shards(encode(tree)))]
+        flat = jax.tree_util.tree_leaves(tree)
+        signature = (jax.tree_util.tree_structure(tree), _Layout.signature(flat))
+        layout = self._layouts.get(signature)
+        if layout is None:
+            layout = self._layouts[signature] = _Layout(tree)
+        held = [layout.copy(flat)]
 
         def send() -> None:
             try:
