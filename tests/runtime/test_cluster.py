@@ -298,7 +298,7 @@ print("joined", flush=True)
 while not os.path.exists(sys.argv[1]):  # until the test holds its connection
     time.sleep(0.05)
 total = multihost_utils.process_allgather(jnp.ones(2) * jax.process_index()).sum()
-print("ended", float(total), flush=True)
+print(f"ended {float(total)}", flush=True)  # one write: gloo logs from another thread may come between two
 """
 
 

@@ -12,4 +12,4 @@ import meshfit as mf  # noqa: E402
 
 strategy = mf.strategies.MultiWorkerMirroredStrategy()
 gathered = multihost_utils.process_allgather(np.array([strategy.process_index]))
-print("gathered", np.asarray(gathered).ravel().tolist(), flush=True)
+print(f"gathered {np.asarray(gathered).ravel().tolist()}", flush=True)  # one write (gloo logs interleave)
