@@ -42,7 +42,7 @@ def test_a_stopped_worker_is_dropped_after_worker_timeout_and_training_finishes(
     with Job(
         LAUNCH
         + ["--ps", "1", "--workers", "2", "--stop-grace", "1"]  # the stopped worker is killed 1 s after the end
-        + [WORKER, str(tmp_path / "backup"), "--epochs", "6", "--worker-timeout", "10"],
+        + [WORKER, str(tmp_path / "backup"), "--epochs", "6", "--worker-timeout", "6"],
         timeout=300,
     ) as job:
         workers = worker_pids(job, 2)
@@ -50,7 +50,7 @@ def test_a_stopped_worker_is_dropped_after_worker_timeout_and_training_finishes(
         os.kill(workers[1], signal.SIGSTOP)  # the launcher SIGKILLs it when the job ends
         assert job.finish() == 0, job.stdout[-3000:] + job.stderr[-3000:]
     assert re.search(
-        r"worker pid \d+ lost \(no answer within worker_timeout=10 s\); its batch is redone elsewhere", job.stdout
+        r"worker pid \d+ lost \(no answer within worker_timeout=6 s\); its batch is redone elsewhere", job.stdout
     ), job.stdout[-3000:]
     summary = re.search(r"\[rank 0\] epochs 6 last 5 test accuracy: ([\d.]+)", job.stdout)
     assert summary and float(summary.group(1)) >= 0.9, job.stdout[-2000:]
