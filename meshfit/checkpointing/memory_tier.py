@@ -67,25 +67,8 @@ def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> str:
     return ",".join(f"{s.start or 0}:{dim if s.stop is None else s.stop}" for s, dim in zip(index, shape, strict=True))
 
 
-def _shards(tree) -> list[tuple[str, Any, tuple[int, ...], list[tuple[str, Any]]]]:
-    """Per leaf of `tree`: its path, dtype, shape and this process's distinct shards as (index key, data):
-    a device array's addressable shards (one copy of each replicated piece), a host value whole."""
-    entries = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if isinstance(leaf, jax.Array):
-            seen: dict[str, Any] = {}
-            for shard in leaf.addressable_shards:
-                seen.setdefault(_index_key(shard.index, leaf.shape), shard.data)
-            shards = list(seen.items())
-        else:
-            value = np.asarray(leaf)
-            shards = [(_index_key(tuple(slice(None) for _ in value.shape), value.shape), value)]
-        entries.append((path_name(path), leaf.dtype, tuple(leaf.shape), shards))
-    return entries
-
-
 def _pack(step: int, entries, meta: dict[str, Any]) -> bytes:
-    """A part from `_shards` entries whose data are host arrays; each shard with its SHA-256."""
+    """A part from `_Layout.copy` entries whose data are host arrays; each shard with its SHA-256."""
     leaves, chunks, offset = [], [], 0
     for name, dtype, shape, shards in entries:
         described = []
@@ -103,8 +86,12 @@ def _pack(step: int, entries, meta: dict[str, Any]) -> bytes:
 
 def pack(step: int, tree, meta: dict[str, Any]) -> bytes:
     """This process's part of a snapshot of `tree` (its device arrays fetched here) as bytes."""
-    entries = [(n, d, s, [(k, np.asarray(x)) for k, x in shards]) for n, d, s, shards in _shards(tree)]
-    return _pack(step, entries, meta)
+    return _pack(step, _on_host(_Layout(tree).copy(jax.tree_util.tree_leaves(tree))), meta)
+
+
+def _on_host(entries) -> list:
+    """`_Layout.copy` entries with every shard fetched to the host (waits for its device copy)."""
+    return [(name, dtype, shape, [(k, np.asarray(x)) for k, x in shards]) for name, dtype, shape, shards in entries]
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -144,9 +131,9 @@ class _Layout:
         return tuple((x.shape, x.dtype, x.sharding) if isinstance(x, jax.Array) else type(x) for x in flat)
 
     def copy(self, flat: list) -> list:
-        """`_shards`-style entries of the leaves `flat`: device shards copied on their devices (dispatched,
-        not waited for, so later steps that donate the state's buffers leave the copies intact), host values
-        whole. One program per local device, none across processes (such a program costs the steps around it
+        """Per leaf of `flat`: (path, dtype, shape, [(index key, data)]), device shards copied on their devices
+        (dispatched, not waited for, so later steps that donate the state's buffers leave the copies intact),
+        host values whole. One program per local device, none across processes (such a program costs the steps around it
         a collective's wait)."""
         copied: dict[tuple[int, int], Any] = {}
         for device, places in self.by_device.items():
@@ -300,7 +287,7 @@ class MemoryTier:
         def send() -> None:
             try:
                 copies = held.pop()  # the device copies are freed once on the host
-                entries = [(n, d, s, [(k, np.asarray(x)) for k, x in shards]) for n, d, s, shards in copies]
+                entries = _on_host(copies)
                 del copies
                 for _, _, _, shards in entries:
                     for _, x in shards:

@@ -7,21 +7,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
+from helpers import ResidualBlock
 
 import meshfit as mf
 from meshfit.pipeline import Stages, one_f_one_b
 
-WIDTH, LAYERS, ROWS = 16, 8, 32
+WIDTH, LAYERS, ROWS = 16, 8, 32  # ResidualBlock maps 16 features to 16 (through 32)
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("circular", 2)]
-
-
-class Block(nnx.Module):
-    def __init__(self, rngs):
-        self.up = nnx.Linear(WIDTH, 2 * WIDTH, rngs=rngs)
-        self.down = nnx.Linear(2 * WIDTH, WIDTH, rngs=rngs)
-
-    def __call__(self, x):
-        return x + self.down(jnp.tanh(self.up(x)))
 
 
 def stack(schedule, repeats):
@@ -31,7 +23,7 @@ def stack(schedule, repeats):
         pipeline=mf.strategies.Pipeline(microbatches=8, schedule=schedule, repeats=repeats),
     )
     with strategy.scope():
-        graphdef, params = nnx.split(Stages(Block, LAYERS, rngs=nnx.Rngs(0)))
+        graphdef, params = nnx.split(Stages(ResidualBlock, LAYERS, rngs=nnx.Rngs(0)))
     return strategy, lambda params, x: nnx.merge(graphdef, params)(x), params
 
 
