@@ -20,7 +20,11 @@ LAUNCH = [sys.executable, "-m", "meshfit.cli", "launch"]
 
 
 class Job:
-    """A running command in its own process group; stdout and stderr are collected as they come."""
+    """A running command in its own process group; stdout and stderr are collected as they come.
+
+    Python's fault handler is on in the job (`PYTHONFAULTHANDLER`): a job that does not finish in time is sent
+    SIGABRT first, so the failure shows where each of its threads was stuck.
+    """
 
     def __init__(self, argv: list[str], timeout: float, env: dict | None = None):
         self.argv = argv
@@ -31,7 +35,7 @@ class Job:
             stderr=subprocess.PIPE,
             text=True,
             errors="replace",
-            env=env,
+            env={**(os.environ if env is None else env), "PYTHONFAULTHANDLER": "1"},
             start_new_session=True,
         )
         self.out: list[str] = []
@@ -107,10 +111,18 @@ class Job:
         return [int(pid) for pid in found.stdout.split()]
 
     def _fail(self, why: str) -> None:
+        if self.proc.poll() is None:  # stuck: its threads' stacks to stderr before it is killed
+            self.proc.send_signal(signal.SIGABRT)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+            for reader in self._readers:
+                reader.join(timeout=2)
         self.kill()
         raise AssertionError(
             f"{' '.join(self.argv)}: {why}.\n--- stdout (end) ---\n{self.stdout[-8000:]}"
-            f"\n--- stderr (end) ---\n{self.stderr[-3000:]}"
+            f"\n--- stderr (end) ---\n{self.stderr[-6000:]}"
         )
 
     def __enter__(self) -> Job:
