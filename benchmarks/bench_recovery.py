@@ -31,7 +31,11 @@ copy and transfer, on a shared 2-core machine).
                                         [--memory-freq 5] [--disk-freq 100] [--seed 0] [--no-early-cache]
                                         [--cost-rounds 1]
 
-`--smoke` runs the digits MLP only (a transformer job adds its own start-up and compiles).
+`--smoke` runs the digits MLP only (a transformer job adds its own start-up and compiles). `--gpu` runs one
+process on the machine's GPU (it is the rank killed) and `--model decoder` a GPU-sized decoder (the 350 M
+preset, a 4.2-GB state to snapshot); `--memory-only` leaves out the disk-only failures:
+
+    python benchmarks/bench_recovery.py --gpu --model decoder --epochs 2 --failures 1 --memory-only
 """
 
 from __future__ import annotations
@@ -57,11 +61,18 @@ from smoke import parse_args  # noqa: E402
 STEPS_PER_EPOCH = 44  # 1437 training rows of digits in batches of 32, the partial batch dropped; as many windows
 # Small enough for tens of ms a step on a CPU; the example's flags, so its own parser fills in the rest.
 TRANSFORMER_FLAGS = ["--layers", "2", "--d-model", "64", "--heads", "4", "--context", "32", "--max-bytes", "100000"]
+# A GPU's size: the 350 M preset at context 512 on synthetic tokens, bf16 compute with float32 Adam (a 4.2-GB
+# state, so each snapshot moves that much from the device to the keeper).
+DECODER_FLAGS = ["--preset", "350m", "--context", "512", "--vocab", "32768", "--scan-layers", "--position", "rope"]
+DECODER_FLAGS += ["--remat", "minimal", "--dtype-policy", "mixed_bfloat16", "--batch-size", "32"]
+DECODER_FLAGS += ["--steps-per-epoch", str(STEPS_PER_EPOCH)]
 MODELS = {
     "digits": "digits MLP (64-128-128-10)",
     "transformer": "transformer_lm (2 layers, d_model 64, 4 heads, context 32, bytes)",
+    "decoder": "transformer_lm 350m preset at context 512 (24 x 1024, vocab 32,768), mixed_bfloat16: for a GPU",
 }
 EARLY_CACHE = True  # --no-early-cache: only BackupAndRestore's cache, from the fit's start
+GPU = False  # --gpu: one process on the machine's GPU (the killed rank is rank 0), not 2 on the CPU
 
 
 def _process_start() -> float:
@@ -74,8 +85,8 @@ def _process_start() -> float:
 
 
 def build(name: str):
-    """(a factory of the module, x, y) of `--model` `name`; prints the "libraries" phase once its example is
-    imported, before the data are loaded."""
+    """(a factory of the module, x, y, dtype policy) of `--model` `name`; prints the "libraries" phase once its
+    example is imported, before the data are loaded."""
     from flax import nnx
 
     if name == "digits":
@@ -83,16 +94,16 @@ def build(name: str):
 
         _phase("libraries")
         x, _, y, _ = load_data()
-        return (lambda: MLP(64, 128, 10, rngs=nnx.Rngs(0))), x, y
+        return (lambda: MLP(64, 128, 10, rngs=nnx.Rngs(0))), x, y, "float32"
     import transformer_lm
 
     _phase("libraries")
-    options = transformer_lm.parse_args(TRANSFORMER_FLAGS)
+    options = transformer_lm.parse_args(TRANSFORMER_FLAGS if name == "transformer" else DECODER_FLAGS)
     (x, y), _, _ = transformer_lm.load_data(options)
     if len(x) < STEPS_PER_EPOCH * 32:
         raise RuntimeError(f"transformer: {len(x)} windows, fewer than an epoch's {STEPS_PER_EPOCH * 32}")
     kwargs = transformer_lm.module_options(options)
-    return (lambda: transformer_lm.TransformerLM(**kwargs, rngs=nnx.Rngs(0))), x, y
+    return (lambda: transformer_lm.TransformerLM(**kwargs, rngs=nnx.Rngs(0))), x, y, options.dtype_policy
 
 
 def _phase(name: str, when: float | None = None) -> None:
@@ -120,15 +131,16 @@ def worker(args) -> None:
         mf.compilation_cache.use(args.backup + ".jax-cache")
     import jax
 
-    module, x, y = build(args.model)  # imports the example (flax, and scikit-learn or the corpus)
+    module, x, y, policy = build(args.model)  # imports the example (flax, and scikit-learn or the corpus)
     x, y = x[: STEPS_PER_EPOCH * 32], y[: STEPS_PER_EPOCH * 32]
     with strategy.scope():
         model = mf.Model(module(), seed=0)
-        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+        loss = mf.losses.SparseCategoricalCrossentropy(from_logits=True)
+        model.compile(optimizer="adam", loss=loss, dtype_policy=policy)
     _phase("built")
     kills = [int(s) for s in args.kill_at.split(",")] if args.kill_at else []
     kill_at = kills[start] if start < len(kills) else None
-    rank = strategy.process_index
+    rank, killer = strategy.process_index, strategy.process_count - 1
     held = {}
 
     class Report(mf.callbacks.Callback):
@@ -139,7 +151,7 @@ def worker(args) -> None:
                 held["first"] = (totals["checkpoint"], totals["compile"], time.perf_counter(), step)
             if rank == 0:
                 print(f"a{start} step {step} t={now:.4f}", flush=True)
-            if rank == 1 and step == kill_at:
+            if rank == killer and step == kill_at:
                 jax.block_until_ready(self.context.latest)  # the step is computed, not only dispatched
                 print(f"a{start} kill at step {step} t={time.time():.4f}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -175,13 +187,13 @@ def launch(
     """Runs one job training `model`; returns its output (stdout, then stderr)."""
     from processes import LAUNCH, Job
 
-    argv = LAUNCH + ["--nprocs", "2", "--devices-per-proc", "1", "--max-restarts", str(len(kills))]
+    argv = LAUNCH + ["--nprocs", "1" if GPU else "2", "--devices-per-proc", "1", "--max-restarts", str(len(kills))]
     argv += ["--stop-grace", "1", __file__, "--worker", "--model", model, "--backup", os.path.join(base, name)]
     argv += ["--epochs", str(epochs), "--disk-freq", str(disk_freq)]
     argv += ["--memory-freq", str(memory_freq or 0)]  # 0: disk backups only
     argv += ["--early-cache"] if EARLY_CACHE else []
     argv += ["--kill-at", ",".join(map(str, kills))] if kills else []
-    env = dict(os.environ, PYTHONPATH=os.path.join(HERE, ".."), JAX_PLATFORMS="cpu")
+    env = dict(os.environ, PYTHONPATH=os.path.join(HERE, ".."), **({} if GPU else {"JAX_PLATFORMS": "cpu"}))
     with Job(argv, timeout=1800, env=env) as job:
         status = job.finish()
     if status != 0:
@@ -201,7 +213,7 @@ def failures(output: str, kills: list[int]) -> list[dict]:
         resumed = re.search(pattern, output[kill.end() : first.start()]) if kill and first else None
         step = int(resumed.group(2)) if resumed else 0
         split = {}
-        for rank in (0, 1):  # when each rank reached each phase, in seconds from the kill (cumulative)
+        for rank in (0,) if GPU else (0, 1):  # when each rank reached each phase, in seconds from the kill (cumulative)
             phases = re.findall(rf"\[rank {rank}\] a{start + 1} phase (\w+) t=([\d.]+)", output)
             split[rank] = {name: round(float(t) - float(kill.group(1)), 2) for name, t in phases}
         found.append(
@@ -250,13 +262,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--failures", type=int, default=3, help="SIGKILLs per setting (0: only the cost)")
     parser.add_argument("--cost-rounds", type=int, default=1, help="pairs of jobs without failures for the cost")
+    parser.add_argument("--gpu", action="store_true", help="one process on the GPU (it is the rank killed)")
+    parser.add_argument("--memory-only", action="store_true", help="SIGKILLs with the memory tier only")
     args = parse_args(parser, epochs=1, failures=1, cost_rounds=0)
     if args.worker:
         (args.model,) = args.model
         worker(args)
         return
-    global EARLY_CACHE
-    EARLY_CACHE = not args.no_early_cache
+    global EARLY_CACHE, GPU
+    EARLY_CACHE, GPU = not args.no_early_cache, args.gpu
     steps = args.epochs * STEPS_PER_EPOCH
     rng = random.Random(args.seed)
     # One kill in each of `failures` equal stretches of the run, past the first stretch's start-up.
@@ -264,7 +278,8 @@ def main() -> None:
     kills = [(i + 1) * stretch + rng.randrange(stretch // 2) for i in range(args.failures)]
     base = tempfile.mkdtemp(prefix="bench_recovery_")
     try:
-        print(f"2 processes x 1 CPU device, {steps} steps, SIGKILL of rank 1 at steps {kills}", flush=True)
+        where = "1 process x 1 GPU, SIGKILL of rank 0" if GPU else "2 processes x 1 CPU device, SIGKILL of rank 1"
+        print(f"{where} at steps {kills}, {steps} steps", flush=True)
         print(f"load average before: {' '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)
         rows = []
         for model in args.model:
@@ -272,7 +287,7 @@ def main() -> None:
             for label, memory in (
                 (f"disk every {args.disk_freq}", None),
                 (f"memory every {args.memory_freq}", args.memory_freq),
-            )[(1 if args.smoke else 0) : 2 if kills else 0]:  # --smoke: the memory tier's row only
+            )[(1 if args.smoke or args.memory_only else 0) : 2 if kills else 0]:  # the memory tier's row only
                 out = launch(base, model, label.replace(" ", "_"), args.epochs, args.disk_freq, memory, kills)
                 for failure in failures(out, kills):
                     rows.append((model, label, failure))
