@@ -185,14 +185,14 @@ def ray_node_lost(base, reference_two):
 
 
 KILLED_MID_SNAPSHOT = textwrap.dedent("""
-    import hashlib, os, signal, struct, sys
+    import os, signal, sys
     from meshfit.runtime import keeper_protocol as protocol
     conn = protocol.connect(sys.argv[1], bytes.fromhex(sys.argv[2]))
     payload = os.urandom(1 << 20)
     protocol.send_json(conn, {"op": "put", "fit": "f", "rank": 1, "world": 2, "step": 10, "start": 0,
-                              "size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()})
+                              "size": len(payload), "digest": protocol.digest(payload)})
     assert protocol.recv_json(conn)["ok"]
-    os.write(conn.fileno(), struct.pack("!i", len(payload)) + payload[: len(payload) // 2])
+    protocol.send_payload(conn, payload[: len(payload) // 2])
     os.kill(os.getpid(), signal.SIGKILL)
 """)
 
@@ -211,9 +211,9 @@ def killed_mid_snapshot(base):
 
         def put(rank, step, payload):
             header = {"fit": "f", "rank": rank, "world": 2, "step": step, "start": 0, "size": len(payload)}
-            protocol.send_json(ranks[rank], {"op": "put", **header, "sha256": hashlib.sha256(payload).hexdigest()})
+            protocol.send_json(ranks[rank], {"op": "put", **header, "digest": protocol.digest(payload)})
             protocol.recv_json(ranks[rank])
-            ranks[rank].send_bytes(payload)
+            protocol.send_payload(ranks[rank], payload)
             protocol.recv_json(ranks[rank])
 
         put(0, 5, b"0" * 4096)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import time
 import warnings
 
 from meshfit import compilation_cache
@@ -198,6 +199,8 @@ class BackupAndRestore(Callback):
         self._others: dict[str, Callback] = {}  # the fit's other callbacks, by state key
         self._memory: memory_tier.MemoryTier | None = None  # this fit's snapshots in the launcher's keeper
         self._memory_step = 0  # the step of the last snapshot (or disk backup, or start)
+        self._memory_since: float | None = None  # when the last snapshot was started (time.perf_counter)
+        self._memory_slow_said = False  # warned that snapshots hold training
 
     @staticmethod
     def _memory_policy(memory_freq, memory_replicas) -> StepIntervalPolicy | None:
@@ -404,6 +407,7 @@ class BackupAndRestore(Callback):
         self._others = self._keyed_others()
         if self.memory_policy is not None:
             self._memory = memory_tier.MemoryTier(os.path.abspath(self.backup_dir), self._replicas())
+            self._memory_since, self._memory_slow_said = None, False
         with self.context.timer.phase("checkpoint"):
             self._dir = CheckpointDir(
                 self.backup_dir,
@@ -443,9 +447,32 @@ class BackupAndRestore(Callback):
             step, tree, meta = self._backup_tree(finished=False)
             self._memory_step = step
             try:
-                self._memory.save(step, tree, meta)
+                waited = self._memory.save(step, tree, meta)
             except memory_tier.MemoryTierUnavailable as error:
                 self._memory_off(error)
+                return
+        now = time.perf_counter()
+        if self._memory_since is not None and not self._memory_slow_said:
+            self._say_if_snapshots_hold_training(waited, now - self._memory_since)
+        self._memory_since = now
+
+    def _say_if_snapshots_hold_training(self, waited: float, interval: float) -> None:
+        """Warns once when a snapshot waited for the one before it for over a tenth of the time between them:
+        the keeper cannot take a snapshot every `memory_freq` steps without slowing training."""
+        if waited <= 0.1 * interval:
+            return
+        self._memory_slow_said = True
+        memory, training = self._memory, max(interval - waited, 1e-6)
+        every = math.ceil(self.memory_freq * memory.send_seconds / training)
+        if self.model.strategy.is_chief:
+            warnings.warn(
+                f"BackupAndRestore: memory snapshots hold training: a snapshot waited {_seconds(waited)} for the "
+                f"one before it, which took {_seconds(memory.send_seconds)} to reach the keeper "
+                f"({memory.part_bytes / 2**20:,.1f} MiB a process), while memory_freq={self.memory_freq} steps "
+                f"train in {_seconds(training)}.\n"
+                f"Pass memory_freq={every} or more to keep the loop free.",
+                stacklevel=3,
+            )
 
     def on_epoch_end(self, epoch, logs=None):
         if self._should_save(AT_EPOCH_END):
@@ -523,3 +550,7 @@ class BackupAndRestore(Callback):
             with self.context.timer.phase("checkpoint"):
                 self._dir.close()
             self._dir = None
+
+
+def _seconds(t: float) -> str:
+    return f"{t:.2f} s" if t >= 1 else f"{1e3 * t:.1f} ms"

@@ -8,10 +8,11 @@ for a copy of this process's shards on its own devices (a program per local
 device, none across processes: one across processes costs the steps around
 it a collective's wait); a thread then copies them to the host, skips a
 state that is not finite (as the disk tier refuses one), records each
-shard's SHA-256 and sends them. A restarted process asks the keeper for the
+shard's digest (`keeper_protocol.digest`: SHA-256 over pieces hashed on
+several cores) and sends them. A restarted process asks the keeper for the
 newest committed snapshot (under Ray: for the step the launcher chose, from
 any keeper that holds its part) and rebuilds its arrays, laid out as the live
-state, from the shards it had; a part, or a shard, whose SHA-256 does not
+state, from the shards it had; a part, or a shard, whose digest does not
 match is never restored.
 
 A part is this process's shards only (a replicated array: one copy), as raw
@@ -31,12 +32,12 @@ resumes from the disk backup, which restores onto any world size.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 import queue
 import struct
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -67,26 +68,44 @@ def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> str:
     return ",".join(f"{s.start or 0}:{dim if s.stop is None else s.stop}" for s, dim in zip(index, shape, strict=True))
 
 
-def _pack(step: int, entries, meta: dict[str, Any]) -> bytes:
-    """A part from `_Layout.copy` entries whose data are host arrays; each shard with its SHA-256."""
-    leaves, chunks, offset = [], [], 0
-    for name, dtype, shape, shards in entries:
+def _pack(step: int, entries, meta: dict[str, Any], into: bytearray | None = None) -> bytearray:
+    """A part from `_Layout.copy` entries whose data are host arrays, each shard with its digest; written into
+    `into` when it is the part's size (a buffer already paged in: a fresh one costs a page fault per 4 KiB).
+
+    The part is laid out once and each shard copied into it once: the header's length does not depend on
+    the digests (64 hex digits each), so it is written last, over a placeholder of the same length."""
+    leaves, shards, offset = [], [], 0
+    for name, dtype, shape, pieces in entries:
         described = []
-        for key, data in shards:
-            raw = np.ascontiguousarray(data).tobytes()
-            described.append(
-                {"index": key, "offset": offset, "nbytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
-            )
-            chunks.append(raw)
-            offset += len(raw)
+        for key, data in pieces:
+            data = np.ascontiguousarray(data)
+            described.append({"index": key, "offset": offset, "nbytes": data.nbytes, "digest": "0" * 64})
+            shards.append((described[-1], data))
+            offset += data.nbytes
         leaves.append({"path": name, "dtype": np.dtype(dtype).name, "shape": list(shape), "shards": described})
-    header = json.dumps({"step": step, "meta": meta, "leaves": leaves}).encode()
-    return b"".join([MAGIC, struct.pack(">Q", len(header)), header, *chunks])
+
+    def header() -> bytes:
+        return json.dumps({"step": step, "meta": meta, "leaves": leaves}).encode()
+
+    start = len(MAGIC) + 8 + len(header())
+    part = into if into is not None and len(into) == start + offset else bytearray(start + offset)
+    view = memoryview(part)
+    for shard, data in shards:
+        at = start + shard["offset"]
+        view[at : at + data.nbytes] = data.reshape(-1).view(np.uint8)
+    sums = protocol.digests([view[start + s["offset"] : start + s["offset"] + s["nbytes"]] for s, _ in shards])
+    for (shard, _), digest in zip(shards, sums, strict=True):
+        shard["digest"] = digest
+    written = b"".join([MAGIC, struct.pack(">Q", start - len(MAGIC) - 8), header()])
+    assert len(written) == start, "a digest changed the header's length"
+    view[:start] = written
+    return part
 
 
-def pack(step: int, tree, meta: dict[str, Any]) -> bytes:
+def pack(step: int, tree, meta: dict[str, Any]) -> bytearray:
     """This process's part of a snapshot of `tree` (its device arrays fetched here) as bytes."""
-    return _pack(step, _on_host(_Layout(tree).copy(jax.tree_util.tree_leaves(tree))), meta)
+    entries, _ = _Layout(tree).copy(jax.tree_util.tree_leaves(tree))
+    return _pack(step, _on_host(entries), meta)
 
 
 def _on_host(entries) -> list:
@@ -96,9 +115,12 @@ def _on_host(entries) -> list:
 
 @functools.partial(jax.jit, static_argnums=1)
 def _copy_on_device(arrays, keys: tuple[bool, ...]):
-    """New buffers holding `arrays` (all on one device; typed PRNG keys as their raw data): a program of
-    this process alone."""
-    return [jax.random.key_data(x) if key else jnp.copy(x) for x, key in zip(arrays, keys, strict=True)]
+    """New buffers holding `arrays` (all on one device; typed PRNG keys as their raw data), and whether every
+    floating-point one is finite (checked on the device, not over gigabytes on the host): a program of this
+    process alone."""
+    copies = [jax.random.key_data(x) if key else jnp.copy(x) for x, key in zip(arrays, keys, strict=True)]
+    finite = [jnp.isfinite(x).all() for x in arrays if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return copies, functools.reduce(jnp.logical_and, finite, jnp.bool_(True))
 
 
 class _Layout:
@@ -130,28 +152,33 @@ class _Layout:
     def signature(flat: list) -> tuple:
         return tuple((x.shape, x.dtype, x.sharding) if isinstance(x, jax.Array) else type(x) for x in flat)
 
-    def copy(self, flat: list) -> list:
+    def copy(self, flat: list) -> tuple[list, list]:
         """Per leaf of `flat`: (path, dtype, shape, [(index key, data)]), device shards copied on their devices
         (dispatched, not waited for, so later steps that donate the state's buffers leave the copies intact),
-        host values whole. One program per local device, none across processes (such a program costs the steps around it
-        a collective's wait)."""
+        host values whole; and flags (device scalars, host bools) that are all true when every floating-point
+        value is finite. One program per local device, none across processes (such a program costs the steps
+        around it a collective's wait)."""
         copied: dict[tuple[int, int], Any] = {}
+        finite: list = []
         for device, places in self.by_device.items():
             shards = [flat[i].addressable_shards[position].data for i, position in places]
-            copied.update(zip(places, _copy_on_device(shards, self.keys[device]), strict=True))
+            copies, all_finite = _copy_on_device(shards, self.keys[device])
+            copied.update(zip(places, copies, strict=True))
+            finite.append(all_finite)
         entries = []
         for i, (name, dtype, shape, shards) in enumerate(self.leaves):
             if shards is None:
                 value = np.asarray(flat[i])
                 whole = _index_key(tuple(slice(None) for _ in value.shape), value.shape)
                 entries.append((name, value.dtype, tuple(value.shape), [(whole, value)]))
+                finite.append(not np.issubdtype(value.dtype, np.inexact) or bool(np.isfinite(value).all()))
             else:
                 entries.append((name, dtype, shape, [(index, copied[i, position]) for index, position in shards]))
-        return entries
+        return entries, finite
 
 
 class AlteredPart(ValueError):
-    """A shard whose bytes do not match the SHA-256 recorded when the part was packed."""
+    """A shard whose bytes do not match the digest recorded when the part was packed."""
 
 
 def unpack_header(part: bytes) -> tuple[dict, memoryview]:
@@ -166,15 +193,17 @@ def unpack_header(part: bytes) -> tuple[dict, memoryview]:
     return header, memoryview(part)[start + length :]
 
 
-def unpack(part: bytes, template) -> Any:
+def unpack(part: bytes | bytearray, template) -> Any:
     """The tree of a part, laid out as `template` (device arrays on its shardings, numpy arrays on the host).
 
-    `ValueError` names what differs when the part does not fit the template (another model, another layout).
+    `ValueError` names what differs when the part does not fit the template (another model, another layout);
+    `AlteredPart` names a shard whose bytes do not match their digest. Every shard is checked (on several
+    cores at once) before any array is built.
     """
     header, data = unpack_header(part)
     by_path = {leaf["path"]: leaf for leaf in header["leaves"]}
     flat, treedef = jax.tree_util.tree_flatten_with_path(encode(template))
-    rebuilt = []
+    found, checks = [], []  # per leaf (name, template, shape, shards); (shard's name, bytes, digest)
     for path, like in flat:
         name = path_name(path)
         saved = by_path.get(name)
@@ -189,30 +218,37 @@ def unpack(part: bytes, template) -> Any:
         shards = {}
         for shard in saved["shards"]:
             raw = data[shard["offset"] : shard["offset"] + shard["nbytes"]]
-            if "sha256" in shard and hashlib.sha256(raw).hexdigest() != shard["sha256"]:
-                raise AlteredPart(f"{name} [{shard['index']}]")
+            if len(raw) != shard["nbytes"]:
+                raise ValueError(f"{name} [{shard['index']}]: the part ends inside it")
+            checks.append((f"{name} [{shard['index']}]", raw, shard.get("digest")))
             shards[shard["index"]] = np.frombuffer(raw, dtype=dtype)
-        if isinstance(like, jax.Array):
-            whole = _index_key(tuple(slice(None) for _ in shape), shape)
+        found.append((name, like, shape, shards))
+    sums = protocol.digests([raw for _, raw, _ in checks])
+    for (shard, _, expected), got in zip(checks, sums, strict=True):
+        if got != expected:
+            raise AlteredPart(shard)
+    return decode(jax.tree_util.tree_unflatten(treedef, [_rebuilt(*leaf) for leaf in found]), template)
 
-            def piece(index, shards=shards, shape=shape, name=name, whole=whole):
-                key = _index_key(index, shape)
-                if key in shards:
-                    return shards[key].reshape(
-                        tuple(len(range(*s.indices(d))) for s, d in zip(index, shape, strict=True))
-                    )
-                if whole in shards:  # a replicated array: any shard is a slice of the whole
-                    return shards[whole].reshape(shape)[index]
-                raise ValueError(
-                    f"{name}: this process's part holds no shard [{key}] nor the whole array (another layout, or "
-                    "a world size that split it across processes)"
-                )
 
-            rebuilt.append(jax.make_array_from_callback(shape, like.sharding, piece))
-        else:
-            (only,) = shards.values()
-            rebuilt.append(np.array(only.reshape(shape)))
-    return decode(jax.tree_util.tree_unflatten(treedef, rebuilt), template)
+def _rebuilt(name: str, like, shape: tuple[int, ...], shards: dict[str, np.ndarray]):
+    """A leaf laid out as `like` from this process's shards of it."""
+    if not isinstance(like, jax.Array):
+        (only,) = shards.values()
+        return np.array(only.reshape(shape))
+    whole = _index_key(tuple(slice(None) for _ in shape), shape)
+
+    def piece(index):
+        key = _index_key(index, shape)
+        if key in shards:
+            return shards[key].reshape(tuple(len(range(*s.indices(d))) for s, d in zip(index, shape, strict=True)))
+        if whole in shards:  # a replicated array: any shard is a slice of the whole
+            return shards[whole].reshape(shape)[index]
+        raise ValueError(
+            f"{name}: this process's part holds no shard [{key}] nor the whole array (another layout, or "
+            "a world size that split it across processes)"
+        )
+
+    return jax.make_array_from_callback(shape, like.sharding, piece)
 
 
 class MemoryTier:
@@ -252,6 +288,9 @@ class MemoryTier:
         self._sender: threading.Thread | None = None
         self._error: BaseException | None = None
         self.committed: list[int] = []  # steps this process saw committed (the keeper says so to the last sender)
+        self._buffer: bytearray | None = None  # the sender thread's part, reused (`_pack`)
+        self.send_seconds = 0.0  # the last snapshot's time from its device copies to the keeper's reply
+        self.part_bytes = 0  # the size of this process's part of it
         self.saved_world = self.world  # the world size of the job that took the snapshot `newest` fetched
         self.source = self.addresses[self.home]  # the keeper `newest` fetched from
 
@@ -267,16 +306,19 @@ class MemoryTier:
 
     # -- saving ------------------------------------------------------------------------
 
-    def save(self, step: int, tree, meta: dict[str, Any]) -> None:
+    def save(self, step: int, tree, meta: dict[str, Any]) -> float:
         """Starts a snapshot of `tree` (device arrays copied on their devices now) and its JSON part `meta`.
 
         At most `IN_FLIGHT` snapshots are started and not yet sent: the previous one's copy to the host
         and send run while this one's device copies queue behind the steps in flight, so the loop waits
         only for the one before that. A previous one the keeper could not hold raises
         `MemoryTierUnavailable` here. In a multi-process job every process calls this at the same step with
-        the same tree.
+        the same tree. Returns the seconds it waited for earlier snapshots (`send_seconds`: how long the last
+        one took from the device to the keeper).
         """
+        began = time.perf_counter()
         self._wait_until(IN_FLIGHT - 1)
+        waited = time.perf_counter() - began
         flat = jax.tree_util.tree_leaves(tree)
         signature = (jax.tree_util.tree_structure(tree), _Layout.signature(flat))
         layout = self._layouts.get(signature)
@@ -285,15 +327,18 @@ class MemoryTier:
         held = [layout.copy(flat)]
 
         def send() -> None:
+            began = time.perf_counter()
             try:
-                copies = held.pop()  # the device copies are freed once on the host
+                copies, finite = held.pop()  # the device copies are freed once on the host
+                if not all(bool(flag) for flag in finite):
+                    return  # never kept: the disk tier refuses such a state too
                 entries = _on_host(copies)
                 del copies
-                for _, _, _, shards in entries:
-                    for _, x in shards:
-                        if np.issubdtype(x.dtype, np.inexact) and not np.isfinite(x).all():
-                            return  # never kept: the disk tier refuses such a state too
-                self._send(step, _pack(step, entries, meta))
+                # One buffer for every part of the fit: only this thread packs and sends, one part at a time.
+                part = self._buffer = _pack(step, entries, meta, into=self._buffer)
+                del entries
+                self._send(step, part)
+                self.send_seconds, self.part_bytes = time.perf_counter() - began, len(part)
             except BaseException as error:  # noqa: BLE001 - raised by the next save, wait or close
                 self._error = error
 
@@ -303,6 +348,7 @@ class MemoryTier:
         if self._sender is None:
             self._sender = threading.Thread(target=self._send_loop, name="meshfit-memory-snapshots", daemon=True)
             self._sender.start()
+        return waited
 
     def _send_loop(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -315,16 +361,16 @@ class MemoryTier:
 
     def _send(self, step: int, part: bytes) -> None:
         """Sends the part to each of this rank's keepers (its node's first, then its replicas')."""
-        digest = hashlib.sha256(part).hexdigest()
+        digest = protocol.digest(part)
         committed = True
         for keeper in self.targets:
             conn = self._connection(keeper)
-            header = {"op": "put", "step": step, "start": self.start, "size": len(part), "sha256": digest}
+            header = {"op": "put", "step": step, "start": self.start, "size": len(part), "digest": digest}
             reply = self._request({**header, "expect": self._expect[keeper]}, keeper)
             where = f"the keeper at {self.addresses[keeper]}"
             if not reply.get("ok"):
                 raise MemoryTierUnavailable(f"{where} refused the snapshot of step {step}: {reply.get('message')}")
-            conn.send_bytes(part)
+            protocol.send_payload(conn, part)
             reply = protocol.recv_json(conn)
             if not reply.get("ok"):
                 raise MemoryTierUnavailable(f"{where} refused the snapshot of step {step}: {reply.get('message')}")
@@ -365,7 +411,7 @@ class MemoryTier:
     # -- restoring ---------------------------------------------------------------------
 
     def newest(self) -> tuple[int, bytes] | None:
-        """The newest committed snapshot's step and this process's part, checked against its SHA-256; None if
+        """The newest committed snapshot's step and this process's part, checked against its digest; None if
         the keeper has none of this job's world size or a larger one (`saved_world`: the job that took it).
 
         Under `meshfit launch --ray` the launcher chose the step every rank resumes from
@@ -394,7 +440,7 @@ class MemoryTier:
             return None
         self.saved_world = int(reply.get("world", self.world))
         part = protocol.recv_payload(self._connection(keeper), int(reply["size"]))
-        if hashlib.sha256(part).hexdigest() != reply.get("sha256"):
+        if protocol.digest(part) != reply.get("digest"):
             warnings.warn(f"the memory snapshot of step {reply['step']} arrived damaged; not restored.", stacklevel=2)
             return None
         self.source = self.addresses[keeper]
@@ -402,7 +448,7 @@ class MemoryTier:
 
     def restore(self, step: int, part: bytes, template_of) -> tuple[Any, dict[str, Any]] | None:
         """The tree and JSON part of a fetched snapshot, laid out as `template_of(meta)`; None (with a warning)
-        when it does not fit this process or a shard does not match its SHA-256."""
+        when it does not fit this process or a shard does not match its digest."""
         try:
             header, _ = unpack_header(part)
             meta = header["meta"]

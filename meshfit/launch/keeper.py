@@ -7,7 +7,7 @@ one on each node that runs ranks (`meshfit.launch.ray_keepers`). Each rank
 sends its part of a snapshot every K steps (`meshfit.checkpointing.memory_tier`),
 under Ray to its node's keeper and to replicas on other nodes' keepers; a
 snapshot is *committed* at a keeper once the part of every rank it expects
-(every rank of the job, on one machine) has arrived whole (its SHA-256 checked
+(every rank of the job, on one machine) has arrived whole (its digest checked
 on arrival), and only committed snapshots are handed out: a rank killed while
 sending leaves a partial one that no restart sees. Parts from an earlier start
 of the job never complete a snapshot of a later one. `agreed_steps` picks,
@@ -28,7 +28,6 @@ Imports nothing of JAX or numpy: the launcher starts in a fraction of a second.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import secrets
 import sys
@@ -75,7 +74,8 @@ class _Snapshot:
     world: int
     expect: frozenset[int]
     start: int = 0
-    parts: dict[int, bytes] = field(default_factory=dict)
+    parts: dict[int, bytes | bytearray] = field(default_factory=dict)
+    digests: dict[int, str] = field(default_factory=dict)  # each part's `keeper_protocol.digest`, checked on arrival
 
     @property
     def nbytes(self) -> int:
@@ -271,9 +271,9 @@ class Keeper:
 
     def _put(self, conn: Connection, request: dict) -> None:
         fit, step, rank, world, start = self._fields(request)
-        size, digest = request.get("size"), request.get("sha256")
+        size, digest = request.get("size"), request.get("digest")
         if type(size) is not int or size < 0 or not isinstance(digest, str):
-            raise protocol.ProtocolError("a put without its size and sha256")
+            raise protocol.ProtocolError("a put without its size and digest")
         expect = request.get("expect", list(range(world)))
         if (
             not isinstance(expect, list)
@@ -295,7 +295,7 @@ class Keeper:
             return
         protocol.send_json(conn, {"ok": True})
         payload = protocol.recv_payload(conn, size)
-        if hashlib.sha256(payload).hexdigest() != digest:
+        if protocol.digest(payload) != digest:
             protocol.send_json(conn, {"ok": True, "committed": False, "damaged": True})  # never committed
             return
         committed = None
@@ -306,6 +306,7 @@ class Keeper:
             snapshot = self._pending.setdefault((fit, start, step), _Snapshot(world, frozenset(expect), start))
             if snapshot.world == world and snapshot.expect == frozenset(expect):
                 snapshot.parts[rank] = payload
+                snapshot.digests[rank] = digest
             if set(snapshot.parts) == snapshot.expect:
                 committed = self._commit(fit, start, step)
             self.peak_bytes = max(self.peak_bytes, self._held())
@@ -339,8 +340,7 @@ class Keeper:
             # decides whether that part alone holds its arrays (`memory_tier.unpack`).
             found = [s for s in sorted(steps) if s < below and steps[s].world >= world]
             saved = steps[found[-1]] if found else None
-            part = saved.parts.get(rank) if saved is not None else None
-        self._send_part(conn, found[-1] if found else None, saved, part)
+        self._send_part(conn, found[-1] if found else None, saved, rank)
 
     def _get(self, conn: Connection, request: dict) -> None:
         """This rank's part of the committed snapshot of exactly `step` (and `start`, when given), if held."""
@@ -350,19 +350,18 @@ class Keeper:
             saved = self._committed.get(fit, {}).get(step)
             if saved is not None and start is not None and saved.start != start:
                 saved = None
-            part = saved.parts.get(rank) if saved is not None else None
-        self._send_part(conn, step, saved, part)
+        self._send_part(conn, step, saved, rank)
 
     @staticmethod
-    def _send_part(conn: Connection, step: int | None, saved: _Snapshot | None, part: bytes | None) -> None:
+    def _send_part(conn: Connection, step: int | None, saved: _Snapshot | None, rank: int) -> None:
+        """Rank `rank`'s part of `saved` with the digest it came with: the rank checks the bytes end to end."""
+        part = saved.parts.get(rank) if saved is not None else None
         if saved is None or part is None:
             protocol.send_json(conn, {"step": None})
             return
-        protocol.send_json(
-            conn,
-            {"step": step, "size": len(part), "sha256": hashlib.sha256(part).hexdigest(), "world": saved.world},
-        )
-        conn.send_bytes(part)
+        reply = {"step": step, "size": len(part), "digest": saved.digests[rank], "world": saved.world}
+        protocol.send_json(conn, reply)
+        protocol.send_payload(conn, part)
 
     def _held(self) -> int:
         committed = sum(s.nbytes for steps in self._committed.values() for s in steps.values())

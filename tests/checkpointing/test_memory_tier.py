@@ -5,10 +5,10 @@ in the launcher's place, its address in the environment as `meshfit launch` sets
 The multi-process restart with a real SIGKILL is in tests/callbacks/test_backup_and_restore.py.
 """
 
-import hashlib
 import io
 import json
 import os
+import re
 import struct
 import warnings
 
@@ -177,9 +177,9 @@ def put(fit_key: str, step: int, rank: int, world: int, part: bytes) -> dict:
     conn = keeper_protocol.connect()
     try:
         request = {"op": "put", "fit": fit_key, "rank": rank, "world": world, "step": step, "start": 0}
-        keeper_protocol.send_json(conn, {**request, "size": len(part), "sha256": hashlib.sha256(part).hexdigest()})
+        keeper_protocol.send_json(conn, {**request, "size": len(part), "digest": keeper_protocol.digest(part)})
         assert keeper_protocol.recv_json(conn)["ok"]
-        conn.send_bytes(part)
+        keeper_protocol.send_payload(conn, part)
         return keeper_protocol.recv_json(conn)
     finally:
         conn.close()
@@ -212,9 +212,28 @@ def test_an_array_split_across_the_larger_jobs_processes_is_not_assembled_from_o
     whole array: refused naming the array and the shard, so the restart resumes from disk."""
     part = memory_tier.pack(4, {"w": jnp.arange(8.0).reshape(4, 2)}, {})
     header, data = memory_tier.unpack_header(part)
-    header["leaves"][0]["shards"] = [{"index": "0:2,0:2", "offset": 0, "nbytes": 16}]  # rows 0-1 only
+    rows = {"index": "0:2,0:2", "offset": 0, "nbytes": 16, "digest": keeper_protocol.digest(data[:16])}
+    header["leaves"][0]["shards"] = [rows]  # rows 0-1 only
     raw = json.dumps(header).encode()
     half = memory_tier.MAGIC + struct.pack(">Q", len(raw)) + raw + bytes(data[:16])
     with pytest.raises(ValueError, match=r"w: this process's part holds no shard \[0:4,0:2\] nor the whole array"):
         memory_tier.unpack(half, {"w": jnp.zeros((4, 2))})
     np.testing.assert_array_equal(memory_tier.unpack(part, {"w": jnp.zeros((4, 2))})["w"], np.arange(8.0).reshape(4, 2))
+
+
+def test_snapshots_the_keeper_cannot_take_every_memory_freq_steps_say_so_once_naming_a_freq_that_can(tmp_path, keeper):
+    """A 2-MiB state (a 16,384-wide hidden layer and Adam's moments) snapshotted after every sub-millisecond
+    step: each snapshot waits for the one before it, which the warning says once, with a `memory_freq` that
+    keeps up."""
+    x, y = classification_data(n=16 * 8)
+    model = mf.Model(MLP(hidden=4096 * 4), seed=3)
+    model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    backup = mf.callbacks.BackupAndRestore(tmp_path / "b", save_freq=1000, memory_freq=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=16, epochs=1, callbacks=[backup], verbose=0)
+    said = [str(w.message) for w in caught if "memory snapshots hold training" in str(w.message)]
+    assert len(said) == 1, said
+    suggested = int(re.search(r"Pass memory_freq=(\d+) or more", said[0]).group(1))
+    assert suggested > 1 and "MiB a process" in said[0] and "memory_freq=1 steps train in" in said[0]
+    assert keeper.committed_steps(os.path.abspath(tmp_path / "b")) == []  # the fit ended: its snapshots dropped

@@ -5,7 +5,6 @@ Real sockets and real processes: a rank is a client speaking the protocol
 a subprocess SIGKILLed after writing part of its frame.
 """
 
-import hashlib
 import io
 import os
 import signal
@@ -36,15 +35,15 @@ def client(keeper):
 
 
 def put(conn, step, rank, payload, world=2, fit="f", start=0, expect=None):
-    digest = hashlib.sha256(payload).hexdigest()
+    digest = protocol.digest(payload)
     header = {"fit": fit, "rank": rank, "world": world, "step": step, "start": start, "size": len(payload)}
     if expect is not None:
         header["expect"] = expect
-    protocol.send_json(conn, {"op": "put", **header, "sha256": digest})
+    protocol.send_json(conn, {"op": "put", **header, "digest": digest})
     reply = protocol.recv_json(conn)
     if not reply["ok"]:
         return reply
-    conn.send_bytes(payload)
+    protocol.send_payload(conn, payload)
     return protocol.recv_json(conn)
 
 
@@ -95,17 +94,16 @@ def test_a_part_the_host_cannot_hold_is_refused_for_every_rank():
 
 
 KILLED_MID_SEND = textwrap.dedent("""
-    import hashlib, os, signal, sys
+    import os, signal, sys
     from meshfit.runtime import keeper_protocol as protocol
     address, key, start = sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3])
     conn = protocol.connect(address, key)
     payload = os.urandom(1 << 20)
     header = {"op": "put", "fit": "f", "rank": 1, "world": 2, "step": 10, "start": start, "size": len(payload),
-              "sha256": hashlib.sha256(payload).hexdigest()}
+              "digest": protocol.digest(payload)}
     protocol.send_json(conn, header)
     assert protocol.recv_json(conn)["ok"]
-    import struct
-    os.write(conn.fileno(), struct.pack("!i", len(payload)) + payload[: len(payload) // 2])  # half the frame
+    protocol.send_payload(conn, payload[: len(payload) // 2])  # half the payload
     print("half sent", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 """)
@@ -134,9 +132,9 @@ def test_a_damaged_part_is_not_committed(keeper):
     a, b = client(keeper), client(keeper)
     put(a, 5, 0, b"r0@5")
     header = {"fit": "f", "rank": 1, "world": 2, "step": 5, "start": 0, "size": 4}
-    protocol.send_json(b, {"op": "put", **header, "sha256": hashlib.sha256(b"r1@5").hexdigest()})
+    protocol.send_json(b, {"op": "put", **header, "digest": protocol.digest(b"r1@5")})
     assert protocol.recv_json(b)["ok"]
-    b.send_bytes(b"r1@X")  # altered in transit
+    protocol.send_payload(b, b"r1@X")  # altered in transit
     assert protocol.recv_json(b) == {"ok": True, "committed": False, "damaged": True}
     assert keeper.committed_steps("f") == []
 
@@ -170,12 +168,12 @@ def test_a_rank_that_breaks_the_protocol_after_the_handshake_is_closed(keeper):
     with pytest.raises((EOFError, OSError)):
         a.recv_bytes()
     b = client(keeper)
-    protocol.send_json(b, {"op": "put", "fit": "f", "rank": 5, "world": 2, "step": 1, "size": 1, "sha256": ""})
+    protocol.send_json(b, {"op": "put", "fit": "f", "rank": 5, "world": 2, "step": 1, "size": 1, "digest": ""})
     with pytest.raises((EOFError, OSError)):
         b.recv_bytes()
     for expect in ([1], [0, 2], "0,1"):  # ranks a replica keeper expects: must hold the sender, within the world
         c = client(keeper)
-        header = {"op": "put", "fit": "f", "rank": 0, "world": 2, "step": 1, "size": 1, "sha256": "", "expect": expect}
+        header = {"op": "put", "fit": "f", "rank": 0, "world": 2, "step": 1, "size": 1, "digest": "", "expect": expect}
         protocol.send_json(c, header)
         with pytest.raises((EOFError, OSError)):
             c.recv_bytes()
