@@ -8,6 +8,7 @@ fails its test instead of stalling the suite.
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import signal
@@ -110,8 +111,23 @@ class Job:
         found = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True)
         return [int(pid) for pid in found.stdout.split()]
 
+    def _signal_state(self) -> str:
+        """Each thread's pending, blocked, ignored and caught signals (hex masks from /proc), for a stuck job."""
+        lines = []
+        for task in sorted(glob.glob(f"/proc/{self.proc.pid}/task/*/status")):
+            try:
+                with open(task) as f:
+                    fields = dict(line.split(":", 1) for line in f if ":" in line)
+            except OSError:
+                continue
+            masks = " ".join(f"{k}={fields[k].strip()}" for k in ("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt"))
+            lines.append(f"{fields['Name'].strip()} ({task.split('/')[4]}): {masks}")
+        return "\n".join(lines)
+
     def _fail(self, why: str) -> None:
-        if self.proc.poll() is None:  # stuck: its threads' stacks to stderr before it is killed
+        state = ""
+        if self.proc.poll() is None:  # stuck: its threads' signal state and stacks before it is killed
+            state = f"\n--- signals (SIGINT is bit 0x2, SIGTERM 0x4000) ---\n{self._signal_state()}"
             self.proc.send_signal(signal.SIGABRT)
             try:
                 self.proc.wait(timeout=5)
@@ -122,7 +138,7 @@ class Job:
         self.kill()
         raise AssertionError(
             f"{' '.join(self.argv)}: {why}.\n--- stdout (end) ---\n{self.stdout[-8000:]}"
-            f"\n--- stderr (end) ---\n{self.stderr[-6000:]}"
+            f"\n--- stderr (end) ---\n{self.stderr[-6000:]}{state}"
         )
 
     def __enter__(self) -> Job:

@@ -25,6 +25,9 @@ HANG = [False]  # set after step 3 in "step" mode
 
 
 def main():
+    # SIGINT as a process started from a terminal has it, even when the suite itself runs in the background (a
+    # shell starts background jobs with SIGINT ignored, and the processes they start inherit that).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     parser = argparse.ArgumentParser()
     parser.add_argument("backup")
     parser.add_argument("how", choices=["input", "step", "none"])
