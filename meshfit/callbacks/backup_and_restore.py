@@ -53,6 +53,10 @@ def _from_positional_keys(saved: dict[str, dict], callbacks: list[Callback], key
     return found
 
 
+#: Seconds a memory snapshot may wait for the one before it without a warning, however short the steps.
+SLOW_SNAPSHOT_WAIT = 0.05
+
+
 class BackupAndRestore(Callback):
     """Backs up training so a restarted `fit` continues from the exact step.
 
@@ -457,9 +461,10 @@ class BackupAndRestore(Callback):
         self._memory_since = now
 
     def _say_if_snapshots_hold_training(self, waited: float, interval: float) -> None:
-        """Warns once when a snapshot waited for the one before it for over a tenth of the time between them:
+        """Warns once when a snapshot waited for the one before it for over a tenth of the time between them (and
+        `SLOW_SNAPSHOT_WAIT` seconds at least: milliseconds on a toy model's sub-millisecond steps are noise):
         the keeper cannot take a snapshot every `memory_freq` steps without slowing training."""
-        if waited <= 0.1 * interval:
+        if waited <= max(0.1 * interval, SLOW_SNAPSHOT_WAIT):
             return
         self._memory_slow_said = True
         memory, training = self._memory, max(interval - waited, 1e-6)

@@ -222,11 +222,11 @@ def test_an_array_split_across_the_larger_jobs_processes_is_not_assembled_from_o
 
 
 def test_snapshots_the_keeper_cannot_take_every_memory_freq_steps_say_so_once_naming_a_freq_that_can(tmp_path, keeper):
-    """A 2-MiB state (a 16,384-wide hidden layer and Adam's moments) snapshotted after every sub-millisecond
-    step: each snapshot waits for the one before it, which the warning says once, with a `memory_freq` that
-    keeps up."""
-    x, y = classification_data(n=16 * 8)
-    model = mf.Model(MLP(hidden=4096 * 4), seed=3)
+    """A 50-MiB state (a 1,024 x 4,096 layer and Adam's moments) snapshotted after every step of a few ms: each
+    snapshot waits for the one before it, which the warning says once, with a `memory_freq` that keeps up."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16 * 8, 1024)).astype(np.float32), rng.integers(0, 3, 16 * 8)
+    model = mf.Model(MLP(din=1024, hidden=4096), seed=3)
     model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
     backup = mf.callbacks.BackupAndRestore(tmp_path / "b", save_freq=1000, memory_freq=1)
     with warnings.catch_warnings(record=True) as caught:
