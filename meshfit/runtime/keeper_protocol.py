@@ -168,7 +168,10 @@ def digests(buffers) -> list[str]:
     views = [memoryview(b).cast("B") for b in buffers]
     pieces = [[v[i : i + DIGEST_CHUNK] for i in range(0, len(v), DIGEST_CHUNK)] or [v] for v in views]
     flat = [piece for group in pieces for piece in group]
-    sums = iter(map(_sha256, flat) if len(flat) == 1 else _hashers().map(_sha256, flat))
+    # Under two pieces' worth, one core: handing small buffers to threads costs more than it saves, and the
+    # threads would take the interpreter lock from the training loop.
+    few = sum(len(v) for v in views) < 2 * DIGEST_CHUNK
+    sums = iter(map(_sha256, flat) if few else _hashers().map(_sha256, flat))
     return [hashlib.sha256(b"".join(next(sums) for _ in group)).hexdigest() for group in pieces]
 
 
