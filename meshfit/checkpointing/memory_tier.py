@@ -327,7 +327,7 @@ class MemoryTier:
         held = [layout.copy(flat)]
 
         def send() -> None:
-            began = time.perf_counter()
+            started = time.perf_counter()
             try:
                 copies, finite = held.pop()  # the device copies are freed once on the host
                 if not all(bool(flag) for flag in finite):
@@ -338,7 +338,7 @@ class MemoryTier:
                 part = self._buffer = _pack(step, entries, meta, into=self._buffer)
                 del entries
                 self._send(step, part)
-                self.send_seconds, self.part_bytes = time.perf_counter() - began, len(part)
+                self.send_seconds, self.part_bytes = time.perf_counter() - started, len(part)
             except BaseException as error:  # noqa: BLE001 - raised by the next save, wait or close
                 self._error = error
 

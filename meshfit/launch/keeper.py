@@ -34,7 +34,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener
-from typing import TextIO
+from typing import NamedTuple, TextIO
 
 from meshfit.runtime import keeper_protocol as protocol
 from meshfit.runtime.handshake import HANDSHAKE_ERRORS, handshake
@@ -63,6 +63,13 @@ def available_memory() -> int:
     return 1 << 62
 
 
+class _Part(NamedTuple):
+    """One rank's part of a snapshot, with the `keeper_protocol.digest` it came with (checked on arrival)."""
+
+    payload: bytes | bytearray
+    digest: str
+
+
 @dataclass
 class _Snapshot:
     """The parts of one snapshot (one fit, one step, one start of the job) that this keeper holds, by rank.
@@ -74,12 +81,11 @@ class _Snapshot:
     world: int
     expect: frozenset[int]
     start: int = 0
-    parts: dict[int, bytes | bytearray] = field(default_factory=dict)
-    digests: dict[int, str] = field(default_factory=dict)  # each part's `keeper_protocol.digest`, checked on arrival
+    parts: dict[int, _Part] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        return sum(len(p) for p in self.parts.values())
+        return sum(len(p.payload) for p in self.parts.values())
 
 
 class Keeper:
@@ -305,8 +311,7 @@ class Keeper:
                 del self._pending[key]
             snapshot = self._pending.setdefault((fit, start, step), _Snapshot(world, frozenset(expect), start))
             if snapshot.world == world and snapshot.expect == frozenset(expect):
-                snapshot.parts[rank] = payload
-                snapshot.digests[rank] = digest
+                snapshot.parts[rank] = _Part(payload, digest)
             if set(snapshot.parts) == snapshot.expect:
                 committed = self._commit(fit, start, step)
             self.peak_bytes = max(self.peak_bytes, self._held())
@@ -359,9 +364,9 @@ class Keeper:
         if saved is None or part is None:
             protocol.send_json(conn, {"step": None})
             return
-        reply = {"step": step, "size": len(part), "digest": saved.digests[rank], "world": saved.world}
+        reply = {"step": step, "size": len(part.payload), "digest": part.digest, "world": saved.world}
         protocol.send_json(conn, reply)
-        protocol.send_payload(conn, part)
+        protocol.send_payload(conn, part.payload)
 
     def _held(self) -> int:
         committed = sum(s.nbytes for steps in self._committed.values() for s in steps.values())
