@@ -151,7 +151,11 @@ def memory_sigkill(base, reference_two, step):
     # before it when the kill came while the newest was still in flight.
     newest = (step - 1) // 5 * 5
     resumed = said is not None and int(said.group(1)) in (newest, newest - 5)
-    return status == 0 and resumed and same(out, reference_two), status != 0 or not resumed
+    exact = status == 0 and resumed and same(out, reference_two)
+    if not exact:  # what went wrong, for the record: the exit status, the resume, the job's last words
+        print(f"  killed at step {step}: exit {status}, {said.group(0) if said else 'no memory resume'}", flush=True)
+        print(textwrap.indent((job.stdout + job.stderr)[-3000:], "    | "), flush=True)
+    return exact, status != 0 or not resumed
 
 
 RAY_FAULT = "lost Ray node holding a keeper, memory tier on (2 ranks)"

@@ -90,6 +90,20 @@ STAGES = (
         ("--isolate",),
         8,
     ),
+    Stage(
+        "snapshot",
+        "issue 39: where a 3.75-GiB memory-tier snapshot's seconds go, against device_get and a socket",
+        "bench_snapshot.py",
+        ("--gib", "3.75", "--repeats", "2"),
+        2,
+    ),
+    Stage(
+        "recovery",
+        "issue 39: kill to first resumed step and the loop's hold with a GPU-sized state (350 M decoder)",
+        "bench_recovery.py",
+        ("--gpu", "--model", "decoder", "--epochs", "2", "--failures", "1", "--memory-only", "--cost-rounds", "0"),
+        5,
+    ),
 )
 
 

@@ -66,7 +66,7 @@ def available_memory() -> int:
 class _Part(NamedTuple):
     """One rank's part of a snapshot, with the `keeper_protocol.digest` it came with (checked on arrival)."""
 
-    payload: bytes | bytearray
+    payload: bytearray
     digest: str
 
 
@@ -123,6 +123,10 @@ class Keeper:
         self._pending: dict[tuple[str, int, int], _Snapshot] = {}  # (fit, start, step) -> parts so far
         self._decided: dict[tuple[str, int, int], str] = {}  # (fit, start, step) -> why refused ("": accepted)
         self._refused: dict[tuple[str, int], str] = {}  # (fit, start) -> why its snapshots are refused
+        # The buffers of the snapshot the newest commit evicted, read into again by the next parts of their
+        # size: a fresh multi-GB buffer costs a page fault per 4 KiB. Not while a part is being sent out.
+        self._spares: list[bytearray] = []
+        self._sending = 0
         self._handshakes = threading.BoundedSemaphore(self._MAX_HANDSHAKES)
         self._stranger_seen = False
         self._said_holding: set[str] = set()
@@ -167,6 +171,7 @@ class Keeper:
         with self._lock:
             self._committed.clear()
             self._pending.clear()
+            self._spares.clear()
 
     # -- connections -------------------------------------------------------------------
 
@@ -234,6 +239,7 @@ class Keeper:
                 self._committed.pop(fit, None)
                 for key in [k for k in self._pending if k[0] == fit]:
                     del self._pending[key]
+                self._spares.clear()
             protocol.send_json(conn, {"ok": True})
         else:
             raise protocol.ProtocolError(f"an unknown request {str(op)[:40]!r}")
@@ -300,7 +306,11 @@ class Keeper:
             protocol.send_json(conn, {"ok": False, "error": "memory", "message": refusal})
             return
         protocol.send_json(conn, {"ok": True})
-        payload = protocol.recv_payload(conn, size)
+        with self._lock:
+            spare = next((b for b in self._spares if len(b) == size), None)
+            if spare is not None:
+                self._spares.remove(spare)
+        payload = protocol.recv_payload(conn, size, into=spare)
         if protocol.digest(payload) != digest:
             protocol.send_json(conn, {"ok": True, "committed": False, "damaged": True})  # never committed
             return
@@ -329,8 +339,9 @@ class Keeper:
         snapshot = self._pending.pop((fit, start, step))
         steps = self._committed.setdefault(fit, {})
         steps[step] = snapshot
-        for old in sorted(steps)[:-KEEP]:
-            del steps[old]
+        evicted = [steps.pop(old) for old in sorted(steps)[:-KEEP]]
+        if not self._sending:
+            self._spares = [p.payload for old in evicted for p in old.parts.values()]
         for key in [k for k in self._pending if k[0] == fit and k[2] <= step]:
             del self._pending[key]
         for key in [k for k in self._decided if k[0] == fit and k[2] <= step]:
@@ -344,8 +355,10 @@ class Keeper:
             # A smaller world (an elastic restart) gets the part of its own rank in the larger one: the rank
             # decides whether that part alone holds its arrays (`memory_tier.unpack`).
             found = [s for s in sorted(steps) if s < below and steps[s].world >= world]
-            saved = steps[found[-1]] if found else None
-        self._send_part(conn, found[-1] if found else None, saved, rank)
+            step = found[-1] if found else None
+            saved = steps[step] if step is not None else None
+            self._sending += 1
+        self._send_part(conn, step, saved, rank)
 
     def _get(self, conn: Connection, request: dict) -> None:
         """This rank's part of the committed snapshot of exactly `step` (and `start`, when given), if held."""
@@ -355,18 +368,24 @@ class Keeper:
             saved = self._committed.get(fit, {}).get(step)
             if saved is not None and start is not None and saved.start != start:
                 saved = None
+            self._sending += 1
         self._send_part(conn, step, saved, rank)
 
-    @staticmethod
-    def _send_part(conn: Connection, step: int | None, saved: _Snapshot | None, rank: int) -> None:
-        """Rank `rank`'s part of `saved` with the digest it came with: the rank checks the bytes end to end."""
-        part = saved.parts.get(rank) if saved is not None else None
-        if saved is None or part is None:
-            protocol.send_json(conn, {"step": None})
-            return
-        reply = {"step": step, "size": len(part.payload), "digest": part.digest, "world": saved.world}
-        protocol.send_json(conn, reply)
-        protocol.send_payload(conn, part.payload)
+    def _send_part(self, conn: Connection, step: int | None, saved: _Snapshot | None, rank: int) -> None:
+        """Rank `rank`'s part of `saved` with the digest it came with: the rank checks the bytes end to end.
+        The caller counted it in `_sending` under the lock it found `saved` with: no buffer is recycled while
+        one is sent."""
+        try:
+            part = saved.parts.get(rank) if saved is not None else None
+            if saved is None or part is None:
+                protocol.send_json(conn, {"step": None})
+                return
+            reply = {"step": step, "size": len(part.payload), "digest": part.digest, "world": saved.world}
+            protocol.send_json(conn, reply)
+            protocol.send_payload(conn, part.payload)
+        finally:
+            with self._lock:
+                self._sending -= 1
 
     def _held(self) -> int:
         committed = sum(s.nbytes for steps in self._committed.values() for s in steps.values())

@@ -140,10 +140,11 @@ def send_payload(conn: Connection, data) -> None:
         view = view[os.write(fd, view[:_IO_CHUNK]) :]
 
 
-def recv_payload(conn: Connection, size: int) -> bytearray:
-    """The `size` bytes that follow the JSON frame announcing them, read into one buffer; `EOFError` when the
-    peer closes before all of them came."""
-    payload = bytearray(size)
+def recv_payload(conn: Connection, size: int, into: bytearray | None = None) -> bytearray:
+    """The `size` bytes that follow the JSON frame announcing them, read into one buffer (`into` when it is
+    `size` bytes long: memory already paged in, where a fresh buffer costs a page fault per 4 KiB); `EOFError`
+    when the peer closes before all of them came."""
+    payload = into if into is not None and len(into) == size else bytearray(size)
     view = memoryview(payload)
     fd, got = conn.fileno(), 0
     while got < size:
@@ -155,8 +156,18 @@ def recv_payload(conn: Connection, size: int) -> bytearray:
 
 
 @functools.cache
-def _hashers() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="meshfit-digest")
+def _threads() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="meshfit-snapshot")
+
+
+def in_pieces(fn, items: list, nbytes: int) -> list:
+    """`[fn(item) for item in items]`, on up to 8 threads when `nbytes` (what they cover) is at least two
+    `DIGEST_CHUNK`s: hashing and numpy copies let go of the interpreter lock, so gigabytes move on several
+    cores. Under that, on this thread: handing small pieces to threads costs more than it saves, and the
+    threads would take the interpreter lock from the training loop."""
+    if nbytes < 2 * DIGEST_CHUNK:
+        return [fn(item) for item in items]
+    return list(_threads().map(fn, items))
 
 
 def _sha256(data) -> bytes:
@@ -167,11 +178,7 @@ def digests(buffers) -> list[str]:
     """`digest` of each of `buffers`, their pieces hashed on several cores at once."""
     views = [memoryview(b).cast("B") for b in buffers]
     pieces = [[v[i : i + DIGEST_CHUNK] for i in range(0, len(v), DIGEST_CHUNK)] or [v] for v in views]
-    flat = [piece for group in pieces for piece in group]
-    # Under two pieces' worth, one core: handing small buffers to threads costs more than it saves, and the
-    # threads would take the interpreter lock from the training loop.
-    few = sum(len(v) for v in views) < 2 * DIGEST_CHUNK
-    sums = iter(map(_sha256, flat) if few else _hashers().map(_sha256, flat))
+    sums = iter(in_pieces(_sha256, [piece for group in pieces for piece in group], sum(len(v) for v in views)))
     return [hashlib.sha256(b"".join(next(sums) for _ in group)).hexdigest() for group in pieces]
 
 

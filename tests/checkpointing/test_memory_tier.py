@@ -10,7 +10,9 @@ import json
 import os
 import re
 import struct
+import threading
 import warnings
+from multiprocessing.connection import Listener
 
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,7 @@ import meshfit as mf
 from meshfit.checkpointing import memory_tier
 from meshfit.launch.keeper import Keeper
 from meshfit.runtime import keeper_protocol
+from meshfit.runtime.handshake import handshake
 
 
 @pytest.fixture
@@ -131,30 +134,38 @@ def test_a_disk_backup_newer_than_the_memory_snapshot_wins(tmp_path, keeper, cap
     assert f"resumed from {tmp_path / 'b'} at epoch 1, batch 5 (step 5)." in capsys.readouterr().out
 
 
-def test_a_part_whose_shard_does_not_match_its_digest_is_not_restored(tmp_path, keeper):
+def test_a_part_whose_bytes_changed_in_the_keeper_is_not_restored(tmp_path, keeper, monkeypatch):
+    """The keeper's host flips one bit of a weight in a part it holds: the rank fetching it finds the bytes do
+    not match the digest they were sent with, and restores nothing (the fit resumes from disk)."""
     fit(tmp_path / "b", 1, save_freq=1000, memory_freq=3, delete_checkpoint=False)
-    tier = memory_tier.MemoryTier(os.path.abspath(tmp_path / "b"))
+    fit_key = os.path.abspath(tmp_path / "b")
+    tier = memory_tier.MemoryTier(fit_key)
     step, part = tier.newest()
+    tier.close()
     header, data = memory_tier.unpack_header(part)
     kernel = next(leaf for leaf in header["leaves"] if leaf["path"].endswith("kernel"))
     at = len(part) - len(data) + kernel["shards"][0]["offset"]
     damaged = part[:at] + bytes([part[at] ^ 0x01]) + part[at + 1 :]  # one bit of one weight
-    model = mf.Model(MLP(), seed=3)
-    model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
-    x, y = classification_data(n=16)
-    model.fit(x, y, batch_size=16, epochs=1, verbose=0)  # a live state to lay the arrays out like
-    from meshfit.checkpointing.checkpoint_schema import BACKUP
+    key, listener = os.urandom(32), Listener(("127.0.0.1", 0))
 
-    def template_of(meta):
-        return BACKUP.target(model.session.store.latest, meta)
+    def flipped_keeper() -> None:  # the keeper's protocol, serving the damaged bytes with the part's digest
+        with listener.accept() as conn:
+            handshake(conn, key, accepting=True)
+            keeper_protocol.recv_json(conn)
+            reply = {"step": step, "size": len(part), "digest": keeper_protocol.digest(part), "world": 1}
+            keeper_protocol.send_json(conn, reply)
+            keeper_protocol.send_payload(conn, damaged)
 
-    assert tier.restore(step, part, template_of) is not None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert tier.restore(step, damaged, template_of) is None
-    said = [str(w.message) for w in caught]
-    assert any("does not match its digests (train/params/hidden/kernel [0:4,0:16])" in m for m in said), said
+    serving = threading.Thread(target=flipped_keeper, daemon=True)
+    serving.start()
+    monkeypatch.setenv(keeper_protocol.ENV_KEEPER_ADDRESS, "{}:{}".format(*listener.address))
+    monkeypatch.setenv(keeper_protocol.ENV_KEEPER_AUTHKEY, key.hex())
+    tier = memory_tier.MemoryTier(fit_key)
+    with pytest.warns(UserWarning, match=f"the memory snapshot of step {step} arrived damaged; not restored"):
+        assert tier.newest() is None
     tier.close()
+    serving.join(timeout=30)
+    listener.close()
 
 
 def test_a_host_that_cannot_hold_the_snapshots_falls_back_to_disk_with_one_warning(tmp_path, monkeypatch):
@@ -212,7 +223,7 @@ def test_an_array_split_across_the_larger_jobs_processes_is_not_assembled_from_o
     whole array: refused naming the array and the shard, so the restart resumes from disk."""
     part = memory_tier.pack(4, {"w": jnp.arange(8.0).reshape(4, 2)}, {})
     header, data = memory_tier.unpack_header(part)
-    rows = {"index": "0:2,0:2", "offset": 0, "nbytes": 16, "digest": keeper_protocol.digest(data[:16])}
+    rows = {"index": "0:2,0:2", "offset": 0, "nbytes": 16}
     header["leaves"][0]["shards"] = [rows]  # rows 0-1 only
     raw = json.dumps(header).encode()
     half = memory_tier.MAGIC + struct.pack(">Q", len(raw)) + raw + bytes(data[:16])

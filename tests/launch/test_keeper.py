@@ -70,6 +70,29 @@ def test_a_snapshot_is_committed_only_once_every_rank_sent_its_part(keeper):
     assert "committed the memory snapshot of step 5" in keeper.test_log.getvalue()
 
 
+def test_an_evicted_snapshots_buffers_take_the_next_parts_but_never_one_being_sent(keeper):
+    """The keeper reads new parts into the buffers of the snapshot a commit evicted (no fresh multi-GB
+    allocation per snapshot), except while a part is being sent: a rank fetching step 2 that reads slowly
+    gets step 2's bytes, though steps 3 to 5 arrive and evict it meanwhile."""
+    size = 32 << 20  # more than the sockets buffer: the keeper's send blocks until the reader reads
+
+    def part(step):
+        return bytes([step]) * size
+
+    writer, reader = client(keeper), client(keeper)
+    for step in (1, 2):
+        assert put(writer, step, 0, part(step), world=1)["committed"]
+    protocol.send_json(reader, {"op": "latest", "fit": "f", "rank": 0, "world": 1, "step": 1 << 62})
+    reply = protocol.recv_json(reader)  # the keeper is now sending step 2's buffer, and blocks
+    for step in (3, 4, 5):
+        assert put(writer, step, 0, part(step), world=1)["committed"]
+    assert reply["step"] == 2 and protocol.recv_payload(reader, reply["size"]) == part(2)
+    for step in (6, 7, 8):  # nothing is being sent: the evicted buffers are read into again
+        assert put(writer, step, 0, part(step), world=1)["committed"]
+        assert latest(reader, 0, world=1) == (step, part(step))
+    assert keeper.committed_steps("f") == [7, 8] and keeper.held_bytes() == 2 * size
+
+
 def test_parts_of_an_earlier_start_never_complete_a_snapshot(keeper):
     a, b = client(keeper), client(keeper)
     put(a, 5, 0, b"old", start=0)  # rank 0 of the first start sent step 5; rank 1 died first

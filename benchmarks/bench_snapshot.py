@@ -1,0 +1,192 @@
+"""Where a memory-tier snapshot's time goes, against a bare `jax.device_get` and socket send of the same bytes.
+
+A state of `--gib` GiB (float32 arrays of `--array-mib` MiB on the default
+device) is snapshotted to a real keeper (`meshfit.launch.keeper.Keeper`, in a
+child process as under `meshfit launch`) `--repeats` times through
+`MemoryTier.save` and `wait`: the seconds per snapshot. Then the phases of one
+snapshot, each timed alone in the order the tier's sender thread runs them:
+the copy on the device, the copy to the host, packing the part (one copy
+into the part's buffer), the part's digest, the send (the keeper reads it
+and checks its digest); and a restore (fetch, digest, arrays rebuilt on the
+device). The baseline is what
+any such tier must do at least: `jax.device_get` of the state and the bytes
+written to a socket that a child process reads into one buffer. On a GPU it
+also times the copy to the host through `pinned_host` memory.
+
+    python benchmarks/bench_snapshot.py [--gib 1] [--array-mib 64] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import time
+
+from smoke import parse_args
+
+
+def serve() -> None:
+    """The child: a keeper and a raw sink (reads `size` bytes into one buffer, answers one byte); prints where."""
+    from meshfit.launch.keeper import Keeper
+
+    keeper = Keeper(log=sys.stderr)
+    sink = socket.create_server(("127.0.0.1", 0))
+
+    def drain() -> None:
+        while True:
+            conn, _ = sink.accept()
+            with conn:
+                while header := conn.recv(8, socket.MSG_WAITALL):
+                    (size,) = struct.unpack(">Q", header)
+                    view, got = memoryview(bytearray(size)), 0
+                    while got < size:
+                        got += conn.recv_into(view[got:], min(size - got, 16 << 20))
+                    conn.sendall(b"k")
+
+    import threading
+
+    threading.Thread(target=drain, daemon=True).start()
+    print(json.dumps({"env": keeper.env(), "sink": sink.getsockname()[1]}), flush=True)
+    sys.stdin.read()  # until the parent closes it
+    keeper.close()
+
+
+def timed(fn, repeats: int) -> float:
+    """The median seconds of `repeats` calls of `fn`."""
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--gib", type=float, default=1.0, help="the state's size")
+    parser.add_argument("--array-mib", type=int, default=64, help="the size of each array of the state")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parse_args(parser, gib=1 / 64, array_mib=4, repeats=2)
+    if args.serve:
+        serve()
+        return
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        where = json.loads(child.stdout.readline())
+        os.environ.update(where["env"])
+        run(args, where["sink"])
+    finally:
+        child.stdin.close()
+        child.wait(timeout=60)
+
+
+def run(args, sink_port: int) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from meshfit.checkpointing import memory_tier as tier
+    from meshfit.runtime import keeper_protocol as protocol
+
+    count = max(1, round(args.gib * 1024 / args.array_mib))
+    elements = args.array_mib * (1 << 20) // 4
+    keys = jax.random.split(jax.random.key(0), count)
+    state = {f"w{i:03d}": jax.random.normal(k, (elements,), jnp.float32) for i, k in enumerate(keys)}
+    state = jax.block_until_ready(state)
+    nbytes = sum(x.nbytes for x in state.values())
+    device = next(iter(state.values())).devices().pop()
+    print(f"{device.platform} ({device.device_kind}): a state of {nbytes / 2**30:.2f} GiB in {count} arrays")
+    meta = {"step": 1}
+
+    memory = tier.MemoryTier(os.path.join(os.getcwd(), "bench-snapshot"))
+    memory.save(0, state, meta)  # compiles the copy program, opens the connection, pages in the buffer
+    memory.wait()
+
+    steps = iter(range(1, 1 << 30))  # a new step each time: the keeper evicts and recycles as in a fit
+
+    def snapshot() -> None:
+        memory.save(next(steps), state, meta)
+        memory.wait()
+
+    whole = timed(snapshot, args.repeats)
+
+    sink = socket.create_connection(("127.0.0.1", sink_port))
+
+    def baseline() -> None:
+        host = jax.device_get(state)
+        for value in host.values():
+            sink.sendall(struct.pack(">Q", value.nbytes))
+            sink.sendall(memoryview(value).cast("B"))
+            sink.recv(1)
+
+    baseline()
+    bare = timed(baseline, args.repeats)
+    rate = f"{nbytes / whole / 1e9:.2f} GB/s"
+    print(f"snapshot (save + wait): {whole:.3f} s ({rate}), of which sending {memory.send_seconds:.3f} s")
+    print(f"baseline (device_get + socket): {bare:.3f} s ({nbytes / bare / 1e9:.2f} GB/s)")
+    print(f"snapshot / baseline: {whole / bare:.2f}")
+
+    # One snapshot's phases, each alone, in the sender thread's order.
+    flat = jax.tree_util.tree_leaves(state)
+    layout = tier._Layout(state)
+    phases: dict[str, float] = {}
+    held: dict = {}
+
+    def device_copy() -> None:
+        held["entries"], held["finite"] = jax.block_until_ready(layout.copy(flat))
+
+    def to_host() -> None:
+        assert all(bool(f) for f in held["finite"])
+        held["host"] = tier._on_host(held["entries"])
+
+    def pack() -> None:
+        held["part"] = memory._buffer = tier._pack(next(steps), held["host"], meta, into=memory._buffer)
+
+    def part_digest() -> None:
+        protocol.digest(held["part"])
+
+    def send() -> None:
+        memory._send(next(steps), held["part"])
+
+    def restore() -> None:
+        step, part = memory.newest()
+        jax.block_until_ready(memory.restore(step, part, lambda meta: state)[0])
+
+    for name, fn in [
+        ("copy on the device", device_copy),
+        ("copy to the host", to_host),
+        ("pack (one copy into the part's buffer)", pack),
+        ("the part's digest", part_digest),
+        ("send (the keeper reads and checks the digest; includes the part's digest)", send),
+        ("restore (fetch, digests, arrays on the device)", restore),
+    ]:
+        phases[name] = timed(fn, args.repeats)
+    if device.platform != "cpu":
+
+        def pinned() -> None:
+            moved = [jax.device_put(x, x.sharding.with_memory_kind("pinned_host")) for x in flat]
+            [np.asarray(x) for x in jax.block_until_ready(moved)]
+
+        try:
+            pinned()
+            phases["copy to the host through pinned_host memory"] = timed(pinned, args.repeats)
+        except Exception as error:  # noqa: BLE001 - a backend without pinned host memory: say so, go on
+            print(f"pinned_host: {type(error).__name__}: {str(error)[:200]}")
+    for name, seconds in phases.items():
+        print(f"  {name}: {seconds:.3f} s ({nbytes / seconds / 1e9:.2f} GB/s)")
+    memory.drop()
+    memory.close()
+    sink.close()
+
+
+if __name__ == "__main__":
+    main()
