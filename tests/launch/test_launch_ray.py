@@ -37,6 +37,27 @@ def address(cluster):
     return cluster.address
 
 
+RESUMABLE = os.path.join(WORKERS, "train_resumable.py")
+#: The memory-replica tests' job: 2 epochs, multi-worker, no disk backup within it.
+RESUMABLE_ARGS = ["--strategy", "multi_worker", "--epochs", "2", "--save-freq", "1000", "--keep-backups"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The memory-replica tests' reference: their job run without a fault by `meshfit launch --nprocs 2` on
+    this machine, started once for the module (in the background, beside the first test that asks) and
+    awaited by each test that reads it. Returns a function giving the run's output directory."""
+    base = tmp_path_factory.mktemp("uninterrupted")
+    argv = [sys.executable, "-m", "meshfit.cli", "launch", "--nprocs", "2", RESUMABLE, str(base / "ref")]
+    with Job(argv + [str(base / "refb"), *RESUMABLE_ARGS], timeout=300) as reference:
+
+        def finished():
+            assert reference.finish(timeout=240) == 0, reference.stderr[-3000:]
+            return base / "ref"
+
+        yield finished
+
+
 def launch_ray(address, *args):
     return [sys.executable, "-m", "meshfit.cli", "launch", "--ray", address, "--placement", "SPREAD", *args]
 
@@ -173,34 +194,29 @@ def test_resources_per_proc_must_be_a_json_object_of_amounts():
 
 
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # add_node forks the new node's processes
-def test_a_lost_node_resumes_from_the_memory_snapshots_replica_on_another_nodes_keeper(cluster, tmp_path):
+def test_a_lost_node_resumes_from_the_memory_snapshots_replica_on_another_nodes_keeper(
+    cluster, uninterrupted, tmp_path
+):
     """Three nodes, a rank on each of two (the third free); memory_freq=5, no disk backup. Both ranks pause at
     step 12 (the snapshot of step 10 committed on both nodes' keepers); rank 0's node, its keeper with it, is
     removed. The restart agrees on step 10 from the surviving keeper, resumes from there and ends bitwise equal
     to an uninterrupted run of the same 2-process job."""
-    worker = os.path.join(WORKERS, "train_resumable.py")
-    args = ["--strategy", "multi_worker", "--epochs", "2", "--save-freq", "1000", "--keep-backups"]
     go_on = tmp_path / "go_on"
-    with Job(  # the uninterrupted run, on this machine meanwhile
-        [sys.executable, "-m", "meshfit.cli", "launch", "--nprocs", "2"]
-        + [worker, str(tmp_path / "ref"), str(tmp_path / "refb"), *args],
+    cluster.add_node(num_cpus=1)  # the free third node
+    cluster.wait_for_nodes()
+    with Job(
+        launch_ray(cluster.address, "--nprocs", "2", "--max-restarts", "1", "--stop-grace", "1")
+        + [RESUMABLE, str(tmp_path / "out"), str(tmp_path / "b"), *RESUMABLE_ARGS]
+        + ["--memory-freq", "5", "--pause-at-step", "12", str(go_on)],
         timeout=300,
-    ) as reference:
-        cluster.add_node(num_cpus=1)  # the free third node
-        cluster.wait_for_nodes()
-        with Job(
-            launch_ray(cluster.address, "--nprocs", "2", "--max-restarts", "1", "--stop-grace", "1")
-            + [worker, str(tmp_path / "out"), str(tmp_path / "b"), *args]
-            + ["--memory-freq", "5", "--pause-at-step", "12", str(go_on)],
-            timeout=300,
-        ) as job:
-            job.wait_for(r"\[rank \d\] paused at step 12", count=2)  # the step-10 snapshot committed
-            placed = dict(re.findall(r"\[launch\] rank (\d) runs on node \S+ \(node id (\w+)\)", job.stderr))
-            lost = next(n for n in cluster.worker_nodes if n.node_id.startswith(placed["0"]))
-            cluster.remove_node(lost)
-            go_on.touch()  # the restarted job passes step 12
-            assert job.finish(timeout=240) == 0, job.stdout[-3000:] + job.stderr[-3000:]
-        assert reference.finish(timeout=120) == 0, reference.stderr[-3000:]
+    ) as job:
+        job.wait_for(r"\[rank \d\] paused at step 12", count=2)  # the step-10 snapshot committed
+        placed = dict(re.findall(r"\[launch\] rank (\d) runs on node \S+ \(node id (\w+)\)", job.stderr))
+        lost = next(n for n in cluster.worker_nodes if n.node_id.startswith(placed["0"]))
+        cluster.remove_node(lost)
+        go_on.touch()  # the restarted job passes step 12
+        assert job.finish(timeout=240) == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    reference = uninterrupted()
     survivor = placed["1"]
     chosen = re.search(r"\[launch\] memory snapshots: \S+ resumes from step 10, .*\n", job.stderr)
     assert chosen and placed["0"] not in chosen[0] and chosen[0].count(f"node id {survivor}") == 2, job.stderr
@@ -211,44 +227,38 @@ def test_a_lost_node_resumes_from_the_memory_snapshots_replica_on_another_nodes_
         job.stdout,
     ), job.stdout[-3000:]
     assert not [p for p in os.listdir(tmp_path / "b") if p.split(".")[0].isdigit()]  # no disk backup at all
-    for name in ("weights.npz",):
-        saved, expected = np.load(tmp_path / "out" / name), np.load(tmp_path / "ref" / name)
-        assert list(saved) == list(expected)
-        for key in saved:
-            np.testing.assert_array_equal(saved[key], expected[key])  # bitwise
-    assert (tmp_path / "out" / "history.json").read_text() == (tmp_path / "ref" / "history.json").read_text()
+    saved, expected = np.load(tmp_path / "out" / "weights.npz"), np.load(reference / "weights.npz")
+    assert list(saved) == list(expected)
+    for key in saved:
+        np.testing.assert_array_equal(saved[key], expected[key])  # bitwise
+    assert (tmp_path / "out" / "history.json").read_text() == (reference / "history.json").read_text()
 
 
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # add_node forks the new node's processes
-def test_min_nprocs_restarts_on_the_nodes_left_with_fewer_ranks_from_the_memory_snapshots_replica(cluster, tmp_path):
+def test_min_nprocs_restarts_on_the_nodes_left_with_fewer_ranks_from_the_memory_snapshots_replica(
+    cluster, uninterrupted, tmp_path
+):
     """--min-nprocs 1 on two nodes of one CPU; memory_freq=5, no disk backup. Both ranks pause at step 12 (the
     snapshot of step 10 committed on both keepers); rank 0's node is removed and none takes its place. The
     restart cannot place 2 ranks within --elastic-wait, names the node gone, runs 1 rank from the replica of
     the 2-process snapshot of step 10, and ends as the uninterrupted 2-process run does, to float tolerance:
     one process sums each batch's gradient in another order than two processes' all-reduce."""
-    worker = os.path.join(WORKERS, "train_resumable.py")
-    args = ["--strategy", "multi_worker", "--epochs", "2", "--save-freq", "1000", "--keep-backups"]
     go_on = tmp_path / "go_on"
     try:
-        with Job(  # the uninterrupted run, on this machine meanwhile
-            [sys.executable, "-m", "meshfit.cli", "launch", "--nprocs", "2"]
-            + [worker, str(tmp_path / "ref"), str(tmp_path / "refb"), *args],
+        with Job(
+            launch_ray(cluster.address, "--nprocs", "2", "--min-nprocs", "1", "--elastic-wait", "2")
+            + ["--max-restarts", "1", "--stop-grace", "1"]
+            + [RESUMABLE, str(tmp_path / "out"), str(tmp_path / "b"), *RESUMABLE_ARGS]
+            + ["--memory-freq", "5", "--pause-at-step", "12", str(go_on)],
             timeout=300,
-        ) as reference:
-            with Job(
-                launch_ray(cluster.address, "--nprocs", "2", "--min-nprocs", "1", "--elastic-wait", "2")
-                + ["--max-restarts", "1", "--stop-grace", "1"]
-                + [worker, str(tmp_path / "out"), str(tmp_path / "b"), *args]
-                + ["--memory-freq", "5", "--pause-at-step", "12", str(go_on)],
-                timeout=300,
-            ) as job:
-                job.wait_for(r"\[rank \d\] paused at step 12", count=2)  # the step-10 snapshot committed
-                placed = re.findall(r"\[launch\] rank (\d) runs on node (\S+) \(node id (\w+)\)", job.stderr)
-                ip, lost_id = next((ip, node) for rank, ip, node in placed if rank == "0")
-                cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id.startswith(lost_id)))
-                go_on.touch()  # the restarted job passes step 12
-                assert job.finish(timeout=240) == 0, job.stdout[-3000:] + job.stderr[-3000:]
-            assert reference.finish(timeout=120) == 0, reference.stderr[-3000:]
+        ) as job:
+            job.wait_for(r"\[rank \d\] paused at step 12", count=2)  # the step-10 snapshot committed
+            placed = re.findall(r"\[launch\] rank (\d) runs on node (\S+) \(node id (\w+)\)", job.stderr)
+            ip, lost_id = next((ip, node) for rank, ip, node in placed if rank == "0")
+            cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id.startswith(lost_id)))
+            go_on.touch()  # the restarted job passes step 12
+            assert job.finish(timeout=240) == 0, job.stdout[-3000:] + job.stderr[-3000:]
+        reference = uninterrupted()
     finally:
         if len(cluster.worker_nodes) < 2:
             cluster.add_node(num_cpus=1)  # two nodes again for the other tests
@@ -268,7 +278,7 @@ def test_min_nprocs_restarts_on_the_nodes_left_with_fewer_ranks_from_the_memory_
         rank for rank, _, node in re.findall(r"\[launch\] rank (\d) runs on node (\S+) \(node id (\w+)\)", job.stderr)
     ] == ["0", "1", "0"], job.stderr[-3000:]
     assert not [p for p in os.listdir(tmp_path / "b") if p.split(".")[0].isdigit()]  # no disk backup at all
-    saved, expected = np.load(tmp_path / "out" / "weights.npz"), np.load(tmp_path / "ref" / "weights.npz")
+    saved, expected = np.load(tmp_path / "out" / "weights.npz"), np.load(reference / "weights.npz")
     assert list(saved) == list(expected)
     for key in saved:
         np.testing.assert_allclose(saved[key], expected[key], rtol=1e-5, atol=1e-6)
