@@ -2,10 +2,11 @@
 
     python train_ps.py BACKUP_DIR|none [--epochs E] [--mode async|sync] [--die-at-step S] [--die-rank R]
                        [--worker-timeout T] [--weights OUT.npz] [--dropout RATE] [--servers N] [--halve-lr]
-                       [--save DIR]
+                       [--save DIR] [--data DIGITS.npz]
 In the first attempt of the job, parameter server R (rank 0 by default) SIGKILLs itself at step S.
 With --weights, the servers save the final weights (get_weights order) there (rank 0 writes);
-with --save, the whole model (`model.save`, every server writing its part).
+with --save, the whole model (`model.save`, every server writing its part). With --data, the digits split as
+`np.savez(path, *load_data())` wrote it (a test's processes then skip scikit-learn's start-up).
 """
 
 import argparse
@@ -36,6 +37,7 @@ def main():
     parser.add_argument("--save", default=None)
     parser.add_argument("--halve-lr", action="store_true", help="halve the learning rate at each epoch start")
     parser.add_argument("--servers", type=int, default=1, help="server devices of rank 0 to partition over")
+    parser.add_argument("--data", default=None, help="load_data()'s four arrays, saved by np.savez")
     args = parser.parse_args()
     import jax
 
@@ -46,7 +48,13 @@ def main():
     from digits import MLP, load_data
     from flax import nnx
 
-    x_train, x_test, y_train, y_test = load_data()
+    if args.data:
+        import numpy as np
+
+        with np.load(args.data) as saved:
+            x_train, x_test, y_train, y_test = (saved[f"arr_{i}"] for i in range(4))
+    else:
+        x_train, x_test, y_train, y_test = load_data()
     with strategy.scope():
         module = MLP(64, 128, 10, rngs=nnx.Rngs(0))
         module.dropout.rate = args.dropout

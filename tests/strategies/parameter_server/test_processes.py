@@ -16,7 +16,51 @@ pytestmark = pytest.mark.slow  # starts real processes (the fast tier leaves the
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "parameter_server.py")
 WORKER = os.path.join(os.path.dirname(__file__), "..", "..", "workers", "train_ps.py")
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples")
 CONNECTED = r"\[rank (\d)\] parameter-server worker pid (\d+) connected"
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    """`train_ps.py` and the digits split it trains on, saved once for the module: its server processes load
+    the arrays instead of each importing scikit-learn."""
+    import numpy as np
+
+    sys.path.insert(0, EXAMPLES)
+    from digits import load_data
+
+    data = tmp_path_factory.mktemp("digits") / "digits.npz"
+    np.savez(data, *load_data())
+    return [WORKER, "--data", str(data)]
+
+
+@pytest.fixture(scope="module")
+def mirrored_reference(worker):
+    """The weights and step count of the sync jobs' equivalent on one process: MirroredStrategy over 3 devices,
+    3 epochs of batches of 64 without dropout, the learning rate halved at each epoch (`train_ps.halved`)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    import meshfit as mf
+
+    sys.path.insert(0, os.path.dirname(WORKER))
+    from digits import MLP
+    from train_ps import halved
+
+    with np.load(worker[2]) as saved:
+        x_train, y_train = saved["arr_0"], saved["arr_2"]
+    with mf.strategies.MirroredStrategy(jax.devices()[:3]).scope():
+        module = MLP(64, 128, 10, rngs=nnx.Rngs(0))
+        module.dropout.rate = 0.0
+        model = mf.Model(module)
+        model.compile(
+            optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"]
+        )
+    model.fit(
+        x_train, y_train, batch_size=64, epochs=3, verbose=0, callbacks=[mf.callbacks.LearningRateScheduler(halved)]
+    )
+    return [np.asarray(w) for w in model.get_weights()], int(model.optimizer.iterations)
 
 
 def worker_pids(job: Job, count: int) -> dict[int, int]:
@@ -37,12 +81,12 @@ def test_a_killed_worker_is_dropped_and_training_finishes_with_accuracy():
     assert accuracy >= 0.95, out[-2000:]
 
 
-def test_a_stopped_worker_is_dropped_after_worker_timeout_and_training_finishes(tmp_path):
+def test_a_stopped_worker_is_dropped_after_worker_timeout_and_training_finishes(tmp_path, worker):
     """A worker that hangs holding a batch (SIGSTOP: alive, connected, silent) must not stall the job."""
     with Job(
         LAUNCH
         + ["--ps", "1", "--workers", "2", "--stop-grace", "1"]  # the stopped worker is killed 1 s after the end
-        + [WORKER, str(tmp_path / "backup"), "--epochs", "6", "--worker-timeout", "6"],
+        + [*worker, str(tmp_path / "backup"), "--epochs", "6", "--worker-timeout", "6"],
         timeout=300,
     ) as job:
         workers = worker_pids(job, 2)
@@ -57,7 +101,7 @@ def test_a_stopped_worker_is_dropped_after_worker_timeout_and_training_finishes(
 
 
 @pytest.mark.parametrize("servers,die_rank", [(1, 0), (2, 1)])
-def test_a_dead_parameter_server_fails_the_job_and_restarts_resume_from_the_backup(tmp_path, servers, die_rank):
+def test_a_dead_parameter_server_fails_the_job_and_restarts_resume_from_the_backup(tmp_path, worker, servers, die_rank):
     """With 2 server processes (a partitioned state), the one that dies is rank 1, which only replays rank 0."""
     job = run(
         LAUNCH
@@ -70,7 +114,7 @@ def test_a_dead_parameter_server_fails_the_job_and_restarts_resume_from_the_back
             "1",
             "--stop-grace",  # with 2 servers, rank 0 waits on its dead peer: killed 1 s after the SIGTERM
             "1",
-            WORKER,
+            *worker,
             str(tmp_path / "backup"),
             "--die-at-step",
             "75",
@@ -95,7 +139,9 @@ def test_a_dead_parameter_server_fails_the_job_and_restarts_resume_from_the_back
 
 
 @pytest.mark.parametrize("ps,devices", [(1, 1), (1, 2), (2, 1)])
-def test_sync_mode_across_processes_equals_mirrored_even_when_a_worker_dies(tmp_path, ps, devices):
+def test_sync_mode_across_processes_equals_mirrored_even_when_a_worker_dies(
+    tmp_path, worker, mirrored_reference, ps, devices
+):
     """Each batch is split in 3 fixed parts; the killed worker's parts are redone, so the updates do not change.
 
     The learning rate is halved at each epoch: a change every server must make to its part of the state.
@@ -104,16 +150,13 @@ def test_sync_mode_across_processes_equals_mirrored_even_when_a_worker_dies(tmp_
     processes with `ps=2` (each holds half of `hidden1/kernel`). Without dropout: NNX modules carry
     their RNG state, so each part would draw the same masks, unlike one global batch.
     """
-    import jax
     import numpy as np
     from flax import nnx
 
     import meshfit as mf
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples"))
-    sys.path.insert(0, os.path.dirname(WORKER))
-    from digits import MLP, load_data
-    from train_ps import halved
+    sys.path.insert(0, EXAMPLES)
+    from digits import MLP
 
     weights = tmp_path / "ps.npz"
     with Job(
@@ -125,7 +168,7 @@ def test_sync_mode_across_processes_equals_mirrored_even_when_a_worker_dies(tmp_
             "3",
             "--devices-per-proc",
             str(devices),
-            WORKER,
+            *worker,
             "none",
             "--mode",
             "sync",
@@ -155,19 +198,9 @@ def test_sync_mode_across_processes_equals_mirrored_even_when_a_worker_dies(tmp_
                 f"[rank {rank}] hidden1/kernel P(None, 'ps') on 2 server devices of {ps} process(es)" in job.stdout
             ), job.stdout[-2000:]
 
-    x_train, _, y_train, _ = load_data()
-    with mf.strategies.MirroredStrategy(jax.devices()[:3]).scope():
-        module = MLP(64, 128, 10, rngs=nnx.Rngs(0))
-        module.dropout.rate = 0.0
-        model = mf.Model(module)
-        model.compile(
-            optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"]
-        )
-    model.fit(
-        x_train, y_train, batch_size=64, epochs=3, verbose=0, callbacks=[mf.callbacks.LearningRateScheduler(halved)]
-    )
+    reference, iterations = mirrored_reference
     saved = np.load(weights)
-    for i, expected in enumerate(model.get_weights()):
+    for i, expected in enumerate(reference):
         np.testing.assert_allclose(saved[f"arr_{i}"], expected, rtol=1e-4, atol=1e-6)
     # What the servers saved (each its part, through Orbax) loads whole on one device.
     if ps > 1:
@@ -175,10 +208,10 @@ def test_sync_mode_across_processes_equals_mirrored_even_when_a_worker_dies(tmp_
     loaded = mf.load_model(tmp_path / "saved", MLP(64, 128, 10, rngs=nnx.Rngs(1)))
     for i, array in enumerate(loaded.get_weights()):
         np.testing.assert_array_equal(array, saved[f"arr_{i}"])
-    assert loaded.optimizer.iterations == model.optimizer.iterations
+    assert loaded.optimizer.iterations == iterations
 
 
-def test_a_stopped_parameter_server_ends_the_job_naming_it(tmp_path):
+def test_a_stopped_parameter_server_ends_the_job_naming_it(tmp_path, worker):
     """SIGSTOP on the server: its pings stop, the workers give up after --server-timeout, the launcher ends the job."""
     with Job(
         LAUNCH
@@ -193,7 +226,7 @@ def test_a_stopped_parameter_server_ends_the_job_naming_it(tmp_path):
             "120",
             "--stop-grace",  # the stopped server cannot act on SIGTERM: it is killed after this
             "1",
-            WORKER,
+            *worker,
             str(tmp_path / "backup"),
             "--epochs",
             "50",
@@ -216,7 +249,7 @@ def test_a_stopped_parameter_server_ends_the_job_naming_it(tmp_path):
     assert re.search(r"\[launch\] worker rank [12] found the parameter server silent", job.stderr), job.stderr[-2000:]
 
 
-def test_strangers_at_every_port_neither_stop_nor_slow_the_job(tmp_path):
+def test_strangers_at_every_port_neither_stop_nor_slow_the_job(tmp_path, worker):
     """Silent, garbage and unauthenticated connections (tests/hostile.py) to every port the job's processes
     listen on, from start-up to the end: the job gives the undisturbed run's weights, bitwise, and loses less
     time than two handshake timeouts. A listener that waited on a silent stranger would lose a whole timeout for
@@ -232,7 +265,7 @@ def test_strangers_at_every_port_neither_stop_nor_slow_the_job(tmp_path):
     names = ("undisturbed", "disturbed")
 
     def train(weights, hostile):
-        argv = LAUNCH + ["--ps", str(servers), "--workers", "2", WORKER, "none", "--mode", "sync", "--dropout", "0"]
+        argv = LAUNCH + ["--ps", str(servers), "--workers", "2", *worker, "none", "--mode", "sync", "--dropout", "0"]
         began = time.monotonic()
         with Job(argv + ["--epochs", "2", "--weights", str(weights)], timeout=300) as job:
             if hostile:
