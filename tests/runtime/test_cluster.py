@@ -134,16 +134,16 @@ def assert_no_abort(status, err):
 
 def test_slurm_job_with_one_of_two_processes_started():
     """The issue's check: 2 tasks, only process 0 started, MESHFIT_INIT_TIMEOUT set: non-zero once it passed (not
-    JAX's 300 s), saying once what it waits for. 8 s: past the 5 s after which the wait is announced."""
+    JAX's 300 s), saying once what it waits for. 6 s: past the 5 s after which the wait is announced."""
     port = free_port()
-    job = start_joining(slurm_env(0, 2, port, MESHFIT_INIT_TIMEOUT="8"))
+    job = start_joining(slurm_env(0, 2, port, MESHFIT_INIT_TIMEOUT="6"))
     status, took, err = ended(job, within=68)
     assert_no_abort(status, err)
-    assert 8 <= took < 38
-    assert f"meshfit: waiting for 2 processes at localhost:{port} (1 joined, timeout 8 s)" in err
+    assert 6 <= took < 36
+    assert f"meshfit: waiting for 2 processes at localhost:{port} (1 joined, timeout 6 s)" in err
     assert err.count("meshfit: waiting for") == 1
     assert (
-        f"JoinTimeoutError: only 1 of 2 processes joined at localhost:{port} within 8 s (not joined: process 1). "
+        f"JoinTimeoutError: only 1 of 2 processes joined at localhost:{port} within 6 s (not joined: process 1). "
         "Likely causes: a process was not started" in err
     )
 
@@ -255,16 +255,16 @@ def test_the_heartbeat_timeout_is_30_s_unless_set(monkeypatch):
 
 
 def test_a_process_busy_for_longer_than_the_heartbeat_timeout_is_not_declared_dead(tmp_path):
-    """Heartbeats are sent by a C++ thread of JAX's client, not by Python: process 1 holding the GIL for 8 s
+    """Heartbeats are sent by a C++ thread of JAX's client, not by Python: process 1 holding the GIL for 6 s
     (as a long compilation might keep it from Python) with a heartbeat timeout of 4 s, and the job trains on.
     (Without heartbeats the job would end ~4 s into the stall: see the stopped process of the test below.)"""
     port = free_port()
-    stall = ("--epochs", "3", "--stall", "8")
+    stall = ("--epochs", "3", "--stall", "6")
     jobs = [start_training(i, port, tmp_path, *stall, MESHFIT_HEARTBEAT_TIMEOUT="4") for i in (0, 1)]
     with jobs[0], jobs[1]:
         statuses = [job.finish(timeout=120) for job in jobs]
     assert statuses == [0, 0], jobs[0].stderr[-3000:] + jobs[1].stderr[-3000:]
-    assert "stalling 8 s" in jobs[1].stdout and "stall over" in jobs[1].stdout
+    assert "stalling 6 s" in jobs[1].stdout and "stall over" in jobs[1].stdout
     assert re.search(r"^Epoch 3/3", jobs[0].stdout, re.M)
 
 
