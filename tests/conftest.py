@@ -53,9 +53,10 @@ GROUPS = {
     "tests/strategies/parameter_server/test_ray.py": "ray",
     "tests/pipeline/test_stages.py": "pipeline",
     "tests/strategies/test_data_parallel.py": "data_parallel",
-    "tests/strategies/test_mesh.py": "mesh",
+    # Both read the session's `two_process_job` (tests/strategies/conftest.py): one worker runs it once.
+    "tests/strategies/test_mesh.py": "two_process_job",
     "tests/strategies/test_mirrored.py": "mirrored",
-    "tests/strategies/test_multi_worker_mirrored.py": "multi_worker_mirrored",
+    "tests/strategies/test_multi_worker_mirrored.py": "two_process_job",
     "tests/test_examples_transformer.py": "examples_transformer",
     "tests/test_losses.py": "losses",
     "tests/test_metrics.py": "metrics",
