@@ -51,6 +51,7 @@ GROUPS = {
     "tests/launch/test_launch.py": "launch",
     "tests/launch/test_launch_ray.py": "ray",
     "tests/strategies/parameter_server/test_ray.py": "ray",
+    "tests/strategies/parameter_server/test_processes.py": "parameter_server_processes",
     "tests/pipeline/test_stages.py": "pipeline",
     "tests/strategies/test_data_parallel.py": "data_parallel",
     # Both read the session's `two_process_job` (tests/strategies/conftest.py): one worker runs it once.
