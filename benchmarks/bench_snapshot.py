@@ -176,9 +176,24 @@ def run(args, sink_port: int) -> None:
             moved = [jax.device_put(x, x.sharding.with_memory_kind("pinned_host")) for x in flat]
             [np.asarray(x) for x in jax.block_until_ready(moved)]
 
+        copies = [x for _, _, _, shards in held["entries"] for _, x in shards]
+
+        def split() -> tuple[float, float]:
+            """The tier's copy to the host in two: the transfers to pinned memory, then reading them."""
+            began = time.perf_counter()
+            moved = jax.block_until_ready([tier._to_pinned(x) for x in copies])
+            middle = time.perf_counter()
+            [np.asarray(x) for x in moved]
+            return middle - began, time.perf_counter() - middle
+
         try:
             pinned()
             phases["copy to the host through pinned_host memory"] = timed(pinned, args.repeats)
+            print(f"the tier moves shards through pinned host memory: {tier._has_pinned_host(device)}")
+            split()
+            puts, reads = zip(*(split() for _ in range(args.repeats)), strict=True)
+            phases["the tier's transfers to pinned memory"] = statistics.median(puts)
+            phases["the tier's np.asarray of the pinned arrays"] = statistics.median(reads)
         except Exception as error:  # noqa: BLE001 - a backend without pinned host memory: say so, go on
             print(f"pinned_host: {type(error).__name__}: {str(error)[:200]}")
     for name, seconds in phases.items():
