@@ -26,6 +26,7 @@ import statistics
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 from smoke import parse_args
@@ -48,8 +49,6 @@ def serve() -> None:
                     while got < size:
                         got += conn.recv_into(view[got:], min(size - got, 16 << 20))
                     conn.sendall(b"k")
-
-    import threading
 
     threading.Thread(target=drain, daemon=True).start()
     print(json.dumps({"env": keeper.env(), "sink": sink.getsockname()[1]}), flush=True)

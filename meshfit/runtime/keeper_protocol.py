@@ -174,14 +174,6 @@ def _sha256(data) -> bytes:
     return hashlib.sha256(data).digest()
 
 
-def digests(buffers) -> list[str]:
-    """`digest` of each of `buffers`, their pieces hashed on several cores at once."""
-    views = [memoryview(b).cast("B") for b in buffers]
-    pieces = [[v[i : i + DIGEST_CHUNK] for i in range(0, len(v), DIGEST_CHUNK)] or [v] for v in views]
-    sums = iter(in_pieces(_sha256, [piece for group in pieces for piece in group], sum(len(v) for v in views)))
-    return [hashlib.sha256(b"".join(next(sums) for _ in group)).hexdigest() for group in pieces]
-
-
 def digest(data) -> str:
     """The SHA-256 of the SHA-256s of `data`'s `DIGEST_CHUNK`-byte pieces, as hex (64 digits).
 
@@ -189,4 +181,6 @@ def digest(data) -> str:
     one SHA-256 over a multi-GB snapshot runs on one core at 1 to 2 GB/s, which is seconds on every save and
     every restore.
     """
-    return digests([data])[0]
+    view = memoryview(data).cast("B")
+    pieces = [view[i : i + DIGEST_CHUNK] for i in range(0, len(view), DIGEST_CHUNK)] or [view]
+    return hashlib.sha256(b"".join(in_pieces(_sha256, pieces, len(view)))).hexdigest()
