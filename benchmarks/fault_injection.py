@@ -148,9 +148,10 @@ def memory_sigkill(base, reference_two, step):
             raise Hang(str(error)[:300]) from None
     said = re.search(r"BackupAndRestore: resumed from the launcher's memory snapshot at .*? \(step (\d+)\)", job.stdout)
     # The newest snapshot taken before the kill (the rank dies before its callback at `step` runs), or the one
-    # before it when the kill came while the newest was still in flight.
+    # before it when the kill came while the newest was still in flight: none (a start from scratch) when that
+    # was the first.
     newest = (step - 1) // 5 * 5
-    resumed = said is not None and int(said.group(1)) in (newest, newest - 5)
+    resumed = (int(said.group(1)) if said else 0) in (newest, newest - 5)
     exact = status == 0 and resumed and same(out, reference_two)
     if not exact:  # what went wrong, for the record: the exit status, the resume, the job's last words
         print(f"  killed at step {step}: exit {status}, {said.group(0) if said else 'no memory resume'}", flush=True)
@@ -185,7 +186,11 @@ def ray_node_lost(base, reference_two):
     held = r"memory snapshot held by the keeper at \S+ \((?:this|another) node's\) at .*? \(step (\d+)\)"
     said = re.search(held, job.stdout)
     resumed = said is not None and int(said.group(1)) == 10
-    return status == 0 and resumed and same(out, reference_two), status != 0 or not resumed
+    exact = status == 0 and resumed and same(out, reference_two)
+    if not exact:
+        print(f"  node lost: exit {status}, {said.group(0) if said else 'no memory resume'}", flush=True)
+        print(textwrap.indent((job.stdout + job.stderr)[-3000:], "    | "), flush=True)
+    return exact, status != 0 or not resumed
 
 
 KILLED_MID_SNAPSHOT = textwrap.dedent("""
@@ -234,6 +239,9 @@ def killed_mid_snapshot(base):
             reply = protocol.recv_json(ranks[rank])
             got.append((reply["step"], protocol.recv_payload(ranks[rank], reply["size"]) if reply["step"] else b""))
         exact = child.returncode == -signal.SIGKILL and got == [(5, b"0" * 4096), (5, b"1" * 4096)]
+        if not exact:
+            handed = [step for step, _ in got]
+            print(f"  killed mid-snapshot: child exit {child.returncode}, handed steps {handed}", flush=True)
         return exact, got[0][0] != 5
     finally:
         keeper.close()
