@@ -50,7 +50,7 @@ def test_stages_run_the_blocks_in_order_as_one_scan():
         block = ResidualBlock(nnx.Rngs(0))
         nnx.update(block, jax.tree.map(lambda a, i=layer: a[i], nnx.state(net.body.blocks)))
         expected = block(expected)
-    np.testing.assert_allclose(net.body(h), expected, rtol=1e-6)
+    np.testing.assert_allclose(net.body(h), expected, rtol=1e-6, atol=1e-6)  # one scan against three calls
 
 
 @pytest.mark.slow
