@@ -39,6 +39,15 @@ def _compilation_cache_released():
         cache.release(cache.directory())
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): a worker per core and one more. A tenth of a run on 2 cores is spent
+    waiting on the processes the tests start (a Ray cluster's start, a heartbeat timeout, a grace period); the
+    extra worker runs another test meanwhile. `PYTEST_XDIST_AUTO_NUM_WORKERS` still decides when set."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    return len(os.sched_getaffinity(0)) + 1
+
+
 def pytest_unconfigure(config):
     made = os.environ.get("MESHFIT_TESTS_OWN_CACHE")
     if made and not hasattr(config, "workerinput"):  # the main process, after its workers are gone
