@@ -3,8 +3,8 @@
 import os
 
 # The programs compiled here are tiny and each runs a few steps: LLVM's optimization of them costs more CPU than
-# it saves (a third of the time of the training-heavy modules), and no result here depends on it. Inherited by
-# the processes the tests start; benchmarks and users keep XLA's default.
+# it saves (a third of the time of the training-heavy modules), and meshfit's behaviour does not depend on it.
+# Inherited by the processes the tests start; benchmarks and users keep XLA's default.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
