@@ -20,7 +20,7 @@ import pytest
 from helpers import MLP, classification_data
 
 import meshfit as mf
-from meshfit.checkpointing import memory_tier
+from meshfit.checkpointing import memory_tier, snapshot_parts
 from meshfit.launch.keeper import Keeper
 from meshfit.runtime import keeper_protocol
 from meshfit.runtime.handshake import handshake
@@ -142,7 +142,7 @@ def test_a_part_whose_bytes_changed_in_the_keeper_is_not_restored(tmp_path, keep
     tier = memory_tier.MemoryTier(fit_key)
     step, part = tier.newest()
     tier.close()
-    header, data = memory_tier.unpack_header(part)
+    header, data = snapshot_parts.unpack_header(part)
     kernel = next(leaf for leaf in header["leaves"] if leaf["path"].endswith("kernel"))
     at = len(part) - len(data) + kernel["shards"][0]["offset"]
     damaged = part[:at] + bytes([part[at] ^ 0x01]) + part[at + 1 :]  # one bit of one weight
@@ -221,15 +221,17 @@ def test_a_smaller_world_resumes_from_a_larger_jobs_snapshot_whose_parts_hold_th
 def test_an_array_split_across_the_larger_jobs_processes_is_not_assembled_from_one_part():
     """A part that holds only a slice of an array (sharded across processes) cannot fill this process's
     whole array: refused naming the array and the shard, so the restart resumes from disk."""
-    part = memory_tier.pack(4, {"w": jnp.arange(8.0).reshape(4, 2)}, {})
-    header, data = memory_tier.unpack_header(part)
+    part = snapshot_parts.pack(4, {"w": jnp.arange(8.0).reshape(4, 2)}, {})
+    header, data = snapshot_parts.unpack_header(part)
     rows = {"index": "0:2,0:2", "offset": 0, "nbytes": 16}
     header["leaves"][0]["shards"] = [rows]  # rows 0-1 only
     raw = json.dumps(header).encode()
-    half = memory_tier.MAGIC + struct.pack(">Q", len(raw)) + raw + bytes(data[:16])
+    half = snapshot_parts.MAGIC + struct.pack(">Q", len(raw)) + raw + bytes(data[:16])
     with pytest.raises(ValueError, match=r"w: this process's part holds no shard \[0:4,0:2\] nor the whole array"):
-        memory_tier.unpack(half, {"w": jnp.zeros((4, 2))})
-    np.testing.assert_array_equal(memory_tier.unpack(part, {"w": jnp.zeros((4, 2))})["w"], np.arange(8.0).reshape(4, 2))
+        snapshot_parts.unpack(half, {"w": jnp.zeros((4, 2))})
+    np.testing.assert_array_equal(
+        snapshot_parts.unpack(part, {"w": jnp.zeros((4, 2))})["w"], np.arange(8.0).reshape(4, 2)
+    )
 
 
 def test_snapshots_the_keeper_cannot_take_every_memory_freq_steps_say_so_once_naming_a_freq_that_can(tmp_path, keeper):

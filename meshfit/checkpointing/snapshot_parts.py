@@ -1,0 +1,226 @@
+"""A memory snapshot's part: one process's shards of a backup's tree, as bytes and back.
+
+A part is this process's shards only (a replicated array: one copy), as raw
+bytes described by a JSON header; nothing is pickled:
+
+    b"MFSNAP1\\n" | header length (8 bytes, big-endian) | header JSON | array bytes
+
+`pack` (and `Layout`, which works out once per tree where its shards lie)
+writes one; `unpack` reads one back laid out as a template's arrays.
+
+Restoring needs each array's shards of this process in its part: the same
+world size and layout, or, after an elastic restart onto fewer processes, a
+part of the larger job that holds each array whole (replicated, as data
+parallelism keeps the state: rank r of the smaller job reads rank r's part).
+An array sharded across the larger job's processes cannot be assembled from
+one part: such a snapshot is not restored (with a warning) and the restart
+resumes from the disk backup, which restores onto any world size.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import struct
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshfit.core.trees import decode, encode, is_key, path_name
+from meshfit.runtime import keeper_protocol as protocol
+
+MAGIC = b"MFSNAP1\n"
+
+
+def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> str:
+    """A shard's place in its array as text: "0:4,0:3" (full ranges spelt out)."""
+    return ",".join(f"{s.start or 0}:{dim if s.stop is None else s.stop}" for s, dim in zip(index, shape, strict=True))
+
+
+def pack_entries(step: int, entries, meta: dict[str, Any], into: bytearray | None = None) -> bytearray:
+    """A part from `Layout.copy` entries whose data are host arrays; written into `into` when it is the part's
+    size (a buffer already paged in: a fresh one costs a page fault per 4 KiB), its shards copied in
+    16-MiB pieces on several cores (one core copies a few GB/s)."""
+    leaves, shards, offset = [], [], 0
+    for name, dtype, shape, pieces in entries:
+        described = []
+        for key, data in pieces:
+            raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+            described.append({"index": key, "offset": offset, "nbytes": raw.nbytes})
+            shards.append((offset, raw))
+            offset += raw.nbytes
+        leaves.append({"path": name, "dtype": np.dtype(dtype).name, "shape": list(shape), "shards": described})
+    header = json.dumps({"step": step, "meta": meta, "leaves": leaves}).encode()
+    start = len(MAGIC) + 8 + len(header)
+    part = into if into is not None and len(into) == start + offset else bytearray(start + offset)
+    part[:start] = b"".join([MAGIC, struct.pack(">Q", len(header)), header])
+    target = np.frombuffer(part, np.uint8)
+    chunk = protocol.DIGEST_CHUNK
+    pieces = [(start + at + i, raw[i : i + chunk]) for at, raw in shards for i in range(0, raw.nbytes, chunk)]
+
+    def copy(piece: tuple[int, np.ndarray]) -> None:
+        at, raw = piece
+        target[at : at + raw.nbytes] = raw
+
+    protocol.in_pieces(copy, pieces, offset)
+    return part
+
+
+def pack(step: int, tree, meta: dict[str, Any]) -> bytearray:
+    """This process's part of a snapshot of `tree` (its device arrays fetched here) as bytes."""
+    entries, _ = Layout(tree).copy(jax.tree_util.tree_leaves(tree))
+    return pack_entries(step, on_host(entries), meta)
+
+
+def on_host(entries) -> list:
+    """`Layout.copy` entries with every shard fetched to the host (waits for its device copy).
+
+    An accelerator's shards move through its pinned host memory, every transfer started before any is read:
+    a DMA at the bus's speed, where reading device memory into pageable memory stages it through a bounce
+    buffer (`benchmarks/bench_snapshot.py` times both)."""
+    staged = [(name, dtype, shape, [(k, _to_pinned(x)) for k, x in shards]) for name, dtype, shape, shards in entries]
+    return [(name, dtype, shape, [(k, np.asarray(x)) for k, x in shards]) for name, dtype, shape, shards in staged]
+
+
+def _to_pinned(x):
+    """`x` moving to its device's pinned host memory, if it is on an accelerator that has one; else `x`."""
+    if isinstance(x, jax.Array) and _has_pinned_host(next(iter(x.devices()))):
+        return jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
+    return x
+
+
+@functools.cache
+def _has_pinned_host(device) -> bool:
+    # A CPU's arrays already are host memory: `np.asarray` shares them without a copy.
+    return device.platform != "cpu" and any(m.kind == "pinned_host" for m in device.addressable_memories())
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _copy_on_device(arrays, keys: tuple[bool, ...]):
+    """New buffers holding `arrays` (all on one device; typed PRNG keys as their raw data), and whether every
+    floating-point one is finite (checked on the device, not over gigabytes on the host): a program of this
+    process alone."""
+    copies = [jax.random.key_data(x) if key else jnp.copy(x) for x, key in zip(arrays, keys, strict=True)]
+    finite = [jnp.isfinite(x).all() for x in arrays if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return copies, functools.reduce(jnp.logical_and, finite, jnp.bool_(True))
+
+
+class Layout:
+    """Where a tree's leaves put this process's distinct shards, worked out once for the tree's structure,
+    shapes and shardings: each snapshot then only picks the shards and dispatches one copy per device."""
+
+    def __init__(self, tree):
+        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+        self.leaves: list[tuple[str, Any, tuple[int, ...], list[tuple[str, int]] | None]] = []
+        self.by_device: dict[Any, list[tuple[int, int]]] = {}  # device -> (leaf, shard position) to copy
+        self.keys: dict[Any, tuple[bool, ...]] = {}
+        for i, (path, leaf) in enumerate(flat):
+            if not isinstance(leaf, jax.Array):
+                self.leaves.append((path_name(path), None, (), None))
+                continue
+            encoded = jax.eval_shape(jax.random.key_data, leaf) if is_key(leaf) else leaf
+            seen: dict[str, int] = {}
+            for position, shard in enumerate(leaf.addressable_shards):
+                # (A key array's shard index may already span its raw data's trailing axis.)
+                index = _index_key(shard.index + (slice(None),) * (encoded.ndim - len(shard.index)), encoded.shape)
+                if index not in seen:
+                    seen[index] = position
+                    self.by_device.setdefault(shard.device, []).append((i, position))
+            self.leaves.append((path_name(path), encoded.dtype, tuple(encoded.shape), list(seen.items())))
+        for device, places in self.by_device.items():
+            self.keys[device] = tuple(is_key(flat[i][1]) for i, _ in places)
+
+    @staticmethod
+    def signature(flat: list) -> tuple:
+        return tuple((x.shape, x.dtype, x.sharding) if isinstance(x, jax.Array) else type(x) for x in flat)
+
+    def copy(self, flat: list) -> tuple[list, list]:
+        """Per leaf of `flat`: (path, dtype, shape, [(index key, data)]), device shards copied on their devices
+        (dispatched, not waited for, so later steps that donate the state's buffers leave the copies intact),
+        host values whole; and flags (device scalars, host bools) that are all true when every floating-point
+        value is finite. One program per local device, none across processes (such a program costs the steps
+        around it a collective's wait)."""
+        copied: dict[tuple[int, int], Any] = {}
+        finite: list = []
+        for device, places in self.by_device.items():
+            shards = [flat[i].addressable_shards[position].data for i, position in places]
+            copies, all_finite = _copy_on_device(shards, self.keys[device])
+            copied.update(zip(places, copies, strict=True))
+            finite.append(all_finite)
+        entries = []
+        for i, (name, dtype, shape, shards) in enumerate(self.leaves):
+            if shards is None:
+                value = np.asarray(flat[i])
+                whole = _index_key(tuple(slice(None) for _ in value.shape), value.shape)
+                entries.append((name, value.dtype, tuple(value.shape), [(whole, value)]))
+                finite.append(not np.issubdtype(value.dtype, np.inexact) or bool(np.isfinite(value).all()))
+            else:
+                entries.append((name, dtype, shape, [(index, copied[i, position]) for index, position in shards]))
+        return entries, finite
+
+
+def unpack_header(part: bytes) -> tuple[dict, memoryview]:
+    """The JSON header of a part and a view of its array bytes; `ValueError` if it is not one."""
+    if not part.startswith(MAGIC) or len(part) < len(MAGIC) + 8:
+        raise ValueError("not a meshfit snapshot part (no MFSNAP1 header)")
+    (length,) = struct.unpack(">Q", part[len(MAGIC) : len(MAGIC) + 8])
+    start = len(MAGIC) + 8
+    if start + length > len(part):
+        raise ValueError("a snapshot part cut short in its header")
+    header = json.loads(part[start : start + length].decode())
+    return header, memoryview(part)[start + length :]
+
+
+def unpack(part: bytes | bytearray, template) -> Any:
+    """The tree of a part, laid out as `template` (device arrays on its shardings, numpy arrays on the host).
+
+    `ValueError` names what differs when the part does not fit the template (another model, another layout).
+    The part's bytes are the caller's to check: `MemoryTier.newest` returns only a part that matches the
+    digest it was sent with.
+    """
+    header, data = unpack_header(part)
+    by_path = {leaf["path"]: leaf for leaf in header["leaves"]}
+    flat, treedef = jax.tree_util.tree_flatten_with_path(encode(template))
+    found = []  # per leaf (name, template, shape, shards)
+    for path, like in flat:
+        name = path_name(path)
+        saved = by_path.get(name)
+        if saved is None:
+            raise ValueError(f"{name}: not in the snapshot")
+        dtype = jnp.dtype(saved["dtype"])
+        shape = tuple(saved["shape"])
+        if shape != tuple(like.shape) or dtype != np.dtype(like.dtype):
+            raise ValueError(
+                f"{name}: saved {shape} {dtype.name}, expected {tuple(like.shape)} {np.dtype(like.dtype).name}"
+            )
+        shards = {}
+        for shard in saved["shards"]:
+            raw = data[shard["offset"] : shard["offset"] + shard["nbytes"]]
+            if len(raw) != shard["nbytes"]:
+                raise ValueError(f"{name} [{shard['index']}]: the part ends inside it")
+            shards[shard["index"]] = np.frombuffer(raw, dtype=dtype)
+        found.append((name, like, shape, shards))
+    return decode(jax.tree_util.tree_unflatten(treedef, [_rebuilt(*leaf) for leaf in found]), template)
+
+
+def _rebuilt(name: str, like, shape: tuple[int, ...], shards: dict[str, np.ndarray]):
+    """A leaf laid out as `like` from this process's shards of it."""
+    if not isinstance(like, jax.Array):
+        (only,) = shards.values()
+        return np.array(only.reshape(shape))
+    whole = _index_key(tuple(slice(None) for _ in shape), shape)
+
+    def piece(index):
+        key = _index_key(index, shape)
+        if key in shards:
+            return shards[key].reshape(tuple(len(range(*s.indices(d))) for s, d in zip(index, shape, strict=True)))
+        if whole in shards:  # a replicated array: any shard is a slice of the whole
+            return shards[whole].reshape(shape)[index]
+        raise ValueError(
+            f"{name}: this process's part holds no shard [{key}] nor the whole array (another layout, or "
+            "a world size that split it across processes)"
+        )
+
+    return jax.make_array_from_callback(shape, like.sharding, piece)
