@@ -48,10 +48,13 @@ class Pipeline:
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
             raise ValueError(f"Pipeline `schedule` must be one of {SCHEDULES}. Received: schedule={self.schedule!r}.")
-        if not isinstance(self.microbatches, int) or self.microbatches < 1:
-            raise ValueError(f"Pipeline `microbatches` must be a positive int. Received: {self.microbatches!r}.")
-        if not isinstance(self.repeats, int) or self.repeats < 1:
-            raise ValueError(f"Pipeline `repeats` must be a positive int. Received: repeats={self.repeats!r}.")
+        for name, meaning in (("microbatches", "parts each replica's rows are cut into"), ("repeats", "rounds")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:  # (True is an int to Python)
+                raise ValueError(
+                    f"Pipeline `{name}` must be a positive int (the number of {meaning}). "
+                    f"Received: {name}={value!r} ({type(value).__name__})."
+                )
         if self.repeats > 1 and self.schedule != "circular":
             raise ValueError(
                 f"Pipeline `repeats` > 1 needs schedule='circular'. Received: schedule={self.schedule!r}, "

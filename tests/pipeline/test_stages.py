@@ -202,6 +202,16 @@ def test_pipeline_settings_are_checked():
         mf.strategies.MeshStrategy(axes={"data": 8}, pipeline=mf.strategies.Pipeline(microbatches=2))
 
 
+@pytest.mark.parametrize("microbatches", [True, False, 4.0, "4", 0, -2, None])
+def test_microbatches_that_is_not_a_positive_int_is_refused_naming_what_came(microbatches):
+    received = f"Received: microbatches={microbatches!r} ({type(microbatches).__name__})."
+    with pytest.raises(ValueError, match=r"Pipeline `microbatches` must be a positive int") as refusal:
+        mf.strategies.Pipeline(microbatches=microbatches)
+    assert received in str(refusal.value)
+    with pytest.raises(ValueError, match=r"`repeats` must be a positive int .* Received: repeats=True \(bool\)"):
+        mf.strategies.Pipeline(microbatches=4, schedule="circular", repeats=True)
+
+
 def test_the_batch_is_padded_to_whole_microbatches_per_replica():
     assert pipelined(microbatches=4).batch_multiple == 2 * 4
     assert mf.strategies.Pipeline(microbatches=8, schedule="circular", repeats=2).bubble(4) == pytest.approx(3 / 19)
