@@ -28,9 +28,13 @@ Imports nothing of JAX or numpy: the launcher starts in a fraction of a second.
 
 from __future__ import annotations
 
+import collections
 import os
 import secrets
+import shutil
+import socket
 import sys
+import tempfile
 import threading
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener
@@ -61,6 +65,15 @@ def available_memory() -> int:
     except (OSError, ValueError, IndexError):
         pass
     return 1 << 62
+
+
+def _shut(conn: Connection) -> None:
+    """Wakes and ends whatever reads `conn` (its handshake's thread), without closing its descriptor under it."""
+    try:
+        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 class _Part(NamedTuple):
@@ -99,13 +112,13 @@ class Keeper:
         key: the job's secret (one for every keeper of a launch); None: a fresh one.
     """
 
-    _MAX_HANDSHAKES = 64  # connections being authenticated at once; more are closed at once
+    _MAX_HANDSHAKES = 64  # TCP connections being authenticated at once; a new one evicts the oldest
 
     def __init__(
         self,
         log: TextIO = sys.stderr,
         max_bytes: int | None = None,
-        host: str = "127.0.0.1",
+        host: str | None = "127.0.0.1",
         key: bytes | None = None,
     ):
         if max_bytes is None and os.environ.get(protocol.ENV_KEEPER_MAX_BYTES):
@@ -113,10 +126,20 @@ class Keeper:
         self.max_bytes = max_bytes
         self.key = key if key is not None else secrets.token_bytes(32)
         self.log = log
-        self.listener = Listener((host, 0), backlog=128)  # no authkey: the handshake runs off this thread
-        host, port = self.listener.address
-        self.address = f"{host}:{port}"
         self.closed = threading.Event()
+        # The ranks of this node connect through a Unix socket in a directory only this user can enter: no
+        # other user can reach it, so none can crowd the ranks out. A TCP port (for other nodes' ranks) is
+        # reachable by anyone on the network; its strangers are handled by `_admit`.
+        self._socket_dir = tempfile.mkdtemp(prefix="meshfit-keeper-", dir=os.environ.get("XDG_RUNTIME_DIR") or None)
+        path = os.path.join(self._socket_dir, "keeper.sock")
+        self._listeners = [Listener(path, family="AF_UNIX", backlog=128)]
+        os.chmod(path, 0o600)
+        self.local_address = protocol.UNIX_PREFIX + path
+        self.address = self.local_address
+        if host is not None:
+            self._listeners.append(Listener((host, 0), backlog=128))  # no authkey: the handshake runs off this thread
+            tcp_host, port = self._listeners[-1].address
+            self.address = f"{tcp_host}:{port}"
         self.peak_bytes = 0
         self._lock = threading.Lock()
         self._committed: dict[str, dict[int, _Snapshot]] = {}  # fit -> step -> snapshot
@@ -127,15 +150,19 @@ class Keeper:
         # size: a fresh multi-GB buffer costs a page fault per 4 KiB. Not while a part is being sent out.
         self._spares: list[bytearray] = []
         self._sending = 0
-        self._handshakes = threading.BoundedSemaphore(self._MAX_HANDSHAKES)
+        self._handshaking: collections.OrderedDict[int, Connection] = collections.OrderedDict()  # TCP, oldest first
         self._stranger_seen = False
         self._said_holding: set[str] = set()
-        self._thread = threading.Thread(target=self._accept, daemon=True, name="meshfit-keeper")
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._accept, args=(listener,), daemon=True, name="meshfit-keeper")
+            for listener in self._listeners
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def env(self) -> dict[str, str]:
-        """The variables that point the ranks at this keeper."""
-        return {protocol.ENV_KEEPER_ADDRESS: self.address, protocol.ENV_KEEPER_AUTHKEY: self.key.hex()}
+        """The variables that point ranks on this node at this keeper (its Unix socket)."""
+        return {protocol.ENV_KEEPER_ADDRESS: self.local_address, protocol.ENV_KEEPER_AUTHKEY: self.key.hex()}
 
     def held_bytes(self) -> int:
         with self._lock:
@@ -165,7 +192,9 @@ class Keeper:
 
     def close(self) -> None:
         self.closed.set()
-        self.listener.close()
+        for listener in self._listeners:
+            listener.close()  # (the Unix one unlinks its socket file)
+        shutil.rmtree(self._socket_dir, ignore_errors=True)
         if self.peak_bytes:
             self._say(f"held at most {size_text(self.peak_bytes)} of memory snapshots.")
         with self._lock:
@@ -175,25 +204,39 @@ class Keeper:
 
     # -- connections -------------------------------------------------------------------
 
-    def _accept(self) -> None:
+    def _accept(self, listener: Listener) -> None:
+        tcp = listener is not self._listeners[0]
         while not self.closed.is_set():
             try:
-                conn = self.listener.accept()
+                conn = listener.accept()
             except OSError:
                 if self.closed.wait(0.05):
                     return
                 continue
-            if not self._handshakes.acquire(blocking=False):
-                conn.close()
-                continue
-            threading.Thread(target=self._serve, args=(conn,), daemon=True, name="meshfit-keeper-conn").start()
+            if tcp:
+                self._admit(conn)
+            threading.Thread(target=self._serve, args=(conn, tcp), daemon=True, name="meshfit-keeper-conn").start()
 
-    def _serve(self, conn: Connection) -> None:
+    def _admit(self, conn: Connection) -> None:
+        """Counts a TCP connection as authenticating; past `_MAX_HANDSHAKES`, the oldest still silent is cut.
+
+        Strangers that connect and stay silent hold a slot each until their handshake's bound: were new
+        connections refused while the slots are full, a flood of them would shut the job's ranks out. Cutting
+        the oldest instead lets every new connection its turn, a rank's included."""
+        with self._lock:
+            self._handshaking[id(conn)] = conn
+            while len(self._handshaking) > self._MAX_HANDSHAKES:
+                _, oldest = self._handshaking.popitem(last=False)
+                _shut(oldest)
+
+    def _serve(self, conn: Connection, tcp: bool) -> None:
         try:
             try:
                 handshake(conn, self.key, accepting=True)
             finally:
-                self._handshakes.release()
+                if tcp:
+                    with self._lock:
+                        self._handshaking.pop(id(conn), None)
         except HANDSHAKE_ERRORS as error:
             conn.close()
             self._stranger(error)
@@ -203,7 +246,7 @@ class Keeper:
                 request = protocol.recv_json(conn)
                 self._handle(conn, request)
         except (EOFError, OSError):
-            pass  # the rank closed its connection, or died
+            pass  # the rank closed its connection, died, or stopped moving the bytes it announced
         except protocol.ProtocolError as error:
             self._say(f"closed a connection of the job that broke the protocol: {error}.")
         finally:
@@ -310,7 +353,9 @@ class Keeper:
             spare = next((b for b in self._spares if len(b) == size), None)
             if spare is not None:
                 self._spares.remove(spare)
+        protocol.set_timeout(conn, protocol.ANSWER_TIMEOUT)  # a rank stopped mid-part frees this thread
         payload = protocol.recv_payload(conn, size, into=spare)
+        protocol.set_timeout(conn, 0)  # between requests a rank's connection idles as long as its steps take
         if protocol.digest(payload) != digest:
             protocol.send_json(conn, {"ok": True, "committed": False, "damaged": True})  # never committed
             return
@@ -381,8 +426,10 @@ class Keeper:
                 protocol.send_json(conn, {"step": None})
                 return
             reply = {"step": step, "size": len(part.payload), "digest": part.digest, "world": saved.world}
+            protocol.set_timeout(conn, protocol.ANSWER_TIMEOUT)  # a stopped reader frees the part's buffer
             protocol.send_json(conn, reply)
             protocol.send_payload(conn, part.payload)
+            protocol.set_timeout(conn, 0)
         finally:
             with self._lock:
                 self._sending -= 1

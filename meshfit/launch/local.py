@@ -470,15 +470,24 @@ def launch(config: LaunchConfig, log: TextIO = sys.stderr, runner: Runner | None
 
     `runner` runs one start of the job and returns its status as `run_once` does (the default: processes on
     this machine; `meshfit.launch.ray` brings one that runs them on a Ray cluster).
+
+    Raises:
+        ValueError: a misconfiguration found before any process starts (`nprocs` below 1, `max_restarts` not
+            a whole number of 0 or more, too few GPUs, a `min_nprocs` that cannot apply).
     """
     if config.nprocs < 1:
         raise ValueError(f"--nprocs must be at least 1. Received: {config.nprocs}.")
+    if isinstance(config.max_restarts, bool) or not isinstance(config.max_restarts, int) or config.max_restarts < 0:
+        raise ValueError(
+            "--max-restarts expected a whole number of restarts, 0 or more (0: never restart). "
+            f"Received: {config.max_restarts!r}."
+        )
     snapshots = None
     if runner is None:
         _gpus_to_assign(config)  # a misconfiguration fails before any process starts
         runner = run_once
     if runner is run_once and config.layout.keeps_snapshots:
-        snapshots = Keeper(log)  # the memory tier of BackupAndRestore, across restarts
+        snapshots = Keeper(log, host=None)  # the memory tier of BackupAndRestore, across restarts; a Unix socket
         config = dataclasses.replace(config, env={**config.env, **snapshots.env()})
     # Elastic on this machine: the launcher drops the rank that cannot restart (`_shrunk`); an elastic runner
     # (Ray's) sizes each restart to what its cluster can place.

@@ -40,6 +40,9 @@ class _KeeperActor:
     def address(self) -> str:
         return self.keeper.address
 
+    def local_address(self) -> str:
+        return self.keeper.local_address
+
     def inventory(self) -> dict[str, dict]:
         return self.keeper.inventory()
 
@@ -54,7 +57,7 @@ class NodeKeepers:
         self.ray = ray
         self.log = log
         self.key = secrets.token_bytes(32)
-        self.keepers: dict[str, tuple[Any, str, str]] = {}  # node id -> (actor, address, node IP)
+        self.keepers: dict[str, tuple[Any, str, str]] = {}  # node id -> (actor, TCP address, Unix socket address)
 
     def _start(self, node_id: str) -> None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -64,8 +67,8 @@ class NodeKeepers:
             .options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
             .remote(self.key)
         )
-        address = self.ray.get(actor.address.remote(), timeout=ANSWER_TIMEOUT)
-        self.keepers[node_id] = (actor, address, address.rsplit(":", 1)[0])
+        address, local = self.ray.get([actor.address.remote(), actor.local_address.remote()], timeout=ANSWER_TIMEOUT)
+        self.keepers[node_id] = (actor, address, local)
 
     def _inventories(self) -> dict[str, dict]:
         """What every keeper still reachable holds, by node id; those gone with their node are forgotten."""
@@ -110,6 +113,7 @@ class NodeKeepers:
         self.log.flush()
         return {
             protocol.ENV_KEEPER_ADDRESS: ",".join(self.keepers[node][1] for node in order),
+            protocol.ENV_KEEPER_LOCAL: ",".join(self.keepers[node][2] for node in order),
             protocol.ENV_KEEPER_AUTHKEY: self.key.hex(),
             protocol.ENV_KEEPER_HOMES: ",".join(str(order.index(node_id)) for node_id, _ in nodes),
             protocol.ENV_KEEPER_RESUME: json.dumps({fit: [s["step"], s["start"]] for fit, s in chosen.items()}),

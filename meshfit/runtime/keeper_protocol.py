@@ -29,14 +29,18 @@ import hashlib
 import json
 import os
 import socket
+import struct
 from multiprocessing.connection import Connection
 
-from meshfit.runtime.handshake import HANDSHAKE_TIMEOUT, handshake
+from meshfit.runtime.handshake import handshake
 
 #: `host:port` of the launcher's keeper (set by `meshfit launch`; absent without a launcher). Under
 #: `meshfit launch --ray`, the keepers of the nodes that run ranks, comma-separated (node 0's first), then
 #: those of nodes that ran ranks before a restart and still hold snapshots.
 ENV_KEEPER_ADDRESS = "MESHFIT_KEEPER_ADDRESS"
+#: Under `--ray`: each keeper of `ENV_KEEPER_ADDRESS`, in its order, as `unix:PATH` of its socket on its own
+#: node, comma-separated: a rank reaches its own node's keeper there, where no other user can connect.
+ENV_KEEPER_LOCAL = "MESHFIT_KEEPER_LOCAL"
 #: The keepers' secret, hex (one per launch): every connection proves it knows it.
 ENV_KEEPER_AUTHKEY = "MESHFIT_KEEPER_AUTHKEY"
 #: Under `--ray`: each rank's own node's keeper, as indices into `ENV_KEEPER_ADDRESS`, comma-separated by
@@ -58,6 +62,13 @@ HEADER_LIMIT = 64 * 1024
 DIGEST_CHUNK = 16 << 20
 #: Bytes moved by one system call of `send_payload` and `recv_payload`.
 _IO_CHUNK = 16 << 20
+#: Seconds a rank waits for the keeper to make progress on a request (a read or write that moves nothing):
+#: a keeper that stops answering turns the memory tier off after this long, and the fit goes on from disk.
+ANSWER_TIMEOUT = 10.0
+#: Bytes a second the keeper is granted, on top of `ANSWER_TIMEOUT`, to check a part before it answers.
+CHECK_RATE = 256 << 20
+#: How an address names a keeper's Unix socket (`unix:PATH`): the ranks on its node connect there.
+UNIX_PREFIX = "unix:"
 
 
 class ProtocolError(Exception):
@@ -72,6 +83,12 @@ def available() -> bool:
 def addresses() -> list[str]:
     """The keepers' `host:port`s named by the environment (the first: this rank's keeper on one machine)."""
     return [a for a in os.environ.get(ENV_KEEPER_ADDRESS, "").split(",") if a]
+
+
+def local_addresses() -> list[str]:
+    """`ENV_KEEPER_LOCAL`'s Unix socket of each keeper of `addresses()` ("" where none is named)."""
+    named = [a for a in os.environ.get(ENV_KEEPER_LOCAL, "").split(",")]
+    return [named[i] if i < len(named) else "" for i in range(len(addresses()))]
 
 
 def homes(world: int) -> list[int]:
@@ -96,21 +113,57 @@ def expected_ranks(homes: list[int], keeper: int, replicas: int) -> list[int]:
     return [r for r in range(len(homes)) if keeper in replica_keepers(homes, r, replicas)]
 
 
-def connect(address: str | None = None, key: bytes | None = None, timeout: float = HANDSHAKE_TIMEOUT) -> Connection:
-    """An authenticated connection to the keeper named by the environment (or `address`, `key`)."""
+def connect(address: str | None = None, key: bytes | None = None, timeout: float | None = None) -> Connection:
+    """An authenticated connection to the keeper named by the environment (or `address`, `key`), the
+    connection and handshake within `timeout` seconds (None: `ANSWER_TIMEOUT`).
+
+    `address` is `host:port`, or `unix:PATH` for a keeper's socket on this node (`Keeper.local_address`).
+    Every later read and write on the connection gives up after `ANSWER_TIMEOUT` seconds without progress
+    (`OSError`): a keeper that stops answering (stopped, or its host swapping) never holds a rank for longer.
+    """
     address = address or addresses()[0]
     key = key if key is not None else bytes.fromhex(os.environ[ENV_KEEPER_AUTHKEY])
-    host, port = address.rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=timeout)
+    timeout = ANSWER_TIMEOUT if timeout is None else timeout
+    if address.startswith(UNIX_PREFIX):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(address[len(UNIX_PREFIX) :])
+        except BaseException:
+            sock.close()
+            raise
+    else:
+        host, port = address.rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)), timeout=timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.settimeout(None)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     conn = Connection(sock.detach())
     try:
         handshake(conn, key, accepting=False, timeout=timeout)
+        set_timeout(conn, ANSWER_TIMEOUT)
     except BaseException:
         conn.close()
         raise
     return conn
+
+
+def set_timeout(conn: Connection, seconds: float) -> None:
+    """Makes each read and write on `conn` raise `OSError` (EAGAIN) after `seconds` without progress (0: never).
+
+    The kernel's own bound (`SO_RCVTIMEO`, `SO_SNDTIMEO`) on the blocking socket: `Connection` and
+    `send_payload`/`recv_payload` read and write it with plain system calls, which then fail instead of
+    blocking forever. It bounds a stall, not a transfer: gigabytes that keep moving never time out.
+    """
+    whole, fraction = divmod(max(seconds, 0.001), 1.0) if seconds else (0, 0)  # 0: no bound
+    value = struct.pack("ll", int(whole), int(fraction * 1e6))
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:  # the same socket: options are the socket's
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+
+
+def reply_timeout(nbytes: int) -> float:
+    """Seconds to wait for the keeper's answer to a part of `nbytes` it checks before answering."""
+    return ANSWER_TIMEOUT + nbytes / CHECK_RATE
 
 
 def send_json(conn: Connection, message: dict) -> None:
@@ -121,6 +174,8 @@ def recv_json(conn: Connection) -> dict:
     """The next JSON frame, an object; `ProtocolError` for anything else (EOFError when the peer closed)."""
     try:
         raw = conn.recv_bytes(HEADER_LIMIT)
+    except (BlockingIOError, ConnectionError):
+        raise  # no answer within the connection's bound (`set_timeout`), or the peer is gone
     except OSError as error:  # "bad message length": larger than a header may be
         raise ProtocolError(f"a frame over {HEADER_LIMIT} bytes where a JSON header was expected ({error})") from None
     try:

@@ -185,6 +185,38 @@ def test_strangers_are_closed_and_the_job_still_gets_through(keeper):
     assert "did not complete the handshake" in keeper.test_log.getvalue()
 
 
+def test_a_flood_of_silent_strangers_on_the_tcp_port_does_not_shut_the_job_out(keeper):
+    """Three times as many silent connections as handshakes run at once, held open: each new connection cuts
+    the oldest still silent instead of being refused, so the job's ranks (over TCP, as other nodes' ranks
+    reach a Ray node's keeper) connect and commit a snapshot at once."""
+    import socket
+
+    port = int(keeper.address.rsplit(":", 1)[1])
+    silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(3 * Keeper._MAX_HANDSHAKES)]
+    try:
+        a, b = client(keeper), client(keeper)
+        put(a, 5, 0, b"r0")
+        assert put(b, 5, 1, b"r1")["committed"] is True
+        assert latest(a, 0) == (5, b"r0")
+    finally:
+        for sock in silent:
+            sock.close()
+
+
+def test_the_ranks_of_this_node_reach_the_keeper_through_a_unix_socket_of_their_user(keeper):
+    """`env()` points this node's ranks at the keeper's Unix socket (mode 0600 in a directory of mode 0700),
+    which serves them as the TCP port does; it is gone when the keeper closes."""
+    path = keeper.local_address[len(protocol.UNIX_PREFIX) :]
+    assert keeper.env()[protocol.ENV_KEEPER_ADDRESS] == keeper.local_address
+    assert (os.stat(path).st_mode & 0o777, os.stat(os.path.dirname(path)).st_mode & 0o777) == (0o600, 0o700)
+    a = protocol.connect(keeper.local_address, keeper.key)
+    assert put(a, 5, 0, b"r0", world=1)["committed"] is True
+    assert latest(a, 0, world=1) == (5, b"r0")
+    a.close()
+    keeper.close()
+    assert not os.path.exists(os.path.dirname(path))
+
+
 def test_a_rank_that_breaks_the_protocol_after_the_handshake_is_closed(keeper):
     a = client(keeper)
     a.send_bytes(b"\x80\x04not json")

@@ -12,6 +12,7 @@ import pytest
 from processes import Job, alive, run
 
 from meshfit.launch import local as launch
+from meshfit.runtime.job_layout import DistributedJob
 
 pytestmark = pytest.mark.slow  # starts real processes (the fast tier leaves these out)
 
@@ -324,3 +325,20 @@ def test_min_nprocs_is_a_floor_the_job_does_not_shrink_below(tmp_path):
 def test_min_nprocs_that_cannot_apply_is_refused_before_anything_starts(args, expected):
     result = run(launch_cmd(*args, os.path.join(WORKERS, "exit_with.py"), "0"), timeout=60)
     assert result.returncode == 2 and expected in result.stderr and "[rank" not in result.stdout
+
+
+@pytest.mark.parametrize("restarts", ["-1", "-5"])
+def test_a_negative_max_restarts_is_refused_before_anything_starts(restarts):
+    argv = launch_cmd("--nprocs", "2", "--max-restarts", restarts, os.path.join(WORKERS, "exit_with.py"), "0")
+    result = run(argv, timeout=60)
+    expected = (
+        f"--max-restarts expected a whole number of restarts, 0 or more (0: never restart). Received: {restarts}."
+    )
+    assert result.returncode == 2 and expected in result.stderr and "[rank" not in result.stdout
+
+
+@pytest.mark.parametrize("restarts", [-1, True, 1.5])
+def test_launch_refuses_max_restarts_that_is_not_a_whole_number_of_0_or_more(restarts):
+    config = launch.LaunchConfig(["-c", "pass"], DistributedJob(1), max_restarts=restarts)
+    with pytest.raises(ValueError, match=rf"--max-restarts expected .* Received: {restarts!r}\."):
+        launch.launch(config)
