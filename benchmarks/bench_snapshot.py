@@ -94,6 +94,7 @@ def run(args, sink_port: int) -> None:
     import numpy as np
 
     from meshfit.checkpointing import memory_tier as tier
+    from meshfit.checkpointing import snapshot_parts as parts
     from meshfit.runtime import keeper_protocol as protocol
 
     count = max(1, round(args.gib * 1024 / args.array_mib))
@@ -136,7 +137,7 @@ def run(args, sink_port: int) -> None:
 
     # One snapshot's phases, each alone, in the sender thread's order.
     flat = jax.tree_util.tree_leaves(state)
-    layout = tier._Layout(state)
+    layout = parts.Layout(state)
     phases: dict[str, float] = {}
     held: dict = {}
 
@@ -145,10 +146,10 @@ def run(args, sink_port: int) -> None:
 
     def to_host() -> None:
         assert all(bool(f) for f in held["finite"])
-        held["host"] = tier._on_host(held["entries"])
+        held["host"] = parts.on_host(held["entries"])
 
     def pack() -> None:
-        held["part"] = memory._buffer = tier._pack(next(steps), held["host"], meta, into=memory._buffer)
+        held["part"] = memory._buffer = parts.pack_entries(next(steps), held["host"], meta, into=memory._buffer)
 
     def part_digest() -> None:
         protocol.digest(held["part"])
@@ -180,7 +181,7 @@ def run(args, sink_port: int) -> None:
         def split() -> tuple[float, float]:
             """The tier's copy to the host in two: the transfers to pinned memory, then reading them."""
             began = time.perf_counter()
-            moved = jax.block_until_ready([tier._to_pinned(x) for x in copies])
+            moved = jax.block_until_ready([parts._to_pinned(x) for x in copies])
             middle = time.perf_counter()
             [np.asarray(x) for x in moved]
             return middle - began, time.perf_counter() - middle
@@ -188,7 +189,7 @@ def run(args, sink_port: int) -> None:
         try:
             pinned()
             phases["copy to the host through pinned_host memory"] = timed(pinned, args.repeats)
-            print(f"the tier moves shards through pinned host memory: {tier._has_pinned_host(device)}")
+            print(f"the tier moves shards through pinned host memory: {parts._has_pinned_host(device)}")
             split()
             puts, reads = zip(*(split() for _ in range(args.repeats)), strict=True)
             phases["the tier's transfers to pinned memory"] = statistics.median(puts)

@@ -11,7 +11,11 @@ writes in a model, checkpoint or backup directory (with the pid of the process
  range, another user (uid 65534, as root) owns or opens the backup directory, plants compiled
  programs or a FIFO in its compilation cache, or replaces Goodput's record, a rank is SIGKILLed with the
  memory tier on or while it sends a snapshot, a Ray node holding a rank and its snapshot keeper is removed
- (the replica on another node's keeper must be used), and strangers connect to the launcher's keeper. Most trials
+ (the replica on another node's keeper must be used), strangers connect to the launcher's keeper, a keeper is
+ stopped (SIGSTOP), another user floods every keeper socket and port during a restart, a restart compiled with
+ another learning rate meets the first job's snapshot, one rank's keeper is unreachable at a restart, malformed
+ snapshot parts are fed to the restore, a read-only backup directory sits beside a newer memory snapshot, and
+ another user owns the backup directory's parent (and plants a link in its place). Most trials
 run the resumable worker of the test suite (`tests/workers/train_resumable.py`: an MLP with dropout, EarlyStopping,
 ReduceLROnPlateau and BackupAndRestore) and compares the final weights and History
 bitwise with an uninterrupted run.
@@ -160,6 +164,11 @@ def memory_sigkill(base, reference_two, step):
 
 
 RAY_FAULT = "lost Ray node holding a keeper, memory tier on (2 ranks)"
+KEEPER_STOPPED = "keeper stopped (SIGSTOP) mid-fit, memory tier on"
+FLOODED_RESTART = "SIGKILL of a rank, another user at the keeper and strangers at every port (2 ranks)"
+ANOTHER_JOB = "restart compiled with another learning rate, memory tier on (2 ranks)"
+READ_ONLY_NEWER = "backup directory read-only, a newer memory snapshot held"
+FETCH_FAILS = "one rank's keeper unreachable at the restart, the other's not (2 ranks)"
 
 
 def ray_node_lost(base, reference_two):
@@ -703,6 +712,222 @@ def planted_goodput_record(base, reference, how):
     return status == 0 and exact, status != 0, outside
 
 
+# -- backups under faults and other users: the memory tier's failure paths and a parent another user owns -----
+
+ATTACKER = 1234  # a second local user (setpriv), as on a shared machine
+KEEPER_PROCESS = os.path.join(TESTS, "workers", "keeper_process.py")
+STRANGER_AT_SOCKETS = textwrap.dedent("""
+    import glob, socket, sys, time
+    # Another user tries every keeper socket it can name (the directories are listed in the temporary
+    # directory; their insides are the job's user's alone), 64 held at a time, for as long as it is told.
+    held, refused, connected = [], 0, 0
+    deadline = time.monotonic() + float(sys.argv[1])
+    while time.monotonic() < deadline:
+        for directory in glob.glob("/tmp/meshfit-keeper-*"):
+            s = socket.socket(socket.AF_UNIX)
+            try:
+                s.connect(directory + "/keeper.sock")
+                connected += 1
+                held = (held + [s])[-64:]
+            except OSError:
+                refused += 1
+                s.close()
+        time.sleep(0.05)
+    print(f"refused {refused} connected {connected}", flush=True)
+""")
+
+
+def as_attacker(*argv, timeout=BOUND):
+    return subprocess.run(
+        ["setpriv", "--reuid", str(ATTACKER), "--regid", str(ATTACKER), "--clear-groups", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def parent_swap(base):
+    """The backup directory is `parent/run1`, `parent` another user's (mode 1777, as /tmp is, but theirs): they
+    could rename `run1` away mid-fit and put a link to a directory of the job's user in its place, whose
+    checkpoints the end of `fit` would delete. Refused before any step, and refused again once the link is
+    planted: nothing is written in `parent`, and the linked directory's checkpoints stay as they were."""
+    parent, victim = base / "parent", base / "victim"
+    parent.mkdir()
+    os.chown(parent, ATTACKER, ATTACKER)
+    os.chmod(parent, 0o1777)
+    for step in ("100", "200"):
+        (victim / step).mkdir(parents=True)
+        (victim / step / "x").write_text(step)
+    before = snapshot(victim)
+    status, output = worker(base / "out", parent / "run1")
+    refused = status != 0 and "UntrustedDirectory" in output and not re.search(r"^step \d+$", output, re.M)
+    written = os.listdir(parent) != []
+    as_attacker("ln", "-s", str(victim), str(parent / "run1"))
+    status, output = worker(base / "out", parent / "run1")
+    refused = refused and status != 0 and "UntrustedDirectory" in output
+    print(f"    {'refused before any step, twice' if refused else said(status, output)}", flush=True)
+    return None, snapshot(victim) != before or not refused, written
+
+
+def keeper_stopped(base, reference):
+    """A keeper in its own process (as a Ray node's keeper actor is) is stopped (SIGSTOP) at step 10 of a fit
+    with snapshots every 2 steps: the tier must turn off with a warning and the fit finish exactly from disk
+    within its bound, not freeze at its next snapshot."""
+    with Job([sys.executable, KEEPER_PROCESS], timeout=BOUND) as keeper:
+        try:
+            (found,) = keeper.wait_for(r"(\{.*\})")
+            env = {k: v for k, v in json.loads(found.group(1)).items() if k.startswith("MESHFIT_")}
+            argv = [sys.executable, WORKER, str(base / "out"), str(base / "backup"), "--memory-freq", "2"]
+            with Job(argv + ["--slow", "0.02"], timeout=BOUND, env={**os.environ, **env}) as job:
+                job.wait_for(r"step 10$")
+                os.kill(keeper.proc.pid, signal.SIGSTOP)
+                status = job.finish()
+        except AssertionError as error:
+            raise Hang(str(error)[:300]) from None
+        finally:
+            if keeper.proc.poll() is None:
+                os.kill(keeper.proc.pid, signal.SIGCONT)
+    warned = "memory snapshots are off for this fit" in job.stdout + job.stderr
+    exact = status == 0 and warned and same(base / "out", reference)
+    if not exact:
+        print(f"  keeper stopped: exit {status}, warned {warned}", flush=True)
+        print(textwrap.indent((job.stdout + job.stderr)[-3000:], "    | "), flush=True)
+    return exact, status != 0
+
+
+def launched(argv, strangers: bool = False):
+    """Runs a launch job to its end (with another user at every keeper socket and strangers at every TCP port
+    of its processes when `strangers`): (status, stdout + stderr, what the other user's connections got)."""
+    from hostile import Strangers
+
+    attacker = None
+    with Job(argv, timeout=2 * BOUND) as job:
+        try:
+            if strangers:
+                attacker = subprocess.Popen(
+                    ["setpriv", "--reuid", str(ATTACKER), "--regid", str(ATTACKER), "--clear-groups"]
+                    + [sys.executable, "-c", STRANGER_AT_SOCKETS, str(BOUND)],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                with Strangers(job.proc.pid, every=1.0):
+                    status = job.finish()
+            else:
+                status = job.finish()
+        except AssertionError as error:
+            raise Hang(str(error)[:300]) from None
+        finally:
+            if attacker is not None and attacker.poll() is None:
+                attacker.kill()
+    seen = ""
+    if attacker is not None:
+        attacker.wait()
+        seen = attacker.stdout.read() if attacker.stdout else ""
+    return status, job.stdout + job.stderr, seen
+
+
+def two_ranks_resumable(out, backup, *args) -> list[str]:
+    return (
+        LAUNCH
+        + ["--nprocs", "2", "--devices-per-proc", "2", "--max-restarts", "1", "--stop-grace", "1"]
+        + [WORKER, str(out), str(backup), "--strategy", "multi_worker", *args]
+    )
+
+
+def flooded_memory_restart(base, reference_two):
+    """Rank 1 SIGKILLed at step 23 with snapshots every 5 steps, while another user connects to every keeper
+    socket it can name (64 held) and strangers hit every TCP port of the job: the restart must still resume from
+    the memory snapshot (step 20, or 15 when 20 was in flight), exit 0 and end as the uninterrupted job."""
+    out = base / "out"
+    argv = two_ranks_resumable(out, base / "backup", "--save-freq", "1000", "--memory-freq", "5", "--die-at-step", "23")
+    status, output, seen = launched(argv, strangers=True)
+    resumed = re.search(r"resumed from the launcher's memory snapshot at .*? \(step (15|20)\)", output)
+    reached = re.search(r"connected (\d+)", seen)
+    kept_out = reached is not None and reached.group(1) == "0"
+    exact = status == 0 and resumed is not None and kept_out and same(out, reference_two)
+    print(f"    another user's connections to the keeper: {seen.strip() or 'none tried'}", flush=True)
+    if not exact:
+        print(textwrap.indent(output[-3000:], "    | "), flush=True)
+    return exact, status != 0 or resumed is None
+
+
+def another_jobs_snapshot(base):
+    """A 2-rank job compiled with lr 0.5 dies at step 23 with memory snapshots every 5 steps; its restart is
+    compiled with lr 0.001 (another job on the same backup_dir): the restart must refuse the snapshot, naming
+    the learning rates, and never train on with lr 0.5."""
+    argv = two_ranks_resumable(base / "out", base / "backup", "--save-freq", "1000", "--memory-freq", "5")
+    argv += ["--die-at-step", "23", "--learning-rate", "0.5", "--restart-learning-rate", "0.001"]
+    status, output, _ = launched(argv)
+    refused = status != 0 and re.search(r"compiled differently: optimizer: saved .*0\.5.*now .*0\.001", output)
+    silently = "BackupAndRestore: resumed" in output
+    print(f"    {'refused, naming the learning rates' if refused else said(status, output)}", flush=True)
+    return None, silently or not refused
+
+
+def one_rank_fetch_fails(base, reference_two):
+    """Rank 1 SIGKILLed at step 23 (disk backups every 6 steps, snapshots every 2); in the restart rank 1's
+    keeper cannot be reached while rank 0's can: the ranks must resume together from disk and end as the
+    uninterrupted job, not deadlock on different steps."""
+    out = base / "out"
+    argv = two_ranks_resumable(out, base / "backup", "--save-freq", "6", "--memory-freq", "2", "--die-at-step", "23")
+    status, output, _ = launched(argv + ["--rank1-loses-its-keeper"])
+    together = "every process resumes from disk" in output
+    exact = status == 0 and together and same(out, reference_two)
+    if not exact:
+        print(textwrap.indent(output[-3000:], "    | "), flush=True)
+    return exact, status != 0
+
+
+def read_only_with_newer_snapshot(base, reference):
+    """A fit with disk backups every 4 steps and snapshots every step in a keeper of its own process is
+    SIGKILLed at step 10; its backup directory is then remounted read-only. The restart must resume from the
+    newer memory snapshot, finish exactly, and leave the disk as it was."""
+    backup = base / "backup"
+    backup.mkdir()
+    if subprocess.run(["mount", "--bind", str(backup), str(backup)], capture_output=True).returncode:
+        return None, False  # not root here: skipped
+    try:
+        with Job([sys.executable, KEEPER_PROCESS], timeout=4 * BOUND) as keeper:
+            (found,) = keeper.wait_for(r"(\{.*\})")
+            env = {k: v for k, v in json.loads(found.group(1)).items() if k.startswith("MESHFIT_")}
+            argv = [sys.executable, WORKER, str(base / "out"), str(backup), "--save-freq", "4", "--memory-freq", "1"]
+            with Job(argv + ["--slow", "0.02"], timeout=BOUND, env={**os.environ, **env}) as job:
+                job.wait_for(r"step 10$")
+                job.proc.send_signal(signal.SIGKILL)
+                job.finish()
+            before = snapshot(backup)
+            subprocess.run(["mount", "-o", "remount,bind,ro", str(backup)], check=True)
+            with Job(argv, timeout=BOUND, env={**os.environ, **env}) as job:
+                status = job.finish()
+    except AssertionError as error:
+        raise Hang(str(error)[:300]) from None
+    finally:
+        subprocess.run(["umount", "-l", str(backup)], capture_output=True)
+    output = job.stdout + job.stderr
+    from_memory = "resumed from the launcher's memory snapshot" in output
+    exact = status == 0 and from_memory and same(base / "out", reference)
+    if not exact:
+        print(textwrap.indent(output[-3000:], "    | "), flush=True)
+    return exact, snapshot(backup) != before or not from_memory
+
+
+def malformed_parts(base):
+    """The test suite's corpus of malformed snapshot parts (tests/checkpointing/test_snapshot_parts.py: crafted
+    by a holder of the job's key), each fed to `MemoryTier.restore`: every one must be refused with the warning,
+    none raise. Counted as one trial whose outcome is the corpus's."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-k", "malformed"]
+        + [os.path.join(TESTS, "checkpointing", "test_snapshot_parts.py")],
+        capture_output=True,
+        text=True,
+        timeout=2 * BOUND,
+        cwd=os.path.join(HERE, ".."),
+    )
+    counts = dict((k, int(n)) for n, k in re.findall(r"(\d+) (passed|failed|error)", done.stdout))
+    print(f"    malformed parts: {counts.get('passed', 0)} refused, {counts.get('failed', 0)} not", flush=True)
+    return None, done.returncode != 0 or not counts.get("passed")
+
+
 # -- hostile peers: strangers at every port a job listens on (tests/hostile.py) ----------------------------
 
 DATA_PARALLEL_WORKER = os.path.join(TESTS, "workers", "train_data_parallel.py")
@@ -818,7 +1043,7 @@ def main() -> None:
     print("reference runs (uninterrupted)", flush=True)
     status, output = worker(base / "ref", base / "ref-backup")
     assert status == 0, output[-2000:]
-    two_ranks = (LAUNCH_FAULT, HANG_LAUNCH_FAULT, MEMORY_FAULT, RAY_FAULT)
+    two_ranks = (LAUNCH_FAULT, HANG_LAUNCH_FAULT, MEMORY_FAULT, RAY_FAULT, FLOODED_RESTART, FETCH_FAILS)
     if any(tally.only in fault for fault in two_ranks):
         with Job(
             LAUNCH
@@ -868,6 +1093,16 @@ def main() -> None:
         trial(tally, MEMORY_FAULT, lambda step=step: memory_sigkill(fresh(), base / "ref2", step))
     trial(tally, "SIGKILL during a memory snapshot (the previous one used)", lambda: killed_mid_snapshot(fresh()))
     trial(tally, RAY_FAULT, lambda: ray_node_lost(fresh(), base / "ref2"))
+    trial(tally, KEEPER_STOPPED, lambda: keeper_stopped(fresh(), base / "ref"))
+    trial(tally, FLOODED_RESTART, lambda: flooded_memory_restart(fresh(), base / "ref2"))
+    trial(tally, ANOTHER_JOB, lambda: another_jobs_snapshot(fresh()))
+    trial(tally, FETCH_FAILS, lambda: one_rank_fetch_fails(fresh(), base / "ref2"))
+    trial(tally, "malformed snapshot parts (the test corpus)", lambda: malformed_parts(fresh()))
+    trial(
+        tally,
+        "read-only backup directory, newer memory snapshot",
+        lambda: read_only_with_newer_snapshot(fresh(), base / "ref"),
+    )
     trial(tally, "parameter server stopped (SIGSTOP)", lambda: stopped_server(fresh()))
     for kind in ("model", "weights", "checkpoint", "backup"):
         trial(tally, "hostile directory: symlinks at meshfit names", lambda kind=kind: planted_symlinks(fresh(), kind))
@@ -876,6 +1111,7 @@ def main() -> None:
         trial(tally, "hostile directory: garbled saved config", lambda n=name, g=garble: garbled_config(fresh(), n, g))
 
     if os.geteuid() == 0:  # another user's files need chown
+        trial(tally, "backup directory in another user's parent (swap for a link)", lambda: parent_swap(fresh()))
         for how in ("another user's (mode 0777)", "yours, mode 0777"):
             trial(tally, "untrusted backup directory", lambda h=how: untrusted_backup_dir(fresh(), base / "ref", h))
         for how in ("another job's programs", "FIFO at the train step's name"):

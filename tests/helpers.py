@@ -1,11 +1,15 @@
 """Small models, data and assertions shared by the tests."""
 
+import contextlib
 import importlib.util
 import os
+import subprocess
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from meshfit.checkpointing.checkpoint import MARKER, PROBE, own_names
@@ -118,3 +122,25 @@ def read_all(directory) -> dict[str, bytes]:
 def linked_meshfit_names(directory) -> list[str]:
     """The meshfit names in `directory` that are symlinks."""
     return sorted(n for n in own_names(os.listdir(directory)) if os.path.islink(os.path.join(directory, n)))
+
+
+@contextlib.contextmanager
+def mounted(target, *options):
+    """Mounts `target` (a bind of itself, or a tmpfs with `-t tmpfs`); skips the test where mounting is not
+    allowed (mounting needs root, as on the CI machines)."""
+    target.mkdir(exist_ok=True)
+    source = ["tmpfs", str(target)] if "-t" in options else [str(target), str(target)]
+    made = subprocess.run(["mount", *options, *source], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount here: {made.stderr.strip()}")
+    try:
+        yield target
+    finally:
+        subprocess.run(["umount", "-l", str(target)], capture_output=True)
+
+
+def remount_read_only(target, deadline=30.0):
+    end = time.monotonic() + deadline
+    while subprocess.run(["mount", "-o", "remount,bind,ro", str(target)], capture_output=True).returncode != 0:
+        assert time.monotonic() < end, "could not remount read-only"  # busy while a file is open for writing
+        time.sleep(0.01)

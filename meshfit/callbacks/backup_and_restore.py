@@ -8,9 +8,13 @@ import re
 import time
 import warnings
 
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
 from meshfit import compilation_cache
-from meshfit.checkpointing import memory_tier
-from meshfit.checkpointing.checkpoint import CheckpointDir, NonFiniteState
+from meshfit.checkpointing import job_fingerprint, memory_tier
+from meshfit.checkpointing.checkpoint import CheckpointDir, CheckpointWriteError, NonFiniteState
 from meshfit.checkpointing.checkpoint_schema import BACKUP, Backup
 from meshfit.checkpointing.save_policy import (
     AFTER_BATCH,
@@ -76,8 +80,10 @@ class BackupAndRestore(Callback):
     deleted only after a newer one is complete. A backup that cannot be read
     or whose arrays no longer match their fingerprints is moved aside as
     `<step>.unreadable` (never deleted) and the one before is restored; a
-    backup of a different model is refused with a `ValueError` and nothing on
-    disk changes. A state holding NaN or Inf is never saved, and a fit that
+    backup of a different model, or of a fit compiled differently (another
+    optimizer or learning rate, loss, `steps_per_execution`, dtype policy:
+    `meshfit.checkpointing.job_fingerprint`), is refused with a `ValueError`
+    naming what differs, and nothing on disk changes. A state holding NaN or Inf is never saved, and a fit that
     ends on a non-finite loss keeps its backups. Only one job at a time may
     write into `backup_dir` (a lock file). On SIGTERM (preemption), `fit`
     saves a backup at the next step boundary and raises `meshfit.Preempted`
@@ -102,8 +108,13 @@ class BackupAndRestore(Callback):
     whole (replicated state, as under data parallelism); a state sharded
     across processes resumes from disk (with a warning). A snapshot with a
     shard that does not match its SHA-256, or one a process died while
-    sending, is never restored. When the keeper's host cannot hold the snapshots, the fit warns
-    once and backs up to disk only.
+    sending, is never restored. In a multi-process job every process restores
+    the same tier and step, or all resume from disk together. When the keeper's
+    host cannot hold the snapshots, or the keeper stops answering
+    (`keeper_protocol.ANSWER_TIMEOUT` without progress), the fit warns once and
+    backs up to disk only; a backup directory that cannot be written (a
+    read-only mount) then hides no newer snapshot: the fit resumes from it and
+    backs up in memory only.
 
     Args:
         backup_dir: directory for the backups, created with mode 0700; a
@@ -202,6 +213,9 @@ class BackupAndRestore(Callback):
         self._refused_step: int | None = None  # a step whose state was not finite, so not saved
         self._others: dict[str, Callback] = {}  # the fit's other callbacks, by state key
         self._memory: memory_tier.MemoryTier | None = None  # this fit's snapshots in the launcher's keeper
+        self._memory_ever: memory_tier.MemoryTier | None = None  # the tier of this fit, also once turned off
+        self._job: dict = {}  # this fit's `job_fingerprint`, written into each backup
+        self._disk_error: str | None = None  # why the backup directory cannot be written (memory tier only)
         self._memory_step = 0  # the step of the last snapshot (or disk backup, or start)
         self._memory_since: float | None = None  # when the last snapshot was started (time.perf_counter)
         self._memory_slow_said = False  # warned that snapshots hold training
@@ -257,7 +271,14 @@ class BackupAndRestore(Callback):
         return dict(zip(state_keys(others), others, strict=True))
 
     def _save(self, logs=None, *, wait: bool = False) -> None:
-        """Backs up the fit's state at its position; `logs` are an ending epoch's (History records them later)."""
+        """Backs up the fit's state at its position; `logs` are an ending epoch's (History records them later).
+        Where the directory cannot be written, a memory snapshot instead (awaited with `wait`)."""
+        if self._disk_error is not None:
+            if self._memory is not None:
+                self._snapshot()
+                if wait:
+                    self.wait_until_finished()
+            return
         with self.context.timer.phase("checkpoint"):  # the time the save holds the loop
             self._write(logs, wait=wait)
 
@@ -287,6 +308,7 @@ class BackupAndRestore(Callback):
             callbacks=callbacks,
         )
         tree, meta = BACKUP.tree_and_meta(backup)
+        meta[job_fingerprint.KEY] = self._job
         return position.step, tree, meta
 
     def _write(self, logs, *, wait: bool) -> None:
@@ -308,15 +330,17 @@ class BackupAndRestore(Callback):
         return steps[-1] if steps else "none"
 
     def _restore(self) -> None:
-        """Continues from the newest committed memory snapshot when it is newer than the newest readable disk
-        backup, else from that backup, if any; checks first that every saved callback state has its callback
-        in this fit, so a refusal changes nothing."""
+        """Continues from the newest committed memory snapshot when every process can restore its part of it
+        and it is newer than the newest readable disk backup, else from that backup, if any; checks first that
+        the backup is this job's (`job_fingerprint`) and that every saved callback state has its callback in
+        this fit, so a refusal changes nothing."""
         model = self.model
 
         def template_of(meta):
+            self._check_job(meta)
             return BACKUP.target(self.context.latest, meta)
 
-        found, tier = self._from_memory(template_of), "memory"
+        found, tier = self._agreed(self._from_memory(template_of)), "memory"
         if found is None:
             found, tier = self._dir.restore_latest(template_of), "disk"
         if found is None:
@@ -351,6 +375,41 @@ class BackupAndRestore(Callback):
                     flush=True,
                 )
 
+    def _check_job(self, meta) -> None:
+        """Refuses a backup written by a fit compiled differently (`job_fingerprint`), naming what differs."""
+        differs = job_fingerprint.differences(meta.get(job_fingerprint.KEY), self._job)
+        if differs:
+            raise job_fingerprint.BackupOfAnotherJob(
+                f"BackupAndRestore: a backup in {self._dir.directory} (on disk, or the launcher's memory snapshot "
+                f"of it) was written by a fit compiled differently: {'; '.join(differs)}. Nothing was restored.\n"
+                "Compile as that fit did to resume it, or pass another backup_dir to start afresh."
+            )
+
+    def _agreed(self, found):
+        """`found` (this process's memory snapshot, or None) where every process of the job found the same
+        step and can restore its part of it, else None everywhere (the job resumes from disk together); and
+        the memory tier on where it is on for every process. One all-gather of two numbers a process: a job
+        whose processes restored different steps would deadlock in its first collective."""
+        if self.memory_policy is None or jax.process_count() == 1:
+            return found
+        mine = [found[0] if found is not None else -1, int(self._memory is not None)]
+        steps, on = np.asarray(multihost_utils.process_allgather(np.asarray(mine, np.int32))).reshape(-1, 2).T
+        if not on.all() and self._memory is not None:
+            ranks = ", ".join(str(r) for r in np.flatnonzero(on == 0))
+            self._memory_off(f"process(es) {ranks} could not reach their keeper")
+        if found is not None and (steps == steps[0]).all():
+            return found
+        if steps.max() >= 0 and self.model.strategy.is_chief:
+            lacking = ", ".join(
+                f"{r} ({'none' if s < 0 else f'step {s}'})" for r, s in enumerate(steps) if s != steps.max()
+            )
+            print(
+                f"BackupAndRestore: not resuming from the memory snapshot of step {steps.max()}: process(es) "
+                f"{lacking} could not restore their part of it; every process resumes from disk.",
+                flush=True,
+            )
+        return None
+
     def _memory_source(self) -> str:
         """Whose snapshot was restored, for the log: another world size's job; a keeper on another node."""
         memory = self._memory
@@ -370,27 +429,27 @@ class BackupAndRestore(Callback):
         disk = self._dir.steps()
         try:
             fetched = self._memory.newest()
-        except (OSError, EOFError, keeper_protocol.ProtocolError) as error:
-            self._memory_off(f"the keeper did not answer ({type(error).__name__}: {error})")
+        except memory_tier.KEEPER_ERRORS as error:
+            self._memory_off(f"the keeper did not answer ({memory_tier.error_text(error)})")
             return None
         if fetched is None or (disk and fetched[0] <= disk[-1]):
             return None
-        restored = self._memory.restore(fetched[0], fetched[1], template_of)
+        first_epoch = self.context.position(finished=False).epoch  # the fit's initial_epoch: nothing restored yet
+        restored = self._memory.restore(fetched[0], fetched[1], template_of, first_epoch=first_epoch)
         return None if restored is None else (fetched[0], *restored)
 
     def _memory_off(self, why) -> None:
         """Backs up to disk only for the rest of the fit, saying why once."""
         memory, self._memory = self._memory, None
         if memory is not None:
-            try:
-                memory.close()
-            except memory_tier.MemoryTierUnavailable:
-                pass
+            memory.close()
         if self.model.strategy.is_chief:
-            warnings.warn(
-                f"BackupAndRestore: memory snapshots are off for this fit, backing up to disk only: {why}.",
-                stacklevel=2,
+            rest = (
+                "backing up to disk only"
+                if self._disk_error is None
+                else "and the backup directory cannot be written: no more backups"
             )
+            warnings.warn(f"BackupAndRestore: memory snapshots are off for this fit, {rest}: {why}.", stacklevel=2)
 
     def _check_every_state_has_a_callback(self, saved: dict[str, dict], step: int) -> None:
         """Refuses a backup holding state for callbacks this fit lacks: resuming would silently drop it."""
@@ -408,25 +467,60 @@ class BackupAndRestore(Callback):
 
     def on_train_begin(self, logs=None):
         self._refused_step = None
+        self._memory_ever = None
         self._others = self._keyed_others()
+        self._job = job_fingerprint.of(self.model)
         if self.memory_policy is not None:
             self._memory = memory_tier.MemoryTier(os.path.abspath(self.backup_dir), self._replicas())
+            self._memory_ever = self._memory
             self._memory_since, self._memory_slow_said = None, False
         with self.context.timer.phase("checkpoint"):
-            self._dir = CheckpointDir(
+            self._dir = self._open_directory()
+            self._restore()
+        self._use_compilation_cache()  # after a restore that may refuse the directory: a refusal writes nothing
+        self._saved_step = self._memory_step = self.context.step
+
+    def _open_directory(self) -> CheckpointDir:
+        """The backup directory, opened to write; with the memory tier on, one that cannot be written (a
+        read-only mount, on any process) is opened to read only, so a newer memory snapshot still resumes
+        the fit, which then backs up in the launcher's memory only (said once). Without the tier such a
+        directory fails the fit before any step (`CheckpointWriteError`)."""
+        self._disk_error = None
+        directory: CheckpointDir | None = None
+        try:
+            directory = CheckpointDir(
                 self.backup_dir,
                 "backup",
                 max_to_keep=self.max_to_keep,
                 async_save=self.async_save,
                 device_copy=self.device_copy,
             )
-            self._restore()
-        self._use_compilation_cache()  # after a restore that may refuse the directory: a refusal writes nothing
-        self._saved_step = self._memory_step = self.context.step
+        except CheckpointWriteError as error:
+            if self.memory_policy is None or not os.path.isdir(self.backup_dir):
+                raise
+            self._disk_error = str(error).split(". Check that")[0]
+        if self.memory_policy is not None and jax.process_count() > 1:
+            writable = multihost_utils.process_allgather(np.asarray([int(directory is not None)], np.int32))
+            if not np.asarray(writable).all() and directory is not None:
+                directory.close()
+                directory = None
+                self._disk_error = f"another process of the job cannot write into {self.backup_dir!r}"
+        if directory is None:
+            directory = CheckpointDir(self.backup_dir, "backup", read_only=True)
+            if self.model.strategy.is_chief:
+                warnings.warn(
+                    f"BackupAndRestore: {self._disk_error}. Resuming from the newest backup and backing up to the "
+                    f"launcher's memory only (every {self.memory_freq} steps) for this fit; make the directory "
+                    "writable for disk backups.",
+                    stacklevel=3,
+                )
+        return directory
 
     def _use_compilation_cache(self) -> None:
         """Points JAX's persistent cache at the backups (before the first step compiles), unless told otherwise."""
         if self.compilation_cache is True:
+            if self._disk_error is not None:
+                return  # nothing can be written into the backup directory
             inside = os.path.abspath(os.path.join(self.backup_dir, compilation_cache.BACKUP_CACHE_NAME))
             self._cache = inside if compilation_cache.default_to(inside) == inside else None
             self._own_cache = self._cache
@@ -490,7 +584,7 @@ class BackupAndRestore(Callback):
     def on_train_end(self, logs=None):
         directory = self._dir
         newest = self._newest()
-        memory = self._memory
+        memory = self._memory_ever  # turned off or not: a keeper that answers again must forget the fit
         self.close()
         if not self.delete_checkpoint or directory is None:
             return
@@ -505,8 +599,16 @@ class BackupAndRestore(Callback):
                 )
             return
         if memory is not None:
-            memory.drop()  # a finished fit resumes from nothing
+            unreachable = memory.drop()  # a finished fit resumes from nothing
             memory.close()
+            if unreachable and self.model.strategy.is_chief:
+                warnings.warn(
+                    f"BackupAndRestore: could not ask {unreachable} to forget this fit's memory snapshots; "
+                    "they go when the launch ends.",
+                    stacklevel=2,
+                )
+        if self._disk_error is not None:
+            return  # the directory cannot be written: its backups stay as they are
         if self._own_cache is not None and self.model.strategy.is_chief:
             compilation_cache.remove(self._own_cache)  # but what was moved aside in it
         kept = directory.remove_complete()
@@ -547,10 +649,9 @@ class BackupAndRestore(Callback):
             self._cache = None
         if self._memory is not None:
             memory, self._memory = self._memory, None
-            try:
-                memory.close()  # after the snapshot in flight, so it is complete when the fit returns
-            except memory_tier.MemoryTierUnavailable as error:
-                self._memory_off(error)
+            failed = memory.close()  # after the snapshot in flight, so it is complete when the fit returns
+            if failed is not None:
+                self._memory_off(failed)
         if self._dir is not None:
             with self.context.timer.phase("checkpoint"):
                 self._dir.close()

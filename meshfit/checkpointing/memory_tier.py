@@ -34,7 +34,9 @@ from typing import Any
 import jax
 
 from meshfit.checkpointing import snapshot_parts as parts
+from meshfit.checkpointing.job_fingerprint import BackupOfAnotherJob
 from meshfit.runtime import keeper_protocol as protocol
+from meshfit.runtime.handshake import HANDSHAKE_ERRORS
 
 #: `latest` asks for the newest snapshot below this step: any.
 NEWEST = 1 << 62
@@ -47,6 +49,19 @@ IN_FLIGHT = 2
 
 class MemoryTierUnavailable(RuntimeError):
     """The keeper cannot hold snapshots (no room on the host, or it is gone): back up to disk only."""
+
+
+#: What talking to a keeper raises when it is gone, stopped, slow past `keeper_protocol.ANSWER_TIMEOUT`, or
+#: not the job's (a failed handshake, a broken frame).
+KEEPER_ERRORS = (*HANDSHAKE_ERRORS, EOFError, protocol.ProtocolError)
+
+
+def error_text(error: BaseException) -> str:
+    """`error` for a one-line warning: its type, and its message where it has one."""
+    text = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+    if isinstance(error, BlockingIOError):
+        text = f"no answer within {protocol.ANSWER_TIMEOUT:g} s"
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 class MemoryTier:
@@ -66,6 +81,7 @@ class MemoryTier:
         self.world = jax.process_count()
         self.start = int(os.environ.get("MESHFIT_RESTART_COUNT", "0"))
         self.addresses = protocol.addresses()
+        self._local = protocol.local_addresses()
         homes = protocol.homes(self.world)
         if len(homes) != self.world or max(homes) >= len(self.addresses):
             raise MemoryTierUnavailable(
@@ -93,8 +109,12 @@ class MemoryTier:
         self.source = self.addresses[self.home]  # the keeper `newest` fetched from
 
     def _connection(self, keeper: int = 0):
+        """The connection to keeper `keeper`: this node's through its Unix socket where one is named (no other
+        user can reach it), another node's over TCP. Every read and write on it is bounded
+        (`keeper_protocol.ANSWER_TIMEOUT`): a keeper that stops answering raises `OSError` here, not a hang."""
         if keeper not in self._conns:
-            self._conns[keeper] = protocol.connect(self.addresses[keeper])
+            local = self._local[keeper] if keeper == self.home else ""
+            self._conns[keeper] = protocol.connect(local or self.addresses[keeper])
         return self._conns[keeper]
 
     def _request(self, message: dict, keeper: int = 0) -> dict:
@@ -138,6 +158,8 @@ class MemoryTier:
                 self._send(step, part)
                 self.send_seconds, self.part_bytes = time.perf_counter() - started, len(part)
             except BaseException as error:  # noqa: BLE001 - raised by the next save, wait or close
+                for keeper in list(self._conns):  # after an error a connection's frames are out of step
+                    self._forget(keeper)
                 self._error = error
 
         with self._sent:
@@ -162,19 +184,31 @@ class MemoryTier:
         digest = protocol.digest(part)
         committed = True
         for keeper in self.targets:
-            conn = self._connection(keeper)
-            header = {"op": "put", "step": step, "start": self.start, "size": len(part), "digest": digest}
-            reply = self._request({**header, "expect": self._expect[keeper]}, keeper)
             where = f"the keeper at {self.addresses[keeper]}"
-            if not reply.get("ok"):
-                raise MemoryTierUnavailable(f"{where} refused the snapshot of step {step}: {reply.get('message')}")
-            protocol.send_payload(conn, part)
-            reply = protocol.recv_json(conn)
+            try:
+                reply = self._put(keeper, step, part, digest)
+            except KEEPER_ERRORS as error:
+                raise MemoryTierUnavailable(
+                    f"{where} did not take the snapshot of step {step} ({error_text(error)})"
+                ) from None
             if not reply.get("ok"):
                 raise MemoryTierUnavailable(f"{where} refused the snapshot of step {step}: {reply.get('message')}")
             committed = committed and bool(reply.get("committed"))
         if committed:
             self.committed.append(step)
+
+    def _put(self, keeper: int, step: int, part: bytes, digest: str) -> dict:
+        """Sends the part to `keeper`; its answer (a refusal, or whether the snapshot is now committed)."""
+        header = {"op": "put", "step": step, "start": self.start, "size": len(part), "digest": digest}
+        reply = self._request({**header, "expect": self._expect[keeper]}, keeper)
+        if not reply.get("ok"):
+            return reply
+        conn = self._connection(keeper)
+        protocol.send_payload(conn, part)
+        protocol.set_timeout(conn, protocol.reply_timeout(len(part)))  # the keeper checks the part first
+        reply = protocol.recv_json(conn)
+        protocol.set_timeout(conn, protocol.ANSWER_TIMEOUT)
+        return reply
 
     def wait(self) -> None:
         """Returns when every snapshot in flight has been sent; raises what went wrong with one."""
@@ -188,23 +222,40 @@ class MemoryTier:
         if error is not None:
             if isinstance(error, MemoryTierUnavailable):
                 raise error
-            raise MemoryTierUnavailable(f"sending a snapshot to the keeper failed ({type(error).__name__}: {error})")
+            raise MemoryTierUnavailable(f"sending a snapshot to the keeper failed ({error_text(error)})")
 
-    def drop(self) -> None:
-        """Asks this rank's keepers to forget this fit's snapshots (a fit that ended)."""
+    def drop(self) -> str | None:
+        """Asks this rank's keepers to forget this fit's snapshots (a fit that ended). Never raises: returns
+        why a keeper could not be asked (it is gone or does not answer; its snapshots go with the launch)."""
+        failed = None
         for keeper in self.targets:
-            self._request({"op": "drop", "step": 0}, keeper)
+            try:
+                self._request({"op": "drop", "step": 0}, keeper)
+            except (*KEEPER_ERRORS, MemoryTierUnavailable) as error:
+                self._forget(keeper)
+                failed = failed or f"the keeper at {self.addresses[keeper]} ({error_text(error)})"
+        return failed
 
-    def close(self) -> None:
+    def close(self) -> str | None:
+        """Waits for the snapshot in flight, ends the sender and the connections. Never raises: returns what
+        went wrong with the last snapshots, if anything (they are not kept, the disk backups are)."""
         try:
             self.wait()
+            return None
+        except MemoryTierUnavailable as error:
+            return str(error)
         finally:
             if self._sender is not None:
                 self._jobs.put(None)  # the sender ends
                 self._sender = None
-            for conn in self._conns.values():
-                conn.close()
-            self._conns.clear()
+            for keeper in list(self._conns):
+                self._forget(keeper)
+
+    def _forget(self, keeper: int) -> None:
+        """Closes the connection to `keeper` (its state unknown after an error: the next request reconnects)."""
+        conn = self._conns.pop(keeper, None)
+        if conn is not None:
+            conn.close()
 
     # -- restoring ---------------------------------------------------------------------
 
@@ -226,7 +277,8 @@ class MemoryTier:
         for keeper in order:
             try:
                 fetched = self._fetch({"op": "get", "step": step, "start": start}, keeper)
-            except (OSError, EOFError, protocol.ProtocolError):
+            except KEEPER_ERRORS:
+                self._forget(keeper)
                 continue  # a keeper gone with its node: another holds the part
             if fetched is not None:
                 return fetched
@@ -244,17 +296,40 @@ class MemoryTier:
         self.source = self.addresses[keeper]
         return int(reply["step"]), part
 
-    def restore(self, step: int, part: bytes, template_of) -> tuple[Any, dict[str, Any]] | None:
+    def restore(
+        self, step: int, part: bytes, template_of, first_epoch: int | None = None
+    ) -> tuple[Any, dict[str, Any]] | None:
         """The tree and JSON part of a snapshot `newest` fetched, laid out as `template_of(meta)`; None (with a
-        warning) when it does not fit this process."""
+        warning) when it does not fit this process, or is not a backup's part (its header and JSON part are
+        checked whole, `BackupSchema.check_meta` with `first_epoch`, before `template_of` allocates the
+        arrays the JSON part describes, so `BACKUP.restored` takes what this returns as it is)."""
+        from meshfit.checkpointing.checkpoint_schema import BACKUP
+
         try:
-            header, _ = parts.unpack_header(part)
+            header, data = parts.unpack_header(part)
+            if header["step"] != step:
+                raise ValueError(f"the part holds step {header['step']}")
             meta = header["meta"]
+            BACKUP.check_meta(meta, step, array_bytes=len(data), first_epoch=first_epoch)
             template = template_of(meta)
             tree = parts.unpack(part, template)
-        except (ValueError, KeyError, TypeError) as error:
+        except BackupOfAnotherJob:
+            raise  # a snapshot of another compile: refused by the fit, not passed over
+        # ValueError: what the checks refuse; the rest a last guard, should a part get past them.
+        except (
+            ValueError,
+            KeyError,
+            TypeError,
+            IndexError,
+            AttributeError,
+            OverflowError,
+            MemoryError,
+            RecursionError,
+        ) as error:
             warnings.warn(
-                f"the memory snapshot of step {step} does not fit this fit ({error}); not restored.", stacklevel=2
+                f"the memory snapshot of step {step} does not fit this fit ({str(error) or type(error).__name__}); "
+                "not restored.",
+                stacklevel=2,
             )
             return None
         return tree, meta

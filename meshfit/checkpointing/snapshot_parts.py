@@ -6,7 +6,11 @@ bytes described by a JSON header; nothing is pickled:
     b"MFSNAP1\\n" | header length (8 bytes, big-endian) | header JSON | array bytes
 
 `pack` (and `Layout`, which works out once per tree where its shards lie)
-writes one; `unpack` reads one back laid out as a template's arrays.
+writes one; `unpack` reads one back laid out as a template's arrays. A part
+comes back from a keeper, another process: `unpack_header` checks all of its
+header (sizes against the part's own length, the nesting of its JSON, every
+field's type and range) before anything is parsed or allocated, and refuses a
+part that is not one of `pack`'s with a `ValueError` naming the field.
 
 Restoring needs each array's shards of this process in its part: the same
 world size and layout, or, after an elastic restart onto fewer processes, a
@@ -21,6 +25,8 @@ from __future__ import annotations
 
 import functools
 import json
+import math
+import re
 import struct
 from typing import Any
 
@@ -28,10 +34,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshfit.checkpointing.checkpoint_schema import ARRAY_DTYPES, MAX_JSON_DEPTH, array_nbytes, short_repr
 from meshfit.core.trees import decode, encode, is_key, path_name
 from meshfit.runtime import keeper_protocol as protocol
 
 MAGIC = b"MFSNAP1\n"
+#: The bytes before a part's header: `MAGIC` and the header's length.
+_PREFIX = len(MAGIC) + 8
+#: An escape in a JSON string (a backslash and the character it escapes); a JSON string once escapes are gone.
+_ESCAPE, _STRING = re.compile(rb"\\.", re.DOTALL), re.compile(rb'"[^"]*"')
+#: One axis of a shard's index in its array, as `_index_key` writes it: "start:stop", no leading zeros.
+_RANGE = re.compile(r"(0|[1-9][0-9]{0,18}):(0|[1-9][0-9]{0,18})")  # an axis is shorter than 2**63
+#: Bytes of a header whose nesting `_check_depth` counts at a time.
+_DEPTH_CHUNK = 1 << 20
 
 
 def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> str:
@@ -162,25 +177,145 @@ class Layout:
 
 
 def unpack_header(part: bytes) -> tuple[dict, memoryview]:
-    """The JSON header of a part and a view of its array bytes; `ValueError` if it is not one."""
-    if not part.startswith(MAGIC) or len(part) < len(MAGIC) + 8:
+    """The JSON header of a part and a view of its array bytes, after checking both; `ValueError` naming what
+    is wrong when `part` is not a part `pack` could have written.
+
+    Checked before the header is parsed: its length against the part's, and how deeply its lists and
+    objects nest (at most `MAX_JSON_DEPTH`: Python's parser recurses once a level). Then every field (see
+    `_check_header`), so that `unpack` reads only bytes the part holds and allocates nothing a part asks
+    for. `meta` is checked to be an object only: what it holds is its writer's (a backup's:
+    `checkpoint_schema.BackupSchema.check_meta`).
+    """
+    if len(part) < _PREFIX or not part.startswith(MAGIC):
         raise ValueError("not a meshfit snapshot part (no MFSNAP1 header)")
-    (length,) = struct.unpack(">Q", part[len(MAGIC) : len(MAGIC) + 8])
-    start = len(MAGIC) + 8
-    if start + length > len(part):
-        raise ValueError("a snapshot part cut short in its header")
-    header = json.loads(part[start : start + length].decode())
-    return header, memoryview(part)[start + length :]
+    (length,) = struct.unpack(">Q", part[len(MAGIC) : _PREFIX])
+    if length > len(part) - _PREFIX:
+        raise ValueError(
+            f"header length: {length:,} bytes, past the end of the part ({len(part) - _PREFIX:,} bytes after it)"
+        )
+    text = bytes(part[_PREFIX : _PREFIX + length])
+    _check_depth(text)
+    try:
+        header = json.loads(text.decode())
+    except ValueError as error:  # not UTF-8, not JSON
+        raise ValueError(f"header: not JSON ({error})") from None
+    except RecursionError:  # a last guard: `_check_depth` refuses any nesting that deep first
+        raise ValueError("header: nested too deeply") from None
+    data = memoryview(part)[_PREFIX + length :]
+    _check_header(header, len(data))
+    return header, data
+
+
+def _check_depth(text: bytes) -> None:
+    """Refuses JSON whose lists and objects nest deeper than `MAX_JSON_DEPTH`, in time linear in its length
+    and without recursion. Escapes, then strings, are cut out first (in the order a parser reads them, so
+    brackets inside strings are not counted); what a parser would refuse anyway may be miscounted, but
+    never the prefix it reads before refusing it."""
+    bare = np.frombuffer(_STRING.sub(b"", _ESCAPE.sub(b"", text)), np.uint8)
+    depth = 0
+    for start in range(0, bare.size, _DEPTH_CHUNK):
+        chars = bare[start : start + _DEPTH_CHUNK]
+        steps = np.isin(chars, (ord("["), ord("{"))).astype(np.int64) - np.isin(chars, (ord("]"), ord("}")))
+        levels = depth + np.cumsum(steps)
+        if int(levels.max()) > MAX_JSON_DEPTH:
+            raise ValueError(f"header: lists and objects nested deeper than {MAX_JSON_DEPTH} levels")
+        depth = int(levels[-1])
+
+
+def _is_count(value: Any) -> bool:
+    """Whether `value` is an int >= 0 (a bool is not)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_header(header: Any, data_length: int) -> None:
+    """Refuses (`ValueError` naming the field) a header `pack` could not have written for `data_length` array
+    bytes: `step` an int >= 0; `meta` an object; `leaves` a list of leaves, each with a unique `path`, a
+    `dtype` of `ARRAY_DTYPES`, a `shape` numpy can hold and `shards` whose `index` lies within the shape
+    ("start:stop" an axis, as `_index_key` writes it), whose `nbytes` are the index's elements times the
+    dtype's size and whose bytes (`offset` on) lie within the array bytes."""
+    if not isinstance(header, dict):
+        raise ValueError(f"header: expected a JSON object. Received: {type(header).__name__}")
+    missing = [key for key in ("step", "meta", "leaves") if key not in header]
+    if missing:
+        raise ValueError(f"header: lacks {', '.join(missing)}")
+    if not _is_count(header["step"]):
+        raise ValueError(f"step: expected an int >= 0. Received: {short_repr(header['step'])}")
+    if not isinstance(header["meta"], dict):
+        raise ValueError(f"meta: expected a JSON object. Received: {type(header['meta']).__name__}")
+    leaves = header["leaves"]
+    if not isinstance(leaves, list):
+        raise ValueError(f"leaves: expected a list. Received: {type(leaves).__name__}")
+    paths = set()
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, dict) or not {"path", "dtype", "shape", "shards"} <= set(leaf):
+            raise ValueError(f"leaves[{i}]: expected an object with path, dtype, shape and shards")
+        if not isinstance(leaf["path"], str):
+            raise ValueError(f"leaves[{i}].path: expected a string. Received: {short_repr(leaf['path'])}")
+        if leaf["path"] in paths:
+            raise ValueError(f"leaves[{i}].path: {short_repr(leaf['path'])} a second time")
+        paths.add(leaf["path"])
+        name = leaf["path"] if len(leaf["path"]) <= 80 else leaf["path"][:77] + "..."
+        path = f"{name} (leaves[{i}])"  # for messages
+        shape, dtype = leaf["shape"], leaf["dtype"]
+        array_nbytes(shape, dtype, path)
+        shards = leaf["shards"]
+        if not isinstance(shards, list):
+            raise ValueError(f"{path}: shards: expected a list. Received: {type(shards).__name__}")
+        indices = set()
+        for shard in shards:
+            if not isinstance(shard, dict) or not {"index", "offset", "nbytes"} <= set(shard):
+                raise ValueError(f"{path}: expected shards that are objects with index, offset and nbytes")
+            index, offset, nbytes = shard["index"], shard["offset"], shard["nbytes"]
+            elements = _index_size(index, shape, path)
+            if index in indices:
+                raise ValueError(f"{path} [{index}]: the same shard a second time")
+            indices.add(index)
+            if not _is_count(offset) or not _is_count(nbytes):
+                raise ValueError(
+                    f"{path} [{index}]: expected offset and nbytes that are ints >= 0. "
+                    f"Received: offset={short_repr(offset)}, nbytes={short_repr(nbytes)}"
+                )
+            if nbytes != elements * ARRAY_DTYPES[dtype].itemsize:
+                raise ValueError(
+                    f"{path} [{index}]: nbytes={nbytes:,}, expected {elements:,} elements of {dtype} "
+                    f"({elements * ARRAY_DTYPES[dtype].itemsize:,} bytes)"
+                )
+            if offset + nbytes > data_length:
+                raise ValueError(
+                    f"{path} [{index}]: bytes {offset:,} to {offset + nbytes:,}, past the part's {data_length:,} "
+                    "array bytes (the part ends inside it)"
+                )
+
+
+def _index_size(index: Any, shape: list[int], path: str) -> int:
+    """The elements of a shard's `index` ("start:stop" an axis of `shape`, comma-separated; "" for a scalar),
+    after checking it lies within the shape; `ValueError` naming `path` otherwise."""
+    if not isinstance(index, str):
+        raise ValueError(f"{path}: a shard's index: expected a string. Received: {short_repr(index)}")
+    ranges = index.split(",") if index else []
+    if len(ranges) != len(shape):
+        raise ValueError(f"{path} [{short_repr(index)}]: expected a range for each of the {len(shape)} axes")
+    sizes = []
+    for text, dim in zip(ranges, shape, strict=True):
+        match = _RANGE.fullmatch(text)
+        if match is None or not int(match[1]) <= int(match[2]) <= dim:
+            raise ValueError(
+                f"{path} [{short_repr(index)}]: expected start:stop ranges within shape {shape} "
+                f"(0 <= start <= stop <= the axis's length)"
+            )
+        sizes.append(int(match[2]) - int(match[1]))
+    return math.prod(sizes)
 
 
 def unpack(part: bytes | bytearray, template) -> Any:
     """The tree of a part, laid out as `template` (device arrays on its shardings, numpy arrays on the host).
 
-    `ValueError` names what differs when the part does not fit the template (another model, another layout).
-    The part's bytes are the caller's to check: `MemoryTier.newest` returns only a part that matches the
-    digest it was sent with.
+    `ValueError` names what differs when the part does not fit the template (another model, another layout)
+    or is not a part `pack` wrote (`unpack_header` checks it all before anything is read or allocated: no
+    other exception comes of a bad part). The part's bytes are the caller's to check: `MemoryTier.newest`
+    returns only a part that matches the digest it was sent with.
     """
-    header, data = unpack_header(part)
+    header, data = unpack_header(part)  # checks every field: what follows reads only the part's own bytes
     by_path = {leaf["path"]: leaf for leaf in header["leaves"]}
     flat, treedef = jax.tree_util.tree_flatten_with_path(encode(template))
     found = []  # per leaf (name, template, shape, shards)
@@ -196,10 +331,8 @@ def unpack(part: bytes | bytearray, template) -> Any:
                 f"{name}: saved {shape} {dtype.name}, expected {tuple(like.shape)} {np.dtype(like.dtype).name}"
             )
         shards = {}
-        for shard in saved["shards"]:
+        for shard in saved["shards"]:  # each within `data`, of a whole number of elements (`unpack_header`)
             raw = data[shard["offset"] : shard["offset"] + shard["nbytes"]]
-            if len(raw) != shard["nbytes"]:
-                raise ValueError(f"{name} [{shard['index']}]: the part ends inside it")
             shards[shard["index"]] = np.frombuffer(raw, dtype=dtype)
         found.append((name, like, shape, shards))
     return decode(jax.tree_util.tree_unflatten(treedef, [_rebuilt(*leaf) for leaf in found]), template)
@@ -207,10 +340,11 @@ def unpack(part: bytes | bytearray, template) -> Any:
 
 def _rebuilt(name: str, like, shape: tuple[int, ...], shards: dict[str, np.ndarray]):
     """A leaf laid out as `like` from this process's shards of it."""
-    if not isinstance(like, jax.Array):
-        (only,) = shards.values()
-        return np.array(only.reshape(shape))
     whole = _index_key(tuple(slice(None) for _ in shape), shape)
+    if not isinstance(like, jax.Array):  # a host value: `pack` wrote it whole
+        if set(shards) != {whole}:
+            raise ValueError(f"{name}: expected the host array whole [{whole}] as its one shard, found {len(shards)}")
+        return np.array(shards[whole].reshape(shape))
 
     def piece(index):
         key = _index_key(index, shape)

@@ -4,13 +4,12 @@ Resumed runs are compared with uninterrupted ones bitwise (CPU, same machine: th
 same computations in the same order give the same bits).
 """
 
-import contextlib
 import glob
 import hashlib
 import json
 import os
+import re
 import signal
-import subprocess
 import sys
 import time
 import warnings
@@ -18,7 +17,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from helpers import MLP, classification_data, linked_meshfit_names, meshfit_names, plant_symlinks, read_all
+from helpers import (
+    MLP,
+    classification_data,
+    linked_meshfit_names,
+    meshfit_names,
+    mounted,
+    plant_symlinks,
+    read_all,
+    remount_read_only,
+)
 from processes import Job, alive, run
 
 import meshfit as mf
@@ -233,6 +241,31 @@ def test_a_killed_rank_resumes_from_the_launchers_memory_snapshot(tmp_path, unin
     assert "(step 20), newer than the newest disk backup (none)" in killed.stdout
     assert "keeper: committed the memory snapshot of step 5" in killed.stderr
     assert not [p for p in os.listdir(tmp_path / "ab") if p.split(".")[0].isdigit()]  # no disk backup at all
+    assert_same_run(tmp_path / "a", uninterrupted_two_processes)
+
+
+def test_ranks_that_find_different_snapshots_resume_together_from_disk(tmp_path, uninterrupted_two_processes):
+    """Disk backups every 6 steps, memory snapshots every 2; rank 1 SIGKILLed at step 23. In the restart rank
+    1's keeper cannot be reached while rank 0's snapshot of step 22 (or 20) can: the ranks agree to resume
+    together from the disk backup of step 18 (or 12, when 18 was in flight; one line says why), with the memory
+    tier off, and end bitwise equal to an uninterrupted job instead of deadlocking on different steps."""
+    killed = run(
+        LAUNCH
+        + ["--max-restarts", "1", "--stop-grace", "1"]
+        + [WORKER, str(tmp_path / "a"), str(tmp_path / "ab"), "--strategy", "multi_worker"]
+        + ["--save-freq", "6", "--memory-freq", "2", "--die-at-step", "23", "--rank1-loses-its-keeper"],
+        timeout=300,
+    )
+    said = killed.stdout[-3000:] + killed.stderr[-3000:]
+    assert killed.returncode == 0, said
+    assert "restarting the job (1/1)" in killed.stderr, said
+    assert re.search(  # 22, or 20 when the kill came while 22 was in flight
+        r"\[rank 0\] BackupAndRestore: not resuming from the memory snapshot of step 2[02]: process\(es\) 1 \(none\) "
+        "could not restore their part of it; every process resumes from disk.",
+        killed.stdout,
+    ), said
+    assert re.search(r"\[rank 0\] BackupAndRestore: resumed from \S+ab at .* \(step (12|18)\)\.", killed.stdout), said
+    assert "memory snapshots are off for this fit, backing up to disk only: process(es) 1 could not reach" in said
     assert_same_run(tmp_path / "a", uninterrupted_two_processes)
 
 
@@ -514,28 +547,6 @@ def test_unreadable_backups_are_kept_when_fit_deletes_its_backups(tmp_path):
         warnings.simplefilter("ignore")
         train_in_process(backup, 2, save_freq=4)  # resumes from 8, ends normally, deletes the backups
     assert sorted(os.listdir(backup)) == ["12.unreadable", "meshfit_checkpoints.json"]
-
-
-@contextlib.contextmanager
-def mounted(target, *options):
-    """Mounts `target` (a bind of itself, or a tmpfs with `-t tmpfs`); skips the test where mounting is not
-    allowed (mounting needs root, as on the CI machines)."""
-    target.mkdir(exist_ok=True)
-    source = ["tmpfs", str(target)] if "-t" in options else [str(target), str(target)]
-    made = subprocess.run(["mount", *options, *source], capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount here: {made.stderr.strip()}")
-    try:
-        yield target
-    finally:
-        subprocess.run(["umount", "-l", str(target)], capture_output=True)
-
-
-def remount_read_only(target, deadline=30.0):
-    end = time.monotonic() + deadline
-    while subprocess.run(["mount", "-o", "remount,bind,ro", str(target)], capture_output=True).returncode != 0:
-        assert time.monotonic() < end, "could not remount read-only"  # busy while a file is open for writing
-        time.sleep(0.01)
 
 
 def test_a_read_only_backup_directory_fails_fit_clearly_and_the_process_exits(tmp_path):

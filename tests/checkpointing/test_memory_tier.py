@@ -9,21 +9,30 @@ import io
 import json
 import os
 import re
+import signal
+import stat
 import struct
+import subprocess
+import sys
 import threading
+import time
 import warnings
 from multiprocessing.connection import Listener
 
 import jax.numpy as jnp
 import numpy as np
+import optax
+import processes
 import pytest
-from helpers import MLP, classification_data
+from helpers import MLP, classification_data, mounted, remount_read_only
 
 import meshfit as mf
 from meshfit.checkpointing import memory_tier, snapshot_parts
 from meshfit.launch.keeper import Keeper
 from meshfit.runtime import keeper_protocol
 from meshfit.runtime.handshake import handshake
+
+WORKERS = os.path.join(os.path.dirname(__file__), "..", "workers")
 
 
 @pytest.fixture
@@ -250,3 +259,170 @@ def test_snapshots_the_keeper_cannot_take_every_memory_freq_steps_say_so_once_na
     suggested = int(re.search(r"Pass memory_freq=(\d+) or more", said[0]).group(1))
     assert suggested > 1 and "MiB a process" in said[0] and "memory_freq=1 steps train in" in said[0]
     assert keeper.committed_steps(os.path.abspath(tmp_path / "b")) == []  # the fit ended: its snapshots dropped
+
+
+@pytest.fixture
+def keeper_process(monkeypatch):
+    """A keeper in a process of its own (as a Ray node's keeper actor is), its variables in the environment."""
+    with processes.Job([sys.executable, os.path.join(WORKERS, "keeper_process.py")], timeout=300) as job:
+        (found,) = job.wait_for(r"(\{.*\})\n?")
+        env = json.loads(found.group(1))
+        for name in (keeper_protocol.ENV_KEEPER_ADDRESS, keeper_protocol.ENV_KEEPER_AUTHKEY):
+            monkeypatch.setenv(name, env[name])
+        job.env = env
+        try:
+            yield job
+        finally:
+            if job.proc.poll() is None:
+                os.kill(job.proc.pid, signal.SIGCONT)
+
+
+class _At(mf.callbacks.Callback):
+    """Calls `then()` after the batch that ends global step `step`."""
+
+    def __init__(self, step, then):
+        super().__init__()
+        self.step, self.then, self.seen = step, then, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == self.step:
+            self.then()
+
+
+def fit_with(backup_dir, epochs, extra, **backup_kwargs):
+    x, y = classification_data(n=96)
+    model = mf.Model(MLP(), seed=3)
+    model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    backup = mf.callbacks.BackupAndRestore(backup_dir, **backup_kwargs)
+    return model, model.fit(x, y, batch_size=16, epochs=epochs, callbacks=[backup, *extra], verbose=0)
+
+
+@pytest.mark.slow
+def test_a_stopped_keeper_turns_the_tier_off_with_one_warning_and_the_fit_finishes_from_disk(
+    tmp_path, keeper_process, monkeypatch
+):
+    """SIGSTOP to the keeper's process after its snapshot of step 2: the next snapshot's send waits at most
+    `ANSWER_TIMEOUT` without progress, the tier turns off with one warning naming the keeper, the fit trains
+    to its end with disk backups, and ending it (asking the stopped keeper to forget the fit) neither hangs
+    nor raises."""
+    monkeypatch.setattr(keeper_protocol, "ANSWER_TIMEOUT", 2.0)
+    full, full_history = fit(None, 2)
+    stop = _At(3, lambda: os.kill(keeper_process.proc.pid, signal.SIGSTOP))
+    began = time.monotonic()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        model, history = fit_with(tmp_path / "b", 2, [stop], save_freq=5, memory_freq=2)
+    took = time.monotonic() - began
+    off = [w for w in said if "memory snapshots are off" in str(w.message)]
+    assert len(off) == 1, [str(w.message) for w in said]
+    assert re.search(
+        r"the keeper at unix:.* did not take the snapshot of step \d+ \(.*no answer within 2 s", str(off[0].message)
+    ), off[0].message
+    assert any("could not ask" in str(w.message) for w in said), [str(w.message) for w in said]
+    assert took < 120, took  # two bounds of 2 s and the training, not a hang
+    assert history.history == full_history.history
+    for a, b in zip(full.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert not (tmp_path / "b").exists()  # the finished fit's backups are deleted as without the tier
+
+
+@pytest.mark.slow
+def test_a_keeper_gone_after_the_last_snapshot_does_not_fail_the_finished_fit(tmp_path, keeper_process):
+    """The keeper SIGKILLed after the fit's last snapshot: the fit ends as it would without the tier (its
+    backups deleted), with a warning that the keeper could not be asked to forget the snapshots."""
+
+    def kill():
+        backup.wait_until_finished()  # the snapshot of step 10 committed
+        os.kill(keeper_process.proc.pid, signal.SIGKILL)
+        keeper_process.proc.wait()
+
+    backup = mf.callbacks.BackupAndRestore(tmp_path / "b", save_freq=1000, memory_freq=5)  # snapshots at 5 and 10
+    x, y = classification_data(n=96)
+    model = mf.Model(MLP(), seed=3)
+    model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=16, epochs=2, callbacks=[backup, _At(12, kill)], verbose=0)
+    said = [str(w.message) for w in said]
+    assert len(said) == 1 and re.search("could not ask the keeper at .* to forget", said[0]), "\n".join(said)
+    assert not (tmp_path / "b").exists()
+
+
+def test_another_user_cannot_connect_to_the_keeper_of_this_node(tmp_path, keeper):
+    """The ranks reach their node's keeper through a Unix socket in a directory of mode 0700: another local
+    user (uid 1234) cannot even connect, so cannot crowd the job's connections out."""
+    path = keeper.local_address[len(keeper_protocol.UNIX_PREFIX) :]
+    assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+    probe = (
+        "import socket, sys\n"
+        "try:\n    socket.socket(socket.AF_UNIX).connect(sys.argv[1])\n"
+        "except OSError as e:\n    print(type(e).__name__)\nelse:\n    print('connected')\n"
+    )
+    done = subprocess.run(
+        ["setpriv", "--reuid", "1234", "--regid", "1234", "--clear-groups", sys.executable, "-c", probe, path],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.stdout.strip() == "PermissionError", (done.stdout, done.stderr)
+
+
+def fit_compiled(backup_dir, epochs, optimizer, **backup_kwargs):
+    x, y = classification_data(n=96)
+    model = mf.Model(MLP(), seed=3)
+    model.compile(optimizer=optimizer, loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    backup = mf.callbacks.BackupAndRestore(backup_dir, **backup_kwargs)
+    return model, model.fit(x, y, batch_size=16, epochs=epochs, callbacks=[backup], verbose=0)
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+@pytest.mark.parametrize(
+    "first, second, differs",
+    [
+        (
+            lambda: mf.optimizers.Adam(0.5),
+            lambda: mf.optimizers.Adam(0.001),
+            r"optimizer: saved .*0\.5.*, now .*0\.001",
+        ),
+        (lambda: optax.adam(0.5), lambda: optax.adam(0.001), "optimizer_constants: saved"),
+    ],
+    ids=["named", "optax"],
+)
+def test_a_backup_of_a_fit_compiled_differently_is_refused_naming_what_differs(
+    tmp_path, keeper, tier, first, second, differs
+):
+    """A fit compiled with lr 0.5 leaves a backup (a memory snapshot, or one on disk); a fit of the same model
+    compiled with lr 0.001 refuses it, naming the optimizer, before any step, and leaves it as it was."""
+    kwargs = {"save_freq": 1000, "memory_freq": 2} if tier == "memory" else {"save_freq": 2}
+    fit_compiled(tmp_path / "b", 1, first(), delete_checkpoint=False, **kwargs)
+    fit_key = os.path.abspath(tmp_path / "b")
+    held, on_disk = keeper.committed_steps(fit_key), sorted(os.listdir(tmp_path / "b"))
+    assert (held and tier == "memory") or (not held and tier == "disk")
+    with pytest.raises(ValueError, match=rf"written by a fit compiled differently: {differs}(.|\n)*another backup_dir"):
+        fit_compiled(tmp_path / "b", 2, second(), **kwargs)
+    assert keeper.committed_steps(fit_key) == held and sorted(os.listdir(tmp_path / "b")) == on_disk
+    fit_compiled(tmp_path / "b", 2, first(), **kwargs)  # compiled as it was: resumes
+
+
+@pytest.mark.slow
+def test_a_read_only_backup_directory_does_not_hide_a_newer_memory_snapshot(tmp_path, keeper, capsys):
+    """Disk backup at step 4, memory snapshots at 5 and 6; the directory is then remounted read-only. The next
+    fit resumes from memory at step 6 (saying once that the directory cannot be written), backs up in memory
+    only, ends bitwise equal to an uninterrupted fit, and leaves the disk as it was."""
+    full, full_history = fit(None, 2)
+    with mounted(tmp_path / "b", "--bind"):
+        fit(tmp_path / "b", 1, save_freq=4, memory_freq=1, delete_checkpoint=False)
+        before = sorted(os.listdir(tmp_path / "b"))
+        assert "4" in before and "6" not in before, before
+        remount_read_only(tmp_path / "b")
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            resumed, resumed_history = fit(tmp_path / "b", 2, save_freq=4, memory_freq=1)
+        said = [str(w.message) for w in said if "BackupAndRestore" in str(w.message)]
+        assert len(said) == 1 and "Read-only file system" in said[0] and "memory only" in said[0], said
+        assert "resumed from the launcher's memory snapshot at epoch 1, batch 6 (step 6)" in capsys.readouterr().out
+        assert sorted(os.listdir(tmp_path / "b")) == before
+    assert resumed_history.history == full_history.history
+    for a, b in zip(full.get_weights(), resumed.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)

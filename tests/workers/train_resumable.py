@@ -4,7 +4,8 @@
                               [--slow SECONDS] [--pause-at-step STEP FILE] [--die-at-step S] [--hidden H]
                               [--goodput FILE] [--hang-at-step STEP FIFO] [--hang-rank R]
                               [--preemption-timeout SECONDS] [--memory-freq K] [--keep-backups]
-                              [--rank1-fails-to-restart]
+                              [--rank1-fails-to-restart] [--rank1-loses-its-keeper] [--learning-rate LR]
+                              [--restart-learning-rate LR]
 Prints "step <global step>" after every batch (flushed), so a test can kill it at a known step.
 """
 
@@ -77,8 +78,22 @@ def main():
         action="store_true",
         help="in every restart of a launched job, rank 1 exits with status 3 at once (a rank that cannot start)",
     )
+    parser.add_argument(
+        "--rank1-loses-its-keeper",
+        action="store_true",
+        help="in every restart of a launched job, rank 1's keeper address names a socket that is not there (its "
+        "fetch of the memory snapshot fails while rank 0's succeeds)",
+    )
+    parser.add_argument("--learning-rate", type=float, default=None, help="Adam's (default: the name 'adam')")
+    parser.add_argument(
+        "--restart-learning-rate", type=float, default=None, help="Adam's in a restart of a launched job (another job)"
+    )
     args = parser.parse_args()
     restarted = os.environ.get("MESHFIT_RESTART_COUNT", "0") != "0"
+    if args.restart_learning_rate is not None and restarted:
+        args.learning_rate = args.restart_learning_rate
+    if args.rank1_loses_its_keeper and restarted and os.environ.get("MESHFIT_PROCESS_ID") == "1":
+        os.environ["MESHFIT_KEEPER_ADDRESS"] = "unix:" + os.path.join(args.backup, "no-keeper-here.sock")
     if args.rank1_fails_to_restart and restarted and os.environ.get("MESHFIT_PROCESS_ID") == "1":
         print("rank 1 cannot start", flush=True)
         sys.exit(3)
@@ -98,7 +113,7 @@ def main():
     with strategy.scope():
         model = mf.Model(MLP(din=4, hidden=args.hidden, dout=3, dropout=0.2), seed=7)
         model.compile(
-            optimizer="adam",
+            optimizer="adam" if args.learning_rate is None else mf.optimizers.Adam(args.learning_rate),
             loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"],
             steps_per_execution=args.spe,
