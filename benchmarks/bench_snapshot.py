@@ -1,17 +1,19 @@
-"""Where a memory-tier snapshot's time goes, against a bare `jax.device_get` and socket send of the same bytes.
+"""Where a memory-tier snapshot's time goes, as ratios to the same machine's memcpy and socket.
 
 A state of `--gib` GiB (float32 arrays of `--array-mib` MiB on the default
 device) is snapshotted to a real keeper (`meshfit.launch.keeper.Keeper`, in a
-child process as under `meshfit launch`) `--repeats` times through
-`MemoryTier.save` and `wait`: the seconds per snapshot. Then the phases of one
-snapshot, each timed alone in the order the tier's sender thread runs them:
-the copy on the device, the copy to the host, packing the part (one copy
-into the part's buffer), the part's digest, the send (the keeper reads it
-and checks its digest); and a restore (fetch, digest, arrays rebuilt on the
-device). The baseline is what
-any such tier must do at least: `jax.device_get` of the state and the bytes
-written to a socket that a child process reads into one buffer. On a GPU it
-also times the copy to the host through `pinned_host` memory.
+child process as under `meshfit launch`, reached through its Unix socket)
+`--repeats` times through `MemoryTier.save` and `wait`: the seconds per
+snapshot. Then the phases of one snapshot, each timed alone in the order the
+tier's sender thread runs them: the copy on the device, the copy to the
+host, writing the part (one copy into a buffer), its checksum (XXH3), the
+hand-over (the part written into the keeper's shared memory, its checksum,
+the commit); and a restore (the keeper's memory mapped, the checksum, arrays
+rebuilt on the device). The baselines are the machine's limits: memcpy of
+the state's bytes into a buffer already paged in (on the cores the tier's
+copies use), and `jax.device_get` of the state with its bytes written to a
+socket that a child process reads into one buffer. On a GPU it also times
+the copy to the host through `pinned_host` memory.
 
     python benchmarks/bench_snapshot.py [--gib 1] [--array-mib 64] [--repeats 3]
 """
@@ -105,13 +107,24 @@ def run(args, sink_port: int) -> None:
     nbytes = sum(x.nbytes for x in state.values())
     device = next(iter(state.values())).devices().pop()
     print(f"{device.platform} ({device.device_kind}): a state of {nbytes / 2**30:.2f} GiB in {count} arrays")
-    meta = {"step": 1}
+    meta = {  # what a backup's JSON part holds (`checkpoint_schema.BACKUP`), with nothing in it
+        "epoch": 0,
+        "step_in_epoch": 0,
+        "data_origin": 0,
+        "history": {},
+        "history_epochs": [],
+        "callbacks": {},
+        "data": {},
+        "format": 2,
+        "array_specs": {},
+    }
 
     memory = tier.MemoryTier(os.path.join(os.getcwd(), "bench-snapshot"))
-    memory.save(0, state, meta)  # compiles the copy program, opens the connection, pages in the buffer
-    memory.wait()
+    for step in range(-3, 0):  # compiles, connects, and fills the keeper (its newest 2 and a spare): from then
+        memory.save(step + 3, state, meta)  # on each snapshot reuses the memory of the one it evicts, as in a fit
+        memory.wait()
 
-    steps = iter(range(1, 1 << 30))  # a new step each time: the keeper evicts and recycles as in a fit
+    steps = iter(range(3, 1 << 30))  # a new step each time: the keeper evicts and recycles as in a fit
 
     def snapshot() -> None:
         memory.save(next(steps), state, meta)
@@ -130,10 +143,32 @@ def run(args, sink_port: int) -> None:
 
     baseline()
     bare = timed(baseline, args.repeats)
-    rate = f"{nbytes / whole / 1e9:.2f} GB/s"
-    print(f"snapshot (save + wait): {whole:.3f} s ({rate}), of which sending {memory.send_seconds:.3f} s")
-    print(f"baseline (device_get + socket): {bare:.3f} s ({nbytes / bare / 1e9:.2f} GB/s)")
-    print(f"snapshot / baseline: {whole / bare:.2f}")
+
+    # The machine's memcpy: the state's bytes copied into a buffer already paged in, on as many cores as the
+    # tier's own copies use (`keeper_protocol.in_pieces`).
+    host_state = [np.asarray(x).reshape(-1).view(np.uint8) for x in jax.device_get(list(state.values()))]
+    target = np.empty(nbytes, np.uint8)
+    chunk, pieces, at = protocol.DIGEST_CHUNK, [], 0
+    for raw in host_state:
+        pieces += [(at + i, raw[i : i + chunk]) for i in range(0, raw.nbytes, chunk)]
+        at += raw.nbytes
+
+    def memcpy() -> None:
+        def copy(piece) -> None:
+            where, raw = piece
+            target[where : where + raw.nbytes] = raw
+
+        protocol.in_pieces(copy, pieces, nbytes)
+
+    memcpy()
+    copied = timed(memcpy, args.repeats)
+    print(
+        f"snapshot (save + wait): {whole:.3f} s ({nbytes / whole / 1e9:.2f} GB/s), sending {memory.send_seconds:.3f} s"
+    )
+    print(f"baseline memcpy: {copied:.3f} s ({nbytes / copied / 1e9:.2f} GB/s)")
+    print(f"baseline device_get + socket: {bare:.3f} s ({nbytes / bare / 1e9:.2f} GB/s)")
+    print(f"snapshot bandwidth / memcpy bandwidth: {copied / whole:.3f}")
+    print(f"snapshot / (device_get + socket): {whole / bare:.2f}")
 
     # One snapshot's phases, each alone, in the sender thread's order.
     flat = jax.tree_util.tree_leaves(state)
@@ -148,14 +183,17 @@ def run(args, sink_port: int) -> None:
         assert all(bool(f) for f in held["finite"])
         held["host"] = parts.on_host(held["entries"])
 
-    def pack() -> None:
-        held["part"] = memory._buffer = parts.pack_entries(next(steps), held["host"], meta, into=memory._buffer)
+    def write() -> None:
+        plan = held["plan"] = parts.PartPlan(next(steps), held["host"], meta)
+        held["part"] = held.get("part") if len(held.get("part") or b"") == plan.size else bytearray(plan.size)
+        plan.write(held["part"])
 
     def part_digest() -> None:
         protocol.digest(held["part"])
 
-    def send() -> None:
-        memory._send(next(steps), held["part"])
+    def hand_over() -> None:
+        step = next(steps)
+        memory._hand_over(step, *memory._written(step, parts.PartPlan(step, held["host"], meta)))
 
     def restore() -> None:
         step, part = memory.newest()
@@ -164,10 +202,10 @@ def run(args, sink_port: int) -> None:
     for name, fn in [
         ("copy on the device", device_copy),
         ("copy to the host", to_host),
-        ("pack (one copy into the part's buffer)", pack),
-        ("the part's digest", part_digest),
-        ("send (the keeper reads and checks the digest; includes the part's digest)", send),
-        ("restore (fetch, digests, arrays on the device)", restore),
+        ("write the part (one copy into a buffer)", write),
+        ("the part's checksum (XXH3)", part_digest),
+        ("hand over (write into the keeper's shared memory, checksum, commit)", hand_over),
+        ("restore (map, checksum, arrays on the device)", restore),
     ]:
         phases[name] = timed(fn, args.repeats)
     if device.platform != "cpu":
@@ -197,7 +235,7 @@ def run(args, sink_port: int) -> None:
         except Exception as error:  # noqa: BLE001 - a backend without pinned host memory: say so, go on
             print(f"pinned_host: {type(error).__name__}: {str(error)[:200]}")
     for name, seconds in phases.items():
-        print(f"  {name}: {seconds:.3f} s ({nbytes / seconds / 1e9:.2f} GB/s)")
+        print(f"  {name}: {seconds:.3f} s ({nbytes / seconds / 1e9:.2f} GB/s, {copied / seconds:.3f} x memcpy)")
     memory.drop()
     memory.close()
     sink.close()

@@ -65,8 +65,8 @@ def _parser() -> argparse.ArgumentParser:
         "--stop-grace",
         type=float,
         default=GRACE_SECONDS,
-        help="seconds the other ranks get to end once a rank failed (or the ranks the job needs finished) "
-        "before they are killed",
+        help="seconds the other ranks get to end once the ranks the job needs finished before they are killed "
+        "(after a rank failed: at most 0.5 s, as the job's collectives are broken)",
     )
     run.add_argument(
         "--ray",

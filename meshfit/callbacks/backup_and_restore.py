@@ -244,8 +244,10 @@ class BackupAndRestore(Callback):
             memory_replicas is not None
             and memory_replicas > nodes
             and os.environ.get("MESHFIT_RESTART_COUNT", "0") != "0"
+            and os.environ.get(keeper_protocol.ENV_KEEPER_HOMES)
         ):
-            # A restart on fewer nodes (a node lost, an elastic restart on Ray): each part goes to every node.
+            # A Ray restart on fewer nodes (a node lost, an elastic restart): each part goes to every node. On one
+            # machine the nodes never change, so a restart decides as the first start did (an error).
             warnings.warn(
                 f"BackupAndRestore: `memory_replicas={memory_replicas}`, and this restarted job's ranks run on "
                 f"{nodes} node(s): each memory snapshot is kept on {nodes} node(s) until the job runs on more.",
@@ -432,7 +434,10 @@ class BackupAndRestore(Callback):
         except memory_tier.KEEPER_ERRORS as error:
             self._memory_off(f"the keeper did not answer ({memory_tier.error_text(error)})")
             return None
-        if fetched is None or (disk and fetched[0] <= disk[-1]):
+        if fetched is None:
+            return None
+        if disk and fetched[0] <= disk[-1]:
+            self._memory.release(fetched[1])
             return None
         first_epoch = self.context.position(finished=False).epoch  # the fit's initial_epoch: nothing restored yet
         restored = self._memory.restore(fetched[0], fetched[1], template_of, first_epoch=first_epoch)

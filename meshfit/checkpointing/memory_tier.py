@@ -1,20 +1,27 @@
 """The memory tier of `BackupAndRestore`: snapshots of a backup kept in the launcher's RAM.
 
-Every K steps each process sends the launcher's keeper
+Every K steps each process hands the launcher's keeper
 (`meshfit.launch.keeper`; under `meshfit launch --ray`, its node's keeper and
-`replicas - 1` other nodes' keepers) its part of exactly what a disk backup holds (the
-tree and JSON part of `checkpoint_schema.BACKUP`). Taking one holds the loop
-for a copy of this process's shards on its own devices (a program per local
-device, none across processes: one across processes costs the steps around
-it a collective's wait); a thread then copies them to the host, skips a
-state that is not finite (as the disk tier refuses one), packs them into one
-part and sends it with its digest (`keeper_protocol.digest`: SHA-256 over
-pieces hashed on several cores), which the keeper checks on arrival and the
-process again when it fetches the part back. A restarted process asks the
-keeper for the newest committed snapshot (under Ray: for the step the
-launcher chose, from any keeper that holds its part) and rebuilds its arrays,
-laid out as the live state, from the shards it had; a part whose digest does
-not match is never restored.
+`replicas - 1` other nodes' keepers) its part of exactly what a disk backup
+holds (the tree and JSON part of `checkpoint_schema.BACKUP`).
+
+On its own node the keeper lends the rank shared memory (a memfd passed over
+the rank's Unix connection): the rank writes its part there in place and
+commits it with its checksum (`keeper_protocol.digest`, XXH3 at memory
+speed); no byte crosses a socket. Where the shards are host memory already
+(CPU devices) the part is written from the live arrays before the next step
+can donate them; on an accelerator, taking a snapshot holds the loop only for
+a copy of this process's shards on its own devices (a program per local
+device, none across processes), and a thread copies them to the host. Either
+way a state that is not finite is never kept (as the disk tier refuses one),
+and the checksum and the commit run on the sender thread behind the next
+steps. Replicas on other nodes' keepers get the written part over TCP, checked
+on arrival. A restarted process asks the keeper for the newest committed
+snapshot (under Ray: for the step the launcher chose, from any keeper that
+holds its part), maps its own node's keeper's memory read-only (or reads the
+part over TCP), checks the checksum, and rebuilds its arrays, laid out as
+the live state, from the shards it had; a part that does not match its
+checksum is never restored.
 
 A part's bytes, and how a tree becomes one and back, are
 `meshfit.checkpointing.snapshot_parts`'s.
@@ -23,6 +30,7 @@ A part's bytes, and how a tree becomes one and back, are
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import queue
 import threading
@@ -56,6 +64,26 @@ class MemoryTierUnavailable(RuntimeError):
 KEEPER_ERRORS = (*HANDSHAKE_ERRORS, EOFError, protocol.ProtocolError)
 
 
+def _mapped(fd: int, size: int, writable: bool) -> mmap.mmap:
+    """The keeper's shared memory behind `fd` (closed here), mapped whole and paged in at once."""
+    try:
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=prot)
+    finally:
+        os.close(fd)
+
+
+def _unmap(part) -> None:
+    """Unmaps a part in the keeper's shared memory (nothing for a part in this process's own buffer). A view
+    still held elsewhere keeps the mapping until it goes: the keeper's memory is then freed later, never
+    written through it."""
+    if isinstance(part, mmap.mmap):
+        try:
+            part.close()
+        except BufferError:
+            pass
+
+
 def error_text(error: BaseException) -> str:
     """`error` for a one-line warning: its type, and its message where it has one."""
     text = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
@@ -81,7 +109,11 @@ class MemoryTier:
         self.world = jax.process_count()
         self.start = int(os.environ.get("MESHFIT_RESTART_COUNT", "0"))
         self.addresses = protocol.addresses()
-        self._local = protocol.local_addresses()
+        # Each keeper's Unix socket, where this rank may reach it: named apart under `--ray`, or the address itself.
+        self._local = [
+            local or (address if address.startswith(protocol.UNIX_PREFIX) else "")
+            for address, local in zip(self.addresses, protocol.local_addresses(), strict=True)
+        ]
         homes = protocol.homes(self.world)
         if len(homes) != self.world or max(homes) >= len(self.addresses):
             raise MemoryTierUnavailable(
@@ -107,6 +139,7 @@ class MemoryTier:
         self.part_bytes = 0  # the size of this process's part of it
         self.saved_world = self.world  # the world size of the job that took the snapshot `newest` fetched
         self.source = self.addresses[self.home]  # the keeper `newest` fetched from
+        self._lease: int | None = None  # the keeper whose shared memory a fetched part is, until `release`
 
     def _connection(self, keeper: int = 0):
         """The connection to keeper `keeper`: this node's through its Unix socket where one is named (no other
@@ -135,28 +168,43 @@ class MemoryTier:
         one took from the device to the keeper).
         """
         began = time.perf_counter()
-        self._wait_until(IN_FLIGHT - 1)
-        waited = time.perf_counter() - began
         flat = jax.tree_util.tree_leaves(tree)
         signature = (jax.tree_util.tree_structure(tree), parts.Layout.signature(flat))
         layout = self._layouts.get(signature)
         if layout is None:
             layout = self._layouts[signature] = parts.Layout(tree)
-        held = [layout.copy(flat)]
+        if layout.in_host_memory:
+            # The shards are host memory: written into the part now, from the live arrays (before the next
+            # step donates them), at memcpy's speed; a copy on the device first would cost a pass over fresh
+            # memory. The checksum and the hand-over run behind the next steps.
+            self._wait_until(0)  # (one part at a time: the connection and the buffer are the previous one's)
+            waited = time.perf_counter() - began
+            entries, finite = layout.views(flat)
+            written = self._written(step, parts.PartPlan(step, entries, meta))
+            del entries
+        else:
+            self._wait_until(IN_FLIGHT - 1)
+            waited = time.perf_counter() - began
+            copied = [layout.copy(flat)]
 
         def send() -> None:
-            started = time.perf_counter()
+            started = time.perf_counter() if not layout.in_host_memory else began
             try:
-                copies, finite = held.pop()  # the device copies are freed once on the host
-                if not all(bool(flag) for flag in finite):
-                    return  # never kept: the disk tier refuses such a state too
-                entries = parts.on_host(copies)
-                del copies
-                # One buffer for every part of the fit: only this thread packs and sends, one part at a time.
-                part = self._buffer = parts.pack_entries(step, entries, meta, into=self._buffer)
-                del entries
-                self._send(step, part)
-                self.send_seconds, self.part_bytes = time.perf_counter() - started, len(part)
+                if layout.in_host_memory:
+                    part, shared = written
+                    if not all(bool(flag) for flag in finite):
+                        _unmap(part)
+                        return  # never kept: the disk tier refuses such a state too
+                else:
+                    copies, all_finite = copied.pop()  # the device copies are freed once on the host
+                    if not all(bool(flag) for flag in all_finite):
+                        return
+                    plan = parts.PartPlan(step, parts.on_host(copies), meta)
+                    del copies
+                    part, shared = self._written(step, plan)
+                size = len(part)
+                self._hand_over(step, part, shared)
+                self.send_seconds, self.part_bytes = time.perf_counter() - started, size
             except BaseException as error:  # noqa: BLE001 - raised by the next save, wait or close
                 for keeper in list(self._conns):  # after an error a connection's frames are out of step
                     self._forget(keeper)
@@ -179,23 +227,71 @@ class MemoryTier:
                     self._in_flight -= 1
                     self._sent.notify_all()
 
-    def _send(self, step: int, part: bytes) -> None:
-        """Sends the part to each of this rank's keepers (its node's first, then its replicas')."""
-        digest = protocol.digest(part)
-        committed = True
-        for keeper in self.targets:
-            where = f"the keeper at {self.addresses[keeper]}"
-            try:
-                reply = self._put(keeper, step, part, digest)
-            except KEEPER_ERRORS as error:
-                raise MemoryTierUnavailable(
-                    f"{where} did not take the snapshot of step {step} ({error_text(error)})"
-                ) from None
-            if not reply.get("ok"):
-                raise MemoryTierUnavailable(f"{where} refused the snapshot of step {step}: {reply.get('message')}")
-            committed = committed and bool(reply.get("committed"))
+    def _written(self, step: int, plan: parts.PartPlan) -> tuple[Any, bool]:
+        """The part written out, and whether it lies in the keeper's shared memory: its own node's keeper lends
+        that where it can (`_reserved`: the part is then written in place, never sent); else this rank's
+        buffer (one for every part of the fit, reused: only one part is written at a time)."""
+        home = self.targets[0]
+        where = f"the keeper at {self.addresses[home]}"
+        try:
+            part = self._reserved(home, step, plan.size) if self._shares(home) else None
+        except KEEPER_ERRORS as error:
+            raise MemoryTierUnavailable(
+                f"{where} did not take the snapshot of step {step} ({error_text(error)})"
+            ) from None
+        if isinstance(part, dict):
+            raise MemoryTierUnavailable(f"{where} refused the snapshot of step {step}: {part.get('message')}")
+        shared = part is not None
+        if part is None:
+            if self._buffer is None or len(self._buffer) != plan.size:
+                self._buffer = bytearray(plan.size)
+            part = self._buffer
+        try:
+            plan.write(part)
+        except BaseException:
+            if shared:
+                _unmap(part)
+            raise
+        return part, shared
+
+    def _hand_over(self, step: int, part, shared: bool) -> None:
+        """Commits the written part with its checksum to each of this rank's keepers: its own node's (in place,
+        where `shared`) and its replicas' (sent over the connection)."""
+        try:
+            digest = protocol.digest(part)
+            committed = True
+            for keeper in self.targets:
+                where = f"the keeper at {self.addresses[keeper]}"
+                try:
+                    if shared and keeper == self.targets[0]:
+                        reply = self._request({"op": "commit", "step": step, "digest": digest}, keeper)
+                    else:
+                        reply = self._put(keeper, step, part, digest)
+                except KEEPER_ERRORS as error:
+                    raise MemoryTierUnavailable(
+                        f"{where} did not take the snapshot of step {step} ({error_text(error)})"
+                    ) from None
+                if not reply.get("ok"):
+                    raise MemoryTierUnavailable(f"{where} refused the snapshot of step {step}: {reply.get('message')}")
+                committed = committed and bool(reply.get("committed"))
+        finally:
+            if shared:
+                _unmap(part)
         if committed:
             self.committed.append(step)
+
+    def _shares(self, keeper: int) -> bool:
+        """Whether `keeper` is reached through its Unix socket, where it lends its shared memory."""
+        return keeper == self.home and bool(self._local[keeper])
+
+    def _reserved(self, keeper: int, step: int, size: int):
+        """The keeper's shared memory for this rank's part of `size` bytes, mapped here (a writable `mmap`); or
+        the keeper's refusal (a dict)."""
+        request = {"op": "reserve", "step": step, "start": self.start, "size": size, "expect": self._expect[keeper]}
+        reply = self._request(request, keeper)
+        if not reply.get("ok"):
+            return reply
+        return _mapped(protocol.recv_fd(self._connection(keeper)), size, writable=True)
 
     def _put(self, keeper: int, step: int, part: bytes, digest: str) -> dict:
         """Sends the part to `keeper`; its answer (a refusal, or whether the snapshot is now committed)."""
@@ -239,6 +335,7 @@ class MemoryTier:
     def close(self) -> str | None:
         """Waits for the snapshot in flight, ends the sender and the connections. Never raises: returns what
         went wrong with the last snapshots, if anything (they are not kept, the disk backups are)."""
+        self._lease = None  # (closing the connection tells the keeper)
         try:
             self.wait()
             return None
@@ -284,17 +381,38 @@ class MemoryTier:
                 return fetched
         return None
 
-    def _fetch(self, request: dict, keeper: int) -> tuple[int, bytes] | None:
-        reply = self._request(request, keeper)
+    def _fetch(self, request: dict, keeper: int) -> tuple[int, Any] | None:
+        """The part `request` asks `keeper` for, checked against its digest: read over the connection, or, from
+        this node's keeper, its shared memory mapped here (read only, lent until `release`)."""
+        shares = self._shares(keeper)
+        reply = self._request({**request, "shared": shares}, keeper)
         if reply.get("step") is None:
             return None
         self.saved_world = int(reply.get("world", self.world))
-        part = protocol.recv_payload(self._connection(keeper), int(reply["size"]))
+        size = int(reply["size"])
+        if reply.get("shared") and shares:
+            self._lease = keeper
+            part = _mapped(protocol.recv_fd(self._connection(keeper)), size, writable=False)
+        else:
+            part = protocol.recv_payload(self._connection(keeper), size)
         if protocol.digest(part) != reply.get("digest"):
             warnings.warn(f"the memory snapshot of step {reply['step']} arrived damaged; not restored.", stacklevel=2)
+            self.release(part)
             return None
         self.source = self.addresses[keeper]
         return int(reply["step"]), part
+
+    def release(self, part=None) -> None:
+        """Lets go of a part `newest` fetched (its shared memory unmapped, the keeper told it may reuse it).
+        Never raises: a keeper gone has nothing left to reuse."""
+        if part is not None:
+            _unmap(part)
+        keeper, self._lease = self._lease, None
+        if keeper is not None:
+            try:
+                self._request({"op": "release"}, keeper)
+            except KEEPER_ERRORS:
+                self._forget(keeper)
 
     def restore(
         self, step: int, part: bytes, template_of, first_epoch: int | None = None
@@ -311,9 +429,11 @@ class MemoryTier:
                 raise ValueError(f"the part holds step {header['step']}")
             meta = header["meta"]
             BACKUP.check_meta(meta, step, array_bytes=len(data), first_epoch=first_epoch)
+            del data
             template = template_of(meta)
-            tree = parts.unpack(part, template)
+            tree = parts.unpack(part, template, shared=isinstance(part, mmap.mmap))
         except BackupOfAnotherJob:
+            self.release(part)
             raise  # a snapshot of another compile: refused by the fit, not passed over
         # ValueError: what the checks refuse; the rest a last guard, should a part get past them.
         except (
@@ -331,5 +451,7 @@ class MemoryTier:
                 "not restored.",
                 stacklevel=2,
             )
+            self.release(part)
             return None
+        self.release(part)
         return tree, meta

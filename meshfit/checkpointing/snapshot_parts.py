@@ -54,32 +54,49 @@ def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> str:
     return ",".join(f"{s.start or 0}:{dim if s.stop is None else s.stop}" for s, dim in zip(index, shape, strict=True))
 
 
+class PartPlan:
+    """A part laid out before it is written: its header and where each shard goes, so its `size` is known
+    before any byte moves (the keeper hands out shared memory of exactly that size to write it into)."""
+
+    def __init__(self, step: int, entries, meta: dict[str, Any]):
+        leaves, self._shards, offset = [], [], 0
+        for name, dtype, shape, pieces in entries:
+            described = []
+            for key, data in pieces:
+                raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+                described.append({"index": key, "offset": offset, "nbytes": raw.nbytes})
+                self._shards.append((offset, raw))
+                offset += raw.nbytes
+            leaves.append({"path": name, "dtype": np.dtype(dtype).name, "shape": list(shape), "shards": described})
+        header = json.dumps({"step": step, "meta": meta, "leaves": leaves}).encode()
+        self._head = b"".join([MAGIC, struct.pack(">Q", len(header)), header])
+        self.array_bytes = offset
+        self.size = len(self._head) + offset
+
+    def write(self, into) -> None:
+        """Writes the part into `into` (any writable buffer of `size` bytes: a bytearray, a shared mapping),
+        its shards copied in 16-MiB pieces on several cores (one core copies a few GB/s)."""
+        target = np.frombuffer(into, np.uint8)
+        if target.nbytes != self.size:
+            raise ValueError(f"a part of {self.size} bytes written into a buffer of {target.nbytes}")
+        start = len(self._head)
+        target[:start] = np.frombuffer(self._head, np.uint8)
+        chunk = protocol.DIGEST_CHUNK
+        pieces = [(start + at + i, raw[i : i + chunk]) for at, raw in self._shards for i in range(0, raw.nbytes, chunk)]
+
+        def copy(piece: tuple[int, np.ndarray]) -> None:
+            at, raw = piece
+            target[at : at + raw.nbytes] = raw
+
+        protocol.in_pieces(copy, pieces, self.array_bytes)
+
+
 def pack_entries(step: int, entries, meta: dict[str, Any], into: bytearray | None = None) -> bytearray:
     """A part from `Layout.copy` entries whose data are host arrays; written into `into` when it is the part's
-    size (a buffer already paged in: a fresh one costs a page fault per 4 KiB), its shards copied in
-    16-MiB pieces on several cores (one core copies a few GB/s)."""
-    leaves, shards, offset = [], [], 0
-    for name, dtype, shape, pieces in entries:
-        described = []
-        for key, data in pieces:
-            raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-            described.append({"index": key, "offset": offset, "nbytes": raw.nbytes})
-            shards.append((offset, raw))
-            offset += raw.nbytes
-        leaves.append({"path": name, "dtype": np.dtype(dtype).name, "shape": list(shape), "shards": described})
-    header = json.dumps({"step": step, "meta": meta, "leaves": leaves}).encode()
-    start = len(MAGIC) + 8 + len(header)
-    part = into if into is not None and len(into) == start + offset else bytearray(start + offset)
-    part[:start] = b"".join([MAGIC, struct.pack(">Q", len(header)), header])
-    target = np.frombuffer(part, np.uint8)
-    chunk = protocol.DIGEST_CHUNK
-    pieces = [(start + at + i, raw[i : i + chunk]) for at, raw in shards for i in range(0, raw.nbytes, chunk)]
-
-    def copy(piece: tuple[int, np.ndarray]) -> None:
-        at, raw = piece
-        target[at : at + raw.nbytes] = raw
-
-    protocol.in_pieces(copy, pieces, offset)
+    size (a buffer already paged in: a fresh one costs a page fault per 4 KiB)."""
+    plan = PartPlan(step, entries, meta)
+    part = into if into is not None and len(into) == plan.size else bytearray(plan.size)
+    plan.write(part)
     return part
 
 
@@ -110,6 +127,15 @@ def _to_pinned(x):
 def _has_pinned_host(device) -> bool:
     # A CPU's arrays already are host memory: `np.asarray` shares them without a copy.
     return device.platform != "cpu" and any(m.kind == "pinned_host" for m in device.addressable_memories())
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _keys_and_finite(arrays, keys: tuple[bool, ...]):
+    """The raw data of the typed PRNG keys among `arrays` (all on one device), and whether every
+    floating-point one is finite: what a snapshot taken straight from host memory needs of the device."""
+    raw = [jax.random.key_data(x) for x, key in zip(arrays, keys, strict=True) if key]
+    finite = [jnp.isfinite(x).all() for x in arrays if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return raw, functools.reduce(jnp.logical_and, finite, jnp.bool_(True))
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -147,6 +173,26 @@ class Layout:
         for device, places in self.by_device.items():
             self.keys[device] = tuple(is_key(flat[i][1]) for i, _ in places)
 
+    @property
+    def in_host_memory(self) -> bool:
+        """Whether every shard lies in this host's memory already (CPU devices): a snapshot can then be
+        written straight from the live arrays (`views`), with no copy on the device first."""
+        return all(device.platform == "cpu" for device in self.by_device)
+
+    def views(self, flat: list) -> tuple[list, list]:
+        """As `copy`, with the entries' data the live shards themselves (numpy views of host memory, waited
+        for): valid only until the next step donates the state's buffers, so written out before it runs."""
+        viewed: dict[tuple[int, int], Any] = {}
+        finite: list = []
+        for device, places in self.by_device.items():
+            shards = [flat[i].addressable_shards[position].data for i, position in places]
+            raw, all_finite = _keys_and_finite(shards, self.keys[device])
+            raw = iter(raw)
+            for place, shard, key in zip(places, shards, self.keys[device], strict=True):
+                viewed[place] = np.asarray(next(raw) if key else shard)
+            finite.append(all_finite)
+        return self._entries(flat, viewed, finite), finite
+
     @staticmethod
     def signature(flat: list) -> tuple:
         return tuple((x.shape, x.dtype, x.sharding) if isinstance(x, jax.Array) else type(x) for x in flat)
@@ -164,6 +210,11 @@ class Layout:
             copies, all_finite = _copy_on_device(shards, self.keys[device])
             copied.update(zip(places, copies, strict=True))
             finite.append(all_finite)
+        return self._entries(flat, copied, finite), finite
+
+    def _entries(self, flat: list, data: dict[tuple[int, int], Any], finite: list) -> list:
+        """Per leaf: (path, dtype, shape, [(index key, data)]), from each distinct shard's `data` (by leaf and
+        shard position); host values whole, their finiteness appended to `finite`."""
         entries = []
         for i, (name, dtype, shape, shards) in enumerate(self.leaves):
             if shards is None:
@@ -172,8 +223,8 @@ class Layout:
                 entries.append((name, value.dtype, tuple(value.shape), [(whole, value)]))
                 finite.append(not np.issubdtype(value.dtype, np.inexact) or bool(np.isfinite(value).all()))
             else:
-                entries.append((name, dtype, shape, [(index, copied[i, position]) for index, position in shards]))
-        return entries, finite
+                entries.append((name, dtype, shape, [(index, data[i, position]) for index, position in shards]))
+        return entries
 
 
 def unpack_header(part: bytes) -> tuple[dict, memoryview]:
@@ -186,7 +237,7 @@ def unpack_header(part: bytes) -> tuple[dict, memoryview]:
     for. `meta` is checked to be an object only: what it holds is its writer's (a backup's:
     `checkpoint_schema.BackupSchema.check_meta`).
     """
-    if len(part) < _PREFIX or not part.startswith(MAGIC):
+    if len(part) < _PREFIX or bytes(part[: len(MAGIC)]) != MAGIC:  # (any buffer: bytes, a shared mapping)
         raise ValueError("not a meshfit snapshot part (no MFSNAP1 header)")
     (length,) = struct.unpack(">Q", part[len(MAGIC) : _PREFIX])
     if length > len(part) - _PREFIX:
@@ -307,8 +358,12 @@ def _index_size(index: Any, shape: list[int], path: str) -> int:
     return math.prod(sizes)
 
 
-def unpack(part: bytes | bytearray, template) -> Any:
+def unpack(part, template, shared: bool = False) -> Any:
     """The tree of a part, laid out as `template` (device arrays on its shardings, numpy arrays on the host).
+
+    `shared`: the part lies in memory its owner reuses once this returns (the keeper's shared memory): an
+    array whose device kept a view of the part's bytes instead of copying them (a CPU device may) is copied
+    out of it; the others were copied by their transfer to the device already.
 
     `ValueError` names what differs when the part does not fit the template (another model, another layout)
     or is not a part `pack` wrote (`unpack_header` checks it all before anything is read or allocated: no
@@ -335,7 +390,21 @@ def unpack(part: bytes | bytearray, template) -> Any:
             raw = data[shard["offset"] : shard["offset"] + shard["nbytes"]]
             shards[shard["index"]] = np.frombuffer(raw, dtype=dtype)
         found.append((name, like, shape, shards))
-    return decode(jax.tree_util.tree_unflatten(treedef, [_rebuilt(*leaf) for leaf in found]), template)
+    # Arrays built on several threads for a large part: each transfer to a device is one core's copy into
+    # fresh memory, page faults and all.
+    leaves = protocol.in_pieces(lambda leaf: _rebuilt(*leaf), found, len(data))
+    if shared:
+        base = np.frombuffer(part, np.uint8).ctypes.data
+        leaves = [_owned(leaf, base, base + len(part)) for leaf in leaves]
+    return decode(jax.tree_util.tree_unflatten(treedef, leaves), template)
+
+
+def _owned(leaf, low: int, high: int):
+    """`leaf` with no buffer inside the addresses [low, high) (shared memory about to be unmapped or reused)."""
+    if not isinstance(leaf, jax.Array):
+        return leaf
+    inside = any(low <= shard.data.unsafe_buffer_pointer() < high for shard in leaf.addressable_shards)
+    return jnp.copy(leaf) if inside else leaf
 
 
 def _rebuilt(name: str, like, shape: tuple[int, ...], shards: dict[str, np.ndarray]):

@@ -29,6 +29,7 @@ Imports nothing of JAX or numpy: the launcher starts in a fraction of a second.
 from __future__ import annotations
 
 import collections
+import mmap
 import os
 import secrets
 import shutil
@@ -36,6 +37,7 @@ import socket
 import sys
 import tempfile
 import threading
+import weakref
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener
 from typing import NamedTuple, TextIO
@@ -76,11 +78,38 @@ def _shut(conn: Connection) -> None:
         pass
 
 
+class _Segment:
+    """Memory the keeper owns for one part: a memfd, mapped here. Ranks of this node get its descriptor over
+    their Unix connection (`SCM_RIGHTS`) and write or read the part in place, at memory speed; no other
+    process can map it. Freed when the keeper lets go of it (and every rank has unmapped it)."""
+
+    def __init__(self, size: int):
+        self.fd = os.memfd_create("meshfit-snapshot-part", os.MFD_CLOEXEC)
+        weakref.finalize(self, os.close, self.fd)
+        os.ftruncate(self.fd, size)
+        self.view: mmap.mmap | bytearray = mmap.mmap(self.fd, size) if size else bytearray()
+
+    def __len__(self) -> int:
+        return len(self.view)
+
+
 class _Part(NamedTuple):
     """One rank's part of a snapshot, with the `keeper_protocol.digest` it came with (checked on arrival)."""
 
-    payload: bytearray
+    payload: _Segment
     digest: str
+
+
+@dataclass
+class _Lent:
+    """What the keeper lent one connection: shared memory is lent to Unix connections (`shares`) only.
+
+    `reserved`: the part a rank is writing into the keeper's memory (not yet committed); `leases`: parts whose
+    descriptors a restoring rank may still be reading (not recycled until it says `release`)."""
+
+    shares: bool
+    reserved: tuple | None = None
+    leases: int = 0
 
 
 @dataclass
@@ -148,7 +177,7 @@ class Keeper:
         self._refused: dict[tuple[str, int], str] = {}  # (fit, start) -> why its snapshots are refused
         # The buffers of the snapshot the newest commit evicted, read into again by the next parts of their
         # size: a fresh multi-GB buffer costs a page fault per 4 KiB. Not while a part is being sent out.
-        self._spares: list[bytearray] = []
+        self._spares: list[_Segment] = []
         self._sending = 0
         self._handshaking: collections.OrderedDict[int, Connection] = collections.OrderedDict()  # TCP, oldest first
         self._stranger_seen = False
@@ -241,16 +270,20 @@ class Keeper:
             conn.close()
             self._stranger(error)
             return
+        lent = _Lent(shares=not tcp)
         try:
             while not self.closed.is_set():
                 request = protocol.recv_json(conn)
-                self._handle(conn, request)
+                self._handle(conn, request, lent)
         except (EOFError, OSError):
             pass  # the rank closed its connection, died, or stopped moving the bytes it announced
         except protocol.ProtocolError as error:
             self._say(f"closed a connection of the job that broke the protocol: {error}.")
         finally:
             conn.close()
+            with self._lock:
+                self._sending -= lent.leases  # parts it was reading: free to recycle
+            lent.reserved = None  # a part never committed (its rank died writing it): its memory goes
 
     def _stranger(self, error: BaseException) -> None:
         if self._stranger_seen:
@@ -268,14 +301,24 @@ class Keeper:
 
     # -- requests ----------------------------------------------------------------------
 
-    def _handle(self, conn: Connection, request: dict) -> None:
+    def _handle(self, conn: Connection, request: dict, lent: _Lent) -> None:
         op = request.get("op")
         if op == "put":
             self._put(conn, request)
+        elif op == "reserve":
+            self._reserve(conn, request, lent)
+        elif op == "commit":
+            self._commit_reserved(conn, request, lent)
         elif op == "latest":
-            self._latest(conn, request)
+            self._latest(conn, request, lent)
         elif op == "get":
-            self._get(conn, request)
+            self._get(conn, request, lent)
+        elif op == "release":
+            if lent.leases:
+                lent.leases -= 1
+                with self._lock:
+                    self._sending -= 1
+            protocol.send_json(conn, {"ok": True})
         elif op == "drop":
             with self._lock:
                 fit = str(request.get("fit"))
@@ -324,41 +367,82 @@ class Keeper:
             )
         return None
 
-    def _put(self, conn: Connection, request: dict) -> None:
+    def _part_fields(self, request: dict) -> tuple[tuple, str]:
+        """A part's fields (fit, step, rank, world, start, size, expect) and why it is refused ("": it is not):
+        one answer for every part of a snapshot, and none after a refusal, so the ranks stop sending together
+        (a snapshot's device copy is one program across all of them)."""
         fit, step, rank, world, start = self._fields(request)
-        size, digest = request.get("size"), request.get("digest")
-        if type(size) is not int or size < 0 or not isinstance(digest, str):
-            raise protocol.ProtocolError("a put without its size and digest")
+        size = request.get("size")
+        if type(size) is not int or size < 0:
+            raise protocol.ProtocolError("a part without its size")
         expect = request.get("expect", list(range(world)))
         if (
             not isinstance(expect, list)
             or not all(type(r) is int and 0 <= r < world for r in expect)
             or rank not in expect
         ):
-            raise protocol.ProtocolError(f"a put whose expected ranks are malformed {str(expect)[:200]}")
+            raise protocol.ProtocolError(f"a part whose expected ranks are malformed {str(expect)[:200]}")
         with self._lock:
-            # One answer for every part of a snapshot, and none after a refusal: the ranks stop sending
-            # together (a snapshot's device copy is one program across all of them).
             refusal = self._refused.get((fit, start)) or self._decided.get((fit, start, step), "")
             if (fit, start, step) not in self._decided and not refusal:
                 refusal = self._room(size, len(set(expect))) or ""
                 self._decided[(fit, start, step)] = refusal
             if refusal:
                 self._refused[(fit, start)] = refusal
-        if refusal:
-            protocol.send_json(conn, {"ok": False, "error": "memory", "message": refusal})
-            return
-        protocol.send_json(conn, {"ok": True})
+        return (fit, step, rank, world, start, size, expect), refusal
+
+    def _segment(self, size: int) -> _Segment:
+        """Memory for a part of `size` bytes: an evicted snapshot's (already paged in), else new."""
         with self._lock:
             spare = next((b for b in self._spares if len(b) == size), None)
             if spare is not None:
                 self._spares.remove(spare)
+        return spare if spare is not None else _Segment(size)
+
+    def _put(self, conn: Connection, request: dict) -> None:
+        """A part sent over the connection (another node's rank, or any over TCP), checked on arrival."""
+        fields, refusal = self._part_fields(request)
+        digest = request.get("digest")
+        if not isinstance(digest, str):
+            raise protocol.ProtocolError("a put without its digest")
+        if refusal:
+            protocol.send_json(conn, {"ok": False, "error": "memory", "message": refusal})
+            return
+        protocol.send_json(conn, {"ok": True})
+        segment = self._segment(fields[5])
         protocol.set_timeout(conn, protocol.ANSWER_TIMEOUT)  # a rank stopped mid-part frees this thread
-        payload = protocol.recv_payload(conn, size, into=spare)
+        protocol.recv_payload(conn, fields[5], into=segment.view)
         protocol.set_timeout(conn, 0)  # between requests a rank's connection idles as long as its steps take
-        if protocol.digest(payload) != digest:
+        if protocol.digest(segment.view) != digest:
             protocol.send_json(conn, {"ok": True, "committed": False, "damaged": True})  # never committed
             return
+        protocol.send_json(conn, self._add_part(fields, segment, digest))
+
+    def _reserve(self, conn: Connection, request: dict, lent: _Lent) -> None:
+        """Memory for a part that a rank of this node writes itself: the keeper's own (a memfd), its descriptor
+        passed over the Unix connection (no one else can map it); the part counts once the rank commits it."""
+        if not lent.shares:
+            raise protocol.ProtocolError("shared memory asked for over TCP")
+        fields, refusal = self._part_fields(request)
+        if refusal:
+            protocol.send_json(conn, {"ok": False, "error": "memory", "message": refusal})
+            return
+        lent.reserved = (fields, self._segment(fields[5]))
+        protocol.send_json(conn, {"ok": True})
+        protocol.send_fd(conn, lent.reserved[1].fd)
+
+    def _commit_reserved(self, conn: Connection, request: dict, lent: _Lent) -> None:
+        """The part written into the memory `_reserve` lent, with its digest: counted as if sent."""
+        digest, step = request.get("digest"), request.get("step")
+        if lent.reserved is None or not isinstance(digest, str) or step != lent.reserved[0][1]:
+            raise protocol.ProtocolError("a commit without its reserved part, step or digest")
+        (fields, segment), lent.reserved = lent.reserved, None
+        protocol.send_json(conn, self._add_part(fields, segment, digest))
+
+    def _add_part(self, fields: tuple, segment: _Segment, digest: str) -> dict:
+        """Adds a rank's whole part to its snapshot, committing the snapshot once every part is there; the
+        answer to the rank."""
+        fit, step, rank, world, start, _, expect = fields
         committed = None
         with self._lock:
             # Parts of an earlier start of the job never complete a snapshot of this one.
@@ -366,7 +450,7 @@ class Keeper:
                 del self._pending[key]
             snapshot = self._pending.setdefault((fit, start, step), _Snapshot(world, frozenset(expect), start))
             if snapshot.world == world and snapshot.expect == frozenset(expect):
-                snapshot.parts[rank] = _Part(payload, digest)
+                snapshot.parts[rank] = _Part(segment, digest)
             if set(snapshot.parts) == snapshot.expect:
                 committed = self._commit(fit, start, step)
             self.peak_bytes = max(self.peak_bytes, self._held())
@@ -378,7 +462,7 @@ class Keeper:
                 f"{size_text(committed)}); "
                 f"holding {size_text(held)} (at most the newest {KEEP} snapshots of each process)."
             )
-        protocol.send_json(conn, {"ok": True, "committed": committed is not None, "held": held})
+        return {"ok": True, "committed": committed is not None, "held": held}
 
     def _commit(self, fit: str, start: int, step: int) -> int:
         snapshot = self._pending.pop((fit, start, step))
@@ -393,19 +477,19 @@ class Keeper:
             del self._decided[key]
         return snapshot.nbytes
 
-    def _latest(self, conn: Connection, request: dict) -> None:
+    def _latest(self, conn: Connection, request: dict, lent: _Lent) -> None:
         fit, below, rank, world, _ = self._fields(request)
         with self._lock:
             steps = self._committed.get(fit, {})
             # A smaller world (an elastic restart) gets the part of its own rank in the larger one: the rank
-            # decides whether that part alone holds its arrays (`memory_tier.unpack`).
+            # decides whether that part alone holds its arrays (`snapshot_parts.unpack`).
             found = [s for s in sorted(steps) if s < below and steps[s].world >= world]
             step = found[-1] if found else None
             saved = steps[step] if step is not None else None
             self._sending += 1
-        self._send_part(conn, step, saved, rank)
+        self._send_part(conn, step, saved, rank, lent, bool(request.get("shared")))
 
-    def _get(self, conn: Connection, request: dict) -> None:
+    def _get(self, conn: Connection, request: dict, lent: _Lent) -> None:
         """This rank's part of the committed snapshot of exactly `step` (and `start`, when given), if held."""
         fit, step, rank, _, _ = self._fields(request)
         start = request.get("start")
@@ -414,12 +498,16 @@ class Keeper:
             if saved is not None and start is not None and saved.start != start:
                 saved = None
             self._sending += 1
-        self._send_part(conn, step, saved, rank)
+        self._send_part(conn, step, saved, rank, lent, bool(request.get("shared")))
 
-    def _send_part(self, conn: Connection, step: int | None, saved: _Snapshot | None, rank: int) -> None:
+    def _send_part(
+        self, conn: Connection, step: int | None, saved: _Snapshot | None, rank: int, lent: _Lent, shared: bool
+    ) -> None:
         """Rank `rank`'s part of `saved` with the digest it came with: the rank checks the bytes end to end.
         The caller counted it in `_sending` under the lock it found `saved` with: no buffer is recycled while
-        one is sent."""
+        one is sent. With `shared` (a rank of this node, over the Unix socket) the part's descriptor is lent
+        instead of its bytes sent, and stays counted until the rank says `release` (or closes)."""
+        lease = False
         try:
             part = saved.parts.get(rank) if saved is not None else None
             if saved is None or part is None:
@@ -427,12 +515,19 @@ class Keeper:
                 return
             reply = {"step": step, "size": len(part.payload), "digest": part.digest, "world": saved.world}
             protocol.set_timeout(conn, protocol.ANSWER_TIMEOUT)  # a stopped reader frees the part's buffer
-            protocol.send_json(conn, reply)
-            protocol.send_payload(conn, part.payload)
+            if shared and lent.shares:
+                protocol.send_json(conn, {**reply, "shared": True})
+                protocol.send_fd(conn, part.payload.fd)
+                lease = True
+                lent.leases += 1
+            else:
+                protocol.send_json(conn, reply)
+                protocol.send_payload(conn, part.payload.view)
             protocol.set_timeout(conn, 0)
         finally:
-            with self._lock:
-                self._sending -= 1
+            if not lease:
+                with self._lock:
+                    self._sending -= 1
 
     def _held(self) -> int:
         committed = sum(s.nbytes for steps in self._committed.values() for s in steps.values())

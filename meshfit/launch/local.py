@@ -48,10 +48,12 @@ import dataclasses
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -59,10 +61,13 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from meshfit.launch.keeper import Keeper
-from meshfit.runtime import job_env
+from meshfit.runtime import exit_report, job_env
 from meshfit.runtime.job_layout import JobLayout, JobStart, status_text
 
-GRACE_SECONDS = 5.0  # after a rank failed: the others get this long to end before SIGKILL
+GRACE_SECONDS = 5.0  # once the ranks the job needs finished: the others get this long to end before SIGKILL
+#: After a rank failed: the others' collectives are broken, and nothing they could still do (a preemption
+#: backup is a collective too) is worth waiting for: SIGTERM, then SIGKILL this soon.
+FAILURE_GRACE_SECONDS = 0.5
 PREEMPTION_GRACE_SECONDS = 60.0  # after a signal to the launcher: time for the ranks' preemption backups
 #: A rank of a restarted job that fails this soon after it was started cannot be restarted (with
 #: `--min-nprocs`, the job restarts without it): long enough for a process that cannot come up (a lost
@@ -338,12 +343,30 @@ def _watch(config: LaunchConfig, procs: list[subprocess.Popen], exits: _Exits, s
 
 @dataclass(frozen=True)
 class Outcome:
-    """How one start of the job ended: its status (as `run_once` returns it), and the first rank to fail with
-    the seconds it ran (None, None when none failed)."""
+    """How one start of the job ended: its status (as `run_once` returns it), the first rank to fail with the
+    seconds it ran (None, None when none failed), the ranks that failed by themselves with their statuses (in
+    the order they ended), and what each rank reported of the exception that ended it (`exit_report`)."""
 
     status: int
     failed_rank: int | None = None
     ran_for: float | None = None
+    failures: tuple[tuple[int, int], ...] = ()
+    reports: dict[int, dict] = field(default_factory=dict)
+
+    def setup_error(self) -> tuple[int, dict] | None:
+        """The rank that failed first and its report, when it raised an exception before taking a training step
+        and no rank was killed from outside (SIGKILL: the OOM killer, an operator): an error every start would
+        repeat (a bad argument, a directory that cannot be written), not worth a restart. The ranks that ended
+        after it are its consequences (a peer aborting on the broken collective). None otherwise."""
+        if self.status <= 0 or not self.failures:
+            return None
+        rank, code = self.failures[0]
+        report = self.reports.get(rank)
+        if code <= 0 or report is None or report.get("first_step"):
+            return None
+        if any(code == -signal.SIGKILL for _, code in self.failures):
+            return None
+        return rank, report
 
 
 def run_once(config: LaunchConfig, attempt: int, log: TextIO = sys.stderr) -> int:
@@ -363,13 +386,17 @@ def run_once_outcome(config: LaunchConfig, attempt: int, log: TextIO = sys.stder
     )
     procs, pumps, started = [], [], []
     exits = None
+    reports = tempfile.mkdtemp(prefix="meshfit-exits-")  # mode 0700: the ranks' `exit_report`s
+    status = 1  # (until the job's own is known)
     with Signals() as signals:
         try:
             for rank in range(config.nprocs):
                 started.append(time.monotonic())
+                env = process_env(config, rank, start, attempt, gpus)
+                env[exit_report.ENV_EXIT_REPORT] = os.path.join(reports, f"{rank}.json")
                 proc = subprocess.Popen(
                     process_command(config, rank),
-                    env=process_env(config, rank, start, attempt, gpus),
+                    env=env,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     text=True,
@@ -388,7 +415,11 @@ def run_once_outcome(config: LaunchConfig, attempt: int, log: TextIO = sys.stder
             status, before_stop = -signal.SIGINT, []
         finally:
             signalled = signals.received is not None
-            killed = _stop(procs, config.grace_period if signalled else config.stop_grace)
+            if signalled:
+                grace = config.grace_period
+            else:
+                grace = config.stop_grace if status == 0 else min(config.stop_grace, FAILURE_GRACE_SECONDS)
+            killed = _stop(procs, grace)
             for pump in pumps:
                 pump.join(timeout=2)
         failures = [(rank, code) for rank, code in before_stop if code != 0]
@@ -401,10 +432,13 @@ def run_once_outcome(config: LaunchConfig, attempt: int, log: TextIO = sys.stder
             log.write(f"[launch] rank(s) {killed} did not end within the grace period and were killed.\n")
         for rank, proc in enumerate(procs) if signalled else ():
             log.write(f"[launch] rank {rank} ended with status {status_text(proc.returncode)}.\n")
+    said = {rank: exit_report.read(os.path.join(reports, f"{rank}.json")) for rank in range(len(procs))}
+    shutil.rmtree(reports, ignore_errors=True)
+    found = {rank: report for rank, report in said.items() if report is not None}
     if failures and exits is not None and not signalled:
         rank = failures[0][0]
-        return Outcome(status, rank, exits.at[rank] - started[rank])
-    return Outcome(status)
+        return Outcome(status, rank, exits.at[rank] - started[rank], tuple(failures), found)
+    return Outcome(status, reports=found)
 
 
 def _check_elastic(config: LaunchConfig, runner: Runner) -> bool:
@@ -493,14 +527,17 @@ def launch(config: LaunchConfig, log: TextIO = sys.stderr, runner: Runner | None
     # (Ray's) sizes each restart to what its cluster can place.
     elastic = _check_elastic(config, runner) and runner is run_once
     attempt = 0
+    setup_error = None
     try:
         while True:
-            if elastic:
-                outcome = run_once_outcome(config, attempt, log)
-                status = outcome.status
-            else:
-                status = runner(config, attempt, log)
-            if status == 0 or -status in FORWARDED or attempt >= config.max_restarts:
+            outcome = (
+                run_once_outcome(config, attempt, log) if runner is run_once else Outcome(runner(config, attempt, log))
+            )
+            status = outcome.status
+            if status == 0 or -status in FORWARDED:
+                break
+            setup_error = outcome.setup_error()
+            if setup_error is not None or attempt >= config.max_restarts:
                 break
             attempt += 1
             if elastic:
@@ -514,6 +551,13 @@ def launch(config: LaunchConfig, log: TextIO = sys.stderr, runner: Runner | None
             close()  # a runner's own resources for the launch (the Ray launcher's keepers)
     if -status in FORWARDED:
         log.write(f"[launch] stopped by {signal.Signals(-status).name}.\n")
+    elif setup_error is not None:
+        rank, report = setup_error
+        log.write(
+            f"[launch] not restarting: every failing rank raised before the job's first step, so every start would "
+            f"fail the same way.\n[launch] job failed with status {status}: rank {rank} raised "
+            f"{report['type']}: {report['message']}\n"
+        )
     elif status:
         log.write(f"[launch] job failed with status {status}.\n")
     # A negative status (killed by a signal) becomes the shell's 128 + signal.

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 import jax
 import numpy as np
 
+from meshfit.runtime import exit_report
 from meshfit.runtime.preemption import Preempted, PreemptionWatch
 from meshfit.training.callback_protocol import CallbackList
 
@@ -80,6 +81,7 @@ def fit_loop(
             logs = session.train(execution)
             step += count
             session.count(count)
+            exit_report.first_step_taken()  # an error from now on is not one every start would repeat
             if batch_end:
                 with in_callbacks:
                     for hook in batch_end:

@@ -6,6 +6,7 @@ a subprocess SIGKILLed after writing part of its frame.
 """
 
 import io
+import mmap
 import os
 import signal
 import subprocess
@@ -215,6 +216,76 @@ def test_the_ranks_of_this_node_reach_the_keeper_through_a_unix_socket_of_their_
     a.close()
     keeper.close()
     assert not os.path.exists(os.path.dirname(path))
+
+
+def reserve(conn, step, rank, size, world=2, fit="f"):
+    """Asks the keeper for shared memory for a part; the writable mapping of it, or the refusal."""
+    header = {"fit": fit, "rank": rank, "world": world, "step": step, "start": 0, "size": size}
+    protocol.send_json(conn, {"op": "reserve", **header})
+    reply = protocol.recv_json(conn)
+    if not reply["ok"]:
+        return reply
+    fd = protocol.recv_fd(conn)
+    try:
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def local_client(keeper):
+    return protocol.connect(keeper.local_address, keeper.key)
+
+
+def test_a_rank_of_this_node_writes_and_reads_its_part_in_the_keepers_shared_memory(keeper):
+    """Over the Unix socket the keeper lends a memfd: rank 0 writes its part in place and commits it with its
+    digest, rank 1 sends its own over the connection; a restore maps rank 0's part read-only, with the digest
+    it was committed with, and the memory is not recycled before the rank releases it."""
+    a, b = local_client(keeper), client(keeper)
+    part = os.urandom(3 << 20)
+    shared = reserve(a, 5, 0, len(part))
+    shared[:] = part
+    protocol.send_json(a, {"op": "commit", "step": 5, "digest": protocol.digest(shared)})
+    shared.close()
+    assert protocol.recv_json(a)["committed"] is False
+    assert put(b, 5, 1, b"r1@5")["committed"] is True
+    protocol.send_json(a, {"op": "latest", "fit": "f", "rank": 0, "world": 2, "step": 1 << 62, "shared": True})
+    reply = protocol.recv_json(a)
+    assert (reply["step"], reply["size"], reply["shared"]) == (5, len(part), True)
+    fd = protocol.recv_fd(a)
+    view = mmap.mmap(fd, len(part), prot=mmap.PROT_READ)
+    os.close(fd)
+    assert view[:] == part and protocol.digest(view) == reply["digest"] == protocol.digest(part)
+    for step in (10, 15):  # two newer snapshots evict step 5: its memory stays lent, not reused
+        for conn, rank in ((b, 0), (b, 1)):
+            put(conn, step, rank, bytes(len(part)) if rank == 0 else b"r1")
+    assert view[:] == part
+    view.close()
+    protocol.send_json(a, {"op": "release"})
+    assert protocol.recv_json(a) == {"ok": True}
+    assert latest(b, 0)[0] == 15
+
+
+def test_a_part_whose_rank_died_while_writing_it_is_never_committed(keeper):
+    """A rank reserves shared memory and is gone before committing (its connection closes): the snapshot
+    never counts, and the parts before it are still handed out."""
+    a, b = local_client(keeper), client(keeper)
+    put(b, 5, 0, b"r0@5")
+    put(b, 5, 1, b"r1@5")
+    shared = reserve(a, 10, 0, 4096)
+    shared[:100] = b"x" * 100
+    shared.close()
+    a.close()
+    put(b, 10, 1, b"r1@10")
+    time.sleep(0.2)
+    assert keeper.committed_steps("f") == [5] and latest(b, 0) == (5, b"r0@5")
+
+
+def test_shared_memory_is_lent_over_the_unix_socket_only(keeper):
+    a = client(keeper)  # TCP
+    protocol.send_json(a, {"op": "reserve", "fit": "f", "rank": 0, "world": 1, "step": 1, "start": 0, "size": 8})
+    with pytest.raises(EOFError):
+        protocol.recv_json(a)  # the keeper closed the connection that broke the protocol
+    assert "shared memory asked for over TCP" in keeper.test_log.getvalue()
 
 
 def test_a_rank_that_breaks_the_protocol_after_the_handshake_is_closed(keeper):

@@ -342,3 +342,41 @@ def test_launch_refuses_max_restarts_that_is_not_a_whole_number_of_0_or_more(res
     config = launch.LaunchConfig(["-c", "pass"], DistributedJob(1), max_restarts=restarts)
     with pytest.raises(ValueError, match=rf"--max-restarts expected .* Received: {restarts!r}\."):
         launch.launch(config)
+
+
+RESUMABLE = os.path.join(WORKERS, "train_resumable.py")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "backup, args, error",
+    [
+        ("/proc/not-writable", [], "CheckpointWriteError"),
+        (None, ["--memory-freq", "0"], "ValueError: `memory_freq` must be a positive int"),
+        (None, ["--memory-freq", "5", "--memory-replicas", "5"], "ValueError: `memory_replicas=5` needs a keeper"),
+    ],
+    ids=["unwritable backup directory", "memory_freq=0", "memory_replicas=5 on one node"],
+)
+def test_an_error_every_start_would_repeat_ends_the_launch_at_once_naming_the_rank(tmp_path, backup, args, error):
+    """Ranks that raise before the job's first step (a configuration mistake): one start only, whatever
+    `--max-restarts`, a non-zero exit within 30 s, and the launcher's last lines naming rank 0 and its error
+    (not the rank that died waiting for it)."""
+    began = time.monotonic()
+    argv = [RESUMABLE, str(tmp_path / "out"), backup or str(tmp_path / "backup"), "--strategy", "multi_worker"]
+    result = run(launch_cmd("--nprocs", "2", "--max-restarts", "2", *argv, *args), timeout=120)
+    took = time.monotonic() - began
+    said = result.stdout[-2000:] + result.stderr[-3000:]
+    assert result.returncode != 0 and took < 30, (took, said)
+    assert "restarting the job" not in result.stderr, said
+    last = result.stderr.strip().splitlines()[-1]
+    assert re.match(rf"\[launch\] job failed with status 1: rank 0 raised {re.escape(error)}", last), said
+
+
+@pytest.mark.slow
+def test_an_exception_after_the_first_step_still_restarts(tmp_path):
+    """An error once training ran is not one every start would repeat: the launcher restarts as asked, and the
+    restart (which does not raise) finishes the job."""
+    argv = [RESUMABLE, str(tmp_path / "out"), str(tmp_path / "backup"), "--strategy", "multi_worker"]
+    result = run(launch_cmd("--nprocs", "2", "--max-restarts", "1", *argv, "--raise-at-step", "5"), timeout=180)
+    assert "restarting the job (1/1)" in result.stderr, result.stderr[-3000:]
+    assert result.returncode == 0, result.stderr[-3000:]

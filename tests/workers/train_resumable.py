@@ -5,7 +5,8 @@
                               [--goodput FILE] [--hang-at-step STEP FIFO] [--hang-rank R]
                               [--preemption-timeout SECONDS] [--memory-freq K] [--keep-backups]
                               [--rank1-fails-to-restart] [--rank1-loses-its-keeper] [--learning-rate LR]
-                              [--restart-learning-rate LR]
+                              [--restart-learning-rate LR] [--memory-replicas R]
+                              [--raise-at-step S]
 Prints "step <global step>" after every batch (flushed), so a test can kill it at a known step.
 """
 
@@ -85,6 +86,10 @@ def main():
         "fetch of the memory snapshot fails while rank 0's succeeds)",
     )
     parser.add_argument("--learning-rate", type=float, default=None, help="Adam's (default: the name 'adam')")
+    parser.add_argument("--memory-replicas", type=int, default=None, help="BackupAndRestore's")
+    parser.add_argument(
+        "--raise-at-step", type=int, default=None, help="in the first attempt, every rank raises at this step"
+    )
     parser.add_argument(
         "--restart-learning-rate", type=float, default=None, help="Adam's in a restart of a launched job (another job)"
     )
@@ -125,6 +130,8 @@ def main():
         print(f"step {model.session.step}", flush=True)
         if args.die_at_step == model.session.step and first_attempt and strategy.process_index == 1:
             os.kill(os.getpid(), signal.SIGKILL)
+        if args.raise_at_step == model.session.step and first_attempt:
+            raise RuntimeError(f"raised at step {model.session.step}")
         if args.slow:
             time.sleep(args.slow)
         hangs_here = args.hang_rank is None or args.hang_rank == strategy.process_index
@@ -150,6 +157,7 @@ def main():
         save_freq=save_freq,
         **({} if args.preemption_timeout is None else {"preemption_timeout": args.preemption_timeout}),
         memory_freq=args.memory_freq,
+        memory_replicas=args.memory_replicas,
         delete_checkpoint=not args.keep_backups,
     )
     callbacks = [
