@@ -1,13 +1,16 @@
 """Recovery from a killed rank: steps lost and seconds to the first resumed step, disk backups vs the memory tier.
 
-A 2-process `meshfit launch --max-restarts F` job trains a model
+A `meshfit launch --max-restarts F` job trains a model
 (MultiWorkerMirroredStrategy, batches of 32, 44 steps an epoch) with
 `BackupAndRestore`. `--model` picks it, or several, comma-separated (each row
 names its model): `digits`, the MLP of `examples/digits.py`; `transformer`,
 `examples/transformer_lm.py`'s decoder at a small CPU size (2 layers, d_model
 64, 4 heads, context 32: tens of ms a step) on the example's windows of
 standard-library bytes, its module and data built by the example's own
-functions. In the i-th start, rank 1 SIGKILLs itself at a random step
+functions; `wide`, the digits MLP at 64-8192-8192-10, whose Adam state is 775
+MiB (a snapshot of a real size for the 2-core machine). `--nprocs` sets the
+job's processes on the CPU (default 2). In the i-th start, the last rank
+SIGKILLs itself at a random step
 (seeded) once its devices have computed that step (JAX dispatches steps ahead
 of the device: the Python step counter alone can run several steps past the
 state that exists), and the launcher restarts the job. For each failure: the
@@ -70,9 +73,11 @@ MODELS = {
     "digits": "digits MLP (64-128-128-10)",
     "transformer": "transformer_lm (2 layers, d_model 64, 4 heads, context 32, bytes)",
     "decoder": "transformer_lm 350m preset at context 512 (24 x 1024, vocab 32,768), mixed_bfloat16: for a GPU",
+    "wide": "digits MLP 64-8192-8192-10 with Adam: a 775-MiB state to snapshot (67.7 M parameters x 3)",
 }
 EARLY_CACHE = True  # --no-early-cache: only BackupAndRestore's cache, from the fit's start
 GPU = False  # --gpu: one process on the machine's GPU (the killed rank is rank 0), not 2 on the CPU
+NPROCS = 2  # --nprocs: processes of the job on the CPU (the last is the one killed)
 
 
 def _process_start() -> float:
@@ -89,12 +94,13 @@ def build(name: str):
     example is imported, before the data are loaded."""
     from flax import nnx
 
-    if name == "digits":
+    if name in ("digits", "wide"):
         from digits import MLP, load_data  # with scikit-learn
 
         _phase("libraries")
         x, _, y, _ = load_data()
-        return (lambda: MLP(64, 128, 10, rngs=nnx.Rngs(0))), x, y, "float32"
+        width = 128 if name == "digits" else 8192
+        return (lambda: MLP(64, width, 10, rngs=nnx.Rngs(0))), x, y, "float32"
     import transformer_lm
 
     _phase("libraries")
@@ -187,7 +193,8 @@ def launch(
     """Runs one job training `model`; returns its output (stdout, then stderr)."""
     from processes import LAUNCH, Job
 
-    argv = LAUNCH + ["--nprocs", "1" if GPU else "2", "--devices-per-proc", "1", "--max-restarts", str(len(kills))]
+    argv = LAUNCH + ["--nprocs", "1" if GPU else str(NPROCS), "--devices-per-proc", "1"]
+    argv += ["--max-restarts", str(len(kills))]
     argv += ["--stop-grace", "1", __file__, "--worker", "--model", model, "--backup", os.path.join(base, name)]
     argv += ["--epochs", str(epochs), "--disk-freq", str(disk_freq)]
     argv += ["--memory-freq", str(memory_freq or 0)]  # 0: disk backups only
@@ -254,7 +261,7 @@ def main() -> None:
         help="no compilation cache before the model is built (only BackupAndRestore's, from fit's start)",
     )
     parser.add_argument(
-        "--model", type=models, default=["digits"], help="digits, transformer, or both: digits,transformer"
+        "--model", type=models, default=["digits"], help="digits, transformer, wide, or several: digits,transformer"
     )
     parser.add_argument("--memory-freq", type=int, default=5)
     parser.add_argument("--disk-freq", type=int, default=100)
@@ -263,14 +270,15 @@ def main() -> None:
     parser.add_argument("--failures", type=int, default=3, help="SIGKILLs per setting (0: only the cost)")
     parser.add_argument("--cost-rounds", type=int, default=1, help="pairs of jobs without failures for the cost")
     parser.add_argument("--gpu", action="store_true", help="one process on the GPU (it is the rank killed)")
+    parser.add_argument("--nprocs", type=int, default=2, help="processes on the CPU (the last is the rank killed)")
     parser.add_argument("--memory-only", action="store_true", help="SIGKILLs with the memory tier only")
     args = parse_args(parser, epochs=1, failures=1, cost_rounds=0)
     if args.worker:
         (args.model,) = args.model
         worker(args)
         return
-    global EARLY_CACHE, GPU
-    EARLY_CACHE, GPU = not args.no_early_cache, args.gpu
+    global EARLY_CACHE, GPU, NPROCS
+    EARLY_CACHE, GPU, NPROCS = not args.no_early_cache, args.gpu, args.nprocs
     steps = args.epochs * STEPS_PER_EPOCH
     rng = random.Random(args.seed)
     # One kill in each of `failures` equal stretches of the run, past the first stretch's start-up.
@@ -278,7 +286,7 @@ def main() -> None:
     kills = [(i + 1) * stretch + rng.randrange(stretch // 2) for i in range(args.failures)]
     base = tempfile.mkdtemp(prefix="bench_recovery_")
     try:
-        where = "1 process x 1 GPU, SIGKILL of rank 0" if GPU else "2 processes x 1 CPU device, SIGKILL of rank 1"
+        where = "1 process x 1 GPU, SIGKILL of rank 0" if GPU else f"{NPROCS} process(es) x 1 CPU device"
         print(f"{where} at steps {kills}, {steps} steps", flush=True)
         print(f"load average before: {' '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)
         rows = []
