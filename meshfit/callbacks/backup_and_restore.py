@@ -98,16 +98,19 @@ class BackupAndRestore(Callback):
     processes: the keeper of `meshfit launch`, which outlives its ranks across
     `--max-restarts` (`meshfit.launch.keeper`), or under `meshfit launch
     --ray` the keeper of each node that runs ranks, each process's snapshot
-    copied to `memory_replicas` nodes' keepers so a lost node loses none. Taking one holds the loop as
-    long as starting an async save (a copy on the devices; the copy to the
-    host and the transfer run behind the next steps). A snapshot counts once
+    copied to `memory_replicas` nodes' keepers so a lost node loses none. On
+    its own node a process writes its part straight into memory the keeper
+    lends it (no socket): on CPU devices from the live arrays, which holds the
+    loop for that one copy; on an accelerator taking one holds the loop as long
+    as starting an async save (a copy on the devices; the copy to the host and
+    the hand-over run behind the next steps). A snapshot counts once
     every process's part has arrived whole; a restart resumes from the newest
     such snapshot when it is newer than the newest disk backup, else from disk,
     and says which. After an elastic restart onto fewer processes the snapshot
     of the larger job is restored when each process's part holds the arrays
     whole (replicated state, as under data parallelism); a state sharded
-    across processes resumes from disk (with a warning). A snapshot with a
-    shard that does not match its SHA-256, or one a process died while
+    across processes resumes from disk (with a warning). A snapshot whose
+    part does not match its checksum, or one a process died while writing or
     sending, is never restored. In a multi-process job every process restores
     the same tier and step, or all resume from disk together. When the keeper's
     host cannot hold the snapshots, or the keeper stops answering
