@@ -398,7 +398,7 @@ class BackupAndRestore(Callback):
         if self.memory_policy is None or jax.process_count() == 1:
             return found
         mine = [found[0] if found is not None else -1, int(self._memory is not None)]
-        steps, on = np.asarray(multihost_utils.process_allgather(np.asarray(mine, np.int32))).reshape(-1, 2).T
+        steps, on = _gathered(mine).T
         if not on.all() and self._memory is not None:
             ranks = ", ".join(str(r) for r in np.flatnonzero(on == 0))
             self._memory_off(f"process(es) {ranks} could not reach their keeper")
@@ -508,8 +508,7 @@ class BackupAndRestore(Callback):
                 raise
             self._disk_error = str(error).split(". Check that")[0]
         if self.memory_policy is not None and jax.process_count() > 1:
-            writable = multihost_utils.process_allgather(np.asarray([int(directory is not None)], np.int32))
-            if not np.asarray(writable).all() and directory is not None:
+            if not _gathered([int(directory is not None)]).all() and directory is not None:
                 directory.close()
                 directory = None
                 self._disk_error = f"another process of the job cannot write into {self.backup_dir!r}"
@@ -664,6 +663,12 @@ class BackupAndRestore(Callback):
             with self.context.timer.phase("checkpoint"):
                 self._dir.close()
             self._dir = None
+
+
+def _gathered(values: list[int]) -> np.ndarray:
+    """Every process's `values` (small ints), one row a process: how the ranks of a job agree before a restore."""
+    mine = np.asarray(values, np.int32)
+    return np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, len(mine))
 
 
 def _seconds(t: float) -> str:

@@ -42,6 +42,7 @@ from typing import Any
 import jax
 
 from meshfit.checkpointing import snapshot_parts as parts
+from meshfit.checkpointing.checkpoint_schema import BACKUP
 from meshfit.checkpointing.job_fingerprint import BackupOfAnotherJob
 from meshfit.runtime import keeper_protocol as protocol
 from meshfit.runtime.handshake import HANDSHAKE_ERRORS
@@ -134,7 +135,7 @@ class MemoryTier:
         self._sender: threading.Thread | None = None
         self._error: BaseException | None = None
         self.committed: list[int] = []  # steps this process saw committed (the keeper says so to the last sender)
-        self._buffer: bytearray | None = None  # the sender thread's part, reused (`parts.pack_entries`)
+        self._buffer: bytearray | None = None  # the part written here when no keeper lends memory, reused
         self.send_seconds = 0.0  # the last snapshot's time from its device copies to the keeper's reply
         self.part_bytes = 0  # the size of this process's part of it
         self.saved_world = self.world  # the world size of the job that took the snapshot `newest` fetched
@@ -421,8 +422,6 @@ class MemoryTier:
         warning) when it does not fit this process, or is not a backup's part (its header and JSON part are
         checked whole, `BackupSchema.check_meta` with `first_epoch`, before `template_of` allocates the
         arrays the JSON part describes, so `BACKUP.restored` takes what this returns as it is)."""
-        from meshfit.checkpointing.checkpoint_schema import BACKUP
-
         try:
             header, data = parts.unpack_header(part)
             if header["step"] != step:

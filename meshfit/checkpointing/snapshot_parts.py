@@ -91,19 +91,13 @@ class PartPlan:
         protocol.in_pieces(copy, pieces, self.array_bytes)
 
 
-def pack_entries(step: int, entries, meta: dict[str, Any], into: bytearray | None = None) -> bytearray:
-    """A part from `Layout.copy` entries whose data are host arrays; written into `into` when it is the part's
-    size (a buffer already paged in: a fresh one costs a page fault per 4 KiB)."""
-    plan = PartPlan(step, entries, meta)
-    part = into if into is not None and len(into) == plan.size else bytearray(plan.size)
-    plan.write(part)
-    return part
-
-
 def pack(step: int, tree, meta: dict[str, Any]) -> bytearray:
     """This process's part of a snapshot of `tree` (its device arrays fetched here) as bytes."""
     entries, _ = Layout(tree).copy(jax.tree_util.tree_leaves(tree))
-    return pack_entries(step, on_host(entries), meta)
+    plan = PartPlan(step, on_host(entries), meta)
+    part = bytearray(plan.size)
+    plan.write(part)
+    return part
 
 
 def on_host(entries) -> list:

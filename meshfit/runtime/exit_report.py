@@ -25,6 +25,8 @@ import os
 import sys
 import time
 
+from meshfit.runtime import job_env
+
 #: The file a rank writes its report to (set by `meshfit launch` for each rank of each start).
 ENV_EXIT_REPORT = "MESHFIT_EXIT_REPORT"
 
@@ -60,7 +62,7 @@ def install() -> None:
                 json.dump(record, f)
         except OSError:
             pass
-        if int(os.environ.get("MESHFIT_NUM_PROCESSES", "1")) > 1:
+        if int(os.environ.get(job_env.ENV_NUM_PROCESSES, "1")) > 1:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1)
