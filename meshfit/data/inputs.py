@@ -54,6 +54,7 @@ def data_source(
             f"{sorted({len(b) for b in x})}."
         )
     if data_lib.is_array_tree(x):
+        strategy.check_batch_size(batch_size or DEFAULT_BATCH_SIZE)
         return data_lib.ArrayData(
             x,
             y,

@@ -15,7 +15,7 @@ from meshfit.strategies.pipeline import STAGE_AXIS
 
 
 class Stages(nnx.Module):
-    """`layers` blocks made by `make_block(rngs)`, their parameters stacked on a leading layer axis.
+    """`layers` blocks made by `make_block(rngs=rngs)`, their parameters stacked on a leading layer axis.
 
     Called as `stages(x)`, it runs the blocks in order on `x` (each block maps
     an array to one of the same shape and dtype). Without a `stage` mesh axis
@@ -27,7 +27,9 @@ class Stages(nnx.Module):
     Pipelined blocks hold only `nnx.Param`s (no dropout streams or batch statistics).
 
     Args:
-        make_block: a function of an `nnx.Rngs` returning one block (an `nnx.Module`).
+        make_block: a function taking `rngs=` (an `nnx.Rngs`) and returning one block (an `nnx.Module`):
+            a block class whose `__init__` takes `rngs` (keyword-only or not), or
+            `lambda rngs: Block(128, rngs=rngs)`.
         layers: how many blocks.
         rngs: the random streams the blocks are initialised from (split once per layer).
 
@@ -36,7 +38,7 @@ class Stages(nnx.Module):
         >>> h = decoder(h)
     """
 
-    def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], layers: int, *, rngs: nnx.Rngs):
+    def __init__(self, make_block: Callable[..., nnx.Module], layers: int, *, rngs: nnx.Rngs):
         if not isinstance(layers, int) or layers < 1:
             raise ValueError(f"Stages needs a positive int number of `layers`. Received: layers={layers!r}.")
         self.layers = layers
@@ -49,7 +51,7 @@ class Stages(nnx.Module):
         @nnx.split_rngs(splits=layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def create(rngs):
-            return make_block(rngs)
+            return make_block(rngs=rngs)  # by keyword, as Flax modules take it: `Block.__init__(self, *, rngs)`
 
         self.blocks = create(rngs)
         for _, variable in nnx.iter_graph(self.blocks):

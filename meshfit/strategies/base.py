@@ -137,6 +137,12 @@ class Strategy(ABC):
         """A global batch is padded to a multiple of this many rows."""
         return self.num_replicas_in_sync
 
+    def check_batch_size(self, batch_size: int) -> None:
+        """Raises a ValueError if a global batch of `batch_size` rows cannot be split as this strategy splits
+        it. Called for array inputs before a call reads anything; the base strategy takes any size (padding
+        to `batch_multiple`), a pipelined one needs whole microbatches."""
+        del batch_size
+
     def step_functions(self, steps: StepFunctions) -> StepFunctions:
         """The step functions this strategy compiles: `steps` as they are, unless it computes
         gradients its own way (the explicit data-parallel step swaps in its per-replica gradients)."""

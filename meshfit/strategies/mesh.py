@@ -65,7 +65,8 @@ class MeshStrategy(DeviceMeshStrategy):
         devices: devices to use; all devices of all processes by default.
         pipeline: how a `stage` axis runs the model's `meshfit.pipeline.Stages` (`Pipeline`);
             with a `stage` axis and no `pipeline`, GPipe with one microbatch per stage.
-            The batch is padded to a multiple of the data replicas times the microbatches.
+            A batch size must give each data replica a multiple of M rows; a batch an iterable
+            yields, and the last partial batch, are padded to a multiple of the replicas times M.
 
     Example:
         >>> strategy = MeshStrategy(axes={"data": 2, "fsdp": 2, "tensor": 2},
@@ -106,6 +107,10 @@ class MeshStrategy(DeviceMeshStrategy):
     def batch_multiple(self) -> int:
         microbatches = self.pipeline.microbatches if self.pipeline is not None else 1
         return self.num_replicas_in_sync * microbatches
+
+    def check_batch_size(self, batch_size: int) -> None:
+        if self.pipeline is not None:
+            self.pipeline.check_batch_size(batch_size, self.num_replicas_in_sync)
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[MeshStrategy]:

@@ -75,11 +75,32 @@ class Pipeline:
         return self.repeats * self.microbatches + stages - 1
 
     def check(self, stages: int) -> None:
-        """Raises if this schedule cannot run on `stages` stages."""
-        if self.schedule == "circular" and self.repeats > 1 and self.microbatches < stages:
+        """Raises if this schedule cannot run on `stages` stages.
+
+        A circular pipeline needs M >= P at any `repeats`: a microbatch must be back at the first stage
+        before its next round, and the schedule is documented (and planned) with that bound even where
+        one round (repeats=1) could run with fewer.
+        """
+        if self.schedule == "circular" and self.microbatches < stages:
             raise ValueError(
                 f"A circular pipeline needs at least as many microbatches as stages ({stages}), so a microbatch "
-                f"is back at the first stage before its next round. Received: microbatches={self.microbatches}."
+                f"is back at the first stage before its next round. Received: microbatches={self.microbatches} "
+                f"(repeats={self.repeats}). Use microbatches >= {stages}, or schedule='gpipe'."
+            )
+
+    def check_batch_size(self, batch_size: int, replicas: int) -> None:
+        """Raises unless a global batch of `batch_size` rows cuts into M whole microbatches per data replica.
+
+        A replica's rows are `batch_size / replicas`, rounded up (the batch is padded to whole replicas, as
+        under any data-parallel strategy). A batch size that leaves a microbatch short is refused rather
+        than padded: the padding rows would cost a step's compute in every microbatch, unseen.
+        """
+        rows = -(-batch_size // replicas)
+        if rows % self.microbatches:
+            raise ValueError(
+                f"Pipeline microbatches={self.microbatches} must divide each data replica's rows. Received: "
+                f"batch_size={batch_size}, {rows} rows a replica over {replicas} replicas. Use a batch_size "
+                f"that is a multiple of {replicas * self.microbatches} (replicas x microbatches)."
             )
 
     def check_layers(self, layers: int, stages: int, where: str = "Stages") -> None:

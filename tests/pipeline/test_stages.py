@@ -53,6 +53,23 @@ def test_stages_run_the_blocks_in_order_as_one_scan():
     np.testing.assert_allclose(net.body(h), expected, rtol=1e-6, atol=1e-6)  # one scan against three calls
 
 
+class KeywordBlock(nnx.Module):
+    """A block written as Flax modules are: `rngs` keyword-only."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(16, 16, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.linear(x))
+
+
+def test_stages_builds_a_block_whose_rngs_is_keyword_only():
+    """`Stages(Block, ...)` passes `rngs=` by keyword, so a block written the Flax way is taken as it is."""
+    stack = Stages(KeywordBlock, 4, rngs=nnx.Rngs(0))
+    assert stack.blocks.linear.kernel.shape == (4, 16, 16)
+    assert stack(jnp.ones((2, 16))).shape == (2, 16)
+
+
 @pytest.mark.slow
 def test_the_same_model_trains_without_a_stage_axis(reference):
     one, h_one = reference
