@@ -9,9 +9,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from meshfit.core.lazy import lazy_names
-from meshfit.runtime import exit_report
+from meshfit.runtime import exit_report, start_phases
 
 exit_report.install()  # under `meshfit launch`: the exception that ends this process is reported to it
+start_phases.mark("meshfit imported")
 
 __version__ = "0.1.0"
 

@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from meshfit.launch.keeper import Keeper
-from meshfit.runtime import exit_report, job_env
+from meshfit.runtime import exit_report, job_env, start_phases
 from meshfit.runtime.job_layout import JobLayout, JobStart, status_text
 
 GRACE_SECONDS = 5.0  # once the ranks the job needs finished: the others get this long to end before SIGKILL
@@ -160,14 +160,17 @@ class LaunchConfig:
         return self.layout.nprocs
 
 
-#: Runs one start of a job: `(config, attempt, log) -> status` (0, the first failure's, or -signal).
-Runner = Callable[["LaunchConfig", int, TextIO], int]
+#: Runs one start of a job: `(config, attempt, log) -> status` (0, the first failure's, or -signal), or its
+#: `Outcome` (which also names the failed ranks and what they reported, for the launcher's fail-fast rule).
+Runner = Callable[["LaunchConfig", int, TextIO], "int | Outcome"]
 
 
 def process_env(config: LaunchConfig, rank: int, start: JobStart, attempt: int, gpus: int) -> dict[str, str]:
     """The environment of process `rank`: the launcher's own variables, the layout's, and its devices."""
     env = dict(os.environ, **config.env, MESHFIT_RESTART_COUNT=str(attempt), PYTHONUNBUFFERED="1")
     env.update(config.layout.env(rank, start))
+    if config.verbose:
+        env[start_phases.ENV_VERBOSE] = "1"  # each rank prints its start's phases at its first step
     _set_devices(env, config, config.slots[rank] if config.slots is not None else rank, gpus)
     return env
 
@@ -352,6 +355,8 @@ class Outcome:
     ran_for: float | None = None
     failures: tuple[tuple[int, int], ...] = ()
     reports: dict[int, dict] = field(default_factory=dict)
+    #: Seconds from the first failure to the end of the start (its other ranks stopped): None when none failed.
+    ended_after: float | None = None
 
     def setup_error(self) -> tuple[int, dict] | None:
         """The rank that failed first and its report, when it raised an exception before taking a training step
@@ -428,7 +433,9 @@ def run_once_outcome(config: LaunchConfig, attempt: int, log: TextIO = sys.stder
                 f"[launch] rank {rank} then exited with status {status_text(code)}, a consequence "
                 f"of rank {failures[0][0]}'s exit.\n"
             )
-        if killed:
+        if killed and failures and not signalled:  # nothing left to wait for: their collectives are broken
+            log.write(f"[launch] rank(s) {killed} killed: they cannot go on without rank {failures[0][0]}.\n")
+        elif killed:
             log.write(f"[launch] rank(s) {killed} did not end within the grace period and were killed.\n")
         for rank, proc in enumerate(procs) if signalled else ():
             log.write(f"[launch] rank {rank} ended with status {status_text(proc.returncode)}.\n")
@@ -437,7 +444,8 @@ def run_once_outcome(config: LaunchConfig, attempt: int, log: TextIO = sys.stder
     found = {rank: report for rank, report in said.items() if report is not None}
     if failures and exits is not None and not signalled:
         rank = failures[0][0]
-        return Outcome(status, rank, exits.at[rank] - started[rank], tuple(failures), found)
+        ran, after = exits.at[rank] - started[rank], time.monotonic() - exits.at[rank]
+        return Outcome(status, rank, ran, tuple(failures), found, after)
     return Outcome(status, reports=found)
 
 
@@ -530,9 +538,11 @@ def launch(config: LaunchConfig, log: TextIO = sys.stderr, runner: Runner | None
     setup_error = None
     try:
         while True:
-            outcome = (
-                run_once_outcome(config, attempt, log) if runner is run_once else Outcome(runner(config, attempt, log))
-            )
+            if runner is run_once:
+                outcome = run_once_outcome(config, attempt, log)
+            else:
+                ran = runner(config, attempt, log)
+                outcome = ran if isinstance(ran, Outcome) else Outcome(ran)
             status = outcome.status
             if status == 0 or -status in FORWARDED:
                 break
@@ -542,7 +552,12 @@ def launch(config: LaunchConfig, log: TextIO = sys.stderr, runner: Runner | None
             attempt += 1
             if elastic:
                 config = _shrunk(config, outcome, attempt, log)
-            log.write(f"[launch] restarting the job ({attempt}/{config.max_restarts}).\n")
+            since = (
+                f", {outcome.ended_after:.2f} s after rank {outcome.failed_rank} ended"
+                if outcome.ended_after is not None
+                else ""
+            )
+            log.write(f"[launch] restarting the job ({attempt}/{config.max_restarts}){since}.\n")
     finally:
         if snapshots is not None:
             snapshots.close()

@@ -17,7 +17,7 @@ import warnings
 import jax
 
 from meshfit.core import compat
-from meshfit.runtime import rendezvous
+from meshfit.runtime import rendezvous, start_phases
 from meshfit.runtime.job_env import (
     ENV_COORDINATOR,
     ENV_HEARTBEAT,
@@ -186,6 +186,7 @@ def initialize(
         initialization_timeout=initialization_timeout,  # every process is there by now: this wait is short
     )
     compat.bound_coordination_shutdown()  # a silent stranger at the service must not hold the exit
+    start_phases.mark("joined")
     logger.info("Joined a %d-process job as process %d.", jax.process_count(), jax.process_index())
     return jax.process_count() > 1
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 import jax
 import numpy as np
 
-from meshfit.runtime import exit_report
+from meshfit.runtime import start_phases
 from meshfit.runtime.preemption import Preempted, PreemptionWatch
 from meshfit.training.callback_protocol import CallbackList
 
@@ -59,6 +59,7 @@ def fit_loop(
     in_callbacks, waiting_for_input = session.phase("callbacks"), session.phase("input")
     to_host = model.strategy.to_host
     callbacks.on_train_begin()
+    start_phases.mark("train began")
     batch_begin = callbacks.bound_hooks("on_train_batch_begin")
     batch_end = callbacks.bound_hooks("on_train_batch_end")
     start_epoch, start_step = session.start_point(initial_epoch)
@@ -81,7 +82,8 @@ def fit_loop(
             logs = session.train(execution)
             step += count
             session.count(count)
-            exit_report.first_step_taken()  # an error from now on is not one every start would repeat
+            if not start_phases.reached("first step"):  # an error from now on is not one every start repeats
+                _first_step_done(session, logs)
             if batch_end:
                 with in_callbacks:
                     for hook in batch_end:
@@ -114,6 +116,14 @@ def fit_loop(
         if model.stop_training:
             break
     callbacks.on_train_end(epoch_logs)
+
+
+def _first_step_done(session, logs) -> None:
+    """Marks this process's first training step (`start_phases`); under `meshfit launch --verbose` it waits for
+    the step's values first, so the phase ends when the step is done rather than dispatched."""
+    if start_phases.verbose():
+        jax.block_until_ready(logs)
+    start_phases.first_step(session.timer.totals().get("compile", 0.0))
 
 
 def _timed(items: Iterator, phase) -> Iterator:

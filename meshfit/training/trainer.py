@@ -13,6 +13,7 @@ import contextlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, overload
 
+from meshfit.runtime import start_phases
 from meshfit.training import callback_setup, fit_inputs
 from meshfit.training.loop import evaluate_loop, fit_loop, host_logs, predict_loop
 
@@ -105,6 +106,7 @@ class Trainer:
             meshfit.Preempted: after a SIGTERM was handled by a callback that saves (BackupAndRestore); exits with
                 status 143 if uncaught.
         """
+        start_phases.mark("fit called")
         self._check_strategy("fit")
         self._require_compiled("fit")
         verbose = fit_inputs.verbose_level(verbose)
