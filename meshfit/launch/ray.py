@@ -28,23 +28,28 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
 
 from meshfit.launch.local import (
+    FAILURE_GRACE_SECONDS,
     GLOO_CONNECTED,
     LaunchConfig,
+    Outcome,
     Signals,
     die_with_parent,
     free_port,
     process_command,
     process_env,
 )
+from meshfit.runtime import exit_report
 from meshfit.runtime.job_layout import DistributedJob, JobStart, status_text
 
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -98,6 +103,7 @@ class _Rank:
         self.lines: queue.Queue = queue.Queue()
         self.status: int | None = None
         self.done = threading.Event()
+        self.reports = tempfile.mkdtemp(prefix="meshfit-exits-")  # mode 0700, on the rank's node
 
     def where(self) -> tuple[str, str]:
         """This actor's node: (node id, IP)."""
@@ -115,9 +121,11 @@ class _Rank:
 
         if ray.get_gpu_ids():  # Ray gave this actor GPUs (CUDA_VISIBLE_DEVICES): the rank keeps them
             config = replace(config, devices_per_proc=None)
+        env = process_env(config, rank, start, attempt, gpus=0)
+        env[exit_report.ENV_EXIT_REPORT] = os.path.join(self.reports, "report.json")
         self.proc = subprocess.Popen(
             process_command(config, rank),
-            env=process_env(config, rank, start, attempt, gpus=0),
+            env=env,
             cwd=cwd if os.path.isdir(cwd) else None,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -149,6 +157,13 @@ class _Rank:
                 item = self.lines.get_nowait()
         except queue.Empty:
             return lines, None
+
+    def report(self) -> dict | None:
+        """What the rank reported of the exception that ended it (`exit_report`); None if nothing. Removes the
+        report's directory: the actor's last call."""
+        said = exit_report.read(os.path.join(self.reports, "report.json"))
+        shutil.rmtree(self.reports, ignore_errors=True)
+        return said
 
     def signal(self, signum: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -210,7 +225,7 @@ class RayRunner:
             self.keepers.close()
             self.keepers = None
 
-    def __call__(self, config: LaunchConfig, attempt: int, log: TextIO = sys.stderr) -> int:
+    def __call__(self, config: LaunchConfig, attempt: int, log: TextIO = sys.stderr) -> Outcome:
         if not isinstance(config.layout, DistributedJob):
             raise ValueError(
                 "meshfit launch --ray runs --nprocs N jobs (MultiWorkerMirrored, Mesh). Received another kind "
@@ -366,7 +381,8 @@ class _Job:
             else:
                 self.order.append((rank, status))
 
-    def run(self) -> int:
+    def run(self) -> Outcome:
+        """Runs the start to its end; its outcome, with the failed ranks' reports (`exit_report`)."""
         layout = self.config.layout
         judged: set[int] = set()
         with Signals() as signals:
@@ -395,8 +411,23 @@ class _Job:
             except KeyboardInterrupt:
                 status = -signal.SIGINT
             signalled = signals.received is not None or status == -signal.SIGINT
-            self._stop(self.config.grace_period if signalled else self.config.stop_grace, signalled)
-        return status
+            if signalled:
+                grace = self.config.grace_period
+            else:  # after a failure, nothing the others could still do is worth waiting for (`launch.local`)
+                grace = self.config.stop_grace if status == 0 else min(self.config.stop_grace, FAILURE_GRACE_SECONDS)
+            failures = tuple((rank, code) for rank, code in self.order if code != 0)
+            self._stop(grace, signalled)
+        if signalled or not failures:
+            return Outcome(status)
+        reports = {}
+        for rank, ref in {rank: self.actors[rank].report.remote() for rank, _ in failures}.items():
+            try:
+                said = self.ray.get(ref, timeout=30)
+            except (self.ray.exceptions.RayError, self.ray.exceptions.GetTimeoutError):
+                said = None  # a lost node: no report
+            if said is not None:
+                reports[rank] = said
+        return Outcome(status, failed_rank=failures[0][0], failures=failures, reports=reports)
 
     def _stop(self, grace: float, report: bool) -> None:
         """Stops every rank still running, drains their output; with `report`, writes how each ended."""

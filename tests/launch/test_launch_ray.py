@@ -122,6 +122,18 @@ def test_a_failed_rank_ends_the_job_naming_its_node_and_stops_the_others(address
     assert len(pids) == 2 and not [pid for pid in pids.values() if alive(pid)], "a rank outlived the job"
 
 
+def test_an_error_every_start_would_repeat_ends_a_ray_launch_at_once_naming_the_rank(address, tmp_path):
+    """Ranks on Ray that raise before the first step (`memory_freq=0`): one start only whatever
+    `--max-restarts`, and the launcher's last line names rank 0 and its error, as on one machine."""
+    argv = [RESUMABLE, str(tmp_path / "out"), str(tmp_path / "backup"), "--strategy", "multi_worker"]
+    result = run(launch_ray(address, "--nprocs", "2", "--max-restarts", "2", *argv, "--memory-freq", "0"), timeout=180)
+    said = result.stdout[-2000:] + result.stderr[-3000:]
+    assert result.returncode == 1, said
+    assert "restarting the job" not in result.stderr, said
+    last = result.stderr.strip().splitlines()[-1]
+    assert re.match(r"\[launch\] job failed with status 1: rank [01] raised ValueError: `memory_freq` must", last), said
+
+
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # add_node forks the new node's processes
 def test_a_rank_whose_node_is_lost_ends_the_job_naming_the_node(cluster):
     with Job(
