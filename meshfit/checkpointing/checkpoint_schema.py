@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from meshfit.core.state import TrainState
+from meshfit.strategies import layer_stacks
 
 #: The format of the JSON record beside a saved model's or saved weights' arrays. 2: compile settings as
 #: `meshfit.checkpointing.serialization` records (1: names only, objects left out).
@@ -141,12 +142,14 @@ def _array_references(value: Any, field: str, specs: dict) -> None:
 
 
 def weights_of(state: TrainState) -> dict:
-    """The part of a state that `get_weights` covers, as checkpoints hold it."""
-    return {"params": state.params, "model_state": state.model_state}
+    """The part of a state that `get_weights` covers, as checkpoints hold it: layer stacks in their natural
+    (layers, ...) form whatever the schedule stores them in (`meshfit.strategies.layer_stacks`)."""
+    return layer_stacks.natural({"params": state.params, "model_state": state.model_state})
 
 
 def with_weights(state: TrainState, weights: dict) -> TrainState:
-    """`state` with restored weights (already laid out for this model) in place of its own."""
+    """`state` with restored weights (laid out for this model, layer stacks in either form) in place of its own."""
+    weights = layer_stacks.stored(weights, {"params": state.params, "model_state": state.model_state})
     return state._replace(params=weights["params"], model_state=weights["model_state"])
 
 
@@ -189,8 +192,8 @@ class TrainingSchema(WeightsSchema):
 
     def tree(self, state: TrainState) -> dict:
         tree = {"weights": weights_of(state), "step": state.step}
-        if state.opt_state is not None:
-            tree["opt_state"] = state.opt_state
+        if state.opt_state is not None:  # its moments follow the parameters: stacks in the natural form too
+            tree["opt_state"] = layer_stacks.natural(state.opt_state)
         if state.loss_scale is not None:  # mixed_float16: the dynamic loss scale continues where it was
             tree["loss_scale"] = state.loss_scale
         return tree
@@ -200,7 +203,7 @@ class TrainingSchema(WeightsSchema):
         if "step" in tree:
             state = state._replace(step=tree["step"])
         if "opt_state" in tree:
-            state = state._replace(opt_state=tree["opt_state"])
+            state = state._replace(opt_state=layer_stacks.stored(tree["opt_state"], state.opt_state))
         if "loss_scale" in tree:
             saved = tree["loss_scale"]
             scale = type(state.loss_scale)(**saved) if isinstance(saved, dict) else type(state.loss_scale)(*saved)
@@ -216,7 +219,8 @@ class Backup(NamedTuple):
     """Everything a backup holds: what `BackupAndRestore` needs to continue a fit exactly.
 
     Attributes:
-        state: the whole training state.
+        state: the whole training state (read back from a backup, layer stacks in their natural form, as
+            saved: `meshfit.training.session.Session.restore` stores them as the live state does).
         epoch, step_in_epoch, step, data_origin, data: the fit's position
             (`meshfit.training.session.Position`'s fields).
         history: History's `history` so far; `history_epochs` its `epoch`.
@@ -261,7 +265,7 @@ class BackupSchema:
             "format": BACKUP_FORMAT,
             "array_specs": {k: [list(v.shape), str(v.dtype)] for k, v in arrays.items()},
         }
-        return {"train": backup.state, "arrays": arrays}, meta
+        return {"train": layer_stacks.natural(backup.state), "arrays": arrays}, meta
 
     def check_meta(self, meta: Any, step: int, array_bytes: int | None = None, first_epoch: int | None = None) -> None:
         """Refuses a JSON part that `target` and `restored` cannot take as it is, or whose position no fit
@@ -352,9 +356,10 @@ class BackupSchema:
         _array_references(meta["data"], "data", specs)
 
     def target(self, state: TrainState, meta: dict[str, Any]) -> dict:
-        """What to restore into: `state`'s layout, and host arrays of the shapes the JSON part records."""
+        """What to restore into: `state`'s layout (layer stacks in the natural form, as saved), and host arrays
+        of the shapes the JSON part records."""
         arrays = {k: np.zeros(shape, dtype) for k, (shape, dtype) in meta["array_specs"].items()}
-        return {"train": state, "arrays": arrays}
+        return {"train": layer_stacks.natural(state), "arrays": arrays}
 
     def restored(self, step: int, tree: dict, meta: dict[str, Any]) -> Backup:
         """A restored `target` and its JSON part, as a `Backup`."""

@@ -32,6 +32,7 @@ from meshfit.core.batch import Batch
 from meshfit.core.state import TrainState
 from meshfit.cost.step_report import StepReport
 from meshfit.steps.builtin import Steps
+from meshfit.strategies import layer_stacks
 from meshfit.training.executables import Executables
 from meshfit.training.feeder import Execution, Feeder
 from meshfit.training.fit_context import FitContext
@@ -154,8 +155,9 @@ class Session:
         return self.cursor.position(self.store.step)
 
     def restore(self, state: TrainState, position: Position) -> None:
-        """Continues the running fit from a backup: its state, step count, input position and epoch."""
-        self.store.restore(state, position.step)
+        """Continues the running fit from a backup: its state (layer stacks in either form: each is stored as
+        the live state stores it, `meshfit.strategies.layer_stacks`), step count, input position and epoch."""
+        self.store.restore(layer_stacks.stored(state, self.store.latest), position.step)
         self.cursor.restore(position)
 
     def start_point(self, initial_epoch: int) -> tuple[int, int]:

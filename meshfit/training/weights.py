@@ -16,13 +16,19 @@ import numpy as np
 
 from meshfit.core.state import TrainState
 from meshfit.core.trees import path_name
-from meshfit.strategies import placement
+from meshfit.strategies import layer_stacks, placement
 from meshfit.training.session import Session
 
 
 def trees(state: TrainState, adapter: Any) -> tuple[Any, Any]:
-    """The trainable parameters and the non-trainable weights of `state` (`adapter`: the module's adapter)."""
+    """The trainable parameters and the non-trainable weights of `state` (`adapter`: the module's adapter), as
+    the state stores them (a circular pipeline's layer stacks repeat-major: `meshfit.strategies.layer_stacks`)."""
     return state.params, adapter.non_trainable_weights(state.model_state)
+
+
+def natural_trees(state: TrainState, adapter: Any) -> tuple[Any, Any]:
+    """`trees`, every layer stack in its natural (layers, ...) form: the weights as a user sees them."""
+    return layer_stacks.natural(trees(state, adapter))
 
 
 def names(state: TrainState, adapter: Any) -> list[str]:
@@ -33,25 +39,28 @@ def names(state: TrainState, adapter: Any) -> list[str]:
 
 
 def replaced(state: TrainState, adapter: Any, weights: Sequence[np.ndarray]) -> TrainState:
-    """`state` with every weight replaced by `weights` (in `get_weights` order), each placed as the one it replaces.
+    """`state` with every weight replaced by `weights` (in `get_weights` order and natural form), each placed
+    as the one it replaces.
 
     Raises:
         ValueError: the count or a shape differs, naming the weight; nothing changes.
     """
     params, non_trainable = trees(state, adapter)
     leaves = jax.tree.leaves(params) + jax.tree.leaves(non_trainable)
+    shown = jax.tree.leaves(layer_stacks.natural((params, non_trainable)))
     weights = list(weights)
     if len(weights) != len(leaves):
         raise ValueError(
             f"set_weights expected a list of {len(leaves)} arrays (see model.weight_names()). Received {len(weights)}."
         )
-    for name, old, new in zip(names(state, adapter), leaves, weights, strict=True):
+    for name, old, new in zip(names(state, adapter), shown, weights, strict=True):
         if tuple(np.shape(new)) != tuple(old.shape):
             raise ValueError(
                 f"Weight '{name}' has shape {tuple(old.shape)}. Received an array of shape {np.shape(new)}."
             )
     placed = [
-        placement.put(np.asarray(new, dtype=old.dtype), old.sharding) for old, new in zip(leaves, weights, strict=True)
+        placement.put(layer_stacks.stored(np.asarray(new, dtype=old.dtype), old), old.sharding)
+        for old, new in zip(leaves, weights, strict=True)
     ]
     n_params = len(jax.tree.leaves(params))
     new_params = jax.tree.unflatten(jax.tree.structure(params), placed[:n_params])
@@ -77,8 +86,9 @@ class Weights:
 
     @property
     def params(self) -> Any:
-        """The trainable parameters as a nested dict of `jax.Array` (live, on device)."""
-        return self.session.latest.params
+        """The trainable parameters as a nested dict of `jax.Array` (on device: the live arrays, except a
+        circular pipeline's layer stacks, shown in their natural (layers, ...) form)."""
+        return layer_stacks.natural(self.session.latest.params)
 
     @property
     def module(self) -> Any:
@@ -94,14 +104,14 @@ class Weights:
     def trainable_weights(self) -> list[jax.Array]:
         """The trainable parameters as live device arrays, in `get_weights()` order (sorted module paths;
         `weight_names()[:len(model.trainable_weights)]` names them). Keras returns Variables; here
-        arrays, which `set_weights` replaces."""
-        return jax.tree.leaves(self.session.state.params)
+        arrays, which `set_weights` replaces (layer stacks in their natural form, as `params`)."""
+        return jax.tree.leaves(layer_stacks.natural(self.session.state.params))
 
     @property
     def non_trainable_weights(self) -> list[jax.Array]:
         """The non-trainable weights (frozen parameters, BatchNorm statistics) as live device arrays,
         after the trainable ones in `get_weights()` and `weight_names()` order."""
-        return jax.tree.leaves(trees(self.session.state, self._adapter)[1])
+        return jax.tree.leaves(natural_trees(self.session.state, self._adapter)[1])
 
     @property
     def weights(self) -> list[jax.Array]:
@@ -112,7 +122,7 @@ class Weights:
         """All weights as numpy arrays: the trainable parameters in `jax.tree.leaves`
         order (sorted module paths), then the non-trainable ones (e.g. BatchNorm
         statistics) in the same order. `weight_names()` names them."""
-        both = trees(self.session.state, self._adapter)
+        both = natural_trees(self.session.state, self._adapter)
         return [a for tree in both for a in jax.tree.leaves(self.strategy.to_host(tree))]
 
     def set_weights(self, weights: Sequence[np.ndarray]) -> None:
