@@ -31,6 +31,7 @@ from typing import Any
 import jax
 from jax.extend import core as jax_core
 
+from meshfit.strategies import layer_stacks
 from meshfit.strategies.pipeline import STAGE_AXIS
 
 
@@ -183,6 +184,6 @@ def _stage_param_bytes(params: Any) -> int:
     for leaf in jax.tree.leaves(params):
         sharding = getattr(leaf, "sharding", None)
         spec = getattr(sharding, "spec", None)
-        if spec is not None and len(spec) and spec[0] == STAGE_AXIS:
+        if layer_stacks.layer_axes(spec):
             total += int(math.prod(sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize
     return total

@@ -16,6 +16,7 @@ the loss inside the last stage.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +41,7 @@ def run(
     pipeline: Pipeline,
     replicas: int,
     data_axes: tuple[str, ...] = (),
+    repeat_major: bool = False,
 ) -> jax.Array:
     """Runs the stacked layers `params` (leading layer axis) on `x` pipelined over `mesh`'s stage axis.
 
@@ -49,9 +51,10 @@ def run(
     are whole copies: the loop runs manual over them too, so each data shard
     sums its parameters' gradient over the ticks and the shards reduce it once
     per step (left to the compiler, the reduction runs inside every tick).
+    `repeat_major`: `params` are stored (repeats, layers / repeats, ...), as `group` says.
     """
     stages, microbatches, repeats = mesh.shape[STAGE_AXIS], pipeline.microbatches, pipeline.repeats
-    grouped = group(params, stages, pipeline)
+    grouped = group(params, stages, pipeline, repeat_major)
     micro = to_micro(x, microbatches, replicas)
     body = _loop(apply, stages, microbatches, repeats, data_axes)
     rows_spec = P(None, data_axes or None)
@@ -65,13 +68,22 @@ def run(
     return from_micro(forward(grouped, micro))
 
 
-def group(params: Any, stages: int, pipeline: Pipeline) -> Any:
-    """(layers, ...) -> (stages, repeats, layers of a stage's round, ...): stage s runs layer blocks s, s + P, ..."""
-    layers = jax.tree.leaves(params)[0].shape[0]
+def group(params: Any, stages: int, pipeline: Pipeline, repeat_major: bool = False) -> Any:
+    """(layers, ...) -> (stages, repeats, layers of a stage's round, ...): stage s runs layer blocks s, s + P, ...
+
+    With `repeat_major`, `params` come as a circular pipeline's `Stages` store them, (repeats, layers /
+    repeats, ...) split over the stages on their second axis (`meshfit.strategies.layer_stacks`): the same
+    layers row by row, each stage's blocks already on its devices, so the regrouping moves nothing. From the
+    contiguous form (layers, ...) split over the stages, a circular pipeline's regrouping moves the blocks
+    to the stages that run them (and their gradients back) every step.
+    """
+    lead = 2 if repeat_major else 1
+    first = jax.tree.leaves(params)[0]
+    layers = math.prod(first.shape[:lead])
     pipeline.check_layers(layers, stages)
     repeats = pipeline.repeats
     per_round = layers // (stages * repeats)
-    return jax.tree.map(lambda a: jnp.swapaxes(a.reshape(repeats, stages, per_round, *a.shape[1:]), 0, 1), params)
+    return jax.tree.map(lambda a: jnp.swapaxes(a.reshape(repeats, stages, per_round, *a.shape[lead:]), 0, 1), params)
 
 
 def to_micro(x: jax.Array, microbatches: int, replicas: int = 1) -> jax.Array:

@@ -22,8 +22,12 @@ class Stages(nnx.Module):
     the blocks run in one `nnx.scan`, so the model trains on any strategy;
     under a `MeshStrategy` with a `stage` axis of size P, the layer axis is split
     over the stages (each stage's devices hold only its layers' parameters)
-    and the blocks run pipelined as the strategy's `Pipeline` says. The stack
-    is the same tree under every layout, so a checkpoint restores under any.
+    and the blocks run pipelined as the strategy's `Pipeline` says. Under a
+    circular pipeline with v repeats the layer axis is stored repeat-major,
+    (v, layers / v, ...), so each stage's devices hold the blocks it runs in
+    every round and no step moves parameters between stages
+    (`meshfit.strategies.layer_stacks`); weights and checkpoints show the
+    natural (layers, ...) form under every layout, so a checkpoint restores under any.
     Pipelined blocks hold only `nnx.Param`s (no dropout streams or batch statistics).
 
     Args:
@@ -43,10 +47,13 @@ class Stages(nnx.Module):
             raise ValueError(f"Stages needs a positive int number of `layers`. Received: layers={layers!r}.")
         self.layers = layers
         strategy = get_strategy()
-        if isinstance(strategy, MeshStrategy) and strategy.pipeline is not None:
-            strategy.pipeline.check_layers(layers, strategy.stages)
+        pipeline = strategy.pipeline if isinstance(strategy, MeshStrategy) else None
+        if pipeline is not None:
+            pipeline.check_layers(layers, strategy.stages)
         mesh = jax.sharding.get_abstract_mesh()
         lead = STAGE_AXIS if not mesh.empty and STAGE_AXIS in mesh.shape else None
+        # The rounds the layer axis is stored in: a circular pipeline's repeats (repeat-major), else 1.
+        self.repeats = pipeline.repeats if pipeline is not None and lead is not None else 1
 
         @nnx.split_rngs(splits=layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -56,7 +63,10 @@ class Stages(nnx.Module):
         self.blocks = create(rngs)
         for _, variable in nnx.iter_graph(self.blocks):
             if isinstance(variable, nnx.Param):
-                _mark_stacked(variable, lead)
+                if self.repeats > 1:
+                    value = variable.get_value()
+                    variable.set_value(value.reshape(self.repeats, layers // self.repeats, *value.shape[1:]))
+                _mark_stacked(variable, lead, self.repeats)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         strategy = get_strategy()
@@ -68,9 +78,13 @@ class Stages(nnx.Module):
                     "Pipelined Stages run blocks that hold only nnx.Param variables. Received blocks that also "
                     f"hold {names}. Drop them from the block (e.g. no Dropout), or train without a 'stage' axis."
                 )
+            params = nnx.to_pure_dict(params)
+            repeat_major = self.repeats > 1 and self.repeats == strategy.pipeline.repeats
+            if self.repeats > 1 and not repeat_major:  # stored for another schedule: run in order, moved each step
+                params = _in_order(params)
             call = capture.Captured(
                 _block_apply(graphdef),
-                nnx.to_pure_dict(params),
+                params,
                 x,
                 mesh=strategy.mesh,
                 pipeline=strategy.pipeline,
@@ -88,8 +102,9 @@ class Stages(nnx.Module):
                 pipeline=call.pipeline,
                 replicas=call.replicas,
                 data_axes=call.data_axes,
+                repeat_major=repeat_major,
             )
-        return _scan(self.blocks, x)
+        return _scan(self.blocks, x, self.repeats)
 
 
 def _whole_copy_axes(strategy: MeshStrategy) -> tuple[str, ...]:
@@ -102,8 +117,9 @@ def _whole_copy_axes(strategy: MeshStrategy) -> tuple[str, ...]:
     return tuple(axes)
 
 
-def _mark_stacked(variable: nnx.Variable, lead: str | None) -> None:
-    """Names `lead` (the stage axis, or None on a mesh without one) as the variable's first sharding entry.
+def _mark_stacked(variable: nnx.Variable, lead: str | None, repeats: int = 1) -> None:
+    """Names `lead` (the stage axis, or None on a mesh without one) as the variable's layer axis sharding
+    entry: the first, or the second after None for a repeat-major stack (`repeats` > 1).
 
     The block's own names follow; a block without any keeps none on a mesh without a stage axis, so
     the strategy's default layout applies to it. The name is given only where the current mesh has
@@ -112,9 +128,15 @@ def _mark_stacked(variable: nnx.Variable, lead: str | None) -> None:
     names = variable.get_metadata("out_sharding", None)
     if lead is None and names is None:
         return
-    ndim = variable.get_value().ndim
-    inner = tuple(names)[-(ndim - 1) :] if names is not None and ndim > 1 else (None,) * (ndim - 1)
-    variable.set_metadata("out_sharding", (lead, *inner))
+    layer_axes = (None, lead) if repeats > 1 else (lead,)
+    block_ndim = variable.get_value().ndim - len(layer_axes)
+    inner = tuple(names)[-block_ndim:] if names is not None and block_ndim > 0 else (None,) * block_ndim
+    variable.set_metadata("out_sharding", (*layer_axes, *inner))
+
+
+def _in_order(params: Any) -> Any:
+    """A repeat-major stack's parameters, (v, layers / v, ...), in the natural form (layers, ...)."""
+    return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), params)
 
 
 def _block_apply(graphdef: Any) -> Callable[[Any, jax.Array], jax.Array]:
@@ -126,7 +148,11 @@ def _block_apply(graphdef: Any) -> Callable[[Any, jax.Array], jax.Array]:
     return apply
 
 
-def _scan(blocks: nnx.Module, x: jax.Array) -> jax.Array:
+def _scan(blocks: nnx.Module, x: jax.Array, repeats: int = 1) -> jax.Array:
+    if repeats > 1:  # a repeat-major stack outside its pipeline: its layers in order
+        graphdef, params, rest = nnx.split(blocks, nnx.Param, ...)
+        blocks = nnx.merge(graphdef, _in_order(params), rest)
+
     @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
     def forward(x, block):
         return block(x)

@@ -10,7 +10,8 @@
      on their largest dimension that divides by the `fsdp` axis; smaller ones
      are replicated.
 A parameter of a `meshfit.pipeline.Stages` stack carries metadata whose first
-entry is the `stage` axis: its layer axis is split over `stage` (kept whole on a
+entry is the `stage` axis (the second, after None, for a circular pipeline's
+repeat-major stack): its layer axis is split over `stage` (kept whole on a
 mesh without one) and its other dimensions follow the rest of its metadata, or
 the default when that names no axis.
 Every spec is checked against the mesh and the shape, with an error naming the
@@ -29,6 +30,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from meshfit.core.trees import path_name
+from meshfit.strategies import layer_stacks
 from meshfit.strategies.pipeline import STAGE_AXIS
 
 Rules = Sequence[tuple[str, Any]]
@@ -115,14 +117,17 @@ def default_spec(shape: tuple[int, ...], mesh: Mesh, fsdp_axis: str, min_shard_s
 
 
 def stage_spec(hint: P, shape, mesh: Mesh, name: str, logical: dict, fsdp_axis: str, min_shard_size: int) -> P:
-    """The spec of a stacked layer parameter: its layer axis over `stage`, the rest by metadata or default."""
-    rest = P(*hint[1:])
+    """The spec of a stacked layer parameter: its layer axis over `stage` (the second of a repeat-major stack's
+    two layer axes, `meshfit.strategies.layer_stacks`), the rest by metadata or default."""
+    lead = layer_stacks.layer_axes(hint)
+    rest = P(*hint[lead:])
     if any(entry is not None for entry in rest):
         inner = tuple(map_logical(rest, logical, mesh))
     else:
-        inner = tuple(default_spec(shape[1:], mesh, fsdp_axis, min_shard_size))
-    lead = STAGE_AXIS if STAGE_AXIS in mesh.shape else None
-    return check_spec(as_spec((lead, *inner)), shape, mesh, name, f"its sharding metadata {hint} ->")
+        inner = tuple(default_spec(shape[lead:], mesh, fsdp_axis, min_shard_size))
+    stage = STAGE_AXIS if STAGE_AXIS in mesh.shape else None
+    layers = (None,) * (lead - 1) + (stage,)
+    return check_spec(as_spec((*layers, *inner)), shape, mesh, name, f"its sharding metadata {hint} ->")
 
 
 def resolve_specs(
@@ -152,7 +157,7 @@ def resolve_specs(
                 matched.add(pattern)
                 return check_spec(spec, shape, mesh, name, f"rule {pattern!r} ->")
         hint = hint_by_name.get(name)
-        if isinstance(hint, P) and len(hint) and hint[0] == STAGE_AXIS and len(shape) >= 1:
+        if isinstance(hint, P) and 0 < layer_stacks.layer_axes(hint) <= len(shape):
             return stage_spec(hint, shape, mesh, name, logical, fsdp_axis, min_shard_size)
         if isinstance(hint, P) and len(hint):
             mapped = as_spec(map_logical(hint, logical, mesh))

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshfit.runtime import cluster
-from meshfit.strategies import layout
+from meshfit.strategies import layer_stacks, layout
 from meshfit.strategies.base import Strategy
 from meshfit.strategies.current import get_strategy
 from meshfit.strategies.device_mesh import DeviceMeshStrategy, build_mesh
@@ -145,17 +145,17 @@ class MeshStrategy(DeviceMeshStrategy):
             return
         names = {layout.path_name(path): spec for path, spec in layout.flatten_specs(specs)}
         staged = [
-            leaf
+            layers
             for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-            if (spec := names.get(layout.path_name(path))) is not None and len(spec) and spec[0] == STAGE_AXIS
+            if (layers := layer_stacks.stack_layers(np.shape(leaf), names.get(layout.path_name(path)))) is not None
         ]
         if required and not staged:
             raise ValueError(
                 f"MeshStrategy has a '{STAGE_AXIS}' axis of size {self.stages}, but no parameter of the model lies "
                 "on it. Build the pipelined blocks with meshfit.pipeline.Stages, or drop the 'stage' axis."
             )
-        for leaf in staged:
-            self.pipeline.check_layers(int(np.shape(leaf)[0]), self.stages)
+        for layers in staged:
+            self.pipeline.check_layers(layers, self.stages)
 
     def state_specs(self, state: Any, param_hints: Any = None) -> Any:
         """Specs for a whole TrainState: parameters by rule, the rest following them."""

@@ -8,7 +8,9 @@ Schedules:
     of the forward loop gives); a stage keeps the activations of all M.
   * "circular": each stage runs `repeats` groups of layers, a microbatch
     going round the ring `repeats` times; the bubble shrinks to
-    (P - 1) / (repeats * M + P - 1).
+    (P - 1) / (repeats * M + P - 1). Stage s runs layer groups s, s + P, ...:
+    the stack is stored repeat-major so they lie on its devices, and no step
+    moves parameters (`meshfit.strategies.layer_stacks`).
   * "1f1b": the built-in train step runs the layers after the stack (the
     tail) and the loss inside the last stage, one microbatch at a time, so a
     backward starts as soon as a microbatch leaves the stack: a forward and a

@@ -92,13 +92,14 @@ def test_pipelined_training_equals_one_device(reference, schedule, repeats, micr
     # Each stage's devices hold only that stage's layers (and Adam's moments follow them).
     mesh = strategy.mesh
     stage_of = {d: int(np.argwhere(mesh.devices == d)[0][0]) for d in mesh.devices.flat}
-    per_stage = LAYERS // 4
+    # Circular stores them repeat-major, (repeats, layers / repeats, ...), split on the second axis.
+    axis, rows = (1, LAYERS // 4 // repeats) if repeats > 1 else (0, LAYERS // 4)
     for leaf in jax.tree.leaves(model.session.state.params["body"]):
-        assert leaf.sharding.spec[0] == "stage"
+        assert leaf.sharding.spec[axis] == "stage"
         for shard in leaf.addressable_shards:
             stage = stage_of[shard.device]
-            assert shard.data.shape[0] == per_stage
-            assert shard.index[0] == slice(stage * per_stage, (stage + 1) * per_stage)
+            assert shard.data.shape[axis] == rows
+            assert shard.index[axis] == slice(stage * rows, (stage + 1) * rows)
     assert model.params["embed"]["kernel"].sharding.spec == jax.sharding.PartitionSpec()
 
 
@@ -250,7 +251,8 @@ def test_a_checkpoint_restores_under_another_pipeline_layout_and_on_one_device(t
         model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
         restored[name] = model
     kernel = restored["circular"].session.state.params["body"]["blocks"]["up"]["kernel"]
-    assert kernel.sharding.spec[0] == "stage" and kernel.addressable_shards[0].data.shape[0] == LAYERS // 2
+    assert kernel.sharding.spec[:2] == (None, "stage")  # repeat-major: a stage's 4 layers, 2 in each round
+    assert kernel.addressable_shards[0].data.shape[:2] == (2, LAYERS // 4)
     assert_trees_close(restored["one"].params, restored["circular"].params, rtol=2e-5, atol=2e-6)
 
 
