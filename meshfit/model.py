@@ -85,17 +85,28 @@ class Model(Trainer, StepMethods, Weights):
         self._adapter = adapt(module, sample_input, self.seed, trainable)
         hints = self._adapter.partition_specs()
         template = jax.eval_shape(self._initial_state, *self._adapter.abstract_init())
-        if self.abstract:  # the template laid out: shapes and shardings, no arrays
-            state = self.strategy.place_state(template, hints)
-        else:
+
+        def create() -> TrainState:
             shardings = self.strategy.state_shardings(template, hints)
-            # Created straight into the strategy's layout where it has one (a factory, Linen).
-            params, model_state = self._adapter.init(
-                None if shardings is None else (shardings.params, shardings.model_state)
-            )
-            state = self.strategy.place_state(self._initial_state(params, model_state), hints)
+            # Created straight into the strategy's layout where it has one (a factory, Linen), under the model's
+            # strategy, whenever it runs: a factory may read the scope (`Stages`' layout).
+            with self.strategy.scope():
+                params, model_state = self._adapter.init(
+                    None if shardings is None else (shardings.params, shardings.model_state)
+                )
+            return self.strategy.place_state(self._initial_state(params, model_state), hints)
+
+        # A module whose variables are still to be created (a factory, Linen) is created when its arrays are
+        # first read: a fit that restores a backup first never creates what it would overwrite.
+        later = self.abstract or self._adapter.creates
+        state = self.strategy.place_state(template, hints) if later else create()  # (laid out: shapes, shardings)
         #: The training state and the bookkeeping of fits (the one owner of both; see `meshfit.training.session`).
-        self.session = Session(self.strategy, state, follow=None if self.abstract else self._follow_state)
+        self.session = Session(
+            self.strategy,
+            state,
+            follow=None if self.abstract else self._follow_state,
+            create=create if later and not self.abstract else None,
+        )
         self._compiled: CompileSettings | None = None
         self.optimizer: optimizers_lib.Optimizer | None = None
         self.stop_training = False
@@ -246,11 +257,18 @@ class Model(Trainer, StepMethods, Weights):
             auto_scale_loss=auto_scale_loss,
             run_eagerly=run_eagerly or jit_compile is False,
             strategy=self.strategy,
-            params=self.session.latest.params,
+            params=self.session.template.params,
         )  # every argument checked: from here the model changes
         settings, hints = resolution.settings, self._adapter.partition_specs()
-        state = compile_settings.compiled_state(settings, self.session.latest, self.strategy, hints, self.abstract)
-        self.session.reset(state)
+        created = self.session.pending
+        if created is None:
+            state = compile_settings.compiled_state(settings, self.session.latest, self.strategy, hints, self.abstract)
+            self.session.reset(state)
+        else:  # not created yet: nor is the optimizer state, until the arrays are read
+            template = compile_settings.compiled_state(settings, self.session.template, self.strategy, hints, True)
+            self.session.reset_later(
+                template, lambda: compile_settings.compiled_state(settings, created(), self.strategy, hints, False)
+            )
         self._compiled = settings
         self.optimizer = compile_settings.optimizer(resolution, self.session)
 

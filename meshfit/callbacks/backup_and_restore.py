@@ -343,7 +343,7 @@ class BackupAndRestore(Callback):
 
         def template_of(meta):
             self._check_job(meta)
-            return BACKUP.target(self.context.latest, meta)
+            return BACKUP.target(self.context.template, meta)
 
         found, tier = self._agreed(self._from_memory(template_of)), "memory"
         if found is None:

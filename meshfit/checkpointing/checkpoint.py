@@ -107,6 +107,12 @@ def abstract(template):
     return jax.tree.map(one, encode(template))
 
 
+def _on_devices(leaf) -> bool:
+    """Whether a template's leaf is restored onto devices: an array, or a template's (a `jax.ShapeDtypeStruct`
+    with a sharding); else it is read to the host (numpy)."""
+    return isinstance(leaf, jax.Array) or (isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is not None)
+
+
 def _looks_like_checkpoints(directory: str, entries: list[str]) -> bool:
     return any(e.isdigit() and os.path.exists(os.path.join(directory, e, "_CHECKPOINT_METADATA")) for e in entries)
 
@@ -634,9 +640,7 @@ class CheckpointDir:
             if _is_resource_error(error):
                 raise
             raise CheckpointDamaged(f"its arrays cannot be read ({type(error).__name__}: {str(error)[:200]})") from None
-        host = jax.tree.map(
-            lambda new, old: new if isinstance(old, jax.Array) else np.asarray(new), restored, encode(template)
-        )
+        host = jax.tree.map(lambda new, old: new if _on_devices(old) else np.asarray(new), restored, encode(template))
         altered = integrity.mismatched(meta.get(FINGERPRINTS, {}), self._report(host).result().fingerprints)
         if altered:
             raise CheckpointDamaged(

@@ -56,6 +56,20 @@ def as_eager(fn):
     return replay
 
 
+def key_impl(leaf):
+    """The PRNG implementation of a typed key array, or of a template's key (a `jax.ShapeDtypeStruct`).
+
+    `jax.random.key_impl` takes arrays only; a restore into a template (a model
+    not created yet) must wrap the saved key data with the template's
+    implementation, which a key dtype keeps in `_impl`.
+    """
+    import jax
+
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return leaf.dtype._impl
+    return jax.random.key_impl(leaf)
+
+
 def cluster_environments() -> list:
     """JAX's registry of cluster environments (SLURM, Open MPI, Cloud TPU, Kubernetes, ...).
 

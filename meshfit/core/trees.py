@@ -7,6 +7,8 @@ from typing import Any
 
 import jax
 
+from meshfit.core import compat
+
 
 def path_name(path: Iterable[Any]) -> str:
     """'layers/0/kernel' for a pytree key path: the same for dict keys, attributes and sequence indices."""
@@ -27,14 +29,22 @@ def is_key(leaf: Any) -> bool:
 
 
 def encode(tree):
-    """Replaces typed PRNG keys by their raw data (what Orbax can store)."""
-    return jax.tree.map(lambda leaf: jax.random.key_data(leaf) if is_key(leaf) else leaf, tree)
+    """Replaces typed PRNG keys by their raw data (what Orbax can store); a template's keys
+    (`jax.ShapeDtypeStruct`s) by the shape of their data, laid out as the key."""
+    return jax.tree.map(lambda leaf: _key_data(leaf) if is_key(leaf) else leaf, tree)
+
+
+def _key_data(key):
+    if isinstance(key, jax.ShapeDtypeStruct):
+        data = jax.eval_shape(jax.random.key_data, key)
+        return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=key.sharding)
+    return jax.random.key_data(key)
 
 
 def decode(restored, template):
     """Wraps raw key data back into typed keys where the template has keys."""
     return jax.tree.map(
-        lambda new, old: jax.random.wrap_key_data(new, impl=jax.random.key_impl(old)) if is_key(old) else new,
+        lambda new, old: jax.random.wrap_key_data(new, impl=compat.key_impl(old)) if is_key(old) else new,
         restored,
         template,
     )

@@ -28,6 +28,12 @@ class ModuleAdapter:
     #: Whether `apply` reads the `rng` argument (else the step skips splitting keys).
     uses_rng: bool = False
 
+    @property
+    def creates(self) -> bool:
+        """Whether `init` creates the variables (a factory, Linen), rather than returning arrays that exist: the
+        model may then put the creation off until the arrays are read (`StateStore`'s `create`)."""
+        return False
+
     def abstract_init(self) -> tuple[Pytree, Pytree]:
         """`(params, model_state)` as `jax.ShapeDtypeStruct`s: what `init` returns, without creating it."""
         return jax.eval_shape(self.init)
@@ -148,6 +154,10 @@ class NNXAdapter(ModuleAdapter):
         abstract = nnx.eval_shape(lambda: _checked_module(factory()))
         return cls(abstract, factory=factory, trainable=trainable)
 
+    @property
+    def creates(self) -> bool:
+        return self._factory is not None
+
     def with_compute_dtype(self, dtype: Any) -> NNXAdapter:
         return NNXAdapter(self.module, dtype, trainable=self.trainable)
 
@@ -260,6 +270,10 @@ class LinenAdapter(ModuleAdapter):
         variables = dict(meta.unbox(self._variables()))
         params = variables.pop("params", {})
         return dict(params), variables
+
+    @property
+    def creates(self) -> bool:
+        return True
 
     def abstract_init(self) -> tuple[Pytree, Pytree]:
         return jax.eval_shape(self._split)

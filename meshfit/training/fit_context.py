@@ -48,6 +48,12 @@ class FitContext:
         return self._session.store.latest
 
     @property
+    def template(self) -> TrainState:
+        """The state's shapes, dtypes and shardings (`jax.ShapeDtypeStruct`s): what a restore reads into. A
+        model built from a factory that restores before its first step never creates the state it replaces."""
+        return self._session.store.template
+
+    @property
     def callbacks(self) -> list:
         """The running fit's callbacks (their state is saved with a backup)."""
         return self._session.callbacks

@@ -64,9 +64,9 @@ class Session:
         follow: see `meshfit.training.state_store.StateStore`.
     """
 
-    def __init__(self, strategy, state: TrainState, max_in_flight: int = 4, follow=None):
+    def __init__(self, strategy, state: TrainState, max_in_flight: int = 4, follow=None, create=None):
         self.strategy = strategy
-        self.store = StateStore(state, follow)
+        self.store = StateStore(state, follow, create)
         self.cursor = FitCursor()
         # On one device nothing waits on a collective: tiny executions may queue further apart.
         self.in_flight = InFlight(max_in_flight, ONE_DEVICE_SPACING if _on_one_device(state) else None)
@@ -99,6 +99,17 @@ class Session:
         return self.store.latest
 
     @property
+    def template(self) -> TrainState:
+        """The state's shapes, dtypes and shardings, without creating a state not created yet (see
+        `StateStore.template`)."""
+        return self.store.template
+
+    @property
+    def pending(self):
+        """What creates the state on its first read, while it is not created yet (a factory's model); else None."""
+        return self.store.pending
+
+    @property
     def step(self) -> int:
         """Optimizer steps taken, counted on the host (no transfer)."""
         return self.store.step
@@ -121,6 +132,11 @@ class Session:
     def reset(self, state: TrainState) -> None:
         """A fresh start (`compile`): the state at step 0, compiled programs dropped."""
         self.store.reset(state)
+        self.executables = self.feeder = self._spare_metrics = self.example_batch = None
+
+    def reset_later(self, template: TrainState, create) -> None:
+        """`reset` to the state `create` makes when it is first read; `template` its shapes and layouts."""
+        self.store.defer(template, create)
         self.executables = self.feeder = self._spare_metrics = self.example_batch = None
 
     # -- a fit -----------------------------------------------------------------------------
@@ -157,7 +173,7 @@ class Session:
     def restore(self, state: TrainState, position: Position) -> None:
         """Continues the running fit from a backup: its state (layer stacks in either form: each is stored as
         the live state stores it, `meshfit.strategies.layer_stacks`), step count, input position and epoch."""
-        self.store.restore(layer_stacks.stored(state, self.store.latest), position.step)
+        self.store.restore(layer_stacks.stored(state, self.store.template), position.step)
         self.cursor.restore(position)
 
     def start_point(self, initial_epoch: int) -> tuple[int, int]:

@@ -25,20 +25,36 @@ class StateStore:
     store keeps the flat list of leaves and rebuilds the `TrainState` only when
     something reads it.
 
+    A state may be created on first read (`create`, `defer`): a model built
+    from a factory holds only its template (shapes and layouts) until
+    something reads the arrays, so a fit that restores a backup first never
+    creates the parameters and optimizer state it would overwrite (seconds,
+    and the memory of a second copy, at real sizes).
+
     Args:
-        state: the initial state, already laid out by the strategy.
+        state: the initial state, already laid out by the strategy; with `create`, its template
+            (`jax.ShapeDtypeStruct`s with the strategy's shardings).
         follow: called with each state set from outside a step and at the end
             of each fit: the model points the user's module at the state's
             arrays, so the module never keeps alive arrays the model has dropped.
+        create: makes the state `state` is the template of, when it is first read (`latest`); None: `state`
+            is the state.
     """
 
-    def __init__(self, state: TrainState, follow: Callable[[TrainState], None] | None = None):
+    def __init__(
+        self,
+        state: TrainState,
+        follow: Callable[[TrainState], None] | None = None,
+        create: Callable[[], TrainState] | None = None,
+    ):
         self._state: TrainState | None = state
         # The state as a flat list of leaves and its structure, between leaf steps (`_state` is None then).
         self._leaves: list | None = None
         self._structure = None
         self._follow = follow or (lambda state: None)
-        self._follow(state)
+        self._create = create
+        if create is None:
+            self._follow(state)
         self._step = 0  # optimizer steps taken, counted on the host
         self._step_known = True  # whether `_step` counts `_state` (else read once from the device)
 
@@ -48,14 +64,43 @@ class StateStore:
 
         The same as the settled state (`Session.state`) under synchronous strategies. Under asynchronous
         ones, reading it costs nothing and joins no other process, so reads
-        that need no exact position (shapes, the learning rate, a summary) use it.
+        that need no exact position (shapes, the learning rate, a summary) use it. A state not created yet
+        (`create`) is created here.
         """
+        self._create_pending()
         if self._state is None:
             self._state = self._structure.unflatten(self._leaves)
         return self._state
 
+    def _create_pending(self) -> None:
+        if self._create is not None:
+            create, self._create = self._create, None
+            self._set(create())
+            self._follow(self._state)
+
+    @property
+    def pending(self) -> Callable[[], TrainState] | None:
+        """What creates the state on its first read, while it is not created yet; else None."""
+        return self._create
+
+    @property
+    def template(self) -> TrainState:
+        """The state's shapes, dtypes and shardings (`jax.ShapeDtypeStruct`s), without creating a pending state
+        (what a restore reads into, and what traces a program)."""
+        if self._create is not None:
+            return self._state
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)), self.latest
+        )
+
+    def defer(self, template: TrainState, create: Callable[[], TrainState]) -> None:
+        """A fresh start (`compile`) whose state `create` makes on its first read; `template` its shapes."""
+        self._set(template)
+        self._create = create
+        self._step, self._step_known = 0, True
+
     def _set(self, state: TrainState) -> None:
-        self._state, self._leaves = state, None
+        self._state, self._leaves, self._create = state, None, None
 
     def settle(self, state: TrainState) -> None:
         """Keeps `state`, which accounts for every batch handed out (what an asynchronous strategy applied
@@ -80,7 +125,13 @@ class StateStore:
         self._step, self._step_known = step, True
 
     def replace_metrics(self, metrics) -> None:
-        """Sets the loss and metric accumulators (fresh ones at an epoch's start)."""
+        """Sets the loss and metric accumulators (fresh ones at an epoch's start); a state not created yet
+        gets them when it is."""
+        create = self._create
+        if create is not None:
+            self._state = self._state._replace(metrics=metrics)
+            self._create = lambda: create()._replace(metrics=metrics)
+            return
         self._set(self.latest._replace(metrics=metrics))
 
     def advance(self, calls: Iterable, in_flight: InFlight) -> dict:
@@ -89,6 +140,7 @@ class StateStore:
 
         A `LeafProgram` runs on the state's leaves, kept flat from one such call to the next.
         """
+        self._create_pending()  # the first step creates a state not created yet
         leaves, structure, state = self._leaves, self._structure, self._state
         last, run = None, None  # the last leaf program and its compiled form for `structure`
         try:

@@ -67,7 +67,7 @@ class StepBuilder:
 
     def output_spec(self, batch: Batch, settings: CompileSettings | None) -> Any:
         """The outputs' shapes and dtypes for `batch`, traced (nothing runs) under the dtype policy as the step."""
-        state = self.session.latest
+        state = self.session.template  # shapes only: a state not created yet stays so
         adapter, policy = self.policy_adapter(settings)
         try:
             return jax.eval_shape(

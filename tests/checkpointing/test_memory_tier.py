@@ -44,9 +44,9 @@ def keeper(monkeypatch):
     k.close()
 
 
-def fit(backup_dir, epochs, **backup_kwargs):
+def fit(backup_dir, epochs, module=None, **backup_kwargs):
     x, y = classification_data(n=96)
-    model = mf.Model(MLP(), seed=3)
+    model = mf.Model(MLP() if module is None else module, seed=3)
     model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
     callbacks = [mf.callbacks.BackupAndRestore(backup_dir, **backup_kwargs)] if backup_dir else []
     history = model.fit(x, y, batch_size=16, epochs=epochs, callbacks=callbacks, verbose=0)
@@ -137,6 +137,29 @@ def test_a_fit_resumes_from_the_newest_memory_snapshot_exactly(tmp_path, keeper,
     for a, b in zip(full.get_weights(), resumed.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
     assert keeper.committed_steps(os.path.abspath(tmp_path / "b")) == []  # a finished fit's snapshots are dropped
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_a_model_built_by_a_factory_resumes_without_creating_what_it_restores(tmp_path, keeper, capsys, tier):
+    """A factory's model holds only its template until its arrays are read: a fit that resumes reads them from
+    the backup straight into its layout, and never runs the factory to create parameters it would overwrite
+    (seconds at real sizes). It ends bitwise where an uninterrupted fit ends."""
+    created = []
+
+    def factory():
+        created.append(1)
+        return MLP(dropout=0.1)
+
+    full, full_history = fit(None, 2, factory)
+    settings = {"save_freq": 1000, "memory_freq": 2} if tier == "memory" else {"save_freq": 2}
+    fit(tmp_path / "b", 1, factory, delete_checkpoint=False, **settings)  # 6 steps
+    created.clear()
+    resumed, resumed_history = fit(tmp_path / "b", 2, factory, **settings)
+    assert "resumed from " in capsys.readouterr().out
+    assert len(created) == 1  # `nnx.eval_shape`'s call for the template; none to create the state
+    assert resumed_history.history == full_history.history
+    for a, b in zip(full.get_weights(), resumed.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_a_disk_backup_newer_than_the_memory_snapshot_wins(tmp_path, keeper, capsys):

@@ -23,10 +23,11 @@ def test_nested_phases_are_exclusive_and_add_up_to_the_elapsed_time():
     elapsed = time.perf_counter() - began
     totals = timer.totals()
     assert set(totals) == set(PHASES)
-    assert 0.1 <= totals["checkpoint"] < 0.15
-    assert 0.1 <= totals["callbacks"] < 0.15
-    assert 0.02 <= totals["other"] < 0.05
-    assert sum(totals.values()) == pytest.approx(elapsed, abs=1e-3)
+    late = elapsed - 0.22  # how much later than asked the sleeps woke, all together (a loaded machine: more)
+    assert 0.1 <= totals["checkpoint"] <= 0.1 + late
+    assert 0.1 <= totals["callbacks"] <= 0.1 + late  # without the nested checkpoint's 0.1
+    assert 0.02 <= totals["other"] <= 0.02 + late
+    assert sum(totals.values()) == pytest.approx(elapsed, abs=1e-3)  # nothing counted twice
     assert not timer.running
 
 
