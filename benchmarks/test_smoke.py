@@ -13,6 +13,7 @@ BENCHMARKS = os.path.dirname(os.path.abspath(__file__))
 HELPERS = {"smoke.py"}  # modules the benchmarks import, not benchmarks
 OWN_TESTS = {"bench_plan.py"}  # smoke-run by a test of their own that also checks what they print
 CHECKLISTS = {"gpu_checklist.py"}  # runs benchmarks on a lent GPU: its commands are checked below
+OPTIONAL = {"bench_replica_transport.py": "ray"}  # benchmarks of an optional extra: skipped without it
 SCRIPTS = sorted(
     name
     for name in map(os.path.basename, glob.glob(os.path.join(BENCHMARKS, "*.py")))
@@ -26,6 +27,8 @@ def test_every_benchmark_is_collected():
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_benchmark_runs_in_smoke_mode(script):
+    if script in OPTIONAL:
+        pytest.importorskip(OPTIONAL[script])
     env = without_suite_cache({k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})  # as from a shell
     job = run([sys.executable, os.path.join(BENCHMARKS, script), "--smoke"], timeout=240, env=env)
     assert job.returncode == 0, f"{script} --smoke exited {job.returncode}:\n{job.stderr[-3000:]}"
