@@ -140,7 +140,7 @@ def worker(args) -> None:
     module, x, y, policy = build(args.model)  # imports the example (flax, and scikit-learn or the corpus)
     x, y = x[: STEPS_PER_EPOCH * 32], y[: STEPS_PER_EPOCH * 32]
     with strategy.scope():
-        model = mf.Model(module(), seed=0)
+        model = mf.Model(module, seed=0)  # a factory: a resume reads the backup into it, creating nothing
         loss = mf.losses.SparseCategoricalCrossentropy(from_logits=True)
         model.compile(optimizer="adam", loss=loss, dtype_policy=policy)
     _phase("built")
@@ -195,7 +195,8 @@ def launch(
 
     argv = LAUNCH + ["--nprocs", "1" if GPU else str(NPROCS), "--devices-per-proc", "1"]
     argv += ["--max-restarts", str(len(kills))]
-    argv += ["--stop-grace", "1", __file__, "--worker", "--model", model, "--backup", os.path.join(base, name)]
+    argv += ["--stop-grace", "1", "--verbose"]  # --verbose: each rank's own account of its start's phases
+    argv += [__file__, "--worker", "--model", model, "--backup", os.path.join(base, name)]
     argv += ["--epochs", str(epochs), "--disk-freq", str(disk_freq)]
     argv += ["--memory-freq", str(memory_freq or 0)]  # 0: disk backups only
     argv += ["--early-cache"] if EARLY_CACHE else []
@@ -223,8 +224,11 @@ def failures(output: str, kills: list[int]) -> list[dict]:
         for rank in (0,) if GPU else (0, 1):  # when each rank reached each phase, in seconds from the kill (cumulative)
             phases = re.findall(rf"\[rank {rank}\] a{start + 1} phase (\w+) t=([\d.]+)", output)
             split[rank] = {name: round(float(t) - float(kill.group(1)), 2) for name, t in phases}
+        # meshfit's own account of each rank's restarted start (`meshfit launch --verbose`).
+        said = re.findall(rf"\[rank (\d+)\] meshfit: start {start + 1} reached its first step (.*)", output)
         found.append(
             {
+                "meshfit phases": {int(rank): text for rank, text in said},
                 "killed": killed,
                 "resumed": step,
                 "tier": ("memory" if resumed.group(1) else "disk") if resumed else "none (from scratch)",

@@ -10,7 +10,7 @@ run before it. JAX can keep compiled executables on disk and load them instead
 and `BackupAndRestore` defaults it to `<backup_dir>/.compilation_cache` while
 its fit runs when no cache was chosen, so a resumed run finds what the
 interrupted one compiled.
-A cache chosen by the user is never replaced.
+A cache the user chose (`use`, or JAX's own setting) is never replaced.
 
 meshfit caches every program (`jax_persistent_cache_min_compile_time_secs = 0`)
 rather than JAX's default of those that took over a second to compile: a
@@ -66,7 +66,8 @@ BACKUP_CACHE_NAME = ".compilation_cache"
 #: The folders inside a cache where entries JAX must not read are moved (JAX reads only files directly inside).
 QUARANTINE_PREFIX = ".meshfit-quarantine-"
 
-_chosen_by_meshfit: str | None = None  # the directory meshfit set, so a default never replaces a user's
+_chosen_by_meshfit: str | None = None  # the default meshfit set (`default_to`), which another default replaces
+_set_by_use: str | None = None  # the directory `use` set (the user's choice): kept by every default
 _warned_open: set[str] = set()  # the users' own caches already warned about
 
 
@@ -87,7 +88,14 @@ def use(path: str | os.PathLike) -> str:
         meshfit.checkpointing.trusted_dirs.UntrustedDirectory: `path` belongs to someone
             else or others can write to it.
     """
-    global _chosen_by_meshfit
+    global _chosen_by_meshfit, _set_by_use
+    path = _turn_on(path)
+    _chosen_by_meshfit, _set_by_use = None, path
+    return path
+
+
+def _turn_on(path: str | os.PathLike) -> str:
+    """`use`'s checks and switch, without saying whose choice it was."""
     path = os.path.abspath(os.fspath(path))
     if os.path.islink(path):
         raise ValueError(f"Compilation cache {path!r} is a symlink; meshfit keeps its cache only in a real directory.")
@@ -100,7 +108,6 @@ def use(path: str | os.PathLike) -> str:
         jax_cache.reset_cache()  # JAX opens its cache once; reopen it at the new path
         jax_cache.set_cache_dir(path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    _chosen_by_meshfit = path
     return path
 
 
@@ -146,12 +153,15 @@ def default_to(path: str | os.PathLike) -> str | None:
     its place, a directory others can write to) is warned about and skipped:
     it saves time, training does not depend on it.
     """
+    global _chosen_by_meshfit
     current = directory()
     if current is not None and current != _chosen_by_meshfit:
-        _warn_if_open(current)
+        if current != _set_by_use:
+            _warn_if_open(current)
         return current
     try:
-        return use(path)
+        _chosen_by_meshfit = _turn_on(path)
+        return _chosen_by_meshfit
     except (OSError, ValueError) as error:
         warnings.warn(f"No persistent compilation cache at {os.fspath(path)!r}: {error}", stacklevel=2)
         return current
@@ -170,13 +180,14 @@ def _warn_if_open(path: str) -> None:
 
 
 def release(path: str | os.PathLike) -> None:
-    """Stops caching in `path` if meshfit chose it, before the directory is deleted (JAX would make it again)."""
-    global _chosen_by_meshfit
+    """Stops caching in `path` if meshfit turned it on (`use`, `default_to`), e.g. before the directory is deleted
+    (JAX would make it again)."""
+    global _chosen_by_meshfit, _set_by_use
     path = os.path.abspath(os.fspath(path))
-    if _chosen_by_meshfit == path and directory() == path:
+    if path in (_chosen_by_meshfit, _set_by_use) and directory() == path:
         jax_cache.reset_cache()
         jax.config.update("jax_compilation_cache_dir", None)
-        _chosen_by_meshfit = None
+        _chosen_by_meshfit = _set_by_use = None
 
 
 def remove(path: str | os.PathLike) -> list[str]:

@@ -80,12 +80,20 @@ def test_backup_and_restore_caches_in_the_backup_directory_and_deletes_it_with_t
     assert sorted(compiled_files(kept / compilation_cache.BACKUP_CACHE_NAME)) == before
 
     deleted = tmp_path / "deleted"
-    compilation_cache.use(tmp_path / "chosen-by-meshfit-before")  # a choice of meshfit's own is replaced
+    compilation_cache.default_to(tmp_path / "chosen-by-meshfit-before")  # a default of meshfit's is replaced
     fit_with_backup(deleted)
     assert not deleted.exists()  # backups and cache gone, the directory with them
     assert compilation_cache.directory() is None  # nothing would make the directory again
     jax.jit(lambda a: a + 1.5)(np.ones(3, np.float32)).block_until_ready()
     assert not deleted.exists()
+
+
+def test_a_cache_chosen_with_use_is_kept_by_backup_and_restore(tmp_path):
+    mine = compilation_cache.use(tmp_path / "mine")
+    fit_with_backup(tmp_path / "backup", delete_checkpoint=False)
+    assert compilation_cache.directory() == mine
+    assert compiled_files(mine)  # the fit's programs, there
+    assert not (tmp_path / "backup" / compilation_cache.BACKUP_CACHE_NAME).exists()
 
 
 def test_a_cache_the_user_chose_is_kept(tmp_path):
@@ -134,7 +142,7 @@ RESTART = textwrap.dedent(
 
 
 @pytest.mark.slow  # two Python processes
-def test_a_restarted_process_loads_the_train_step_from_the_cache(tmp_path):
+def test_a_restarted_process_loads_its_programs_from_the_cache(tmp_path):
     tests = os.path.dirname(os.path.abspath(__file__))
     env = without_suite_cache(
         {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
@@ -149,6 +157,9 @@ def test_a_restarted_process_loads_the_train_step_from_the_cache(tmp_path):
     train_step = [name for name in first["compiled"] if "train_step" in name]
     assert train_step and not first["loaded"], first
     assert set(train_step) <= set(resumed["loaded"]) and not set(train_step) & set(resumed["compiled"]), resumed
+    # The restore's own programs (the check of what it read) come from the cache too: it is on before the restore.
+    checks = {name for name in first["compiled"] if "snapshot" in name or "report" in name}
+    assert checks and not checks & set(resumed["compiled"]), (first, resumed)
 
 
 # -- what meshfit trusts: a cache of the user's alone, and only regular files of theirs in it -----------------

@@ -484,8 +484,11 @@ class BackupAndRestore(Callback):
             self._memory_since, self._memory_slow_said = None, False
         with self.context.timer.phase("checkpoint"):
             self._dir = self._open_directory()
+            # The cache an earlier start of this job made is on for the restore too (its programs: the checks of
+            # what is read); a new one is made only after the restore, which may refuse the directory.
+            self._use_compilation_cache(existing_only=True)
             self._restore()
-        self._use_compilation_cache()  # after a restore that may refuse the directory: a refusal writes nothing
+        self._use_compilation_cache()
         self._saved_step = self._memory_step = self.context.step
 
     def _open_directory(self) -> CheckpointDir:
@@ -523,15 +526,20 @@ class BackupAndRestore(Callback):
                 )
         return directory
 
-    def _use_compilation_cache(self) -> None:
-        """Points JAX's persistent cache at the backups (before the first step compiles), unless told otherwise."""
+    def _use_compilation_cache(self, existing_only: bool = False) -> None:
+        """Points JAX's persistent cache at the backups (before the first step compiles), unless told otherwise;
+        with `existing_only`, only at a cache in the backups already (one made by an earlier start of the job)."""
+        if self._cache is not None:
+            return  # on already (before the restore)
         if self.compilation_cache is True:
             if self._disk_error is not None:
                 return  # nothing can be written into the backup directory
             inside = os.path.abspath(os.path.join(self.backup_dir, compilation_cache.BACKUP_CACHE_NAME))
+            if existing_only and not os.path.isdir(inside):
+                return
             self._cache = inside if compilation_cache.default_to(inside) == inside else None
             self._own_cache = self._cache
-        elif self.compilation_cache is not False:
+        elif self.compilation_cache is not False:  # a path of the user's: nothing written into backup_dir
             self._cache = compilation_cache.use(self.compilation_cache)
 
     def _should_save(self, context: DecisionContext) -> bool:

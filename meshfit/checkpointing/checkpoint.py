@@ -47,7 +47,7 @@ from etils import epath
 from meshfit.checkpointing import integrity, safe_files, trusted_dirs
 from meshfit.checkpointing.dirlock import LOCK_NAME, DirectoryLock, DirectoryLocked
 from meshfit.core.compat import release_orbax_waiters
-from meshfit.core.trees import decode, encode, path_name
+from meshfit.core.trees import decode, encode, on_devices, path_name
 
 MARKER = "meshfit_checkpoints.json"
 #: How the probe of a directory's writability is named (with the writer's pid).
@@ -105,12 +105,6 @@ def abstract(template):
         return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding)
 
     return jax.tree.map(one, encode(template))
-
-
-def _on_devices(leaf) -> bool:
-    """Whether a template's leaf is restored onto devices: an array, or a template's (a `jax.ShapeDtypeStruct`
-    with a sharding); else it is read to the host (numpy)."""
-    return isinstance(leaf, jax.Array) or (isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is not None)
 
 
 def _looks_like_checkpoints(directory: str, entries: list[str]) -> bool:
@@ -640,7 +634,7 @@ class CheckpointDir:
             if _is_resource_error(error):
                 raise
             raise CheckpointDamaged(f"its arrays cannot be read ({type(error).__name__}: {str(error)[:200]})") from None
-        host = jax.tree.map(lambda new, old: new if _on_devices(old) else np.asarray(new), restored, encode(template))
+        host = jax.tree.map(lambda new, old: new if on_devices(old) else np.asarray(new), restored, encode(template))
         altered = integrity.mismatched(meta.get(FINGERPRINTS, {}), self._report(host).result().fingerprints)
         if altered:
             raise CheckpointDamaged(

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshfit.checkpointing.checkpoint_schema import ARRAY_DTYPES, MAX_JSON_DEPTH, array_nbytes, short_repr
-from meshfit.core.trees import decode, encode, is_key, path_name
+from meshfit.core.trees import decode, encode, is_key, on_devices, path_name
 from meshfit.runtime import keeper_protocol as protocol
 
 MAGIC = b"MFSNAP1\n"
@@ -404,7 +404,7 @@ def _owned(leaf, low: int, high: int):
 def _rebuilt(name: str, like, shape: tuple[int, ...], shards: dict[str, np.ndarray]):
     """A leaf laid out as `like` from this process's shards of it."""
     whole = _index_key(tuple(slice(None) for _ in shape), shape)
-    if not isinstance(like, jax.Array):  # a host value: `pack` wrote it whole
+    if not on_devices(like):  # a host value: `pack` wrote it whole
         if set(shards) != {whole}:
             raise ValueError(f"{name}: expected the host array whole [{whole}] as its one shard, found {len(shards)}")
         return np.array(shards[whole].reshape(shape))

@@ -28,6 +28,12 @@ def is_key(leaf: Any) -> bool:
     return hasattr(leaf, "dtype") and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
 
 
+def on_devices(leaf: Any) -> bool:
+    """Whether a restore template's leaf is read onto devices: an array, or a template of one (a
+    `jax.ShapeDtypeStruct` with a sharding: a state not created yet); anything else is a host value."""
+    return isinstance(leaf, jax.Array) or (isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is not None)
+
+
 def encode(tree):
     """Replaces typed PRNG keys by their raw data (what Orbax can store); a template's keys
     (`jax.ShapeDtypeStruct`s) by the shape of their data, laid out as the key."""

@@ -19,6 +19,7 @@ import time
 import warnings
 from multiprocessing.connection import Listener
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -44,13 +45,32 @@ def keeper(monkeypatch):
     k.close()
 
 
-def fit(backup_dir, epochs, module=None, **backup_kwargs):
+def fit(backup_dir, epochs, module=None, after_restore=(), **backup_kwargs):
     x, y = classification_data(n=96)
     model = mf.Model(MLP() if module is None else module, seed=3)
     model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
     callbacks = [mf.callbacks.BackupAndRestore(backup_dir, **backup_kwargs)] if backup_dir else []
-    history = model.fit(x, y, batch_size=16, epochs=epochs, callbacks=callbacks, verbose=0)
+    history = model.fit(x, y, batch_size=16, epochs=epochs, callbacks=[*callbacks, *after_restore], verbose=0)
     return model, history
+
+
+class RestoredLayout(mf.callbacks.Callback):
+    """Records, before the first step (after BackupAndRestore's restore), the state's leaves that are not device
+    arrays placed on the model's devices (a restore that left host arrays would make the first step compile a
+    program of its own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.astray = None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.astray is not None:
+            return
+        self.astray = [
+            type(leaf).__name__
+            for leaf in jax.tree.leaves(self.model.fit_context.latest)
+            if not isinstance(leaf, jax.Array) or not leaf.committed
+        ]
 
 
 def test_memory_freq_without_a_launcher_is_refused_naming_the_launcher(tmp_path, monkeypatch):
@@ -154,9 +174,11 @@ def test_a_model_built_by_a_factory_resumes_without_creating_what_it_restores(tm
     settings = {"save_freq": 1000, "memory_freq": 2} if tier == "memory" else {"save_freq": 2}
     fit(tmp_path / "b", 1, factory, delete_checkpoint=False, **settings)  # 6 steps
     created.clear()
-    resumed, resumed_history = fit(tmp_path / "b", 2, factory, **settings)
+    layout = RestoredLayout()
+    resumed, resumed_history = fit(tmp_path / "b", 2, factory, [layout], **settings)
     assert "resumed from " in capsys.readouterr().out
     assert len(created) == 1  # `nnx.eval_shape`'s call for the template; none to create the state
+    assert layout.astray == []  # restored onto the devices, in the step's layout
     assert resumed_history.history == full_history.history
     for a, b in zip(full.get_weights(), resumed.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
