@@ -100,6 +100,13 @@ def _parser() -> argparse.ArgumentParser:
         "ranks it tries, from --nprocs down",
     )
     run.add_argument(
+        "--no-spares",
+        dest="spares",
+        action="store_false",
+        help="with --max-restarts: start each restarted rank from scratch, not from a spare process that "
+        "imported its libraries while the job ran (a few hundred MiB of memory each)",
+    )
+    run.add_argument(
         "--verbose",
         action="store_true",
         help="pass on every line the processes print, also gloo's connection lines (dropped by default)",
@@ -137,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             grace_period=args.grace_period,
             stop_grace=args.stop_grace,
             verbose=args.verbose,
+            spares=args.spares,
         )
         try:
             return launch(config, runner=_ray_runner(args))

@@ -49,9 +49,11 @@ import jax
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 from meshfit.checkpointing import trusted_dirs
+from meshfit.runtime import job_env
 
 __all__ = [
     "BACKUP_CACHE_NAME",
+    "ENV_LAUNCH_CACHE",
     "QUARANTINE_PREFIX",
     "default_to",
     "directory",
@@ -61,6 +63,11 @@ __all__ = [
     "use",
 ]
 
+#: Set by `meshfit launch` beside `JAX_COMPILATION_CACHE_DIR` for every rank: the launch's own cache (a 0700
+#: directory of the launcher's, shared by the ranks and their restarts), which JAX turns on at import, so that
+#: what a start compiles before its fit (the model's creation) loads in the next. It is a default of meshfit's:
+#: `BackupAndRestore` replaces it by its backups' cache, which outlives the launch.
+ENV_LAUNCH_CACHE = job_env.ENV_LAUNCH_CACHE
 #: Where `BackupAndRestore` puts the cache, inside its backup directory.
 BACKUP_CACHE_NAME = ".compilation_cache"
 #: The folders inside a cache where entries JAX must not read are moved (JAX reads only files directly inside).
@@ -155,7 +162,8 @@ def default_to(path: str | os.PathLike) -> str | None:
     """
     global _chosen_by_meshfit
     current = directory()
-    if current is not None and current != _chosen_by_meshfit:
+    launch = os.environ.get(ENV_LAUNCH_CACHE)
+    if current is not None and current != _chosen_by_meshfit and current != launch:
         if current != _set_by_use:
             _warn_if_open(current)
         return current

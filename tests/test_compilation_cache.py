@@ -96,6 +96,21 @@ def test_a_cache_chosen_with_use_is_kept_by_backup_and_restore(tmp_path):
     assert not (tmp_path / "backup" / compilation_cache.BACKUP_CACHE_NAME).exists()
 
 
+def test_the_launchs_own_cache_gives_way_to_the_backups_cache(tmp_path, monkeypatch):
+    """`meshfit launch` turns on a cache of its own for the ranks (JAX's variable, at import); it lives as long
+    as the launch, so BackupAndRestore's cache in the backups, which outlives it, takes its place for the fit."""
+    launch = compilation_cache.use(tmp_path / "launch")
+    compilation_cache.release(launch)
+    jax.config.update("jax_compilation_cache_dir", launch)  # as JAX_COMPILATION_CACHE_DIR does at import
+    monkeypatch.setenv(compilation_cache.ENV_LAUNCH_CACHE, launch)
+    try:
+        fit_with_backup(tmp_path / "backup", delete_checkpoint=False)
+        assert compiled_files(tmp_path / "backup" / compilation_cache.BACKUP_CACHE_NAME)
+    finally:
+        compilation_cache.jax_cache.reset_cache()
+        jax.config.update("jax_compilation_cache_dir", None)
+
+
 def test_a_cache_the_user_chose_is_kept(tmp_path):
     jax.config.update("jax_compilation_cache_dir", str(tmp_path / "mine"))
     try:

@@ -61,6 +61,8 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from meshfit.launch.keeper import Keeper
+from meshfit.launch.spare_process import READY
+from meshfit.launch.spares import Spares, usable
 from meshfit.runtime import exit_report, job_env, start_phases
 from meshfit.runtime.job_layout import JobLayout, JobStart, status_text
 
@@ -147,6 +149,8 @@ class LaunchConfig:
     stop_grace: float = GRACE_SECONDS
     #: Pass on every line of the ranks' output, also gloo's connection lines (`GLOO_CONNECTED`).
     verbose: bool = False
+    #: With restarts left, start each rank's next process ahead, its libraries imported (`meshfit.launch.spares`).
+    spares: bool = True
     #: Elastic restarts: the fewest processes the job may restart with (`--min-nprocs`); None: always
     #: `nprocs`. A restart drops a rank that fails within `start_window` seconds of being started.
     min_nprocs: int | None = None
@@ -195,7 +199,7 @@ def _pump(stream, rank: int, out, verbose: bool = False) -> None:
     """Copies a rank's output to `out`, each line prefixed with its rank; gloo's connection lines only when
     `verbose`."""
     for line in iter(stream.readline, ""):
-        if not verbose and GLOO_CONNECTED.match(line):
+        if line.rstrip("\n") == READY or (not verbose and GLOO_CONNECTED.match(line)):
             continue
         out.write(f"[rank {rank}] {line}" if line.endswith("\n") else f"[rank {rank}] {line}\n")
         out.flush()
@@ -380,8 +384,14 @@ def run_once(config: LaunchConfig, attempt: int, log: TextIO = sys.stderr) -> in
     return run_once_outcome(config, attempt, log).status
 
 
-def run_once_outcome(config: LaunchConfig, attempt: int, log: TextIO = sys.stderr) -> Outcome:
-    """`run_once`, also saying which rank failed first and how long it had run (for elastic restarts)."""
+def run_once_outcome(
+    config: LaunchConfig, attempt: int, log: TextIO = sys.stderr, spares: Spares | None = None
+) -> Outcome:
+    """`run_once`, also saying which rank failed first and how long it had run (for elastic restarts).
+
+    `spares`: the ranks' processes started ahead for this start (taken where they fit), and where the spares
+    of the next start are started once this one's ranks are (with restarts left).
+    """
     gpus = _gpus_to_assign(config)
     start = JobStart(
         coordinator_port=free_port(),
@@ -399,19 +409,26 @@ def run_once_outcome(config: LaunchConfig, attempt: int, log: TextIO = sys.stder
                 started.append(time.monotonic())
                 env = process_env(config, rank, start, attempt, gpus)
                 env[exit_report.ENV_EXIT_REPORT] = os.path.join(reports, f"{rank}.json")
-                proc = subprocess.Popen(
-                    process_command(config, rank),
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                    errors="replace",
-                    preexec_fn=die_with_parent(),
-                )
+                command = config.layout.command(rank, config.command)
+                proc = spares.take(rank, env, command) if spares is not None else None
+                if proc is None:
+                    proc = subprocess.Popen(
+                        process_command(config, rank),
+                        env=env,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT,
+                        text=True,
+                        errors="replace",
+                        preexec_fn=die_with_parent(),
+                    )
                 procs.append(proc)
                 pump = threading.Thread(target=_pump, args=(proc.stdout, rank, sys.stdout, config.verbose), daemon=True)
                 pump.start()
                 pumps.append(pump)
+            if spares is not None:
+                spares.close()  # any not taken
+                if attempt < config.max_restarts:  # the next start's, importing while this one runs
+                    spares.prepare(_next_envs(config, start, attempt + 1, gpus), die_with_parent())
             exits = _Exits(procs)
             status = _watch(config, procs, exits, signals, log)
             time.sleep(0.2)  # ranks failing because the first one did: reported as its consequences
@@ -447,6 +464,30 @@ def run_once_outcome(config: LaunchConfig, attempt: int, log: TextIO = sys.stder
         ran, after = exits.at[rank] - started[rank], time.monotonic() - exits.at[rank]
         return Outcome(status, rank, ran, tuple(failures), found, after)
     return Outcome(status, reports=found)
+
+
+def _next_envs(config: LaunchConfig, start: JobStart, attempt: int, gpus: int) -> dict[int, dict[str, str]]:
+    """Each rank's environment in start `attempt` as far as it is known now (all but `spares.PER_START`)."""
+    if not usable(config.layout.command(0, config.command)):
+        return {}
+    return {rank: process_env(config, rank, start, attempt, gpus) for rank in range(config.nprocs)}
+
+
+def _launch_cache(config: LaunchConfig) -> str | None:
+    """A compilation cache for the launch's ranks on this machine (a new 0700 directory), unless the job
+    chose its own (`JAX_COMPILATION_CACHE_DIR` set): every rank of every start compiles the same programs
+    before its fit, where `BackupAndRestore`'s cache is not on yet."""
+    if "JAX_COMPILATION_CACHE_DIR" in {**os.environ, **config.env}:
+        return None
+    return tempfile.mkdtemp(prefix="meshfit-compilation-cache-")
+
+
+def _cache_env(cache: str) -> dict[str, str]:
+    return {
+        "JAX_COMPILATION_CACHE_DIR": cache,
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        job_env.ENV_LAUNCH_CACHE: cache,
+    }
 
 
 def _check_elastic(config: LaunchConfig, runner: Runner) -> bool:
@@ -531,15 +572,19 @@ def launch(config: LaunchConfig, log: TextIO = sys.stderr, runner: Runner | None
     if runner is run_once and config.layout.keeps_snapshots:
         snapshots = Keeper(log, host=None)  # the memory tier of BackupAndRestore, across restarts; a Unix socket
         config = dataclasses.replace(config, env={**config.env, **snapshots.env()})
+    cache = _launch_cache(config) if runner is run_once else None
+    if cache is not None:
+        config = dataclasses.replace(config, env={**config.env, **_cache_env(cache)})
     # Elastic on this machine: the launcher drops the rank that cannot restart (`_shrunk`); an elastic runner
     # (Ray's) sizes each restart to what its cluster can place.
     elastic = _check_elastic(config, runner) and runner is run_once
+    spares = Spares() if runner is run_once and config.spares and config.max_restarts > 0 else None
     attempt = 0
     setup_error = None
     try:
         while True:
             if runner is run_once:
-                outcome = run_once_outcome(config, attempt, log)
+                outcome = run_once_outcome(config, attempt, log, spares)
             else:
                 ran = runner(config, attempt, log)
                 outcome = ran if isinstance(ran, Outcome) else Outcome(ran)
@@ -559,6 +604,10 @@ def launch(config: LaunchConfig, log: TextIO = sys.stderr, runner: Runner | None
             )
             log.write(f"[launch] restarting the job ({attempt}/{config.max_restarts}){since}.\n")
     finally:
+        if spares is not None:
+            spares.close()
+        if cache is not None:
+            shutil.rmtree(cache, ignore_errors=True)
         if snapshots is not None:
             snapshots.close()
         close = getattr(runner, "close", None)

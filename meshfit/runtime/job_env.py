@@ -18,6 +18,10 @@ ENV_PROCESS_ID = "MESHFIT_PROCESS_ID"
 ENV_HEARTBEAT = "MESHFIT_HEARTBEAT_TIMEOUT"
 ENV_INIT_TIMEOUT = "MESHFIT_INIT_TIMEOUT"
 
+#: The launch's own compilation cache, set beside `JAX_COMPILATION_CACHE_DIR` (read by
+#: meshfit.compilation_cache, which treats it as a default of meshfit's, not the user's choice).
+ENV_LAUNCH_CACHE = "MESHFIT_LAUNCH_COMPILATION_CACHE"
+
 
 def new_authkey() -> str:
     """A fresh secret for one start of a job whose ranks' connections need one (`JobLayout.needs_authkey`)."""

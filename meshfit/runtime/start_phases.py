@@ -34,6 +34,7 @@ PHASES = (
 )
 
 _marks: dict[str, float] = {}
+_handed_over: list[float] = []  # when a warm spare (`meshfit.launch.spare_process`) became this start's rank
 
 
 def mark(name: str) -> None:
@@ -44,6 +45,14 @@ def mark(name: str) -> None:
 def reached(name: str) -> bool:
     """Whether this process reached the mark `name`."""
     return name in _marks
+
+
+def restart_clock(now: float) -> None:
+    """This process becomes a start's rank only `now` (a warm spare whose imports were done before): its
+    phases count from here, the imports taking none of them."""
+    _marks.clear()
+    _handed_over[:] = [now]
+    mark("meshfit imported")
 
 
 def verbose() -> bool:
@@ -69,7 +78,7 @@ def summary(compile_seconds: float = 0.0) -> str:
     `compile_seconds` (the fit timer's, spent before the first step was done) is taken out of the first step's
     phase and named on its own.
     """
-    created = process_created()
+    created = _handed_over[0] if _handed_over else process_created()
     last = created if created is not None else min(_marks.values(), default=time.time())
     parts = []
     for name, label in PHASES:
@@ -83,7 +92,8 @@ def summary(compile_seconds: float = 0.0) -> str:
         parts.append(f"{label} {seconds:.2f} s")
         last = _marks[name]
     start = os.environ.get("MESHFIT_RESTART_COUNT", "0")
-    total = f" {last - created:.2f} s after its process was created" if created is not None else ""
+    since = "a warm spare took it" if _handed_over else "its process was created"
+    total = f" {last - created:.2f} s after {since}" if created is not None else ""
     return f"meshfit: start {start} reached its first step{total}: {', '.join(parts)}."
 
 

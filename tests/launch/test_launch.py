@@ -9,7 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from processes import Job, alive, run
+from processes import Job, alive, run, without_suite_cache
 
 from meshfit.launch import local as launch
 from meshfit.runtime.job_layout import DistributedJob
@@ -375,9 +375,9 @@ def test_an_error_every_start_would_repeat_ends_the_launch_at_once_naming_the_ra
 
 
 @pytest.mark.slow
-def test_an_exception_after_the_first_step_still_restarts(tmp_path):
-    """An error once training ran is not one every start would repeat: the launcher restarts as asked, and the
-    restart (which does not raise) finishes the job."""
+def test_an_exception_after_the_first_step_still_restarts_in_warm_spares(tmp_path):
+    """An error once training ran is not one every start would repeat: the launcher restarts as asked, in the
+    spare processes it started beside the ranks, and the restart (which does not raise) finishes the job."""
     argv = [RESUMABLE, str(tmp_path / "out"), str(tmp_path / "backup"), "--strategy", "multi_worker"]
     launch_args = ("--nprocs", "2", "--max-restarts", "1", "--verbose")
     result = run(launch_cmd(*launch_args, *argv, "--raise-at-step", "5"), timeout=180)
@@ -385,9 +385,30 @@ def test_an_exception_after_the_first_step_still_restarts(tmp_path):
     assert restarted, result.stderr[-3000:]
     assert result.returncode == 0, result.stderr[-3000:]
     # Under --verbose each rank of each start says where its start's seconds went, up to its first step.
-    phases = r"reached its first step [\d.]+ s after its process was created: interpreter and imports [\d.]+ s, "
+    phases = r"reached its first step [\d.]+ s after (its process was created|a warm spare took it): "
+    phases += r"interpreter and imports [\d.]+ s, "
     phases += r"JAX and jax.distributed [\d.]+ s, the script until fit [\d.]+ s, fit's setup and the restore [\d.]+ s, "
     phases += r"compile [\d.]+ s, first step [\d.]+ s\."
-    for start in (0, 1):
+    for start, began in ((0, "its process was created"), (1, "a warm spare took it")):
         said = re.findall(rf"^\[rank (\d)\] meshfit: start {start} {phases}$", result.stdout + result.stderr, re.M)
-        assert sorted(said) == ["0", "1"], result.stderr[-3000:]
+        # The restart runs in the spares started while the first start ran, their imports done (0.00 s).
+        assert sorted(said) == [("0", began), ("1", began)], result.stderr[-3000:]
+    assert "meshfit-spare-ready" not in result.stdout  # the spares' own line is the launcher's, not output
+
+
+def test_the_ranks_share_a_private_compilation_cache_for_the_launch(tmp_path):
+    """Every rank of a launch caches its programs in one 0700 directory of the launcher's (what a start compiles
+    before its fit loads in the next), which JAX turns on at import and which is gone when the launch ends."""
+    script = tmp_path / "cache.py"
+    script.write_text(
+        "import os, stat, jax\n"
+        "path = jax.config.jax_compilation_cache_dir\n"
+        "mode = stat.S_IMODE(os.stat(path).st_mode)\n"
+        "jax.jit(lambda a: a * 3.5)(jax.numpy.ones(3)).block_until_ready()\n"
+        "print('cache', path, oct(mode), len(os.listdir(path)) > 0, flush=True)\n"
+    )
+    result = run(launch_cmd("--nprocs", "2", str(script)), timeout=120, env=without_suite_cache(dict(os.environ)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = re.findall(r"^\[rank \d\] cache (\S+) 0o700 True$", result.stdout, re.M)
+    assert len(said) == 2 and said[0] == said[1], result.stdout
+    assert not os.path.exists(said[0])
