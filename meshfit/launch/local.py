@@ -149,8 +149,9 @@ class LaunchConfig:
     stop_grace: float = GRACE_SECONDS
     #: Pass on every line of the ranks' output, also gloo's connection lines (`GLOO_CONNECTED`).
     verbose: bool = False
-    #: With restarts left, start each rank's next process ahead, its libraries imported (`meshfit.launch.spares`).
-    spares: bool = True
+    #: With restarts left, start each rank's next process ahead, its libraries imported (`meshfit.launch.spares`;
+    #: `--spares`): restarts skip the imports, at the cost of a spare's memory and of its imports' CPU time.
+    spares: bool = False
     #: Elastic restarts: the fewest processes the job may restart with (`--min-nprocs`); None: always
     #: `nprocs`. A restart drops a rank that fails within `start_window` seconds of being started.
     min_nprocs: int | None = None

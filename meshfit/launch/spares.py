@@ -13,8 +13,9 @@ other devices, a spare that died) the rank is started from scratch, as
 without spares.
 
 Spares cost memory (a process with its libraries imported, a few hundred
-MiB each) and their imports share the CPUs with the starting job;
-`meshfit launch --no-spares` starts every rank from scratch.
+MiB each) and their imports take CPU time from the running job (seconds per
+rank and start), so they are asked for: `meshfit launch --spares`. Where the
+CPUs are few (the 2-core test machine) they slow the job they wait beside.
 """
 
 from __future__ import annotations
