@@ -81,15 +81,6 @@ NPROCS = 2  # --nprocs: processes of the job on the CPU (the last is the one kil
 SPARES = False  # --spares: `meshfit launch --spares` (each rank's next process started ahead)
 
 
-def _process_start() -> float:
-    """When this process was created (wall clock), from /proc: before the interpreter started."""
-    with open("/proc/self/stat") as f:
-        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-    with open("/proc/stat") as f:
-        boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
-
-
 def build(name: str):
     """(a factory of the module, x, y, dtype policy) of `--model` `name`; prints the "libraries" phase once its
     example is imported, before the data are loaded."""
@@ -126,7 +117,9 @@ def worker(args) -> None:
     Each rank also prints "a<start> phase <name> t=<time>" as it starts: the process created, meshfit (and JAX)
     imported, the `jax.distributed` job joined, the model compiled, the backup restored."""
     start = int(os.environ.get("MESHFIT_RESTART_COUNT", "0"))
-    _phase("process", _process_start())
+    from meshfit.runtime.start_phases import process_created  # (no JAX: the phases below stay apart)
+
+    _phase("process", process_created())
     import meshfit as mf
 
     _phase("imported")

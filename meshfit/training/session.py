@@ -132,11 +132,14 @@ class Session:
     def reset(self, state: TrainState) -> None:
         """A fresh start (`compile`): the state at step 0, compiled programs dropped."""
         self.store.reset(state)
-        self.executables = self.feeder = self._spare_metrics = self.example_batch = None
+        self._drop_programs()
 
     def reset_later(self, template: TrainState, create) -> None:
         """`reset` to the state `create` makes when it is first read; `template` its shapes and layouts."""
         self.store.defer(template, create)
+        self._drop_programs()
+
+    def _drop_programs(self) -> None:
         self.executables = self.feeder = self._spare_metrics = self.example_batch = None
 
     # -- a fit -----------------------------------------------------------------------------
