@@ -91,7 +91,8 @@ def test_compilation_counts_on_the_first_fit_and_not_on_a_second_with_the_same_s
     assert first.compile > 0.05
     assert second.compile - first.compile < 0.05 * first.compile
     assert second.idle >= 0.3  # between the fits
-    assert second.wall - first.wall - second.idle == pytest.approx(seconds, rel=0.01, abs=0.02)  # a short fit
+    added = second.wall - first.wall - (second.idle - first.idle)  # the second fit's own time in the ledger
+    assert second.steps - first.steps <= added <= seconds + 0.01  # within the fit call, at least its steps
     assert second.startup == first.startup and second.step == first.step + 2 * 8
 
 
