@@ -6,10 +6,17 @@ the lowered program (FLOPs and bytes of the whole step, before XLA rewrites
 matrix products into library calls whose FLOPs its analysis of the compiled
 GPU program no longer counts), divided over the devices, and the memory
 analysis of the compiled program (arguments, outputs and temporaries per
-device). Where the backend gives no cost analysis of a lowered program (the
-CUDA plugin), the FLOPs are counted from the step's matrix products and
-convolutions in its jaxpr (`jaxpr_flops`). Nothing is run.
-`meshfit.callbacks.Throughput` turns the FLOPs into FLOP/s and MFU.
+device). Nothing is run. `meshfit.callbacks.Throughput` turns the FLOPs into
+FLOP/s and MFU.
+
+XLA's cost analysis counts a loop's body once and a `shard_map` body once at
+one device's shapes. Where the step has either (a `Stages` stack's scan, a
+pipeline's ticks, an explicit data-parallel step), the matrix products and
+convolutions XLA left out are counted from the step's jaxpr and added
+(`meshfit.cost.jaxpr_work`): every loop by its trip count, every `shard_map`
+body once per device; a step with neither keeps XLA's figure as it is. Where
+the backend gives no cost analysis of a lowered program (the CUDA plugin), the
+FLOPs are the jaxpr's matrix products and convolutions alone (`jaxpr_flops`).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import Any
 import jax
 from jax.extend import core as jax_core
 
+from meshfit.cost.jaxpr_work import Work, jaxpr_work
 from meshfit.cost.pipeline_cost import PipelineCost
 
 #: HLO collective kinds `StepReport.collectives` counts (asynchronous `-start` forms count as their kind).
@@ -34,11 +42,21 @@ class StepReport:
     """One training step of a compiled model, per device.
 
     Attributes:
-        flops: floating-point operations of one step over all its devices (XLA's
-            count of the lowered program: matrix products, elementwise work),
-            divided by the number of devices: the model's FLOPs per device,
-            with work replicated on every device counted once.
-        bytes_accessed: bytes of the step (XLA's estimate), per device in the same way.
+        flops: the useful floating-point operations of one step over all its devices,
+            divided by the number of devices: the model's FLOPs per device. XLA's count of
+            the lowered program (matrix products, elementwise work), in which work the
+            compiler replicates on every device counts once, plus the matrix products and
+            convolutions it leaves out of loops and `shard_map` bodies: each loop counts
+            by its trip count (a pipeline's idle ticks too: its devices run them), each
+            `shard_map` body once per device, less `redundant_flops`. So every pipeline
+            schedule of one model reports about the same FLOPs: a head that GPipe's
+            compiler runs on every stage (replicated, counted once) and one that a
+            pipeline's loop runs on every stage and keeps on the last (`redundant_flops`)
+            count the same.
+            Elementwise work in a loop body counts once. A step without loops or
+            `shard_map` keeps XLA's figure unchanged.
+        bytes_accessed: bytes of the step (XLA's estimate of the lowered program, which counts a loop's
+            body and a `shard_map` body once: not corrected as `flops` is), over the devices.
         batch_size: rows of the global batch the step was compiled for.
         num_devices: devices the step runs on (all processes).
         device_kind: the kind of those devices, as JAX names it (e.g. "NVIDIA H200").
@@ -58,10 +76,20 @@ class StepReport:
         device_flops: FLOPs of one device's compiled (partitioned) program, XLA's
             count: work replicated on every device counts on each (as `flops` does
             not), but matrix products XLA hands to a library (cuBLAS on GPU) are
-            missing. 0 where the backend gives no cost analysis of a compiled program.
-        device_bytes_accessed: bytes of one device's compiled program, likewise.
+            missing. XLA counts a loop's body once; the matrix products and convolutions of
+            the other trips are added, those of all devices spread evenly over them (exact
+            for loops in a `shard_map` over every device, as a pipeline's are; an estimate
+            for loops the compiler partitions). Redundant work counts: the device runs it.
+            0 where the backend gives no cost analysis of a compiled program.
+        device_bytes_accessed: bytes of one device's compiled program, likewise (loop bodies once).
         pipeline: under a `stage` axis, what the pipeline costs a stage (`PipelineCost`: its
             parameters, the activations its schedule keeps, point-to-point bytes, bubble); else None.
+        redundant_flops: FLOPs per device (as `flops` counts them) that devices run and throw away,
+            left out of `flops`: in a `shard_map`, work every device does whose result a `jnp.where`
+            keyed to the device's position keeps on some devices only: a pipeline's tail (the layers
+            after `Stages` and the loss) run on every stage and kept on the last is P - 1 copies of
+            its work here (under a `lax.cond` on the stage, it runs on the last only and is not).
+            0 for a step without such masks.
     """
 
     flops: float
@@ -75,6 +103,7 @@ class StepReport:
     device_flops: float = 0.0
     device_bytes_accessed: float = 0.0
     pipeline: PipelineCost | None = None
+    redundant_flops: float = 0.0
 
     @property
     def flops_per_sample(self) -> float:
@@ -117,16 +146,22 @@ def analyse(
     devices: list,
     jaxpr: Callable[[], Any] | None = None,
 ) -> StepReport:
-    """A `StepReport` of a train step, from its lowered and compiled forms (and `jaxpr()`, which
-    returns its jaxpr, for FLOPs where the backend has no cost analysis of a lowered program)."""
+    """A `StepReport` of a train step, from its lowered and compiled forms and `jaxpr()`, which returns
+    its jaxpr: traced where the lowered program has a loop or a `shard_map` (what XLA's count leaves out
+    is counted from it) or the backend has no cost analysis of a lowered program."""
     cost = _cost(lowered)
-    flops = cost.get("flops")
-    if flops is None and jaxpr is not None:
-        flops = jaxpr_flops(jaxpr())
-    count = max(len(devices), 1)
     device_cost = _cost(compiled)
+    count = max(len(devices), 1)
+    flops = cost.get("flops")
+    device_flops = float(device_cost.get("flops", 0.0) or 0.0)
+    work = Work(0.0, 0.0, 0.0, 0.0)
+    if jaxpr is not None and (flops is None or has_loops_or_shards(lowered)):
+        work = jaxpr_work(jaxpr())
+        flops = work.run if flops is None else float(flops) + work.run - work.xla
+        if device_flops:
+            device_flops += (work.run - work.xla_trips) / count
     return StepReport(
-        flops=float(flops or 0.0) / count,
+        flops=(float(flops or 0.0) - work.redundant) / count,
         bytes_accessed=float(cost.get("bytes accessed", 0.0)) / count,
         batch_size=int(batch_size),
         num_devices=len(devices),
@@ -134,9 +169,30 @@ def analyse(
         memory=memory(compiled),
         collectives=compiled_collectives(compiled.as_text()),
         lowered_collectives=lowered_collectives(lowered),
-        device_flops=float(device_cost.get("flops", 0.0) or 0.0),
+        device_flops=device_flops,
         device_bytes_accessed=float(device_cost.get("bytes accessed", 0.0) or 0.0),
+        redundant_flops=work.redundant / count,
     )
+
+
+def has_loops_or_shards(lowered: jax.stages.Lowered) -> bool:
+    """Whether a lowered program has a `while` loop or a `shard_map` body (manual computation): the
+    parts XLA's cost analysis counts once."""
+    from jaxlib.mlir import ir  # noqa: PLC0415  (part of jaxlib; only needed here)
+
+    found = []
+
+    def visit(op: Any) -> Any:
+        name = op.name
+        if name in ("stablehlo.while", "sdy.manual_computation") or (
+            name == "stablehlo.custom_call" and "FullToShard" in str(op.attributes["call_target_name"])
+        ):
+            found.append(name)
+            return ir.WalkResult.INTERRUPT
+        return ir.WalkResult.ADVANCE
+
+    lowered.compiler_ir("stablehlo").operation.walk(visit)
+    return bool(found)
 
 
 # -- collectives ---------------------------------------------------------------------------------
@@ -258,38 +314,14 @@ def _tensor_bytes(text: str) -> int:
 
 
 def jaxpr_flops(jaxpr: jax_core.ClosedJaxpr | jax_core.Jaxpr) -> float:
-    """FLOPs of the matrix products and convolutions of a (closed) jaxpr, 2 per multiply-add.
+    """FLOPs of the matrix products and convolutions of a (closed) jaxpr over all its devices, 2 per multiply-add.
 
     Sub-programs count as often as they run: a `scan` body `length` times, a
-    `while` body once (its trip count is not known), the costliest `cond`
-    branch. Elementwise work is left out: in a model it is a small share.
+    `while` body by its trip count where that is static (else once), a
+    `shard_map` body once per device of its manual axes (at one device's
+    shapes), the costliest `cond` branch (in a `shard_map`, where the index is
+    the device's position, each branch where it is taken). Redundant work counts (see
+    `meshfit.cost.jaxpr_work.Work`). Elementwise work is left out: in a model it
+    is a small share.
     """
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    total = 0.0
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if name == "dot_general":
-            lhs = eqn.invars[0].aval
-            (contracting, _), _ = eqn.params["dimension_numbers"]
-            out = eqn.outvars[0].aval
-            total += 2.0 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in contracting)
-        elif name == "conv_general_dilated":
-            rhs, out = eqn.invars[1].aval, eqn.outvars[0].aval
-            out_features = rhs.shape[eqn.params["dimension_numbers"].rhs_spec[0]]
-            total += 2.0 * math.prod(out.shape) * math.prod(rhs.shape) / out_features
-        inner = [_sub_flops(v) for v in eqn.params.values()]
-        if name == "cond":
-            total += max(inner, default=0.0)
-        elif name == "scan":
-            total += eqn.params["length"] * sum(inner)
-        else:
-            total += sum(inner)
-    return total
-
-
-def _sub_flops(value: Any) -> float:
-    if isinstance(value, (jax_core.ClosedJaxpr, jax_core.Jaxpr)):
-        return jaxpr_flops(value)
-    if isinstance(value, (tuple, list)):
-        return sum(_sub_flops(v) for v in value)
-    return 0.0
+    return jaxpr_work(jaxpr).run

@@ -41,6 +41,7 @@ def format_step_report(report: StepReport) -> str:
         f"peak {human_bytes(mem['peak'])} = arguments {human_bytes(mem['arguments'])} + outputs "
         f"{human_bytes(mem['outputs'])} + temporaries {human_bytes(mem['temporaries'])} - reused "
         f"{human_bytes(mem['aliased'])}; {report.flops / 1e9:,.3f} GFLOP"
+        + (f" (and {report.redundant_flops / 1e9:,.3f} GFLOP run redundantly)" if report.redundant_flops else "")
     ]
     if report.collectives:
         parts = ", ".join(f"{kind} {human_bytes(n)}" for kind, n in report.collectives.items())

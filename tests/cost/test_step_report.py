@@ -1,6 +1,7 @@
 """`model.step_report()`: FLOPs, memory and collectives of the compiled train step, read from XLA."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -238,3 +239,148 @@ def test_an_unpipelined_step_has_no_pipeline_cost():
     report = model.step_report(np.zeros((8, 8), np.float32), np.zeros((8,), np.int32))
     assert report.pipeline is None
     assert "Pipeline" not in format_step_report(report)
+
+
+# -- loops by their trip counts -------------------------------------------------------------------
+
+WIDTH, ROWS = 128, 32
+MATMUL = 2 * ROWS * WIDTH * WIDTH  # one (32, 128) x (128, 128) product
+
+
+def reported(fn, *args, devices=None):
+    """`step_report.analyse` of a jitted function, as `Model.step_report` reads a train step."""
+    lowered = jax.jit(fn).lower(*args)
+    jaxpr = lambda: jax.make_jaxpr(fn)(*args)  # noqa: E731
+    return step_report.analyse(lowered, lowered.compile(), ROWS, devices or jax.devices()[:1], jaxpr)
+
+
+def matrices():
+    return np.ones((ROWS, WIDTH), np.float32), np.full((WIDTH, WIDTH), 0.01, np.float32)
+
+
+@pytest.mark.parametrize("unroll, xla_copies", [(1, 1), (3, 3 + 8 % 3)])
+def test_a_scan_counts_its_body_length_times(unroll, xla_copies):
+    """XLA's cost analysis counts a loop's body once (an unrolled scan's copies and remainder); the report K times."""
+
+    def scanned(x, w):
+        return jax.lax.scan(lambda h, _: (h @ w, None), x, None, length=8, unroll=unroll)[0]
+
+    x, w = matrices()
+    lowered = jax.jit(scanned).lower(x, w)
+    assert lowered.cost_analysis()["flops"] == pytest.approx(xla_copies * MATMUL, rel=0.01)  # what XLA counts
+    report = reported(scanned, x, w)
+    assert report.flops == pytest.approx(8 * MATMUL, rel=0.02)
+    assert report.device_flops == pytest.approx(8 * MATMUL, rel=0.02)
+    assert report.redundant_flops == 0
+
+
+def test_nested_loops_and_a_static_while_count_every_trip():
+    def nested(x, w):
+        inner = lambda h: jax.lax.scan(lambda g, _: (g @ w, None), h, None, length=3)[0]  # noqa: E731
+        h = jax.lax.scan(lambda h, _: (inner(h), None), x, None, length=4)[0]
+        return jax.lax.while_loop(lambda c: c[0] < 5, lambda c: (c[0] + 1, c[1] @ w), (0, h))[1]
+
+    assert reported(nested, *matrices()).flops == pytest.approx((4 * 3 + 5) * MATMUL, rel=0.02)
+
+
+def test_an_unlooped_step_keeps_xlas_figure():
+    """What MFU is computed from does not move for a step without loops or shard_map: XLA's count, as it was."""
+    model = fitted()
+    session = model.session
+    batch = session.strategy.distribute_batch(session.example_batch, False)
+    xla = jax.jit(session.steps.train_step).lower(session.state, batch).cost_analysis()["flops"]
+    report = model.step_report()
+    assert report.flops == xla and report.redundant_flops == 0
+
+
+@eight_devices
+@pytest.mark.parametrize("masked", ["where", "cond"])
+def test_work_a_device_throws_away_is_named_not_counted(masked):
+    """A tail every device computes and only the last keeps (`jnp.where` on its position, as 1f1b's loop had it)
+    is `redundant_flops`; under a `lax.cond` on the position only the last runs it. Both report the same `flops`."""
+    devices = jax.devices()[:4]
+    mesh = jax.sharding.Mesh(np.array(devices), ("stage",))
+    P = jax.sharding.PartitionSpec
+
+    def body(x, w, head):
+        last = jax.lax.axis_index("stage") == 3
+
+        def tick(h, _):
+            h = jnp.tanh(h @ w)
+            if masked == "where":
+                out = jnp.where(last, h @ head, 0.0)
+            else:
+                out = jax.lax.cond(last, lambda h: h @ head, lambda h: jnp.zeros((ROWS, 4 * WIDTH)), h)
+            return h, out.sum()
+
+        return jax.lax.scan(tick, x, None, length=6)[1].sum(keepdims=True)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P()), out_specs=P("stage"))
+    x, w = matrices()
+    head = np.full((WIDTH, 4 * WIDTH), 0.01, np.float32)
+    report = reported(fn, x, w, head, devices=devices)
+    tail = 4 * MATMUL  # the head's product: 4x one step's
+    useful = 6 * (4 * MATMUL + tail)  # six ticks of the step on every device, the tail on the last only
+    assert report.flops * 4 == pytest.approx(useful, rel=0.05)
+    assert report.redundant_flops * 4 == (6 * 3 * tail if masked == "where" else 0)
+    assert ("run redundantly" in format_step_report(report)) == (masked == "where")
+
+
+class Dense(nnx.Module):
+    """A 256 x 256 block for `Stages`."""
+
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(256, 256, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.linear(x))
+
+
+class LargeHead(nnx.Module):
+    """8 blocks in `Stages`, then a 256 x 4096 head: twice the blocks' work, run by the tail under 1f1b."""
+
+    def __init__(self):
+        rngs = nnx.Rngs(0)
+        self.body = Stages(Dense, 8, rngs=rngs)
+        self.head = nnx.Linear(256, 4096, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.body(x))
+
+
+@eight_devices
+def test_every_schedule_reports_the_same_useful_flops():
+    """GPipe, circular and 1f1b run the same model: their FLOPs agree within the bubble's share of the blocks
+    (idle ticks run too), where XLA alone counted each tick loop's body once (gpipe 52 M, 1f1b 5 M per device)."""
+    batch = 64
+    x, y = np.zeros((batch, 256), np.float32), np.zeros((batch,), np.int32)
+    blocks, head = 3 * 8 * 2 * 256 * 256 * batch / 8, 3 * 2 * 256 * 4096 * batch / 8  # forward and backward
+    reports = {}
+    for schedule, repeats in [("gpipe", 1), ("circular", 2), ("1f1b", 1)]:
+        pipeline = mf.strategies.Pipeline(microbatches=8, schedule=schedule, repeats=repeats)
+        with mf.strategies.MeshStrategy(axes={"stage": 4, "data": 2}, pipeline=pipeline).scope():
+            model = mf.Model(LargeHead)
+            model.compile(optimizer="sgd", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+        reports[schedule] = report = model.step_report(x, y)
+        ticks = (repeats * 8 + 3) / (repeats * 8)  # the blocks' work with the bubble's ticks
+        assert blocks * ticks + head < report.flops < 1.1 * (blocks * ticks + head), schedule  # + elementwise work
+        if schedule == "1f1b":  # its tail: under a cond on the last stage, or on every stage and kept on the last
+            assert report.redundant_flops in (0, pytest.approx(3 * head)), report.redundant_flops
+        else:
+            assert report.redundant_flops == 0
+    flops = [r.flops for r in reports.values()]
+    assert max(flops) < 1.1 * min(flops), flops
+
+
+@eight_devices
+def test_an_explicit_data_parallel_step_counts_every_replica():
+    """Under `reduction="explicit"` the gradients run in a `shard_map` over the replicas, which XLA counts once at one
+    replica's shapes: the report counts it on every replica, as GSPMD's step is counted."""
+    x, y = classification_data(n=64, din=32, classes=10)
+    flops = {}
+    for reduction in ("auto", "explicit"):
+        with mf.strategies.MirroredStrategy(reduction=reduction).scope():
+            model = mf.Model(MLP(din=32, hidden=128, dout=10))
+            model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        flops[reduction] = model.step_report(x, y).flops
+    assert flops["explicit"] == pytest.approx(flops["auto"], rel=0.1), flops
