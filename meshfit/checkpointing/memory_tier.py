@@ -1,9 +1,9 @@
 """The memory tier of `BackupAndRestore`: snapshots of a backup kept in the launcher's RAM.
 
 Every K steps each process hands the launcher's keeper
-(`meshfit.launch.keeper`; under `meshfit launch --ray`, its node's keeper and
-`replicas - 1` other nodes' keepers) its part of exactly what a disk backup
-holds (the tree and JSON part of `checkpoint_schema.BACKUP`).
+(`meshfit.launch.keeper`; under `meshfit launch --ray`, its own node's
+keeper) its part of exactly what a disk backup holds (the tree and JSON part
+of `checkpoint_schema.BACKUP`).
 
 On its own node the keeper lends the rank shared memory (a memfd passed over
 the rank's Unix connection): the rank writes its part there in place and
@@ -15,13 +15,20 @@ a copy of this process's shards on its own devices (a program per local
 device, none across processes), and a thread copies them to the host. Either
 way a state that is not finite is never kept (as the disk tier refuses one),
 and the checksum and the commit run on the sender thread behind the next
-steps. Replicas on other nodes' keepers get the written part over TCP, checked
-on arrival. A restarted process asks the keeper for the newest committed
-snapshot (under Ray: for the step the launcher chose, from any keeper that
-holds its part), maps its own node's keeper's memory read-only (or reads the
-part over TCP), checks the checksum, and rebuilds its arrays, laid out as
-the live state, from the shards it had; a part that does not match its
-checksum is never restored.
+steps. Replicas on other nodes' keepers (`replicas - 1` of them) are the
+keeper's job: the commit names them (their addresses and the ranks each
+expects), and the keeper sends the part on from its own memory in the
+background (`meshfit.launch.replica_forwarder`), each replica checked on
+arrival. The sender thread is free once its own keeper holds the part, and a
+replica keeper that is gone or stopped never holds the rank up. A snapshot
+is committed at each keeper that holds every part it expects, so a replica
+that has not arrived never makes a keeper offer that snapshot (`wait` also
+waits for the replicas, bounded). A restarted process asks the keeper for the
+newest committed snapshot (under Ray: for the step the launcher chose, from
+any keeper that holds its part), maps its own node's keeper's memory
+read-only (or reads the part over TCP), checks the checksum, and rebuilds its
+arrays, laid out as the live state, from the shards it had; a part that does
+not match its checksum is never restored.
 
 A part's bytes, and how a tree becomes one and back, are
 `meshfit.checkpointing.snapshot_parts`'s.
@@ -85,12 +92,8 @@ def _unmap(part) -> None:
             pass
 
 
-def error_text(error: BaseException) -> str:
-    """`error` for a one-line warning: its type, and its message where it has one."""
-    text = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
-    if isinstance(error, BlockingIOError):
-        text = f"no answer within {protocol.ANSWER_TIMEOUT:g} s"
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+#: `error` for a one-line warning (BackupAndRestore's too).
+error_text = protocol.error_text
 
 
 class MemoryTier:
@@ -125,6 +128,9 @@ class MemoryTier:
         # This rank's part goes to its node's keeper and `replicas - 1` others; each expects a known set of ranks.
         self.targets = protocol.replica_keepers(homes, self.rank, replicas)
         self._expect = {k: protocol.expected_ranks(homes, k, replicas) for k in self.targets}
+        # The replicas are sent on by the home keeper: the commit names each one's keeper and expected ranks.
+        self._replicas = [{"address": self.addresses[k], "expect": self._expect[k]} for k in self.targets[1:]]
+        self._unsettled = False  # a part was handed over since the home keeper last said its replicas arrived
         self._conns: dict[int, Any] = {}
         # One sender thread for the fit, fed a snapshot at a time: starting a thread per snapshot holds the
         # loop about a millisecond (the new thread must take the GIL before `start` returns).
@@ -134,9 +140,10 @@ class MemoryTier:
         self._sent = threading.Condition()
         self._sender: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.committed: list[int] = []  # steps this process saw committed (the keeper says so to the last sender)
+        # Steps whose snapshot this process's part completed at its own keeper (it says so to the last part).
+        self.committed: list[int] = []
         self._buffer: bytearray | None = None  # the part written here when no keeper lends memory, reused
-        self.send_seconds = 0.0  # the last snapshot's time from its device copies to the keeper's reply
+        self.send_seconds = 0.0  # the last snapshot's time from its device copies to its own keeper's reply
         self.part_bytes = 0  # the size of this process's part of it
         self.saved_world = self.world  # the world size of the job that took the snapshot `newest` fetched
         self.source = self.addresses[self.home]  # the keeper `newest` fetched from
@@ -256,29 +263,29 @@ class MemoryTier:
         return part, shared
 
     def _hand_over(self, step: int, part, shared: bool) -> None:
-        """Commits the written part with its checksum to each of this rank's keepers: its own node's (in place,
-        where `shared`) and its replicas' (sent over the connection)."""
+        """Commits the written part with its checksum to this rank's own keeper (in place, where `shared`; else
+        sent over the connection), naming the keepers it sends replicas on to. Returns once that keeper holds
+        the part: the replicas travel behind the next steps, on the keeper's threads."""
+        where = f"the keeper at {self.addresses[self.home]}"
         try:
             digest = protocol.digest(part)
-            committed = True
-            for keeper in self.targets:
-                where = f"the keeper at {self.addresses[keeper]}"
-                try:
-                    if shared and keeper == self.targets[0]:
-                        reply = self._request({"op": "commit", "step": step, "digest": digest}, keeper)
-                    else:
-                        reply = self._put(keeper, step, part, digest)
-                except KEEPER_ERRORS as error:
-                    raise MemoryTierUnavailable(
-                        f"{where} did not take the snapshot of step {step} ({error_text(error)})"
-                    ) from None
-                if not reply.get("ok"):
-                    raise MemoryTierUnavailable(f"{where} refused the snapshot of step {step}: {reply.get('message')}")
-                committed = committed and bool(reply.get("committed"))
+            try:
+                if shared:
+                    request = {"op": "commit", "step": step, "digest": digest, "replicas": self._replicas}
+                    reply = self._request(request, self.home)
+                else:
+                    reply = self._put(self.home, step, part, digest)
+            except KEEPER_ERRORS as error:
+                raise MemoryTierUnavailable(
+                    f"{where} did not take the snapshot of step {step} ({error_text(error)})"
+                ) from None
+            if not reply.get("ok"):
+                raise MemoryTierUnavailable(f"{where} refused the snapshot of step {step}: {reply.get('message')}")
         finally:
             if shared:
                 _unmap(part)
-        if committed:
+        self._unsettled = bool(self._replicas)
+        if reply.get("committed"):
             self.committed.append(step)
 
     def _shares(self, keeper: int) -> bool:
@@ -295,21 +302,26 @@ class MemoryTier:
         return _mapped(protocol.recv_fd(self._connection(keeper)), size, writable=True)
 
     def _put(self, keeper: int, step: int, part: bytes, digest: str) -> dict:
-        """Sends the part to `keeper`; its answer (a refusal, or whether the snapshot is now committed)."""
-        header = {"op": "put", "step": step, "start": self.start, "size": len(part), "digest": digest}
-        reply = self._request({**header, "expect": self._expect[keeper]}, keeper)
-        if not reply.get("ok"):
-            return reply
-        conn = self._connection(keeper)
-        protocol.send_payload(conn, part)
-        protocol.set_timeout(conn, protocol.reply_timeout(len(part)))  # the keeper checks the part first
-        reply = protocol.recv_json(conn)
-        protocol.set_timeout(conn, protocol.ANSWER_TIMEOUT)
-        return reply
+        """Sends the part to `keeper` (this rank's own, naming the replicas it sends on); its answer (a
+        refusal, or whether the snapshot is now committed there)."""
+        header = {"fit": self.fit, "rank": self.rank, "world": self.world, "op": "put", "step": step}
+        header.update(start=self.start, size=len(part), digest=digest, expect=self._expect[keeper])
+        return protocol.send_part(self._connection(keeper), {**header, "replicas": self._replicas}, part)
 
     def wait(self) -> None:
-        """Returns when every snapshot in flight has been sent; raises what went wrong with one."""
+        """Returns when every snapshot in flight is held by this rank's own keeper and the replicas it sends on
+        have arrived (or it gave up on them: after `keeper_protocol.settle_timeout`, a replica keeper gone or
+        stopped costs this no more); raises what went wrong with this rank's own keeper."""
         self._wait_until(0)
+        if not self._unsettled:
+            return
+        try:
+            self._request({"op": "settle", "step": 0}, self.home)
+        except KEEPER_ERRORS as error:
+            self._forget(self.home)
+            where = f"the keeper at {self.addresses[self.home]}"
+            raise MemoryTierUnavailable(f"{where} did not answer ({error_text(error)})") from None
+        self._unsettled = False
 
     def _wait_until(self, in_flight: int) -> None:
         """Returns when at most `in_flight` snapshots are still being sent; raises what went wrong with one."""
@@ -322,8 +334,10 @@ class MemoryTier:
             raise MemoryTierUnavailable(f"sending a snapshot to the keeper failed ({error_text(error)})")
 
     def drop(self) -> str | None:
-        """Asks this rank's keepers to forget this fit's snapshots (a fit that ended). Never raises: returns
-        why a keeper could not be asked (it is gone or does not answer; its snapshots go with the launch)."""
+        """Asks this rank's keeper to forget this fit's snapshots (a fit that ended); it tells the keepers it sent
+        replicas to, after the replicas on their way. Where it cannot be asked, the replicas' keepers are
+        asked here. Never raises: returns why a keeper could not be asked (it is gone or does not answer; its
+        snapshots go with the launch)."""
         failed = None
         for keeper in self.targets:
             try:
@@ -331,6 +345,9 @@ class MemoryTier:
             except (*KEEPER_ERRORS, MemoryTierUnavailable) as error:
                 self._forget(keeper)
                 failed = failed or f"the keeper at {self.addresses[keeper]} ({error_text(error)})"
+                continue
+            if keeper == self.home:
+                break  # it tells the others
         return failed
 
     def close(self) -> str | None:
@@ -338,7 +355,7 @@ class MemoryTier:
         went wrong with the last snapshots, if anything (they are not kept, the disk backups are)."""
         self._lease = None  # (closing the connection tells the keeper)
         try:
-            self.wait()
+            self._wait_until(0)  # (not for the replicas: the keeper sends them on after this process is gone)
             return None
         except MemoryTierUnavailable as error:
             return str(error)

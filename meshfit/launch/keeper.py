@@ -4,15 +4,21 @@
 launcher's process) before the ranks and keeps it across `--max-restarts`, so
 snapshots outlive the processes that sent them; `meshfit launch --ray` runs
 one on each node that runs ranks (`meshfit.launch.ray_keepers`). Each rank
-sends its part of a snapshot every K steps (`meshfit.checkpointing.memory_tier`),
-under Ray to its node's keeper and to replicas on other nodes' keepers; a
+hands its part of a snapshot every K steps (`meshfit.checkpointing.memory_tier`)
+to its node's keeper; under Ray that keeper sends it on, in the background, to
+the keepers the rank names for its replicas on other nodes
+(`meshfit.launch.replica_forwarder`; only the launch's keepers, `set_peers`). A
 snapshot is *committed* at a keeper once the part of every rank it expects
-(every rank of the job, on one machine) has arrived whole (its digest checked
-on arrival), and only committed snapshots are handed out: a rank killed while
-sending leaves a partial one that no restart sees. Parts from an earlier start
-of the job never complete a snapshot of a later one. `agreed_steps` picks,
-from the inventories of the keepers left after a node is lost, the one step
-every restarted rank resumes from.
+(every rank of the job, on one machine; under Ray, its node's ranks' and those
+it holds replicas of) has arrived whole (its digest checked on arrival, or
+committed in place by its rank), and only committed snapshots are handed out:
+a rank killed while sending, or a replica that never arrived, leaves a partial
+one that no restart sees. Parts from an earlier start of the job never
+complete a snapshot of a later one. `agreed_steps` picks, from the
+inventories of the keepers left after a node is lost, the one step every
+restarted rank resumes from; the launcher takes them with `final=True`, after
+which no part of the starts so far is taken, so a replica still on its way
+cannot change what a keeper holds after the launcher chose.
 
 The keeper holds bytes only: it parses no array and unpickles nothing (the
 frames are JSON and raw bytes, `meshfit.runtime.keeper_protocol`). It keeps
@@ -33,7 +39,6 @@ import mmap
 import os
 import secrets
 import shutil
-import socket
 import sys
 import tempfile
 import threading
@@ -42,6 +47,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener
 from typing import NamedTuple, TextIO
 
+from meshfit.launch.replica_forwarder import Forward, ReplicaForwarder
 from meshfit.runtime import keeper_protocol as protocol
 from meshfit.runtime.handshake import HANDSHAKE_ERRORS, handshake
 
@@ -67,15 +73,6 @@ def available_memory() -> int:
     except (OSError, ValueError, IndexError):
         pass
     return 1 << 62
-
-
-def _shut(conn: Connection) -> None:
-    """Wakes and ends whatever reads `conn` (its handshake's thread), without closing its descriptor under it."""
-    try:
-        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
-            sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
 
 
 class _Segment:
@@ -171,6 +168,10 @@ class Keeper:
             self.address = f"{tcp_host}:{port}"
         self.peak_bytes = 0
         self._lock = threading.Lock()
+        self._newest_start = -1  # the newest start of the job whose parts came
+        self._sealed = -1  # parts of starts up to this one are refused (`inventory(final=True)`)
+        self._forwarder = ReplicaForwarder(self.key, self._say, self._claim, self._unclaim)
+        self._via_said: set[str] = set()  # keepers whose replicas this one said it holds
         self._committed: dict[str, dict[int, _Snapshot]] = {}  # fit -> step -> snapshot
         self._pending: dict[tuple[str, int, int], _Snapshot] = {}  # (fit, start, step) -> parts so far
         self._decided: dict[tuple[str, int, int], str] = {}  # (fit, start, step) -> why refused ("": accepted)
@@ -201,10 +202,31 @@ class Keeper:
         with self._lock:
             return sorted(self._committed.get(fit, {}))
 
-    def inventory(self) -> dict[str, dict]:
+    def set_peers(self, addresses: list[str]) -> None:
+        """The TCP addresses of the launch's keepers (`meshfit.launch.ray_keepers` gives them before each
+        start): the only keepers this one sends replicas on to."""
+        self._forwarder.set_peers(a for a in addresses if a != self.address)
+
+    def settle(self, timeout: float) -> bool:
+        """Waits up to `timeout` seconds for the replicas this keeper sends on; whether none is left."""
+        return self._forwarder.settle(timeout)
+
+    @property
+    def replica_counts(self) -> tuple[int, int]:
+        """(replicas sent on that their keepers took whole, replicas that did not reach theirs), so far."""
+        return self._forwarder.sent, self._forwarder.failed
+
+    def inventory(self, final: bool = False) -> dict[str, dict]:
         """What this keeper holds, by fit: its committed snapshots' steps with their start, world size and
         the ranks whose parts it holds, and the steps of snapshots whose parts are still arriving (JSON-able:
-        the Ray launcher asks every node's keeper, `agreed_steps`)."""
+        the Ray launcher asks every node's keeper, `agreed_steps`).
+
+        With `final` (the launcher, about to restart the job): parts of the starts so far are refused from
+        now on, replicas still on their way included, so what this returns of them stays what it holds."""
+        if final:
+            with self._lock:
+                self._sealed = max(self._sealed, self._newest_start)
+            self._forwarder.seal(self._sealed)  # (its queued replicas of those starts would be refused)
         with self._lock:
             fits: dict[str, dict] = {}
             for fit, steps in self._committed.items():
@@ -221,11 +243,15 @@ class Keeper:
 
     def close(self) -> None:
         self.closed.set()
+        self._forwarder.close()
         for listener in self._listeners:
             listener.close()  # (the Unix one unlinks its socket file)
         shutil.rmtree(self._socket_dir, ignore_errors=True)
         if self.peak_bytes:
             self._say(f"held at most {size_text(self.peak_bytes)} of memory snapshots.")
+        sent, failed = self.replica_counts
+        if failed:
+            self._say(f"{failed} of {sent + failed} replica(s) did not reach the other keeper (said above).")
         with self._lock:
             self._committed.clear()
             self._pending.clear()
@@ -256,7 +282,7 @@ class Keeper:
             self._handshaking[id(conn)] = conn
             while len(self._handshaking) > self._MAX_HANDSHAKES:
                 _, oldest = self._handshaking.popitem(last=False)
-                _shut(oldest)
+                protocol.shut(oldest)  # (its handshake's thread ends)
 
     def _serve(self, conn: Connection, tcp: bool) -> None:
         try:
@@ -320,13 +346,10 @@ class Keeper:
                     self._sending -= 1
             protocol.send_json(conn, {"ok": True})
         elif op == "drop":
-            with self._lock:
-                fit = str(request.get("fit"))
-                self._committed.pop(fit, None)
-                for key in [k for k in self._pending if k[0] == fit]:
-                    del self._pending[key]
-                self._spares.clear()
-            protocol.send_json(conn, {"ok": True})
+            self._drop(conn, str(request.get("fit")), forwarded=bool(request.get("forwarded")))
+        elif op == "settle":
+            settled = self._forwarder.settle(protocol.settle_timeout(), str(request.get("fit")))
+            protocol.send_json(conn, {"ok": True, "settled": settled})
         else:
             raise protocol.ProtocolError(f"an unknown request {str(op)[:40]!r}")
 
@@ -367,29 +390,49 @@ class Keeper:
             )
         return None
 
-    def _part_fields(self, request: dict) -> tuple[tuple, str]:
-        """A part's fields (fit, step, rank, world, start, size, expect) and why it is refused ("": it is not):
-        one answer for every part of a snapshot, and none after a refusal, so the ranks stop sending together
-        (a snapshot's device copy is one program across all of them)."""
+    def _part_fields(self, request: dict) -> tuple[tuple, dict | None]:
+        """A part's fields (fit, step, rank, world, start, size, expect) and the refusal to answer (None: it is
+        taken): one answer for every part of a snapshot, and none after a refusal, so the ranks stop sending
+        together (a snapshot's device copy is one program across all of them)."""
         fit, step, rank, world, start = self._fields(request)
         size = request.get("size")
         if type(size) is not int or size < 0:
             raise protocol.ProtocolError("a part without its size")
-        expect = request.get("expect", list(range(world)))
-        if (
-            not isinstance(expect, list)
-            or not all(type(r) is int and 0 <= r < world for r in expect)
-            or rank not in expect
-        ):
-            raise protocol.ProtocolError(f"a part whose expected ranks are malformed {str(expect)[:200]}")
+        expect = _ranks(request.get("expect", list(range(world))), rank, world)
+        fields = (fit, step, rank, world, start, size, expect)
         with self._lock:
+            if start <= self._sealed:
+                return fields, self._restarted(start)
+            self._newest_start = max(self._newest_start, start)
             refusal = self._refused.get((fit, start)) or self._decided.get((fit, start, step), "")
             if (fit, start, step) not in self._decided and not refusal:
                 refusal = self._room(size, len(set(expect))) or ""
                 self._decided[(fit, start, step)] = refusal
             if refusal:
                 self._refused[(fit, start)] = refusal
-        return (fit, step, rank, world, start, size, expect), refusal
+        return fields, ({"ok": False, "error": "memory", "message": refusal} if refusal else None)
+
+    def _restarted(self, start: int) -> dict:
+        """The answer to a part of a start the launcher restarted the job after (`inventory(final=True)`)."""
+        return {
+            "ok": False,
+            "error": "restarted",
+            "message": f"the launcher restarted the job after start {start}: its snapshots are no longer taken",
+        }
+
+    @staticmethod
+    def _replicas(request: dict, fields: tuple) -> list[tuple[str, list[int]]]:
+        """The keepers a rank names for replicas of its part, with the ranks each expects (none: no replicas)."""
+        named = request.get("replicas", [])
+        if not isinstance(named, list) or len(named) > 64 or not all(isinstance(r, dict) for r in named):
+            raise protocol.ProtocolError(f"a part whose replicas are malformed {str(named)[:200]}")
+        replicas = []
+        for replica in named:
+            address = replica.get("address")
+            if not isinstance(address, str) or not 0 < len(address) <= 300:
+                raise protocol.ProtocolError(f"a replica without its keeper's address {str(replica)[:200]}")
+            replicas.append((address, _ranks(replica.get("expect"), fields[2], fields[3], "replica")))
+        return replicas
 
     def _segment(self, size: int) -> _Segment:
         """Memory for a part of `size` bytes: an evicted snapshot's (already paged in), else new."""
@@ -400,13 +443,15 @@ class Keeper:
         return spare if spare is not None else _Segment(size)
 
     def _put(self, conn: Connection, request: dict) -> None:
-        """A part sent over the connection (another node's rank, or any over TCP), checked on arrival."""
+        """A part sent over the connection (a rank without this node's shared memory, or another keeper
+        sending a replica on: `via`), checked on arrival."""
         fields, refusal = self._part_fields(request)
-        digest = request.get("digest")
+        digest, via = request.get("digest"), request.get("via")
         if not isinstance(digest, str):
             raise protocol.ProtocolError("a put without its digest")
+        replicas = self._replicas(request, fields)
         if refusal:
-            protocol.send_json(conn, {"ok": False, "error": "memory", "message": refusal})
+            protocol.send_json(conn, refusal)
             return
         protocol.send_json(conn, {"ok": True})
         segment = self._segment(fields[5])
@@ -416,7 +461,13 @@ class Keeper:
         if protocol.digest(segment.view) != digest:
             protocol.send_json(conn, {"ok": True, "committed": False, "damaged": True})  # never committed
             return
-        protocol.send_json(conn, self._add_part(fields, segment, digest))
+        part = _Part(segment, digest)
+        reply = self._add_part(fields, part)
+        self._send_on(fields, part, replicas, reply)  # (queued before the answer: a `settle` after it waits for them)
+        if reply["ok"] and isinstance(via, str) and via not in self._via_said:
+            self._via_said.add(via)
+            self._say(f"holds replicas that the keeper at {via[:100]} sends on from its node's ranks.")
+        protocol.send_json(conn, reply)
 
     def _reserve(self, conn: Connection, request: dict, lent: _Lent) -> None:
         """Memory for a part that a rank of this node writes itself: the keeper's own (a memfd), its descriptor
@@ -425,32 +476,83 @@ class Keeper:
             raise protocol.ProtocolError("shared memory asked for over TCP")
         fields, refusal = self._part_fields(request)
         if refusal:
-            protocol.send_json(conn, {"ok": False, "error": "memory", "message": refusal})
+            protocol.send_json(conn, refusal)
             return
         lent.reserved = (fields, self._segment(fields[5]))
         protocol.send_json(conn, {"ok": True})
         protocol.send_fd(conn, lent.reserved[1].fd)
 
     def _commit_reserved(self, conn: Connection, request: dict, lent: _Lent) -> None:
-        """The part written into the memory `_reserve` lent, with its digest: counted as if sent."""
+        """The part written into the memory `_reserve` lent, with its digest (computed by its rank over these
+        very bytes; each replica's keeper checks them on arrival): counted as if sent."""
         digest, step = request.get("digest"), request.get("step")
         if lent.reserved is None or not isinstance(digest, str) or step != lent.reserved[0][1]:
             raise protocol.ProtocolError("a commit without its reserved part, step or digest")
+        replicas = self._replicas(request, lent.reserved[0])
         (fields, segment), lent.reserved = lent.reserved, None
-        protocol.send_json(conn, self._add_part(fields, segment, digest))
+        part = _Part(segment, digest)
+        reply = self._add_part(fields, part)
+        self._send_on(fields, part, replicas, reply)
+        protocol.send_json(conn, reply)
 
-    def _add_part(self, fields: tuple, segment: _Segment, digest: str) -> dict:
+    def _send_on(self, fields: tuple, part: _Part, replicas: list[tuple[str, list[int]]], reply: dict) -> None:
+        """Queues the replicas of a part this keeper now holds (`reply`: its answer to the part's rank) for the
+        keepers its rank named, each sent from this keeper's memory on a thread of the forwarder."""
+        if not reply["ok"]:
+            return
+        fit, step, rank, world, start, size, _ = fields
+        header = {"op": "put", "fit": fit, "rank": rank, "world": world, "step": step, "start": start}
+        header.update(size=size, digest=part.digest, via=self.address)
+        for address, expect in replicas:
+            self._forwarder.forward(address, Forward({**header, "expect": expect}, part))
+
+    def _claim(self, forward: Forward) -> mmap.mmap | bytearray | None:
+        """The bytes of a part queued to be sent on, counted as being sent (`_sending`: its memory is not
+        reused until `_unclaim`); None when this keeper no longer holds it (evicted, dropped)."""
+        header = forward.header
+        fit, step, start, rank = header["fit"], header["step"], header["start"], header["rank"]
+        with self._lock:
+            held = self._committed.get(fit, {}).get(step)
+            if held is None or held.start != start:
+                held = self._pending.get((fit, start, step))
+            if held is None or held.parts.get(rank) is not forward.part:
+                return None
+            self._sending += 1
+            return forward.part.payload.view
+
+    def _unclaim(self) -> None:
+        with self._lock:
+            self._sending -= 1
+
+    def _drop(self, conn: Connection, fit: str, forwarded: bool) -> None:
+        """Forgets `fit`'s snapshots (the fit ended). Asked by a rank, this keeper also tells the keepers it sent
+        replicas of `fit` to, after the replica each is being sent, and answers once they have (or after
+        `settle_timeout`), so no replica arrives after the fit was dropped there."""
+        with self._lock:
+            self._committed.pop(fit, None)
+            for key in [k for k in self._pending if k[0] == fit]:
+                del self._pending[key]
+            self._spares.clear()
+        dropped = True
+        if not forwarded:
+            self._forwarder.drop(fit)
+            dropped = self._forwarder.settle(protocol.settle_timeout(), fit)
+        protocol.send_json(conn, {"ok": True, "replicas_dropped": dropped})
+
+    def _add_part(self, fields: tuple, part: _Part) -> dict:
         """Adds a rank's whole part to its snapshot, committing the snapshot once every part is there; the
         answer to the rank."""
         fit, step, rank, world, start, _, expect = fields
         committed = None
         with self._lock:
+            if start <= self._sealed:
+                return self._restarted(start)
             # Parts of an earlier start of the job never complete a snapshot of this one.
             for key in [k for k in self._pending if k[0] == fit and k[1] < start]:
                 del self._pending[key]
             snapshot = self._pending.setdefault((fit, start, step), _Snapshot(world, frozenset(expect), start))
             if snapshot.world == world and snapshot.expect == frozenset(expect):
-                snapshot.parts[rank] = _Part(segment, digest)
+                snapshot.parts[rank] = part
             if set(snapshot.parts) == snapshot.expect:
                 committed = self._commit(fit, start, step)
             self.peak_bytes = max(self.peak_bytes, self._held())
@@ -532,6 +634,13 @@ class Keeper:
     def _held(self) -> int:
         committed = sum(s.nbytes for steps in self._committed.values() for s in steps.values())
         return committed + sum(s.nbytes for s in self._pending.values())
+
+
+def _ranks(expect, rank: int, world: int, what: str = "part") -> list[int]:
+    """`expect` checked: the ranks of `world` a keeper expects parts of, `rank` (the sender) among them."""
+    if not isinstance(expect, list) or not all(type(r) is int and 0 <= r < world for r in expect) or rank not in expect:
+        raise protocol.ProtocolError(f"a {what} whose expected ranks are malformed {str(expect)[:200]}")
+    return expect
 
 
 def agreed_steps(inventories: list[dict[str, dict]], world: int = 1) -> dict[str, dict]:

@@ -8,11 +8,15 @@ the actors through Ray (the cluster's token authentication) and to the ranks thr
 ranks and keepers then speak `meshfit.runtime.keeper_protocol` (HMAC handshake, JSON and raw bytes, nothing
 unpickled).
 
-Each rank sends its part to its node's keeper and to the next `memory_replicas - 1` nodes' keepers
-(`keeper_protocol.replica_keepers`), so a lost node loses no snapshot. Before each start the launcher asks
-every surviving keeper what it holds (`Keeper.inventory`) and picks, per fit, the newest snapshot whose
-every rank's part survives and that no keeper holds incomplete (`keeper.agreed_steps`); every rank then
-restores that one step, from whichever keeper holds its part (`ENV_KEEPER_RESUME`).
+Each rank hands its part to its node's keeper, which sends it on to the next `memory_replicas - 1` nodes'
+keepers (`keeper_protocol.replica_keepers`; `meshfit.launch.replica_forwarder`), so a lost node loses no
+snapshot. Before each start the launcher tells every keeper the launch's keepers' addresses
+(`Keeper.set_peers`: the only ones it sends replicas to), lets the replicas on their way arrive
+(`Keeper.settle`, up to `SETTLE_BEFORE_RESTART` seconds), asks every surviving keeper what it holds
+(`Keeper.inventory(final=True)`: a replica of the starts so far that arrives later is refused, so the
+answer stays true) and picks, per fit, the newest snapshot whose every rank's part survives and that no
+keeper holds incomplete (`keeper.agreed_steps`); every rank then restores that one step, from whichever
+keeper holds its part (`ENV_KEEPER_RESUME`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ from meshfit.runtime import keeper_protocol as protocol
 
 #: Seconds to wait for a keeper's answer before taking it as gone with its node.
 ANSWER_TIMEOUT = 30.0
+#: Seconds a restart waits for the replicas the keepers are still sending on (to a keeper gone with its node
+#: they fail at once, or within their bounds): a replica that arrives in time makes its snapshot count.
+SETTLE_BEFORE_RESTART = 2.0
 
 
 class _KeeperActor:
@@ -43,8 +50,14 @@ class _KeeperActor:
     def local_address(self) -> str:
         return self.keeper.local_address
 
+    def set_peers(self, addresses: list[str]) -> None:
+        self.keeper.set_peers(addresses)
+
+    def settle(self, timeout: float) -> bool:
+        return self.keeper.settle(timeout)
+
     def inventory(self) -> dict[str, dict]:
-        return self.keeper.inventory()
+        return self.keeper.inventory(final=True)  # (asked before a start only: the launcher's choice stays true)
 
     def close(self) -> None:
         self.keeper.close()
@@ -71,7 +84,11 @@ class NodeKeepers:
         self.keepers[node_id] = (actor, address, local)
 
     def _inventories(self) -> dict[str, dict]:
-        """What every keeper still reachable holds, by node id; those gone with their node are forgotten."""
+        """What every keeper still reachable holds, by node id, once the replicas they send on arrived (or
+        `SETTLE_BEFORE_RESTART` passed); those gone with their node are forgotten."""
+        settling = [actor.settle.remote(SETTLE_BEFORE_RESTART) for actor, _, _ in self.keepers.values()]
+        if settling:  # (a keeper gone with its node answers with an error: its inventory below says so)
+            self.ray.wait(settling, num_returns=len(settling), timeout=SETTLE_BEFORE_RESTART + ANSWER_TIMEOUT)
         refs = {node: actor.inventory.remote() for node, (actor, _, _) in self.keepers.items()}
         held = {}
         for node, ref in refs.items():
@@ -99,6 +116,7 @@ class NodeKeepers:
                 self._start(node_id)
                 held[node_id] = {}
         order += [node for node in self.keepers if node not in order]
+        self._set_peers([self.keepers[node][1] for node in order])
         chosen = agreed_steps([held.get(node, {}) for node in order], world=len(nodes))
         for fit, snapshot in chosen.items():
             holders = "; ".join(
@@ -118,6 +136,18 @@ class NodeKeepers:
             protocol.ENV_KEEPER_HOMES: ",".join(str(order.index(node_id)) for node_id, _ in nodes),
             protocol.ENV_KEEPER_RESUME: json.dumps({fit: [s["step"], s["start"]] for fit, s in chosen.items()}),
         }
+
+    def _set_peers(self, addresses: list[str]) -> None:
+        """Tells every keeper the launch's keepers' addresses (the only ones it sends replicas to)."""
+        refs = {node: actor.set_peers.remote(addresses) for node, (actor, _, _) in self.keepers.items()}
+        for node, ref in refs.items():
+            try:
+                self.ray.get(ref, timeout=ANSWER_TIMEOUT)
+            except (self.ray.exceptions.RayError, self.ray.exceptions.GetTimeoutError) as error:
+                self.log.write(
+                    f"[launch] the snapshot keeper on node id {node[:12]} was not told the other keepers, so it sends "
+                    f"no replicas: {str(error).splitlines()[0][:200]}\n"
+                )
 
     def close(self) -> None:
         for actor, _, _ in self.keepers.values():

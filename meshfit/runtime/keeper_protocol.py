@@ -162,9 +162,47 @@ def set_timeout(conn: Connection, seconds: float) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
 
 
+def shut(conn: Connection) -> None:
+    """Wakes and ends whatever reads or writes `conn` on another thread, without closing its descriptor under it."""
+    try:
+        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def error_text(error: BaseException) -> str:
+    """`error` for a one-line warning or log line: its type, and its message where it has one."""
+    text = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+    if isinstance(error, BlockingIOError):
+        text = f"no answer within {ANSWER_TIMEOUT:g} s"
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
 def reply_timeout(nbytes: int) -> float:
     """Seconds to wait for the keeper's answer to a part of `nbytes` it checks before answering."""
     return ANSWER_TIMEOUT + nbytes / CHECK_RATE
+
+
+def settle_timeout() -> float:
+    """Seconds a keeper waits, when asked to `settle`, for the replicas it sends on to arrive before it answers:
+    half of `ANSWER_TIMEOUT`, so the rank that asked has its answer within its own bound."""
+    return ANSWER_TIMEOUT / 2
+
+
+def send_part(conn: Connection, header: dict, payload) -> dict:
+    """Sends a part with its `put` header (`size` and `digest` of `payload` in it) and returns the keeper's
+    answer: a refusal before any byte is sent, or, once the keeper has read and checked the part (granted
+    `reply_timeout`), whether it holds it (`committed`: the part completed its snapshot there)."""
+    send_json(conn, header)
+    reply = recv_json(conn)
+    if not reply.get("ok"):
+        return reply
+    send_payload(conn, payload)
+    set_timeout(conn, reply_timeout(len(payload)))  # the keeper checks the part first
+    reply = recv_json(conn)
+    set_timeout(conn, ANSWER_TIMEOUT)
+    return reply
 
 
 def send_json(conn: Connection, message: dict) -> None:

@@ -5,6 +5,7 @@ in the launcher's place, its address in the environment as `meshfit launch` sets
 The multi-process restart with a real SIGKILL is in tests/callbacks/test_backup_and_restore.py.
 """
 
+import contextlib
 import io
 import json
 import os
@@ -112,21 +113,28 @@ def test_a_restart_on_fewer_nodes_than_memory_replicas_keeps_the_snapshots_on_th
 @pytest.mark.filterwarnings("ignore:BackupAndRestore. memory snapshots are off")  # its own keeper stays gone
 @pytest.mark.filterwarnings("ignore:BackupAndRestore. could not ask the keeper")
 def test_a_part_whose_own_keeper_is_gone_is_restored_from_its_replica(tmp_path, monkeypatch, capsys):
-    """Two nodes' keepers (as under `meshfit launch --ray`), this rank's own on node 1: each snapshot goes to
-    both (memory_replicas defaults to 2). Node 1's keeper is lost; the launcher agrees on the step from the
-    survivor's inventory and the fit resumes from the replica, exactly."""
+    """Two nodes' keepers (as under `meshfit launch --ray`), this rank's own on node 1: the rank writes each
+    snapshot into its own keeper's shared memory, and that keeper sends it on to the other (memory_replicas
+    defaults to 2). Node 1's keeper is lost; the launcher agrees on the step from the survivor's inventory and
+    the fit resumes from the replica, exactly."""
     from meshfit.launch.keeper import agreed_steps
 
     full, full_history = fit(None, 2)
     key = os.urandom(32)
     other, own = Keeper(io.StringIO(), key=key), Keeper(io.StringIO(), key=key)
     try:
+        for keeper in (other, own):
+            keeper.set_peers([other.address, own.address])  # as `ray_keepers` tells them before each start
         monkeypatch.setenv(keeper_protocol.ENV_KEEPER_ADDRESS, f"{other.address},{own.address}")
+        monkeypatch.setenv(keeper_protocol.ENV_KEEPER_LOCAL, f",{own.local_address}")
         monkeypatch.setenv(keeper_protocol.ENV_KEEPER_AUTHKEY, key.hex())
         monkeypatch.setenv(keeper_protocol.ENV_KEEPER_HOMES, "1")
         fit(tmp_path / "b", 1, save_freq=1000, memory_freq=2, delete_checkpoint=False)
         fit_key = os.path.abspath(tmp_path / "b")
-        assert other.committed_steps(fit_key) == own.committed_steps(fit_key) == [4, 6]
+        assert own.settle(30)  # the replica on its way (the fit returned once its own keeper held each part)
+        assert own.committed_steps(fit_key) == [4, 6] and other.committed_steps(fit_key)[-1] == 6
+        assert own.replica_counts[1] == 0  # (a replica not sent yet gives way to a newer one: 2 or 3 sent)
+        assert f"holds replicas that the keeper at {own.address} sends on" in other.log.getvalue()
         own.close()  # gone with its node
         chosen = agreed_steps([other.inventory()])
         assert chosen[fit_key]["step"] == 6
@@ -397,6 +405,128 @@ def test_a_keeper_gone_after_the_last_snapshot_does_not_fail_the_finished_fit(tm
     said = [str(w.message) for w in said]
     assert len(said) == 1 and re.search("could not ask the keeper at .* to forget", said[0]), "\n".join(said)
     assert not (tmp_path / "b").exists()
+
+
+@contextlib.contextmanager
+def keeper_node(*args):
+    """A keeper in a process of its own (`workers/keeper_process.py ARGS`, as a Ray node's keeper actor is):
+    yields the job and its JSON line (its variables and TCP address); continued if stopped, then ended."""
+    with processes.Job([sys.executable, os.path.join(WORKERS, "keeper_process.py"), *args], timeout=300) as job:
+        (found,) = job.wait_for(r"(\{.*\})\n?")
+        try:
+            yield job, json.loads(found.group(1))
+        finally:
+            if job.proc.poll() is None:
+                os.kill(job.proc.pid, signal.SIGCONT)
+
+
+def two_nodes(monkeypatch, key: bytes, replica: str, own: str, own_local: str) -> None:
+    """Points this rank at two nodes' keepers as `meshfit launch --ray` does: its own (the second: `HOMES` 1,
+    reached through its Unix socket) and another node's, which holds its replica."""
+    monkeypatch.setenv(keeper_protocol.ENV_KEEPER_ADDRESS, f"{replica},{own}")
+    monkeypatch.setenv(keeper_protocol.ENV_KEEPER_LOCAL, f",{own_local}")
+    monkeypatch.setenv(keeper_protocol.ENV_KEEPER_AUTHKEY, key.hex())
+    monkeypatch.setenv(keeper_protocol.ENV_KEEPER_HOMES, "1")
+
+
+def tcp_peer_ports() -> set[int]:
+    """The remote ports of this process's TCP connections (its socket descriptors found in /proc/net/tcp*)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    ports = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[9] in inodes:
+                    ports.add(int(fields[2].rsplit(":", 1)[1], 16))
+    return ports
+
+
+class TcpPeers(mf.callbacks.Callback):
+    """Records, after every batch and at the end of the fit, the ports this process's TCP connections reach."""
+
+    def __init__(self):
+        super().__init__()
+        self.ports: set[int] = set()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.ports |= tcp_peer_ports()
+
+    on_train_end = on_train_batch_end
+
+
+def newest_part(address: str, key: bytes, fit_key: str) -> tuple[int, bytes] | None:
+    """The newest committed snapshot's step and rank 0's part (of a 1-process job) held by the keeper at
+    `address`, asked over the protocol as a restarted rank would."""
+    with keeper_protocol.connect(address, key) as conn:
+        request = {"op": "latest", "fit": fit_key, "rank": 0, "world": 1, "step": memory_tier.NEWEST}
+        keeper_protocol.send_json(conn, request)
+        reply = keeper_protocol.recv_json(conn)
+        if reply["step"] is None:
+            return None
+        return reply["step"], bytes(keeper_protocol.recv_payload(conn, reply["size"]))
+
+
+@pytest.mark.slow
+def test_the_ranks_own_keeper_sends_its_replica_on_and_the_rank_sends_its_part_once(tmp_path, monkeypatch):
+    """Two nodes' keepers in processes of their own. The rank writes each snapshot into its own keeper's shared
+    memory (its Unix socket) and opens no TCP connection at all, to the replica's keeper least; its own keeper
+    sends each part on, and the replica's keeper holds the same bytes, saying whose keeper sent them."""
+    key = os.urandom(32)
+    with keeper_node(key.hex()) as (replica_job, replica), keeper_node(key.hex(), replica["tcp"]) as (_, own):
+        own_local = own[keeper_protocol.ENV_KEEPER_ADDRESS]
+        two_nodes(monkeypatch, key, replica["tcp"], own["tcp"], own_local)
+        probe = TcpPeers()
+        fit(tmp_path / "b", 1, after_restore=[probe], save_freq=1000, memory_freq=2, delete_checkpoint=False)
+        fit_key = os.path.abspath(tmp_path / "b")
+        with keeper_protocol.connect(own_local, key) as conn:  # the replicas on their way have arrived
+            keeper_protocol.send_json(conn, {"op": "settle", "fit": fit_key, "rank": 0, "world": 1, "step": 0})
+            assert keeper_protocol.recv_json(conn) == {"ok": True, "settled": True}
+        held = newest_part(replica["tcp"], key, fit_key)
+        assert held is not None and held[0] == 6
+        assert held == newest_part(own_local, key, fit_key)  # the same bytes on both nodes
+        ports = {int(address.rsplit(":", 1)[1]) for address in (replica["tcp"], own["tcp"])}
+        assert not probe.ports & ports, probe.ports  # the rank sent its part once, through its Unix socket
+        said = f"keeper: holds replicas that the keeper at {own['tcp']} sends on"
+        deadline = time.monotonic() + 30  # (it says so right after answering the first one)
+        while said not in replica_job.stderr and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert said in replica_job.stderr, replica_job.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["stopped", "gone"])
+def test_a_replica_keeper_stopped_or_gone_never_holds_the_rank_and_is_said_once(tmp_path, monkeypatch, fault):
+    """The replica's keeper SIGSTOPped (or SIGKILLed) before the fit: every snapshot still commits on the rank's
+    own keeper with no warning (the tier stays on, nothing waits for the replica), each replica the own
+    keeper tries ends within its bounds, and its log says so once however many failed."""
+    monkeypatch.setattr(keeper_protocol, "ANSWER_TIMEOUT", 2.0)
+    key = os.urandom(32)
+    own = Keeper(io.StringIO(), key=key)
+    try:
+        with keeper_node(key.hex()) as (replica_job, replica):
+            own.set_peers([replica["tcp"], own.address])
+            two_nodes(monkeypatch, key, replica["tcp"], own.address, own.local_address)
+            os.kill(replica_job.proc.pid, signal.SIGSTOP if fault == "stopped" else signal.SIGKILL)
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                fit(tmp_path / "b", 1, save_freq=1000, memory_freq=2, delete_checkpoint=False)
+            assert not [str(w.message) for w in said if "BackupAndRestore" in str(w.message)]
+            assert own.committed_steps(os.path.abspath(tmp_path / "b")) == [4, 6]
+            assert own.settle(60)  # every try ended within its bounds
+            sent, failed = own.replica_counts
+            assert sent == 0 and failed >= 2, (sent, failed)
+            lines = [ln for ln in own.log.getvalue().splitlines() if "could not send the replica" in ln]
+            assert len(lines) == 1 and replica["tcp"] in lines[0], own.log.getvalue()
+    finally:
+        own.close()
 
 
 def test_another_user_cannot_connect_to_the_keeper_of_this_node(tmp_path, keeper):
