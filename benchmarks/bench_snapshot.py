@@ -15,7 +15,16 @@ copies use), and `jax.device_get` of the state with its bytes written to a
 socket that a child process reads into one buffer. On a GPU it also times
 the copy to the host through `pinned_host` memory.
 
-    python benchmarks/bench_snapshot.py [--gib 1] [--array-mib 64] [--repeats 3]
+With `--replicas 2` the child runs two keepers, as two Ray nodes' keepers
+under `meshfit launch --ray` (here both on this machine, reached over
+loopback TCP): the rank's own (its Unix socket, its shared memory) and
+another node's, which holds the replica that the rank's own keeper sends on.
+It also prints the rank's own time per snapshot (`MemoryTier.send_seconds`,
+from the device copies to its own keeper's answer: what the sender thread is
+busy with), beside the whole (`save` and `wait`, which waits for the
+replicas too).
+
+    python benchmarks/bench_snapshot.py [--gib 1] [--array-mib 64] [--repeats 3] [--replicas 1]
 """
 
 from __future__ import annotations
@@ -34,11 +43,24 @@ import time
 from smoke import parse_args
 
 
-def serve() -> None:
-    """The child: a keeper and a raw sink (reads `size` bytes into one buffer, answers one byte); prints where."""
+def serve(replicas: int) -> None:
+    """The child: a keeper (and, with `replicas` 2, another node's that holds the replicas) and a raw sink
+    (reads `size` bytes into one buffer, answers one byte); prints where."""
     from meshfit.launch.keeper import Keeper
+    from meshfit.runtime import keeper_protocol as protocol
 
     keeper = Keeper(log=sys.stderr)
+    env = keeper.env()
+    if replicas > 1:  # the rank's own keeper (keeper 1, its `HOMES`) and another node's (keeper 0)
+        other = Keeper(log=sys.stderr, key=keeper.key)
+        if hasattr(keeper, "set_peers"):  # (a keeper from before replicas were its job: the rank sends them)
+            keeper.set_peers([other.address, keeper.address])
+        env = {
+            protocol.ENV_KEEPER_ADDRESS: f"{other.address},{keeper.address}",
+            protocol.ENV_KEEPER_LOCAL: f",{keeper.local_address}",
+            protocol.ENV_KEEPER_AUTHKEY: keeper.key.hex(),
+            protocol.ENV_KEEPER_HOMES: "1",
+        }
     sink = socket.create_server(("127.0.0.1", 0))
 
     def drain() -> None:
@@ -53,7 +75,7 @@ def serve() -> None:
                     conn.sendall(b"k")
 
     threading.Thread(target=drain, daemon=True).start()
-    print(json.dumps({"env": keeper.env(), "sink": sink.getsockname()[1]}), flush=True)
+    print(json.dumps({"env": env, "sink": sink.getsockname()[1]}), flush=True)
     sys.stdin.read()  # until the parent closes it
     keeper.close()
 
@@ -74,12 +96,16 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=1.0, help="the state's size")
     parser.add_argument("--array-mib", type=int, default=64, help="the size of each array of the state")
     parser.add_argument("--repeats", type=int, default=3)
-    args = parse_args(parser, gib=1 / 64, array_mib=4, repeats=2)
+    parser.add_argument("--replicas", type=int, choices=(1, 2), default=1, help="keepers holding each snapshot")
+    args = parse_args(parser, gib=1 / 64, array_mib=4, repeats=2, replicas=2)
     if args.serve:
-        serve()
+        serve(args.replicas)
         return
     child = subprocess.Popen(
-        [sys.executable, __file__, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, __file__, "--serve", "--replicas", str(args.replicas)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         where = json.loads(child.stdout.readline())
@@ -119,16 +145,18 @@ def run(args, sink_port: int) -> None:
         "array_specs": {},
     }
 
-    memory = tier.MemoryTier(os.path.join(os.getcwd(), "bench-snapshot"))
+    memory = tier.MemoryTier(os.path.join(os.getcwd(), "bench-snapshot"), args.replicas)
     for step in range(-3, 0):  # compiles, connects, and fills the keeper (its newest 2 and a spare): from then
         memory.save(step + 3, state, meta)  # on each snapshot reuses the memory of the one it evicts, as in a fit
         memory.wait()
 
     steps = iter(range(3, 1 << 30))  # a new step each time: the keeper evicts and recycles as in a fit
+    sending: list[float] = []
 
     def snapshot() -> None:
         memory.save(next(steps), state, meta)
         memory.wait()
+        sending.append(memory.send_seconds)
 
     whole = timed(snapshot, args.repeats)
 
@@ -162,8 +190,10 @@ def run(args, sink_port: int) -> None:
 
     memcpy()
     copied = timed(memcpy, args.repeats)
+    print(f"replicas: {args.replicas} ({len(memory.targets)} keeper(s) hold each snapshot)")
     print(
-        f"snapshot (save + wait): {whole:.3f} s ({nbytes / whole / 1e9:.2f} GB/s), sending {memory.send_seconds:.3f} s"
+        f"snapshot (save + wait): {whole:.3f} s ({nbytes / whole / 1e9:.2f} GB/s), the rank's own sending "
+        f"{statistics.median(sending):.3f} s (median)"
     )
     print(f"baseline memcpy: {copied:.3f} s ({nbytes / copied / 1e9:.2f} GB/s)")
     print(f"baseline device_get + socket: {bare:.3f} s ({nbytes / bare / 1e9:.2f} GB/s)")
@@ -208,6 +238,7 @@ def run(args, sink_port: int) -> None:
         ("restore (map, checksum, arrays on the device)", restore),
     ]:
         phases[name] = timed(fn, args.repeats)
+        memory.wait()  # (replicas the keeper still sends on do not run into the next phase)
     if device.platform != "cpu":
 
         def pinned() -> None:
