@@ -140,7 +140,7 @@ def build(strategy, rows):
             return jnp.sum(forward(tree["stack"], x) ** 2) / size, ()
 
         def loss(params, x):  # noqa: F811
-            return one_f_one_b.objective(parts, {"stack": params}, x, (), ("stack",))[0]
+            return one_f_one_b.objective(parts, {"stack": params}, x, (), ("stack",), strategy.stage_layout)[0]
 
         params = nnx.to_pure_dict(params)
     return forward, loss, params, x

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from meshfit.core.state import TrainState
-from meshfit.strategies import layer_stacks
+from meshfit.pipeline import layer_stacks
 
 #: The format of the JSON record beside a saved model's or saved weights' arrays. 2: compile settings as
 #: `meshfit.checkpointing.serialization` records (1: names only, objects left out).
@@ -143,7 +143,7 @@ def _array_references(value: Any, field: str, specs: dict) -> None:
 
 def weights_of(state: TrainState) -> dict:
     """The part of a state that `get_weights` covers, as checkpoints hold it: layer stacks in their natural
-    (layers, ...) form whatever the schedule stores them in (`meshfit.strategies.layer_stacks`)."""
+    (layers, ...) form whatever the schedule stores them in (`meshfit.pipeline.layer_stacks`)."""
     return layer_stacks.natural({"params": state.params, "model_state": state.model_state})
 
 

@@ -31,8 +31,8 @@ from typing import Any
 import jax
 from jax.extend import core as jax_core
 
-from meshfit.strategies import layer_stacks
-from meshfit.strategies.pipeline import STAGE_AXIS
+from meshfit.pipeline import layer_stacks
+from meshfit.pipeline.settings import STAGE_AXIS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshfit.strategies.pipeline import STAGE_AXIS
+from meshfit.pipeline.settings import STAGE_AXIS
 
 
 def layer_axes(spec: Any) -> int:

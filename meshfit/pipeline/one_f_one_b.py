@@ -4,10 +4,15 @@ With the loss outside the pipeline no cotangent exists until every output
 does, so the backward could only start after a whole forward pass. Here the
 last stage runs the rest of the model (the tail: every layer after `Stages`,
 e.g. a norm and a head) and the loss on each microbatch as soon as the
-microbatch leaves the stack, and starts its backward in the same tick:
+microbatch leaves the stack, and starts its backward in the same tick.
 
-* capture: the module runs with `Stages` in capture mode (`capture.py`),
-  which stops it at the `Stages` call with the stack's input h and blocks;
+A strategy that trains on this schedule hands the built-in train step
+`pipelined_objective(module, layout)`; the step calls it with its objective,
+which is computed so:
+
+* capture: the module runs once with `Stages` in capture mode (`capture.py`),
+  which records the stack's input h and blocks and returns h; the rest of
+  that pass is traced but unused (XLA drops it);
 * the loop, inside `jax.shard_map` over the stage (and whole-copy data) axes,
   in three phases: P - 1 warm-up ticks of forward only, M ticks of forward and
   backward, P - 1 cool-down ticks of backward only. Stage s forwards microbatch
@@ -48,21 +53,19 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from meshfit.pipeline import capture, schedules
+from meshfit.pipeline.settings import STAGE_AXIS
+from meshfit.pipeline.stage_layout import StageLayout
 from meshfit.pipeline.stages import Stages
 from meshfit.pipeline.vma import vary
-from meshfit.strategies.current import get_strategy
-from meshfit.strategies.mesh import MeshStrategy
-from meshfit.strategies.pipeline import STAGE_AXIS
 
 #: `(params, batch, consts) -> (objective, aux)`: the step's objective on a batch (or one microbatch of it).
 Objective = Callable[[Any, Any, Any], tuple[jax.Array, Any]]
+#: `(objective fn, params, batch, consts) -> (objective, aux)`: `fn`'s objective computed by the fused loop.
+PipelinedObjective = Callable[[Objective, Any, Any, Any], tuple[jax.Array, Any]]
 
 
 def stages_path(module: Any) -> tuple | None:
-    """The path of `module`'s `Stages` when the current strategy trains it with "1f1b"; None otherwise."""
-    strategy = get_strategy()
-    if not isinstance(strategy, MeshStrategy) or strategy.pipeline is None or strategy.pipeline.schedule != "1f1b":
-        return None
+    """The path of `module`'s `Stages` stack; None for a module without one (or not an NNX module)."""
     if not isinstance(module, nnx.Module):
         return None
     paths = [path for path, node in nnx.iter_graph(module) if isinstance(node, Stages)]
@@ -74,27 +77,35 @@ def stages_path(module: Any) -> tuple | None:
     return tuple(paths[0]) if paths else None
 
 
-def objective(fn: Objective, params: Any, batch: Any, consts: Any, path: tuple) -> tuple[jax.Array, Any]:
-    """`fn(params, batch, consts)`, the objective and its aux, computed by the fused 1F1B loop.
+def pipelined_objective(module: Any, layout: StageLayout) -> PipelinedObjective | None:
+    """`objective` bound to `module`'s `Stages` path and `layout`; None where the module holds no `Stages`."""
+    path = stages_path(module)
+    if path is None:
+        return None
+    return functools.partial(objective, path=path, layout=layout)
+
+
+def objective(
+    fn: Objective, params: Any, batch: Any, consts: Any, path: tuple, layout: StageLayout
+) -> tuple[jax.Array, Any]:
+    """`fn(params, batch, consts)`, the objective and its aux, computed by the fused 1F1B loop on `layout`.
 
     `params` is a nested dict holding the `Stages` parameters at `path`; every
     leaf of `batch` has the batch's rows first; `consts` are not differentiated.
     `fn`'s objective must be a sum over microbatches; its aux leaves are scalars
     (summed over the microbatches) or arrays with rows first (put back in row order).
     """
-    try:
-        with capture.capturing():
-            fn(params, batch, consts)
-    except capture.Captured as found:
-        call = found
-    else:
+    with capture.capturing() as found:
+        fn(params, batch, consts)  # up to Stages; what follows runs on the stack's input, unused
+    stack = found.call
+    if stack is None:
         raise ValueError(
             f"The module holds a Stages stack at {'/'.join(map(str, path))} that its forward pass never calls."
         )
-    stages = call.mesh.shape[STAGE_AXIS]
-    grouped = schedules.group(call.params, stages, call.pipeline)
-    micro_h = schedules.to_micro(call.x, call.pipeline.microbatches, call.replicas)
-    micro_batch = jax.tree.map(lambda a: schedules.to_micro(a, call.pipeline.microbatches), batch)
+    pipeline = layout.pipeline
+    grouped = schedules.group(stack.params, layout.stages, pipeline)
+    micro_h = schedules.to_micro(stack.x, pipeline.microbatches, layout.replicas)
+    micro_batch = jax.tree.map(lambda a: schedules.to_micro(a, pipeline.microbatches), batch)
     tail_params = _without(params, path)
     placeholder = jax.tree.map(lambda a: jnp.zeros((), a.dtype), _at(params, path))
 
@@ -102,7 +113,7 @@ def objective(fn: Objective, params: Any, batch: Any, consts: Any, path: tuple) 
         with capture.injecting(y):
             return fn(_with(tail_params, path, placeholder), batch_m, consts)
 
-    loop = _loop(tail, call, stages)
+    loop = _loop(tail, stack.apply, layout)
 
     @jax.custom_vjp
     def fused(tail_params, grouped, micro_h, micro_batch, consts):
@@ -123,9 +134,9 @@ def objective(fn: Objective, params: Any, batch: Any, consts: Any, path: tuple) 
     return value, aux
 
 
-def _loop(tail: Callable, call: capture.Captured, stages: int) -> Callable:
+def _loop(tail: Callable, apply: Callable, layout: StageLayout) -> Callable:
     """`(tail params, grouped, micro h, micro batch, consts) -> (objective, aux, (d tail, d grouped, d micro h))`."""
-    microbatches, data_axes, apply = call.pipeline.microbatches, call.data_axes, call.apply
+    stages, microbatches, data_axes = layout.stages, layout.pipeline.microbatches, layout.data_axes
     # Stage s keeps a microbatch's residuals from its forward tick to its backward tick, 2(P - 1 - s) later.
     depth = min(2 * stages - 1, microbatches)
     ahead = [(s, s + 1) for s in range(stages - 1)]
@@ -256,7 +267,7 @@ def _loop(tail: Callable, call: capture.Captured, stages: int) -> Callable:
         replicated = jax.tree.map(lambda _: P(), tail_params)
         mapped = jax.shard_map(
             body,
-            mesh=call.mesh,
+            mesh=layout.mesh,
             in_specs=(
                 replicated,
                 P(STAGE_AXIS),

@@ -23,44 +23,36 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from meshfit.pipeline.settings import STAGE_AXIS, Pipeline
+from meshfit.pipeline.stage_layout import StageLayout
 from meshfit.pipeline.vma import vary
-from meshfit.strategies.pipeline import STAGE_AXIS, Pipeline
 
 Apply = Callable[[Any, jax.Array], jax.Array]
 
 
-def run(
-    apply: Apply,
-    params: Any,
-    x: jax.Array,
-    *,
-    mesh: Mesh,
-    pipeline: Pipeline,
-    replicas: int,
-    data_axes: tuple[str, ...] = (),
-    repeat_major: bool = False,
-) -> jax.Array:
-    """Runs the stacked layers `params` (leading layer axis) on `x` pipelined over `mesh`'s stage axis.
+def run(apply: Apply, params: Any, x: jax.Array, layout: StageLayout, repeat_major: bool = False) -> jax.Array:
+    """Runs the stacked layers `params` (leading layer axis) on `x` pipelined over `layout`'s stage axis.
 
     `apply(layer_params, h)` applies one layer. The batch `x` is cut into
-    `pipeline.microbatches` parts within each of the `replicas` data replicas.
-    `data_axes` are the leading batch axes over which each stage's parameters
-    are whole copies: the loop runs manual over them too, so each data shard
-    sums its parameters' gradient over the ticks and the shards reduce it once
-    per step (left to the compiler, the reduction runs inside every tick).
-    `repeat_major`: `params` are stored (repeats, layers / repeats, ...), as `group` says.
+    `pipeline.microbatches` parts within each of the layout's data replicas.
+    The layout's `data_axes` are the leading batch axes over which each
+    stage's parameters are whole copies: the loop runs manual over them too,
+    so each data shard sums its parameters' gradient over the ticks and the
+    shards reduce it once per step (left to the compiler, the reduction runs
+    inside every tick). `repeat_major`: `params` are stored (repeats, layers /
+    repeats, ...), as `group` says.
     """
-    stages, microbatches, repeats = mesh.shape[STAGE_AXIS], pipeline.microbatches, pipeline.repeats
+    pipeline, data_axes = layout.pipeline, layout.data_axes
+    stages, microbatches, repeats = layout.stages, pipeline.microbatches, pipeline.repeats
     grouped = group(params, stages, pipeline, repeat_major)
-    micro = to_micro(x, microbatches, replicas)
+    micro = to_micro(x, microbatches, layout.replicas)
     body = _loop(apply, stages, microbatches, repeats, data_axes)
     rows_spec = P(None, data_axes or None)
     forward = jax.shard_map(
         body,
-        mesh=mesh,
+        mesh=layout.mesh,
         in_specs=(P(STAGE_AXIS), rows_spec),
         out_specs=rows_spec,
         axis_names={STAGE_AXIS, *data_axes},
@@ -72,7 +64,7 @@ def group(params: Any, stages: int, pipeline: Pipeline, repeat_major: bool = Fal
     """(layers, ...) -> (stages, repeats, layers of a stage's round, ...): stage s runs layer blocks s, s + P, ...
 
     With `repeat_major`, `params` come as a circular pipeline's `Stages` store them, (repeats, layers /
-    repeats, ...) split over the stages on their second axis (`meshfit.strategies.layer_stacks`): the same
+    repeats, ...) split over the stages on their second axis (`meshfit.pipeline.layer_stacks`): the same
     layers row by row, each stage's blocks already on its devices, so the regrouping moves nothing. From the
     contiguous form (layers, ...) split over the stages, a circular pipeline's regrouping moves the blocks
     to the stages that run them (and their gradients back) every step.

@@ -1,4 +1,4 @@
-"""Pipeline: how a `MeshStrategy` with a `stage` axis runs a model's `meshfit.pipeline.Stages`.
+"""A pipeline's settings: how a `MeshStrategy` with a `stage` axis runs a model's `meshfit.pipeline.Stages`.
 
 The `stage` mesh axis splits the layer axis of a `Stages` stack in contiguous
 blocks, one per stage; a batch is cut into `microbatches` that flow through the
@@ -10,7 +10,7 @@ Schedules:
     going round the ring `repeats` times; the bubble shrinks to
     (P - 1) / (repeats * M + P - 1). Stage s runs layer groups s, s + P, ...:
     the stack is stored repeat-major so they lie on its devices, and no step
-    moves parameters (`meshfit.strategies.layer_stacks`).
+    moves parameters (`meshfit.pipeline.layer_stacks`).
   * "1f1b": the built-in train step runs the layers after the stack (the
     tail) and the loss inside the last stage, one microbatch at a time, so a
     backward starts as soon as a microbatch leaves the stack: a forward and a

@@ -8,10 +8,8 @@ from typing import Any
 import jax
 from flax import nnx
 
-from meshfit.pipeline import capture, schedules
-from meshfit.strategies.current import get_strategy
-from meshfit.strategies.mesh import MeshStrategy
-from meshfit.strategies.pipeline import STAGE_AXIS
+from meshfit.pipeline import capture, schedules, stage_layout
+from meshfit.pipeline.settings import STAGE_AXIS
 
 
 class Stages(nnx.Module):
@@ -20,15 +18,19 @@ class Stages(nnx.Module):
     Called as `stages(x)`, it runs the blocks in order on `x` (each block maps
     an array to one of the same shape and dtype). Without a `stage` mesh axis
     the blocks run in one `nnx.scan`, so the model trains on any strategy;
-    under a `MeshStrategy` with a `stage` axis of size P, the layer axis is split
-    over the stages (each stage's devices hold only its layers' parameters)
-    and the blocks run pipelined as the strategy's `Pipeline` says. Under a
-    circular pipeline with v repeats the layer axis is stored repeat-major,
-    (v, layers / v, ...), so each stage's devices hold the blocks it runs in
-    every round and no step moves parameters between stages
-    (`meshfit.strategies.layer_stacks`); weights and checkpoints show the
+    under a `MeshStrategy` with a `stage` axis of size P (whose scope sets the
+    `meshfit.pipeline.stage_layout.StageLayout` the stack reads), the layer axis
+    is split over the stages (each stage's devices hold only its layers'
+    parameters) and the blocks run pipelined as the strategy's `Pipeline` says.
+    Under a circular pipeline with v repeats the layer axis is stored
+    repeat-major, (v, layers / v, ...), so each stage's devices hold the blocks
+    it runs in every round and no step moves parameters between stages
+    (`meshfit.pipeline.layer_stacks`); weights and checkpoints show the
     natural (layers, ...) form under every layout, so a checkpoint restores under any.
     Pipelined blocks hold only `nnx.Param`s (no dropout streams or batch statistics).
+    The fused 1F1B train step splits the enclosing module at the call
+    (`meshfit.pipeline.capture`): the call then records itself and returns its
+    input, or returns the stage output it is handed.
 
     Args:
         make_block: a function taking `rngs=` (an `nnx.Rngs`) and returning one block (an `nnx.Module`):
@@ -46,14 +48,13 @@ class Stages(nnx.Module):
         if not isinstance(layers, int) or layers < 1:
             raise ValueError(f"Stages needs a positive int number of `layers`. Received: layers={layers!r}.")
         self.layers = layers
-        strategy = get_strategy()
-        pipeline = strategy.pipeline if isinstance(strategy, MeshStrategy) else None
-        if pipeline is not None:
-            pipeline.check_layers(layers, strategy.stages)
+        layout = stage_layout.current()
+        if layout is not None:
+            layout.pipeline.check_layers(layers, layout.stages)
         mesh = jax.sharding.get_abstract_mesh()
         lead = STAGE_AXIS if not mesh.empty and STAGE_AXIS in mesh.shape else None
         # The rounds the layer axis is stored in: a circular pipeline's repeats (repeat-major), else 1.
-        self.repeats = pipeline.repeats if pipeline is not None and lead is not None else 1
+        self.repeats = layout.pipeline.repeats if layout is not None and lead is not None else 1
 
         @nnx.split_rngs(splits=layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -69,52 +70,25 @@ class Stages(nnx.Module):
                 _mark_stacked(variable, lead, self.repeats)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        strategy = get_strategy()
-        if isinstance(strategy, MeshStrategy) and strategy.pipeline is not None:
-            graphdef, params, rest = nnx.split(self.blocks, nnx.Param, ...)
-            if jax.tree.leaves(rest):
-                names = sorted({"/".join(map(str, path)) for path, _ in nnx.to_flat_state(rest)})
-                raise ValueError(
-                    "Pipelined Stages run blocks that hold only nnx.Param variables. Received blocks that also "
-                    f"hold {names}. Drop them from the block (e.g. no Dropout), or train without a 'stage' axis."
-                )
-            params = nnx.to_pure_dict(params)
-            repeat_major = self.repeats > 1 and self.repeats == strategy.pipeline.repeats
-            if self.repeats > 1 and not repeat_major:  # stored for another schedule: run in order, moved each step
-                params = _in_order(params)
-            call = capture.Captured(
-                _block_apply(graphdef),
-                params,
-                x,
-                mesh=strategy.mesh,
-                pipeline=strategy.pipeline,
-                replicas=strategy.num_replicas_in_sync,
-                data_axes=_whole_copy_axes(strategy),
+        layout, mode = stage_layout.current(), capture.mode()
+        if layout is None and mode is None:
+            return _scan(self.blocks, x, self.repeats)
+        graphdef, params, rest = nnx.split(self.blocks, nnx.Param, ...)
+        if jax.tree.leaves(rest):
+            names = sorted({"/".join(map(str, path)) for path, _ in nnx.to_flat_state(rest)})
+            raise ValueError(
+                "Pipelined Stages run blocks that hold only nnx.Param variables. Received blocks that also "
+                f"hold {names}. Drop them from the block (e.g. no Dropout), or train without a 'stage' axis."
             )
-            injected = capture.intercept(call)  # the fused 1f1b step splits the module here
-            if injected is not None:
-                return injected
-            return schedules.run(
-                call.apply,
-                call.params,
-                x,
-                mesh=call.mesh,
-                pipeline=call.pipeline,
-                replicas=call.replicas,
-                data_axes=call.data_axes,
-                repeat_major=repeat_major,
-            )
-        return _scan(self.blocks, x, self.repeats)
-
-
-def _whole_copy_axes(strategy: MeshStrategy) -> tuple[str, ...]:
-    """The leading batch axes before the fsdp axis: a stage's devices along them hold whole parameter copies."""
-    axes: list[str] = []
-    for axis in strategy.batch_axes:
-        if axis in (strategy.fsdp_axis, STAGE_AXIS):
-            break
-        axes.append(axis)
-    return tuple(axes)
+        params = nnx.to_pure_dict(params)
+        repeat_major = layout is not None and self.repeats > 1 and self.repeats == layout.pipeline.repeats
+        if self.repeats > 1 and not repeat_major:  # stored for another schedule: run in order, moved each step
+            params = _in_order(params)
+        call = capture.StackCall(_block_apply(graphdef), params, x)
+        if mode is not None:  # the fused 1f1b step splits the module here
+            return capture.intercept(call)
+        assert layout is not None
+        return schedules.run(call.apply, call.params, x, layout, repeat_major=repeat_major)
 
 
 def _mark_stacked(variable: nnx.Variable, lead: str | None, repeats: int = 1) -> None:

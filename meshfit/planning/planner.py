@@ -40,10 +40,10 @@ from meshfit.cost.roofline import DeviceSpec, StepTime
 from meshfit.cost.step_report import COLLECTIVE_KINDS, StepReport
 from meshfit.model import Model
 from meshfit.pipeline import Stages
+from meshfit.pipeline.settings import STAGE_AXIS, Pipeline
 from meshfit.strategies.layout import Rules
 from meshfit.strategies.mesh import MeshStrategy
 from meshfit.strategies.mirrored import MirroredStrategy
-from meshfit.strategies.pipeline import STAGE_AXIS, Pipeline
 
 #: The mesh axes a plan factors the devices into, in `MeshStrategy` order.
 MESH_AXES = ("data", "fsdp", "tensor")

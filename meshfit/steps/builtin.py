@@ -20,7 +20,6 @@ from meshfit import losses as losses_lib
 from meshfit.core import precision
 from meshfit.core.batch import Batch
 from meshfit.core.state import TrainState
-from meshfit.pipeline import one_f_one_b
 from meshfit.steps.modules import ModuleAdapter
 from meshfit.steps.terms import LOSS_KEY, LossTerm, MetricTerm
 
@@ -44,6 +43,14 @@ class Replicas(Protocol):
 
     def rng(self, key):
         """This replica's random key (key data) for its rows: its own draws, not a copy of the others'."""
+
+
+class PipelinedObjective(Protocol):
+    """An objective computed another way (`StepFunctions.with_pipelined_objective`): a pipeline's fused loop."""
+
+    def __call__(self, objective: Callable, params: Any, batch: Any, consts: Any, /) -> tuple[jax.Array, Any]:
+        """What `objective(params, batch, consts)` returns, `(objective, aux)`: aux leaves scalars or rows first."""
+        ...
 
 
 class _OneReplica:
@@ -223,6 +230,7 @@ class StepFunctions(ScannedSteps):
         self.tx = tx
         self.metric_terms = list(metrics)
         self.replica_gradients: Callable | None = None
+        self.pipelined_objective: PipelinedObjective | None = None
         self.rows: int | None = None  # set by `with_rows`: a scalar loss sees only these first rows
 
     def with_replica_gradients(self, fn: Callable) -> StepFunctions:
@@ -234,6 +242,19 @@ class StepFunctions(ScannedSteps):
         """
         steps = copy.copy(self)
         steps.replica_gradients = fn
+        return steps
+
+    def with_pipelined_objective(self, fn: PipelinedObjective) -> StepFunctions:
+        """A copy whose training steps compute the objective and its gradient with `fn`.
+
+        `fn(objective, params, batch, consts)` returns what `objective(params,
+        batch, consts)` returns, `(objective, aux)`, computed another way: a
+        strategy that pipelines the model passes its fused 1F1B loop, which runs
+        the layers after the pipeline and the loss inside the pipeline's last
+        stage, one microbatch at a time (`meshfit.pipeline.one_f_one_b`).
+        """
+        steps = copy.copy(self)
+        steps.pipelined_objective = fn
         return steps
 
     def with_rows(self, rows: int) -> StepFunctions:
@@ -426,10 +447,9 @@ class StepFunctions(ScannedSteps):
 
     @property
     def _pipelined_loss_parts(self) -> Callable | None:
-        """`_loss_parts` computed inside a "1f1b" pipeline's last stage, where the module holds a `Stages`
-        trained on that schedule (`meshfit.pipeline.one_f_one_b`); None elsewhere."""
-        path = one_f_one_b.stages_path(getattr(self.adapter, "module", None))
-        if path is None:
+        """`_loss_parts` computed by `pipelined_objective` (`with_pipelined_objective`); None without one."""
+        pipelined = self.pipelined_objective
+        if pipelined is None:
             return None
         scalar = self.scalar_losses
         several = len(self.losses) > 1 and any(term.loss.reduction != "sum" for term in self.losses)
@@ -459,7 +479,7 @@ class StepFunctions(ScannedSteps):
         def loss_parts(params, model_state, batch, rng, loss_scale, replicas):
             consts = (model_state, rng, loss_scale)
             fn = functools.partial(parts, replicas=replicas)
-            objective, aux = one_f_one_b.objective(fn, params, batch, consts, path)
+            objective, aux = pipelined(fn, params, batch, consts)
             return objective, (*aux, model_state)
 
         return loss_parts

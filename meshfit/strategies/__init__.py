@@ -27,11 +27,12 @@ _NAMES = {
     "MirroredStrategy": "meshfit.strategies.mirrored",
     "MultiWorkerMirroredStrategy": "meshfit.strategies.multi_worker_mirrored",
     "OneDeviceStrategy": "meshfit.strategies.one_device",
-    "Pipeline": "meshfit.strategies.pipeline",
+    "Pipeline": "meshfit.pipeline.settings",
     "ParameterServerStrategy": "meshfit.strategies.parameter_server.strategy",
 }
 
 if TYPE_CHECKING:  # what type checkers and the API docs see
+    from meshfit.pipeline.settings import Pipeline
     from meshfit.strategies.base import Capabilities, Strategy
     from meshfit.strategies.current import get_strategy, has_strategy
     from meshfit.strategies.mesh import MeshStrategy, constrain
@@ -39,7 +40,6 @@ if TYPE_CHECKING:  # what type checkers and the API docs see
     from meshfit.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
     from meshfit.strategies.one_device import OneDeviceStrategy
     from meshfit.strategies.parameter_server import ParameterServerStrategy
-    from meshfit.strategies.pipeline import Pipeline
 
 
 __all__ = [

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 
+from meshfit.pipeline import stage_layout as pipeline_layout
 from meshfit.strategies import placement
 from meshfit.strategies.leaf_programs import LeafProgram
 
@@ -121,12 +122,20 @@ class Strategy(ABC):
         """What this strategy can do (`Capabilities`): by default all of it, but a scalar loss across processes."""
         return Capabilities(scalar_loss_refusal=multi_process_refusal(self.process_count))
 
+    @property
+    def stage_layout(self) -> pipeline_layout.StageLayout | None:
+        """Where a `meshfit.pipeline.Stages` stack called in this strategy's scope runs pipelined; None (the
+        default): no `stage` axis, so its blocks run in one scan."""
+        return None
+
     @contextlib.contextmanager
     def scope(self) -> Iterator[Strategy]:
-        """Makes this the current strategy: models created inside belong to it."""
+        """Makes this the current strategy: models created inside belong to it, and `Stages` stacks called
+        inside run on its `stage_layout`."""
         scope_stack().append(self)
         try:
-            yield self
+            with pipeline_layout.scope(self.stage_layout):
+                yield self
         finally:
             scope_stack().pop()
 
@@ -145,7 +154,8 @@ class Strategy(ABC):
 
     def step_functions(self, steps: StepFunctions) -> StepFunctions:
         """The step functions this strategy compiles: `steps` as they are, unless it computes
-        gradients its own way (the explicit data-parallel step swaps in its per-replica gradients)."""
+        gradients its own way (the explicit data-parallel step swaps in its per-replica gradients)
+        or the objective (a 1F1B pipeline hands in its fused loop)."""
         return steps
 
     def state_shardings(self, state: TrainState, param_hints: Any = None) -> Any | None:

@@ -30,8 +30,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from meshfit.core.trees import path_name
-from meshfit.strategies import layer_stacks
-from meshfit.strategies.pipeline import STAGE_AXIS
+from meshfit.pipeline import layer_stacks
+from meshfit.pipeline.settings import STAGE_AXIS
 
 Rules = Sequence[tuple[str, Any]]
 
@@ -118,7 +118,7 @@ def default_spec(shape: tuple[int, ...], mesh: Mesh, fsdp_axis: str, min_shard_s
 
 def stage_spec(hint: P, shape, mesh: Mesh, name: str, logical: dict, fsdp_axis: str, min_shard_size: int) -> P:
     """The spec of a stacked layer parameter: its layer axis over `stage` (the second of a repeat-major stack's
-    two layer axes, `meshfit.strategies.layer_stacks`), the rest by metadata or default."""
+    two layer axes, `meshfit.pipeline.layer_stacks`), the rest by metadata or default."""
     lead = layer_stacks.layer_axes(hint)
     rest = P(*hint[lead:])
     if any(entry is not None for entry in rest):

@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshfit.pipeline import layer_stacks, one_f_one_b
+from meshfit.pipeline.settings import STAGE_AXIS, Pipeline
+from meshfit.pipeline.stage_layout import StageLayout
 from meshfit.runtime import cluster
-from meshfit.strategies import layer_stacks, layout
+from meshfit.strategies import layout
 from meshfit.strategies.base import Strategy
 from meshfit.strategies.current import get_strategy
 from meshfit.strategies.device_mesh import DeviceMeshStrategy, build_mesh
-from meshfit.strategies.pipeline import STAGE_AXIS, Pipeline
+
+if TYPE_CHECKING:
+    from meshfit.steps.builtin import StepFunctions
 
 DEFAULT_AXES = {"data": -1, "fsdp": 1, "tensor": 1}
 
@@ -112,6 +117,30 @@ class MeshStrategy(DeviceMeshStrategy):
         if self.pipeline is not None:
             self.pipeline.check_batch_size(batch_size, self.num_replicas_in_sync)
 
+    @property
+    def stage_layout(self) -> StageLayout | None:
+        """The `stage` axis a `meshfit.pipeline.Stages` stack runs pipelined over (None without one): this
+        mesh, its `Pipeline`, the data replicas, and the leading batch axes before `fsdp_axis`, along which a
+        stage's devices hold whole copies of its parameters."""
+        if self.pipeline is None:
+            return None
+        whole_copies: list[str] = []
+        for axis in self.batch_axes:
+            if axis in (self.fsdp_axis, STAGE_AXIS):
+                break
+            whole_copies.append(axis)
+        return StageLayout(self.mesh, self.pipeline, self.num_replicas_in_sync, tuple(whole_copies))
+
+    def step_functions(self, steps: StepFunctions) -> StepFunctions:
+        """`steps` as they are, or, under the "1f1b" schedule and a module holding a `Stages` stack, a copy
+        whose training objective is the fused 1F1B loop (`meshfit.pipeline.one_f_one_b`)."""
+        stage_layout = self.stage_layout
+        if stage_layout is None or stage_layout.pipeline.schedule != "1f1b":
+            return steps
+        module = getattr(getattr(steps, "adapter", None), "module", None)  # a custom train_step's steps have none
+        objective = one_f_one_b.pipelined_objective(module, stage_layout)
+        return steps if objective is None else steps.with_pipelined_objective(objective)
+
     @contextlib.contextmanager
     def scope(self) -> Iterator[MeshStrategy]:
         from flax.core import spmd
@@ -193,7 +222,7 @@ class MeshStrategy(DeviceMeshStrategy):
         """`jax.jit` whose first output keeps the layout of the first donated argument."""
 
         def in_scope(*args):
-            with Strategy.scope(self):  # `constrain` inside the model finds this strategy
+            with Strategy.scope(self):  # `constrain` inside the model finds this strategy, `Stages` its stage layout
                 return fn(*args)
 
         return layout.jit_keeping_layout(

@@ -31,8 +31,8 @@ import jax
 from meshfit.core.batch import Batch
 from meshfit.core.state import TrainState
 from meshfit.cost.step_report import StepReport
+from meshfit.pipeline import layer_stacks
 from meshfit.steps.builtin import Steps
-from meshfit.strategies import layer_stacks
 from meshfit.training.executables import Executables
 from meshfit.training.feeder import Execution, Feeder
 from meshfit.training.fit_context import FitContext
@@ -175,7 +175,7 @@ class Session:
 
     def restore(self, state: TrainState, position: Position) -> None:
         """Continues the running fit from a backup: its state (layer stacks in either form: each is stored as
-        the live state stores it, `meshfit.strategies.layer_stacks`), step count, input position and epoch."""
+        the live state stores it, `meshfit.pipeline.layer_stacks`), step count, input position and epoch."""
         self.store.restore(layer_stacks.stored(state, self.store.template), position.step)
         self.cursor.restore(position)
 

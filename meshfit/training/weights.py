@@ -16,13 +16,14 @@ import numpy as np
 
 from meshfit.core.state import TrainState
 from meshfit.core.trees import path_name
-from meshfit.strategies import layer_stacks, placement
+from meshfit.pipeline import layer_stacks
+from meshfit.strategies import placement
 from meshfit.training.session import Session
 
 
 def trees(state: TrainState, adapter: Any) -> tuple[Any, Any]:
     """The trainable parameters and the non-trainable weights of `state` (`adapter`: the module's adapter), as
-    the state stores them (a circular pipeline's layer stacks repeat-major: `meshfit.strategies.layer_stacks`)."""
+    the state stores them (a circular pipeline's layer stacks repeat-major: `meshfit.pipeline.layer_stacks`)."""
     return state.params, adapter.non_trainable_weights(state.model_state)
 
 

@@ -6,6 +6,7 @@ import os
 import jax
 import numpy as np
 import pytest
+from custom_models import OwnGradients
 from flax import nnx
 from helpers import ResidualBlock, assert_trees_close, classification_data
 
@@ -36,6 +37,32 @@ class TwoStacks(nnx.Module):
 
     def __call__(self, x):
         return self.second(self.first(x))
+
+
+class Guarded(nnx.Module):
+    """A forward pass that catches every exception around its stack (and then skips it): the 1f1b step's split
+    of the module must reach no user code as an exception."""
+
+    def __init__(self):
+        rngs = nnx.Rngs(0)
+        self.body = Stages(ResidualBlock, 8, rngs=rngs)
+        self.head = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        try:
+            h = self.body(x)
+        except Exception:  # noqa: BLE001 - the point of the test
+            h = x
+        return self.head(h)
+
+
+class Twice(nnx.Module):
+    def __init__(self):
+        rngs = nnx.Rngs(0)
+        self.body = Stages(ResidualBlock, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.body(self.body(x))
 
 
 def one_f_one_b(microbatches=4):
@@ -107,3 +134,37 @@ def test_a_module_with_two_stacks_is_refused():
     x = classification_data(n=16, din=16, classes=4)[0]
     with pytest.raises(ValueError, match=r"pipelines one Stages stack\. Received a module holding 2"):
         model.fit(x, x, batch_size=16, epochs=1, verbose=0)
+
+
+@pytest.mark.slow
+def test_a_stack_called_inside_try_except_trains_as_on_one_device():
+    x, y = classification_data(n=32, din=16, classes=4)
+    models = [compiled(strategy, module=Guarded) for strategy in (mf.strategies.OneDeviceStrategy(), one_f_one_b())]
+    histories = [model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False) for model in models]
+    one, piped = models
+    assert int(piped.session.state.step) == 2
+    assert_trees_close(one.params, piped.params, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(histories[0].history["loss"], histories[1].history["loss"], rtol=1e-5)
+
+
+def test_a_stack_called_twice_in_one_forward_pass_is_refused():
+    model = compiled(one_f_one_b(), module=Twice, loss="mse")
+    x = classification_data(n=16, din=16, classes=4)[0]
+    with pytest.raises(ValueError, match=r"pipelines one Stages call per forward pass"):
+        model.fit(x, x, batch_size=16, epochs=1, verbose=0)
+
+
+@pytest.mark.slow
+def test_a_custom_train_step_differentiates_the_gpipe_loop_as_on_one_device():
+    """A `Model` subclass's own `train_step` is handed back by the strategy as it is (no built-in objective to
+    replace): its `jax.value_and_grad` runs through `Stages`' GPipe loop, to one device's numbers."""
+    x, y = classification_data(n=32, din=16, classes=4)
+    models = []
+    for strategy in (mf.strategies.OneDeviceStrategy(), one_f_one_b()):
+        with strategy.scope():
+            model = OwnGradients(Head)
+            model.compile(optimizer="adam")
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+        models.append(model)
+    assert models[1].strategy.step_functions(models[1].session.steps) is models[1].session.steps
+    assert_trees_close(models[0].params, models[1].params, rtol=2e-5, atol=2e-6)

@@ -27,15 +27,16 @@ def stack(schedule, repeats):
     return strategy, lambda params, x: nnx.merge(graphdef, params)(x), params
 
 
-def loss_of(schedule, forward):
+def loss_of(strategy, forward):
     """The mean square of the stack's output, as `jax.grad` of a train step sees it: for 1f1b, the fused loop
     with the loss inside the last stage (the parameters as a pure dict)."""
-    if schedule != "1f1b":
+    if strategy.pipeline.schedule != "1f1b":
         return lambda p, x: jnp.mean(forward(p, x) ** 2)
 
     def loss(params, x):
         parts = lambda tree, x, _: (jnp.sum(forward(tree["stack"], x) ** 2) / x.size, ())  # noqa: E731
-        return one_f_one_b.objective(parts, {"stack": nnx.to_pure_dict(params)}, x, (), ("stack",))[0]
+        tree = {"stack": nnx.to_pure_dict(params)}
+        return one_f_one_b.objective(parts, tree, x, (), ("stack",), strategy.stage_layout)[0]
 
     return loss
 
@@ -52,7 +53,7 @@ def residual_bytes(strategy, forward, params, rows):
 @pytest.mark.parametrize("schedule, repeats", SCHEDULES)
 def test_a_tick_runs_no_collective_but_its_ppermute(schedule, repeats):
     strategy, forward, params = stack(schedule, repeats)
-    loss = loss_of(schedule, forward)
+    loss = loss_of(strategy, forward)
     x = jax.device_put(jnp.ones((ROWS, WIDTH)), strategy.batch_sharding())
     with strategy.scope():
         hlo = jax.jit(jax.grad(loss)).lower(params, x).compile().as_text()
@@ -80,7 +81,7 @@ def test_the_stage_parameters_are_kept_once_not_per_tick(schedule, repeats):
 
 def test_1f1b_keeps_only_its_inputs_cotangent_and_2p_minus_1_microbatches_residuals():
     strategy, forward, params = stack("1f1b", 1)
-    loss = loss_of("1f1b", forward)
+    loss = loss_of(strategy, forward)
 
     def kept(rows):  # what the loss's vjp keeps, and the largest carry of a loop inside it (the stash)
         x = jnp.ones((rows, WIDTH))
