@@ -5,7 +5,10 @@ Keep every such use here, so a version bump has one file to check.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from collections.abc import Callable
+from typing import Any
 
 
 def as_eager(fn):
@@ -201,3 +204,70 @@ def compilations(jitted) -> int:
     """
     size = getattr(jitted, "_cache_size", None)
     return size() if callable(size) else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class VjpResiduals:
+    """Where the function `jax.vjp(fn, params, *args)` returns keeps its residuals, so a loop can keep them apart.
+
+    `jax.vjp` returns its backward function as a pytree (a `jax.tree_util.Partial`)
+    whose leaves are the residuals the backward pass reads; among them, as the very
+    arrays passed in, are the leaves of `params` it needs (a matmul's weight). The
+    1F1B loop (`meshfit.pipeline.one_f_one_b`) runs one `fn` on one stage's `params`
+    every tick and keeps each tick's residuals until that microbatch's backward:
+    it stores only the leaves that are not `params`' own (`kept`) and puts the
+    parameters back when it rebuilds the backward function (`rebuild`).
+
+    Why here: both facts are JAX's implementation, not its documented API. If a
+    release stops returning a pytree of arrays, `kept` and `rebuild` fail when the
+    step is traced. If it copies or wraps the primal arrays, no residual is found
+    to be a parameter: the numbers stay the same, but every slot of the stash
+    keeps a copy of the stage's parameters (what
+    `tests/pipeline/test_pipeline_schedules.py` measures).
+
+    Attributes:
+        treedef: the structure of the backward function.
+        primal: for each of its leaves, the index of the `params` leaf it is, or None.
+        kept_shapes: the shapes and dtypes of the other leaves, in order: what a stash keeps.
+    """
+
+    treedef: Any
+    primal: tuple[int | None, ...]
+    kept_shapes: tuple[Any, ...]
+
+    def kept(self, vjp_fn: Any) -> list:
+        """The leaves of a backward function of `fn` that are not `params`' own: what a stash keeps."""
+        import jax
+
+        leaves = jax.tree.leaves(vjp_fn)
+        if len(leaves) != len(self.primal):  # (the structures hold each call's own program: not compared)
+            raise ValueError(
+                f"A backward function of `fn` holds {len(leaves)} residuals; the one traced first held "
+                f"{len(self.primal)}. Call `kept` with a backward function of the `fn` and `params` traced."
+            )
+        return [leaf for leaf, index in zip(leaves, self.primal, strict=True) if index is None]
+
+    def rebuild(self, params: Any, kept: list) -> Callable:
+        """The backward function of `fn` on `params` from the leaves `kept` returned."""
+        import jax
+
+        param_leaves, rest = jax.tree.leaves(params), iter(kept)
+        leaves = [next(rest) if index is None else param_leaves[index] for index in self.primal]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def vjp_residuals(fn: Callable, params: Any, *args: Any) -> VjpResiduals:
+    """How `jax.vjp(fn, params, *args)` holds its residuals (`VjpResiduals`), traced once, nothing computed.
+
+    A residual is one of `params`' leaves where the traced program returns that
+    input itself (the jaxpr's output variable is the input's).
+    """
+    import jax
+    from jax.extend import core as jax_core
+
+    closed, vjp_shape = jax.make_jaxpr(lambda p, *a: jax.vjp(fn, p, *a)[1], return_shape=True)(params, *args)
+    inputs = {id(var): index for index, var in enumerate(closed.jaxpr.invars[: len(jax.tree.leaves(params))])}
+    primal = tuple(inputs.get(id(var)) if isinstance(var, jax_core.Var) else None for var in closed.jaxpr.outvars)
+    shapes = jax.tree.leaves(vjp_shape)
+    kept_shapes = tuple(shape for shape, index in zip(shapes, primal, strict=True) if index is None)
+    return VjpResiduals(jax.tree.structure(vjp_shape), primal, kept_shapes)

@@ -10,28 +10,30 @@ A strategy that trains on this schedule hands the built-in train step
 `pipelined_objective(module, layout)`; the step calls it with its objective,
 which is computed so:
 
-* capture: the module runs once with `Stages` in capture mode (`capture.py`),
-  which records the stack's input h and blocks and returns h; the rest of
-  that pass is traced but unused (XLA drops it);
+* the split: the module runs once with `Stages` in capture mode
+  (`capture.py`), which records the stack's input h and blocks and returns h;
+  the rest of that pass is traced but unused (XLA drops it);
 * the loop, inside `jax.shard_map` over the stage (and whole-copy data) axes,
-  in three phases: P - 1 warm-up ticks of forward only, M ticks of forward and
-  backward, P - 1 cool-down ticks of backward only. Stage s forwards microbatch
-  t - s and backwards microbatch t - (2P - 2 - s); the last stage runs the
-  tail and the loss (`jax.vjp`) on the microbatch it has just forwarded and
-  sends the cotangent back in the same tick;
-* each forward's `jax.vjp` residuals (the function `jax.vjp` returns is a
-  pytree) wait in a ring of min(2P - 1, M) slots until that microbatch's
-  backward: nothing is recomputed. A stage keeps at most 2P - 1 microbatches'
-  residuals, whatever M.
+  runs P - 1 warm-up ticks of `forward_tick` only, M steady ticks of
+  `forward_tick`, `loss_tick` and `backward_tick`, and P - 1 cool-down ticks
+  of `backward_tick` only. Stage s forwards microbatch t - s and backwards
+  microbatch t - (2P - 2 - s); on the last stage these are one microbatch,
+  whose tail and loss (`jax.vjp`) `loss_tick` runs between the two, so its
+  cotangent goes back in the tick its output arrived;
+* the `Stash`: each forward's `jax.vjp` residuals wait in a ring of
+  min(2P - 1, M) slots until that microbatch's backward: nothing is
+  recomputed, and a stage keeps at most 2P - 1 microbatches' residuals,
+  whatever M. Residuals that are the stage's own parameters are not stored
+  (`meshfit.core.compat.VjpResiduals`).
 
 With F one microbatch's forward through a stage, a stage runs
 (P - 1) F + 3 M F + (P - 1) 2F = 3 (M + P - 1) F: its idle share is the GPipe
-bubble, (P - 1) / (M + P - 1), plus the tail's own work (the last stage's,
-run in lockstep by all). The objective's gradient comes out of the loop
-whole (for a unit cotangent; a custom VJP scales it), so the step's
-`jax.grad` carries only the input's cotangent back through the layers before
-`Stages`. Each data shard sums its gradients over the ticks; the shards
-reduce them once, after the loop.
+bubble, (P - 1) / (M + P - 1). The tail runs on the last stage only
+(`lax.cond` on the stage), the others waiting for it at the tick's end. The
+objective's gradient comes out of the loop whole (for a unit cotangent; a
+custom VJP scales it), so the step's `jax.grad` carries only the input's
+cotangent back through the layers before `Stages`. Each data shard sums its
+gradients over the ticks; the shards reduce them once, after the loop.
 
 The tail runs per microbatch, so its rows must be independent (Dense,
 LayerNorm, embedding heads are); the objective must be a sum over rows (one
@@ -43,8 +45,8 @@ step (`meshfit.steps.builtin`) refuses the rest before any step runs.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +54,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from meshfit.core import compat
 from meshfit.pipeline import capture, schedules
 from meshfit.pipeline.settings import STAGE_AXIS
 from meshfit.pipeline.stage_layout import StageLayout
@@ -134,10 +137,50 @@ def objective(
     return value, aux
 
 
+class Stash(NamedTuple):
+    """A ring of `depth` slots, each holding one microbatch's forward residuals: microbatch m in slot m mod depth.
+
+    Stage s backwards microbatch m 2 (P - 1 - s) ticks after forwarding it, so at
+    most 2P - 1 microbatches wait at once (on stage 0): depth = min(2P - 1, M)
+    slots, and a slot is free again before it is written. Only the residuals
+    that are not the stage's parameters are stored (`compat.VjpResiduals.kept`).
+    """
+
+    slots: tuple[jax.Array, ...]  # one (depth, *residual shape) buffer per kept residual leaf
+
+    @classmethod
+    def empty(cls, shapes: Sequence[Any], depth: int, varying: Callable) -> Stash:
+        return cls(tuple(varying(jnp.zeros((depth, *shape.shape), shape.dtype)) for shape in shapes))
+
+    def put(self, slot: jax.Array, residuals: Sequence[jax.Array], valid: jax.Array) -> Stash:
+        """The stash with `residuals` in `slot` where `valid` (a bubble tick leaves the slot as it was)."""
+        return Stash(
+            tuple(
+                lax.dynamic_update_index_in_dim(buf, jnp.where(valid, leaf, buf[slot]), slot, 0)
+                for buf, leaf in zip(self.slots, residuals, strict=True)
+            )
+        )
+
+    def take(self, slot: jax.Array) -> list[jax.Array]:
+        return [buf[slot] for buf in self.slots]
+
+
+class Carry(NamedTuple):
+    """What one tick hands the next, on each device of the loop."""
+
+    from_prev: jax.Array  # the activation the previous stage sent last tick (this stage's next input)
+    from_next: jax.Array  # the cotangent the next stage sent last tick (this stage's next output cotangent)
+    stash: Stash  # the residuals of the microbatches forwarded and not yet backwarded
+    d_stage: Any  # the stage's parameters' gradient, summed over the ticks
+    d_tail: Any  # the tail's parameters' gradient (nonzero on the last stage), summed over the microbatches
+    d_input: jax.Array  # stage 0: each microbatch's input cotangent, (M, rows, ...)
+    value: jax.Array  # the objective, summed over the microbatches (on the last stage)
+    aux: Any  # the tail's aux of each microbatch, each leaf (M, ...) (on the last stage)
+
+
 def _loop(tail: Callable, apply: Callable, layout: StageLayout) -> Callable:
     """`(tail params, grouped, micro h, micro batch, consts) -> (objective, aux, (d tail, d grouped, d micro h))`."""
     stages, microbatches, data_axes = layout.stages, layout.pipeline.microbatches, layout.data_axes
-    # Stage s keeps a microbatch's residuals from its forward tick to its backward tick, 2(P - 1 - s) later.
     depth = min(2 * stages - 1, microbatches)
     ahead = [(s, s + 1) for s in range(stages - 1)]
     back = [(s + 1, s) for s in range(stages - 1)]
@@ -152,110 +195,94 @@ def _loop(tail: Callable, apply: Callable, layout: StageLayout) -> Callable:
         tail_local = jax.tree.map(varying, tail_params)  # each device's own copy: its gradient is reduced once
         stage = lax.axis_index(STAGE_AXIS)
         last = stage == stages - 1
-        by_id = {id(leaf): leaf for leaf in jax.tree.leaves(local)}  # residuals that are the stage's parameters
+        residuals = compat.vjp_residuals(stage_forward, local, varying(micro_h[0]))
 
-        def residuals(h):
-            y, vjp = jax.vjp(stage_forward, local, h)
-            return y, jax.tree.leaves(vjp)
-
-        probe: dict = {}
-
-        def shapes(h):  # the residuals' tree (static) and which of its leaves are the stage's parameters
-            _, vjp = jax.vjp(stage_forward, local, h)
-            leaves, probe["treedef"] = jax.tree.flatten(vjp)
-            probe["params"] = [by_id.get(id(leaf)) for leaf in leaves]
-            return leaves
-
-        leaves0 = jax.eval_shape(lambda: shapes(varying(micro_h[0])))
-        treedef, params = probe["treedef"], probe["params"]  # params: the parameter a leaf is, or None
-        is_param = [p is not None for p in params]
-
-        def tail_on(y, m):
+        def tail_and_loss(y, m):
+            """The tail and the loss on microbatch m's stage output y, and their backward for a unit cotangent."""
             batch_m = jax.tree.map(lambda a: a[m], micro_batch)
-            return jax.vjp(lambda p, y: tail(p, y, batch_m, consts), tail_local, y, has_aux=True)
+            value, tail_vjp, aux = jax.vjp(lambda p, y: tail(p, y, batch_m, consts), tail_local, y, has_aux=True)
+            d_tail, d_y = tail_vjp(jnp.ones_like(value))
+            return jax.tree.map(varying, (value, aux, d_tail, d_y))
 
-        value0, aux0 = jax.eval_shape(
-            lambda: tail(tail_local, micro_h[0], jax.tree.map(lambda a: a[0], micro_batch), consts)
-        )
+        tail_shapes = jax.eval_shape(tail_and_loss, varying(micro_h[0]), 0)
 
-        def tick(forward: bool, backward: bool):
-            def run(carry, t):
-                from_prev, from_next, stash, d_stage, d_tail, d_micro, value, aux = carry
-                mf = t - stage
-                mf_c = jnp.clip(mf, 0, microbatches - 1)
-                sent_ahead = sent_back = None
-                if forward:  # microbatch t - s: its residuals to the stash, its output on
-                    f_valid = (mf >= 0) & (mf < microbatches)
-                    h = jnp.where(stage == 0, micro_h[mf_c], from_prev)
-                    y, leaves = residuals(h)
-                    slot = mf_c % depth
-                    stash = [
-                        s if p else lax.dynamic_update_index_in_dim(s, jnp.where(f_valid, leaf, s[slot]), slot, 0)
-                        for s, leaf, p in zip(stash, leaves, is_param, strict=True)
-                    ]
-                    sent_ahead = lax.ppermute(y, STAGE_AXIS, ahead)
-                if backward:  # microbatch t - (2P - 2 - s), cotangent from the next stage (the loss, on the last)
-                    mb = t - (2 * stages - 2 - stage)
-                    b_valid = (mb >= 0) & (mb < microbatches)
-                    mb_c = jnp.clip(mb, 0, microbatches - 1)
-                    ct = from_next
-                    if forward:  # the last stage forwarded microbatch mb this tick: the tail and the loss on it
-                        v, tail_vjp, a = tail_on(y, mf_c)
-                        dt, dy = tail_vjp(jnp.ones_like(v))
-                        ct = jnp.where(last, dy.astype(ct.dtype), ct)
-                        d_tail = jax.tree.map(lambda g, d: g + jnp.where(last, d, jnp.zeros_like(d)), d_tail, dt)
-                        value = value + jnp.where(last, v, jnp.zeros_like(v))
-                        aux = jax.tree.map(
-                            lambda buf, x: lax.dynamic_update_index_in_dim(
-                                buf, jnp.where(last, x.astype(buf.dtype), buf[mf_c]), mf_c, 0
-                            ),
-                            aux,
-                            a,
-                        )
-                    slot = mb_c % depth
-                    leaves = [s[slot] if p is None else p for s, p in zip(stash, params, strict=True)]
-                    d_params, d_h = jax.tree.unflatten(treedef, leaves)(ct)
-                    d_stage = jax.tree.map(lambda g, d: g + jnp.where(b_valid, d, jnp.zeros_like(d)), d_stage, d_params)
-                    keep = (stage == 0) & b_valid
-                    d_micro = lax.dynamic_update_index_in_dim(d_micro, jnp.where(keep, d_h, d_micro[mb_c]), mb_c, 0)
-                    sent_back = lax.ppermute(d_h, STAGE_AXIS, back)
-                from_prev = from_prev if sent_ahead is None else sent_ahead
-                from_next = from_next if sent_back is None else sent_back
-                return (from_prev, from_next, stash, d_stage, d_tail, d_micro, value, aux), None
+        def no_tail(y, m):  # the stages before the last: nothing to run
+            return jax.tree.map(lambda s: varying(jnp.zeros(s.shape, s.dtype)), tail_shapes)
 
-            return run
+        def forward_tick(carry: Carry, t) -> tuple[Carry, jax.Array, jax.Array]:
+            """Stage s forwards microbatch t - s: its residuals to the stash, its output to the next stage."""
+            m = t - stage
+            valid = (m >= 0) & (m < microbatches)
+            m = jnp.clip(m, 0, microbatches - 1)
+            h = jnp.where(stage == 0, micro_h[m], carry.from_prev)
+            y, vjp = jax.vjp(stage_forward, local, h)
+            stash = carry.stash.put(m % depth, residuals.kept(vjp), valid)
+            sent = lax.ppermute(y, STAGE_AXIS, ahead)
+            return carry._replace(from_prev=sent, stash=stash), y, m
 
+        def loss_tick(carry: Carry, y, m) -> tuple[Carry, jax.Array]:
+            """The last stage runs the tail and the loss on microbatch m, just forwarded: its output's cotangent."""
+            value, aux, d_tail, d_y = lax.cond(last, tail_and_loss, no_tail, y, m)
+            carry = carry._replace(
+                d_tail=jax.tree.map(jnp.add, carry.d_tail, d_tail),
+                value=carry.value + value,
+                aux=jax.tree.map(
+                    lambda buf, a: lax.dynamic_update_index_in_dim(buf, a.astype(buf.dtype), m, 0), carry.aux, aux
+                ),
+            )
+            return carry, jnp.where(last, d_y.astype(carry.from_next.dtype), carry.from_next)
+
+        def backward_tick(carry: Carry, t, cotangent) -> Carry:
+            """Stage s backwards microbatch t - (2P - 2 - s): its input's cotangent to the previous stage."""
+            m = t - (2 * stages - 2 - stage)
+            valid = (m >= 0) & (m < microbatches)
+            m = jnp.clip(m, 0, microbatches - 1)
+            d_params, d_h = residuals.rebuild(local, carry.stash.take(m % depth))(cotangent)
+            d_stage = jax.tree.map(lambda g, d: g + jnp.where(valid, d, jnp.zeros_like(d)), carry.d_stage, d_params)
+            keep = (stage == 0) & valid
+            d_input = lax.dynamic_update_index_in_dim(carry.d_input, jnp.where(keep, d_h, carry.d_input[m]), m, 0)
+            sent = lax.ppermute(d_h, STAGE_AXIS, back)
+            return carry._replace(from_next=sent, d_stage=d_stage, d_input=d_input)
+
+        def warm_up(carry, t):
+            return forward_tick(carry, t)[0], None
+
+        def steady(carry, t):
+            carry, y, m = forward_tick(carry, t)
+            carry, cotangent = loss_tick(carry, y, m)
+            return backward_tick(carry, t, cotangent), None
+
+        def cool_down(carry, t):
+            return backward_tick(carry, t, carry.from_next), None
+
+        value0, aux0 = tail_shapes[:2]
         zero = varying(jnp.zeros_like(micro_h[0]))
-        stash = [
-            jnp.zeros((), leaf.dtype) if p else varying(jnp.zeros((depth, *leaf.shape), leaf.dtype))
-            for leaf, p in zip(leaves0, is_param, strict=True)
-        ]
-        carry = (
-            zero,
-            zero,
-            stash,
-            jax.tree.map(jnp.zeros_like, local),
-            jax.tree.map(jnp.zeros_like, tail_local),
-            varying(jnp.zeros_like(micro_h)),
-            varying(jnp.zeros(value0.shape, value0.dtype)),
-            jax.tree.map(lambda a: varying(jnp.zeros((microbatches, *a.shape), a.dtype)), aux0),
+        carry = Carry(
+            from_prev=zero,
+            from_next=zero,
+            stash=Stash.empty(residuals.kept_shapes, depth, varying),
+            d_stage=jax.tree.map(jnp.zeros_like, local),
+            d_tail=jax.tree.map(jnp.zeros_like, tail_local),
+            d_input=varying(jnp.zeros_like(micro_h)),
+            value=varying(jnp.zeros(value0.shape, value0.dtype)),
+            aux=jax.tree.map(lambda a: varying(jnp.zeros((microbatches, *a.shape), a.dtype)), aux0),
         )
-        warm, full = stages - 1, microbatches
-        for start, length, forward, backward in (
-            (0, warm, True, False),
-            (warm, full, True, True),
-            (warm + full, warm, False, True),
+        warm = stages - 1
+        for phase, start, length in (
+            (warm_up, 0, warm),
+            (steady, warm, microbatches),
+            (cool_down, warm + microbatches, warm),
         ):
             if length:
-                carry, _ = lax.scan(tick(forward, backward), carry, start + jnp.arange(length))
-        _, _, _, d_stage, d_tail, d_micro, value, aux = carry
+                carry, _ = lax.scan(phase, carry, start + jnp.arange(length))
+        d_stage, d_tail, d_input, value, aux = carry.d_stage, carry.d_tail, carry.d_input, carry.value, carry.aux
         if data_axes:  # each data shard summed its rows' gradient over the ticks: reduce once
             d_stage = lax.psum(d_stage, data_axes)
         d_tail = lax.psum(d_tail, every)  # only the last stage's is not zero
-        d_micro = lax.psum(jnp.where(stage == 0, d_micro, jnp.zeros_like(d_micro)), STAGE_AXIS)
+        d_input = lax.psum(jnp.where(stage == 0, d_input, jnp.zeros_like(d_input)), STAGE_AXIS)
         value = lax.psum(value, every)
         aux = jax.tree.map(lambda a: lax.psum(a, every if a.ndim == 1 else STAGE_AXIS), aux)
-        return value, aux, (d_tail, jax.tree.map(lambda g: g[None, None], d_stage), d_micro)
+        return value, aux, (d_tail, jax.tree.map(lambda g: g[None, None], d_stage), d_input)
 
     rows = P(None, data_axes or None)
 

@@ -68,7 +68,8 @@ class Pipeline:
 
         It is also the fraction of each device's matmul work spent in idle ticks, for every schedule:
         "1f1b" runs P - 1 forward-only ticks, M ticks of both and P - 1 backward-only ticks, the
-        GPipe count (`meshfit.pipeline.one_f_one_b`; its tail runs in lockstep on every stage on top).
+        GPipe count (`meshfit.pipeline.one_f_one_b`; its tail runs on the last stage on top, the others
+        waiting for it).
         """
         return (stages - 1) / (self.repeats * self.microbatches + stages - 1)
 
