@@ -26,8 +26,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "plan",
         help="compile the train step for every layout and print which fit and which is fastest",
         description="Compile a model's train step for every layout of the devices (Mirrored, each data x "
-        "fsdp x tensor mesh, and stage x data meshes for a model on meshfit.pipeline.Stages), batch size and "
-        "remat choice, without creating its parameters, and print the "
+        "fsdp x tensor mesh, and for a model on meshfit.pipeline.Stages stage x data meshes with each pipeline "
+        "schedule that fits: gpipe, 1f1b, circular), batch size and remat choice, without creating its "
+        "parameters, and print the "
         f"table of meshfit.plan. Example: {EXAMPLE}",
     )
     parser.add_argument("factory", metavar="MODULE:FACTORY", help="a function returning a flax.nnx.Module")

@@ -3,8 +3,8 @@
 Before any parameter exists: for every layout of the devices (`Mirrored`,
 every `data` x `fsdp` x `tensor` factorisation as a `MeshStrategy`, and,
 where the model holds `meshfit.pipeline.Stages`, `stage` x `data` layouts
-whose stage counts divide its layers, each with a GPipe `Pipeline` whose
-microbatches divide the batch),
+whose stage counts divide its layers, each with every schedule that fits:
+GPipe, 1f1b and circular, `stage_layouts`),
 every global batch size and every rematerialisation choice the model's
 factory offers, the plan builds the model abstractly (`Model(...,
 abstract=True)`: shapes and shardings, the factory run under `nnx.eval_shape`
@@ -16,7 +16,15 @@ runs faster than its device's peaks (on a GPU a real step took 3x it). So
 `measure=K` times the K best-predicted candidates that fit with a few real
 steps each (their parameters created then, one candidate at a time, each
 freed before the next) and ranks those by the time measured. Candidates over
-the memory limit are marked as not fitting.
+the memory limit are marked as not fitting, and those the strategy refuses
+(a 1f1b schedule under a loss that is not a sum over rows) as not compiling,
+with the reason.
+
+A pipelined step's FLOPs count every tick of its loop, the idle ones too
+(`meshfit.cost.step_report.StepReport.flops`: its devices run them), so where
+compute binds, circular's smaller bubble puts it ahead of the other
+pipelines; where activations bind the memory, a 1f1b candidate (a few
+microbatches' activations kept) fits when GPipe's does not, and comes first.
 """
 
 from __future__ import annotations
@@ -62,13 +70,16 @@ class Layout:
 
     @property
     def name(self) -> str:
-        """ "mirrored", or the mesh's axes over more than one device: "fsdp=8", "data=2,fsdp=4",
-        "stage=4,data=2 gpipe M=8"."""
+        """ "mirrored", or the mesh's axes over more than one device: "fsdp=8", "data=2,fsdp=4", and with a
+        pipeline its schedule, microbatches and (circular) repeats: "stage=4,data=2 gpipe M=8",
+        "stage=2,data=4 circular M=8 v=2"."""
         if self.axes is None:
             return "mirrored"
         name = ",".join(f"{axis}={size}" for axis, size in self.axes if size > 1) or f"{self.axes[0][0]}=1"
         if self.pipeline is not None:
             name += f" {self.pipeline.schedule} M={self.pipeline.microbatches}"
+            if self.pipeline.repeats > 1:
+                name += f" v={self.pipeline.repeats}"
         return name
 
     def strategy(
@@ -102,14 +113,29 @@ def layouts(count: int) -> list[Layout]:
 
 
 def stage_layouts(count: int, layers: Sequence[int], batch_size: int) -> list[Layout]:
-    """`stage` x `data` layouts of `count` devices for a model whose `Stages` stacks hold `layers` layers.
+    """`stage` x `data` layouts of `count` devices for a model whose `Stages` stacks hold `layers` layers,
+    each with every pipeline schedule that fits.
 
-    A stage count P > 1 is proposed where it divides `count` and every stack's layers, and the
-    batch's rows divide over the `count / P` data replicas; its GPipe `Pipeline` cuts each replica's
-    rows into M microbatches, M the largest divisor of those rows up to 4P (the bubble
-    (P - 1) / (M + P - 1) shrinks as M grows; each microbatch must keep rows). None without stacks.
+    A stage count P > 1 is proposed where it divides `count` and every stack's layers, and the batch's
+    rows divide over the `count / P` data replicas. Its pipelines all cut each replica's rows into the
+    same M microbatches, M the largest divisor of those rows up to 4P (the bubble (P - 1) / (v M + P - 1)
+    shrinks as M grows; each microbatch must keep rows):
+
+    * "gpipe";
+    * "1f1b" (where the model holds one stack: it pipelines one): GPipe's bubble, the activations of
+      min(2P - 1, M) passes kept instead of M + P - 1, the one that fits when activations bind;
+    * "circular" with the smallest and the largest repeats v > 1 such that P v divides every stack's
+      layers, where M >= P (a microbatch must be back at the first stage before its next round): the
+      smallest bubble, for v M + P - 1 ticks of sends.
+
+    At most four a stage count, so a plan compiles at most 4 x (divisors of `count`) pipelined programs
+    per batch size and remat choice (at most 12 on 8 devices), each a full compilation: seconds for a
+    small model on a few CPU cores, minutes for a large one. The rest lie between these: a v between the
+    two lies between them in bubble and sends, another M moves the bubble as the formula says; build
+    those by hand and read `model.step_report`. Each pipeline passes the `Pipeline`'s own checks
+    (`check`, `check_layers`). None without stacks.
     """
-    found = []
+    found: list[Layout] = []
     for stages in range(2, count + 1):
         if count % stages or not layers or any(n % stages for n in layers):
             continue
@@ -118,8 +144,28 @@ def stage_layouts(count: int, layers: Sequence[int], batch_size: int) -> list[La
             continue
         rows = batch_size // data
         microbatches = max(m for m in range(1, min(rows, 4 * stages) + 1) if rows % m == 0)
-        found.append(Layout(((STAGE_AXIS, stages), ("data", data)), Pipeline(microbatches=microbatches)))
+        pipelines = [Pipeline(microbatches=microbatches)]
+        if len(layers) == 1:
+            pipelines.append(Pipeline(microbatches=microbatches, schedule="1f1b"))
+        circular = [
+            Pipeline(microbatches=microbatches, schedule="circular", repeats=repeats)
+            for repeats in range(2, min(layers) // stages + 1)
+        ]
+        circular = [pipeline for pipeline in circular if _runs(pipeline, stages, layers)]
+        pipelines += circular[:1] + circular[1:][-1:]  # the smallest and the largest repeats
+        found += [Layout(((STAGE_AXIS, stages), ("data", data)), pipeline) for pipeline in pipelines]
     return found
+
+
+def _runs(pipeline: Pipeline, stages: int, layers: Sequence[int]) -> bool:
+    """Whether `pipeline` passes its own checks on `stages` stages of stacks of `layers` layers."""
+    try:
+        pipeline.check(stages)
+        for count in layers:
+            pipeline.check_layers(count, stages)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +180,8 @@ class Candidate:
         time: the roofline's step time (`meshfit.cost.roofline.StepTime`, seconds; None without a report): a
             lower bound, the step at the device's peaks.
         memory_limit: bytes one device may hold (None: no limit).
-        error: why the candidate could not be compiled (a rule that does not divide a dimension), else None.
+        error: why the candidate could not be compiled (a rule that does not divide a dimension, a 1f1b
+            schedule under a loss that is not a sum over rows), else None.
         measured_seconds: seconds per real step, where `plan(measure=K)` timed this candidate, else None.
         measure_error: why this candidate's real steps failed (out of memory, for one), else None.
     """
@@ -253,9 +300,12 @@ def plan(
 
     The layouts are `MirroredStrategy` and a `MeshStrategy` for every factorisation of the devices into
     `data` x `fsdp` x `tensor` (`layouts`), and where the factory's module holds `meshfit.pipeline.Stages`,
-    `stage` x `data` meshes with a GPipe `Pipeline` valid for each batch size (`stage_layouts`); each
-    candidate is compiled once. A pipelined candidate's row shows its bubble, the bytes a device sends
-    to its neighbour stage per step, and one stage's parameters and kept activations per device.
+    `stage` x `data` meshes with each `Pipeline` schedule valid for each batch size: GPipe, 1f1b and
+    circular (`stage_layouts`); each candidate is compiled once. A pipelined candidate's row shows its
+    bubble, the bytes a device sends to its neighbour stage per step, one stage's parameters per device
+    and the activations its schedule keeps (and of how many microbatch passes). A candidate the strategy
+    refuses (a 1f1b schedule whose loss is not a sum over rows, or whose layers after `Stages` update
+    state) is listed as not compiling, with the reason.
 
     Args:
         factory: a function returning a `flax.nnx.Module` (as `meshfit.Model` takes one); if it has a
@@ -335,7 +385,7 @@ def plan(
         layout, batch_size, choice = job
         try:
             report = _compile(factory, choice, strategy_of(layout)(), compile, x, y, batch_size)
-        except ValueError as error:  # a layout rule or batch this mesh cannot take
+        except ValueError as error:  # a layout rule, batch or schedule this mesh or model cannot take
             return Candidate(
                 layout, batch_size, choice, None, None, memory_limit, str(error), _strategy=strategy_of(layout)
             )
@@ -457,6 +507,10 @@ def _rows(tree: Any, name: str) -> int:
 
 
 def _rank(candidate: Candidate) -> tuple:
+    """Measured candidates first (by measured samples/s); then those that fit, by predicted samples/s (a
+    pipeline's FLOPs count its idle ticks: circular ahead of GPipe where compute binds); then those over the
+    memory limit, smallest peak first (so where activations bind, a 1f1b candidate fits or comes first);
+    then those that did not compile."""
     if candidate.fits and candidate.measured_seconds is not None:
         return (0, -candidate.measured_samples_per_second)
     if candidate.fits:
@@ -505,7 +559,8 @@ def format_plan(result: Plan) -> str:
         "collectives/dev",
         "bubble",
         "p2p/dev",
-        "stage params/act",
+        "stage params",
+        "kept act (passes)",
         "step ≥ (roofline)",
         "step measured",
         "samples/s",
@@ -514,7 +569,7 @@ def format_plan(result: Plan) -> str:
     for c in result.candidates:
         remat = "-" if c.remat is None else str(c.remat)
         if c.report is None:
-            rows.append((c.layout.name, str(c.batch_size), remat, "-", "does not compile", *[""] * 8))
+            rows.append((c.layout.name, str(c.batch_size), remat, "-", "does not compile", *[""] * 9))
             continue
         collectives = " ".join(
             f"{_SHORT[k]} {_bytes(c.report.collectives[k])}" for k in COLLECTIVE_KINDS if c.report.collectives.get(k)
@@ -529,10 +584,11 @@ def format_plan(result: Plan) -> str:
             (
                 f"{stage.bubble:.1%}",
                 _bytes(stage.p2p_bytes),
-                f"{_bytes(stage.stage_param_bytes)} / {_bytes(stage.activation_bytes)}",
+                _bytes(stage.stage_param_bytes),
+                f"{_bytes(stage.activation_bytes)} ({stage.kept_passes})",
             )
             if stage is not None
-            else ("-", "-", "-")
+            else ("-", "-", "-", "-")
         )
         rows.append(
             (
@@ -564,13 +620,16 @@ def format_plan(result: Plan) -> str:
         text.append("Time the best with real steps: measure=K (meshfit plan --measure K); samples/s: ≤ the roofline's.")
     if any(c.report is not None and c.report.pipeline is not None for c in result.candidates):
         text.append(
-            "bubble: the share of a stage's ticks idle, (P - 1) / (v * M + P - 1); p2p/dev: bytes a device sends "
-            "to its neighbour stage per step; stage params/act: one stage's parameters and the activations its "
-            "schedule keeps, per device."
+            "bubble: the share of a stage's ticks idle, (P - 1) / (v M + P - 1), whose FLOPs count in the step; "
+            "p2p/dev: bytes a device sends to its neighbour stage per step; "
+            "stage params: one stage's parameters per device; kept act: the activations its schedule keeps per "
+            "device, of how many microbatch passes (gpipe, circular: v M + P - 1; 1f1b: min(2P - 1, M))."
         )
-    errors = [c for c in result.candidates if c.error]
-    if errors:
-        text.append(f"Did not compile: {errors[0].layout.name}: {errors[0].error}")
+    reasons: dict[str, str] = {}  # each reason once, with the first layout it stopped
+    for c in result.candidates:
+        if c.error and c.error not in reasons:
+            reasons[c.error] = c.layout.name
+    text += [f"Did not compile: {name}: {error}" for error, name in reasons.items()]
     failed = [c for c in result.candidates if c.measure_error]
     if failed:
         text.append(f"Real steps failed: {failed[0].layout.name}: {failed[0].measure_error}")

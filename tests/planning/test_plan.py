@@ -3,12 +3,16 @@
 import gc
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from helpers import ResidualBlock, classification_data
 
 import meshfit as mf
+from meshfit.cost import roofline
+from meshfit.cost.roofline import DeviceSpec
 from meshfit.pipeline import Stages
 from meshfit.planning import planner
 from meshfit.planning.planner import Layout, layouts, stage_layouts
@@ -196,23 +200,43 @@ def test_bad_arguments_are_refused_before_anything_compiles(kwargs, message):
 
 
 def test_stage_layouts_divide_the_layers_and_cut_the_batch_into_microbatches():
-    """P divides the devices and every stack's layers; M, the largest divisor of a replica's rows up to 4P."""
+    """P divides the devices and every stack's layers; M, the largest divisor of a replica's rows up to 4P; each
+    P gets GPipe, 1f1b and circular at the smallest and the largest v > 1 with P v dividing the layers."""
     found = {layout.name: layout for layout in stage_layouts(8, [8], batch_size=32)}
-    assert list(found) == ["stage=2,data=4 gpipe M=8", "stage=4,data=2 gpipe M=16", "stage=8 gpipe M=32"]
-    assert [layout.name for layout in stage_layouts(8, [6], batch_size=32)] == ["stage=2,data=4 gpipe M=8"]
-    assert [layout.name for layout in stage_layouts(8, [8, 6], batch_size=32)] == ["stage=2,data=4 gpipe M=8"]
-    assert [layout.name for layout in stage_layouts(8, [8], batch_size=12)] == [
-        "stage=2,data=4 gpipe M=3",  # 3 rows a replica
-        "stage=4,data=2 gpipe M=6",
-        "stage=8 gpipe M=12",
+    assert list(found) == [
+        "stage=2,data=4 gpipe M=8",
+        "stage=2,data=4 1f1b M=8",
+        "stage=2,data=4 circular M=8 v=2",
+        "stage=2,data=4 circular M=8 v=4",  # v = 3 lies between: not proposed
+        "stage=4,data=2 gpipe M=16",
+        "stage=4,data=2 1f1b M=16",
+        "stage=4,data=2 circular M=16 v=2",
+        "stage=8 gpipe M=32",  # 8 layers on 8 stages: no circular
+        "stage=8 1f1b M=32",
     ]
+    assert [layout.name for layout in stage_layouts(8, [6], batch_size=32)] == [
+        "stage=2,data=4 gpipe M=8",
+        "stage=2,data=4 1f1b M=8",
+        "stage=2,data=4 circular M=8 v=3",  # the only v > 1: smallest and largest at once, proposed once
+    ]
+    # Two stacks: 1f1b pipelines one, so only GPipe; 2 v divides 8 but not 6.
+    assert [layout.name for layout in stage_layouts(8, [8, 6], batch_size=32)] == ["stage=2,data=4 gpipe M=8"]
+    twelve = [layout.name for layout in stage_layouts(8, [8], batch_size=12)]
+    assert twelve[:3] == ["stage=2,data=4 gpipe M=3", "stage=2,data=4 1f1b M=3", "stage=2,data=4 circular M=3 v=2"]
     assert [layout.name for layout in stage_layouts(8, [8], batch_size=30)] == [  # 30 rows do not split over 4
         "stage=4,data=2 gpipe M=15",
+        "stage=4,data=2 1f1b M=15",
+        "stage=4,data=2 circular M=15 v=2",
         "stage=8 gpipe M=30",
+        "stage=8 1f1b M=30",
     ]
+    # A circular pipeline needs M >= P: one row a replica at P = 2, two at P = 4, four at P = 8.
+    assert not [layout for layout in stage_layouts(8, [16], batch_size=4) if layout.pipeline.schedule == "circular"]
     assert stage_layouts(8, [], batch_size=32) == []  # no Stages: no stage layout
     strategy = found["stage=4,data=2 gpipe M=16"].strategy(jax.devices())
     assert strategy.stages == 4 and strategy.pipeline == mf.strategies.Pipeline(microbatches=16)
+    circular = found["stage=2,data=4 circular M=8 v=4"].strategy(jax.devices())
+    assert circular.pipeline == mf.strategies.Pipeline(microbatches=8, schedule="circular", repeats=4)
 
 
 class Staged(nnx.Module):
@@ -231,16 +255,131 @@ def test_a_model_on_stages_is_planned_with_stage_layouts_and_their_pipeline_cost
     x, y = classification_data(n=16, din=32, classes=10)
     result = mf.plan(Staged, x, y, compile=dict(optimizer="sgd", loss=COMPILE["loss"]), devices=jax.devices()[:2])
     names = {c.layout.name: c for c in result.candidates}
-    assert set(names) == {"mirrored", "fsdp=2", "tensor=2", "stage=2 gpipe M=8"}
+    schedules = {"stage=2 gpipe M=8", "stage=2 1f1b M=8", "stage=2 circular M=8 v=2"}
+    assert set(names) == {"mirrored", "fsdp=2", "tensor=2"} | schedules and result.compiled == 6
     staged = names["stage=2 gpipe M=8"]
     cost = staged.report.pipeline
     assert cost.bubble == pytest.approx(1 / 9)  # (P - 1) / (M + P - 1)
     assert cost.p2p_bytes == 2 * 9 * (16 // 8) * 16 * 4  # forward and backward, 9 ticks, 2 rows of 16 floats
     assert cost.stage_param_bytes == 2 * (16 * 32 + 32 + 32 * 16 + 16) * 4  # 2 of the 4 layers
-    assert all(c.report.pipeline is None for c in result.candidates if c is not staged)
+    # A pass: 2 rows through 2 layers, each keeping 16 + 32 + 32 floats a row; GPipe keeps every tick's.
+    assert cost.pass_residual_bytes == 2 * 2 * 80 * 4 and cost.kept_passes == 9
+    one_f_one_b, circular = names["stage=2 1f1b M=8"].report.pipeline, names["stage=2 circular M=8 v=2"].report.pipeline
+    assert one_f_one_b.kept_passes == 3 and one_f_one_b.activation_bytes == 3 * cost.pass_residual_bytes  # 2P - 1
+    assert circular.kept_passes == 2 * 8 + 1 and circular.bubble == pytest.approx(1 / 17)  # a round: 1 layer
+    assert all(c.report.pipeline is None for c in result.candidates if c.layout.name not in schedules)
     text = str(result)
-    assert "bubble" in text.splitlines()[1] and "p2p/dev" in text.splitlines()[1]
-    row = next(line for line in text.splitlines() if line.startswith("stage=2"))
-    assert "11.1%" in row and "2.2 KiB" in row and "8.4 KiB / " in row
+    assert "bubble" in text.splitlines()[1] and "kept act (passes)" in text.splitlines()[1]
+    row = next(line for line in text.splitlines() if line.startswith("stage=2 gpipe"))
+    assert "11.1%" in row and "2.2 KiB" in row and "8.4 KiB" in row and "11.2 KiB (9)" in row
+    assert "3.8 KiB (3)" in next(line for line in text.splitlines() if line.startswith("stage=2 1f1b"))
     assert staged.strategy().pipeline == mf.strategies.Pipeline(microbatches=8)
     assert planner._stage_layers(Staged, None) == [4] and planner._stage_layers(Recorded, False) == []
+
+
+#: A device whose FLOP/s are all that limit a step: the roofline's time is compute alone.
+COMPUTE_BOUND = DeviceSpec(peak_flops=1e9, memory_bandwidth=1e18, interconnect_bandwidth=1e18)
+
+
+@pytest.mark.slow
+@eight_devices
+def test_on_eight_devices_every_schedule_is_proposed_and_where_compute_binds_circular_leads():
+    """Every candidate fits (no limit on CPU); with compute all that counts, the pipeline with the smallest bubble,
+    circular, ranks first of the pipelines: a step's FLOPs count the ticks its stages idle."""
+    x, y = classification_data(n=16, din=32, classes=10)
+    compile_args = dict(optimizer="sgd", loss=COMPILE["loss"])
+    result = mf.plan(Staged, x, y, compile=compile_args, device_spec=COMPUTE_BOUND)
+    pipelined = [c for c in result.candidates if c.layout.pipeline is not None]
+    by_name = {c.layout.name: c for c in pipelined}
+    assert set(by_name) == {
+        "stage=2,data=4 gpipe M=4",
+        "stage=2,data=4 1f1b M=4",
+        "stage=2,data=4 circular M=4 v=2",
+        "stage=4,data=2 gpipe M=8",  # 4 layers on 4 stages: no circular
+        "stage=4,data=2 1f1b M=8",
+    }
+    assert result.compiled == len(result.candidates) == 10 + 5 and all(c.fits for c in result.candidates)
+    for c in pipelined:
+        pipeline, cost = c.layout.pipeline, c.report.pipeline
+        assert cost.bubble == pipeline.bubble(cost.stages) and cost.schedule == pipeline.schedule
+        expected = min(2 * cost.stages - 1, pipeline.microbatches) if pipeline.schedule == "1f1b" else None
+        assert cost.kept_passes == (expected or pipeline.ticks(cost.stages))
+        assert c.time == roofline.step_time(c.report, COMPUTE_BOUND) and c.time.bound == "compute"
+
+    circular = by_name["stage=2,data=4 circular M=4 v=2"]
+    assert circular.report.pipeline.bubble == pytest.approx(1 / 9)  # against GPipe's and 1f1b's 1 / 5
+    assert circular.report.flops < by_name["stage=2,data=4 gpipe M=4"].report.flops  # fewer idle ticks' work
+    assert pipelined[0] is circular  # the fastest pipeline
+    text = str(result)
+    row = next(line for line in text.splitlines() if line.startswith("stage=2,data=4 circular M=4 v=2"))
+    assert "11.1%" in row and "(9)" in row  # bubble 1 / (2 x 4 + 1); 2 x 4 + 1 passes kept
+
+
+class Wide(nnx.Module):
+    """A block whose activations outweigh its input: 16 -> 512 -> 16."""
+
+    def __init__(self, rngs):
+        self.up = nnx.Linear(16, 512, rngs=rngs)
+        self.down = nnx.Linear(512, 16, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jnp.tanh(self.up(x)))
+
+
+class WideStaged(nnx.Module):
+    def __init__(self):
+        rngs = nnx.Rngs(0)
+        self.embed = nnx.Linear(32, 16, rngs=rngs)
+        self.body = Stages(Wide, 2, rngs=rngs)  # 2 layers on 2 stages: no circular, GPipe and 1f1b only
+        self.head = nnx.Linear(16, 10, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.body(self.embed(x)))
+
+
+@pytest.mark.slow
+def test_where_activations_bind_memory_a_1f1b_candidate_fits_and_is_picked_over_gpipe():
+    """Under a limit of exactly the 1f1b candidate's peak (3 microbatch passes kept, not GPipe's 9), it fits,
+    GPipe and the unpipelined layouts (every row's activations at once) do not, and it is the plan's pick."""
+    x, y = classification_data(n=16, din=32, classes=10)
+    compile_args = dict(optimizer="sgd", loss=COMPILE["loss"])
+    devices = jax.devices()[:2]
+    one_f_one_b = Layout((("stage", 2), ("data", 1)), mf.strategies.Pipeline(microbatches=8, schedule="1f1b"))
+    with one_f_one_b.strategy(devices).scope():
+        model = mf.Model(WideStaged, abstract=True)
+        model.compile(**compile_args)
+    limit = model.step_report(np.resize(x, (512, 32)), np.resize(y, (512,))).memory["peak"]
+
+    result = mf.plan(WideStaged, x, y, compile=compile_args, devices=devices, batch_sizes=[512], memory_limit=limit)
+    by_name = {c.layout.name: c for c in result.candidates}
+    assert set(by_name) == {"mirrored", "fsdp=2", "tensor=2", "stage=2 gpipe M=8", "stage=2 1f1b M=8"}
+    best, gpipe = result.best, by_name["stage=2 gpipe M=8"]
+    assert best.layout == one_f_one_b and best.peak_bytes == limit and best.margin == 0
+    assert not gpipe.fits and gpipe.peak_bytes > limit and result.candidates.index(gpipe) > 0
+    assert best.report.pipeline.kept_passes == 3 and gpipe.report.pipeline.kept_passes == 9
+    assert best.report.pipeline.activation_bytes < gpipe.report.pipeline.activation_bytes
+    assert [c.fits for c in result.candidates] == [True, False, False, False, False]
+
+
+def mean_cross_entropy(y_true, y_pred):
+    """A loss that returns the batch's mean: a scalar, not a sum over rows."""
+    return optax.softmax_cross_entropy_with_integer_labels(y_pred, y_true).mean()
+
+
+@pytest.mark.slow
+def test_a_1f1b_candidate_the_loss_rules_out_is_listed_as_not_compiling_with_the_reason():
+    x, y = classification_data(n=16, din=32, classes=10)
+    result = mf.plan(
+        lambda: Staged(layers=2),
+        x,
+        y,
+        compile=dict(optimizer="sgd", loss=mean_cross_entropy),
+        devices=jax.devices()[:2],
+    )
+    failed = result.candidates[-1]
+    assert failed.layout.name == "stage=2 1f1b M=8" and failed.report is None and not failed.fits
+    assert "must be a sum over rows" in failed.error and result.compiled == 4  # the rest compiled
+    assert all(c.error is None for c in result.candidates[:-1])
+    text = str(result)
+    assert "stage=2 1f1b M=8" in text and "does not compile" in text
+    assert "Did not compile: stage=2 1f1b M=8: The 1f1b schedule computes the loss per microbatch" in text
