@@ -98,7 +98,8 @@ class BackupAndRestore(Callback):
     processes: the keeper of `meshfit launch`, which outlives its ranks across
     `--max-restarts` (`meshfit.launch.keeper`), or under `meshfit launch
     --ray` the keeper of each node that runs ranks, each process's snapshot
-    copied to `memory_replicas` nodes' keepers so a lost node loses none. On
+    sent on by its own node's keeper to `memory_replicas - 1` other nodes'
+    keepers (off the training process's path) so a lost node loses none. On
     its own node a process writes its part straight into memory the keeper
     lends it (no socket): on CPU devices from the live arrays, which holds the
     loop for that one copy; on an accelerator taking one holds the loop as long
