@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 import time
@@ -178,10 +179,12 @@ LAUNCH = [sys.executable, "-m", "meshfit.cli", "launch", "--nprocs", "2", "--dev
 @pytest.fixture(scope="module")
 def uninterrupted_two_processes(tmp_path_factory):
     base = tmp_path_factory.mktemp("launch")
-    # No backup within the run: backups do not change what it trains (a memory-tier run matches it bitwise).
-    argv = [WORKER, str(base / "out"), str(base / "backup"), "--strategy", "multi_worker", "--save-freq", "1000"]
-    clean = run(LAUNCH + argv, timeout=300)
+    # Backups only at steps 20 (the end of epoch 2, which the elastic test's reference resumes from) and 40, both
+    # kept: backups do not change what it trains (a memory-tier run matches it bitwise).
+    argv = [WORKER, str(base / "out"), str(base / "backup"), "--strategy", "multi_worker", "--save-freq", "20"]
+    clean = run(LAUNCH + argv + ["--keep-backups"], timeout=300)
     assert clean.returncode == 0, clean.stderr[-3000:]
+    assert backup_steps(base / "backup") == [20, 40]
     return base / "out"
 
 
@@ -267,21 +270,6 @@ def test_ranks_that_find_different_snapshots_resume_together_from_disk(tmp_path,
     assert re.search(r"\[rank 0\] BackupAndRestore: resumed from \S+ab at .* \(step (12|18)\)\.", killed.stdout), said
     assert "memory snapshots are off for this fit, backing up to disk only: process(es) 1 could not reach" in said
     assert_same_run(tmp_path / "a", uninterrupted_two_processes)
-
-
-def test_sigterm_to_every_process_agrees_on_a_step_saves_and_resumes(tmp_path, uninterrupted_two_processes):
-    """A preempted multi-process job: all ranks stop at one step (JAX's sync point), save, exit 143."""
-    with Job(
-        LAUNCH + [WORKER, str(tmp_path / "a"), str(tmp_path / "ab"), "--strategy", "multi_worker", "--slow", "0.03"],
-        timeout=300,
-    ) as job:
-        job.wait_for(r".*step 11$")
-        workers = job.children()
-        assert len(workers) == 2
-        for pid in workers:
-            os.kill(pid, signal.SIGTERM)
-        assert job.finish(timeout=120) == 143, job.stderr[-3000:]
-    resume_two_processes_exactly(tmp_path, uninterrupted_two_processes, saved_from=11)
 
 
 def test_grain_iterator_position_is_restored(tmp_path):
@@ -591,8 +579,13 @@ def test_a_full_disk_ends_the_process_with_a_clear_error(tmp_path):
         assert status == 1 and "No space left on device" in output and "CheckpointWriteError" in output, output[-3000:]
 
 
-def test_sigterm_to_the_launcher_reaches_every_rank_saves_and_exits_143(tmp_path, uninterrupted_two_processes):
-    """What SLURM and Kubernetes do on preemption: SIGTERM to the launcher, not to the ranks."""
+def test_sigterm_to_the_launcher_then_to_every_rank_saves_exits_143_and_resumes_exactly(
+    tmp_path, uninterrupted_two_processes
+):
+    """What SLURM and Kubernetes do on preemption: SIGTERM to the launcher, not to the ranks; it reaches every rank,
+    which save and exit 143. The job resumed from that backup is then preempted as a multi-process job without a
+    launcher in between is: SIGTERM to every process, which agree on a step (JAX's sync point), save and exit 143.
+    Resumed once more, it ends bitwise equal to an uninterrupted job: each preemption backup resumed exactly."""
     with Job(
         LAUNCH
         + [
@@ -615,7 +608,21 @@ def test_sigterm_to_the_launcher_reaches_every_rank_saves_and_exits_143(tmp_path
         assert job.finish(timeout=90) == 143, job.stderr[-3000:]
     assert "[launch] received SIGTERM: sending SIGTERM to every rank" in job.stderr
     assert not [pid for pid in ranks if alive(pid)], "a rank outlived the launcher"
-    resume_two_processes_exactly(tmp_path, uninterrupted_two_processes, saved_from=11)
+    saved = backup_steps(tmp_path / "ab")
+    assert saved and saved[-1] >= 11
+
+    with Job(
+        LAUNCH + [WORKER, str(tmp_path / "a"), str(tmp_path / "ab"), "--strategy", "multi_worker", "--slow", "0.03"],
+        timeout=300,
+    ) as job:
+        job.wait_for(r".*step 25$")
+        workers = job.children()
+        assert len(workers) == 2
+        for pid in workers:
+            os.kill(pid, signal.SIGTERM)
+        assert job.finish(timeout=120) == 143, job.stderr[-3000:]
+    assert f"(step {saved[-1]})" in job.stdout, job.stdout[-3000:]  # resumed from the launcher's preemption
+    resume_two_processes_exactly(tmp_path, uninterrupted_two_processes, saved_from=25)
 
 
 def test_a_launcher_killed_outright_takes_its_ranks_along(tmp_path):
@@ -829,10 +836,13 @@ def test_kerass_double_checkpoint_keeps_the_previous_backup(tmp_path):
     assert mf.callbacks.BackupAndRestore(tmp_path, max_to_keep=1).max_to_keep == 1
 
 
-def test_an_elastic_restart_onto_one_process_resumes_from_the_two_process_jobs_memory_snapshot(tmp_path):
+def test_an_elastic_restart_onto_one_process_resumes_from_the_two_process_jobs_memory_snapshot(
+    tmp_path, uninterrupted_two_processes
+):
     """--min-nprocs 1: rank 1 is SIGKILLed at step 23, then fails at once in the restart; the launcher drops
     it and restarts the job on 1 process (2 devices), which resumes from the 2-process job's memory snapshot
-    of step 20 and finishes as a 1-process job resumed from a disk backup of that step does."""
+    of step 20 and finishes as a 1-process job resumed from a disk backup of that step does (the uninterrupted
+    2-process job's backup of step 20, alone in a directory of its own)."""
     elastic_argv = (
         LAUNCH
         + ["--min-nprocs", "1", "--max-restarts", "2", "--stop-grace", "1"]
@@ -840,16 +850,14 @@ def test_an_elastic_restart_onto_one_process_resumes_from_the_two_process_jobs_m
         + ["--save-freq", "1000", "--memory-freq", "5", "--die-at-step", "23", "--slow", "0.03"]
         + ["--rank1-fails-to-restart"]
     )
-    pool = ThreadPoolExecutor(1)  # the elastic job runs beside the reference's two
+    pool = ThreadPoolExecutor(1)  # the elastic job runs beside the reference
     elastic_run = pool.submit(run, elastic_argv, timeout=300)
-    # The reference: 2 processes to the end of epoch 2 (step 20, backup kept), then 1 process resumes it.
-    first = run(
-        LAUNCH
-        + [WORKER, str(tmp_path / "r"), str(tmp_path / "rb"), "--strategy", "multi_worker"]
-        + ["--epochs", "2", "--save-freq", "epoch", "--keep-backups"],
-        timeout=300,
-    )
-    assert first.returncode == 0, first.stderr[-3000:]
+    # The reference: the uninterrupted 2-process job's backup of step 20 (the end of epoch 2), which 1 process
+    # resumes. Copied alone: the job's backup of step 40 stays behind.
+    two_process_backup = uninterrupted_two_processes.parent / "backup"
+    os.makedirs(tmp_path / "rb", mode=0o700)
+    shutil.copy2(two_process_backup / "meshfit_checkpoints.json", tmp_path / "rb")
+    shutil.copytree(two_process_backup / "20", tmp_path / "rb" / "20")
     one_process = [sys.executable, "-m", "meshfit.cli", "launch", "--nprocs", "1", "--devices-per-proc", "2"]
     reference = run(
         one_process + [WORKER, str(tmp_path / "r"), str(tmp_path / "rb"), "--strategy", "multi_worker"], timeout=300
