@@ -378,7 +378,8 @@ def test_an_error_every_start_would_repeat_ends_the_launch_at_once_naming_the_ra
 def test_an_exception_after_the_first_step_still_restarts_in_warm_spares(tmp_path):
     """An error once training ran is not one every start would repeat: the launcher restarts as asked, in the
     spare processes it started beside the ranks, and the restart (which does not raise) finishes the job."""
-    argv = [RESUMABLE, str(tmp_path / "out"), str(tmp_path / "backup"), "--strategy", "multi_worker"]
+    # One epoch (10 steps): the restart resumes from the backup of step 3 and trains to the end of it.
+    argv = [RESUMABLE, str(tmp_path / "out"), str(tmp_path / "backup"), "--strategy", "multi_worker", "--epochs", "1"]
     launch_args = ("--nprocs", "2", "--max-restarts", "1", "--verbose", "--spares")
     result = run(launch_cmd(*launch_args, *argv, "--raise-at-step", "5"), timeout=180)
     restarted = re.search(r"restarting the job \(1/1\), [\d.]+ s after rank [01] ended\.", result.stderr)
