@@ -1,38 +1,39 @@
 """What a pipelined step costs a stage: its parameters, the activations its schedule keeps, its
-point-to-point bytes and its bubble, read from the train step's jaxpr.
+point-to-point bytes and its bubble, as the step's pipelined loops say while it is traced.
 
 A `MeshStrategy` with a `stage` axis runs a `meshfit.pipeline.Stages` stack as
-a loop of ticks inside `jax.shard_map` (`meshfit.pipeline.schedules`): each
-tick a stage runs its layers on one microbatch and `lax.ppermute`s the result
-to its neighbour. The jaxpr of the train step holds those loops, forward and
-backward, so the bytes sent are counted from it: each `ppermute` over the
-`stage` axis, its operand's bytes times the ticks of the loops around it. A
-tick's layer residuals (what autodiff of one microbatch's pass through the
-stage's layers keeps for the backward) are read from the same loops, and the
-schedule says how many passes are kept at once:
+a loop of ticks inside `jax.shard_map`: each tick a stage runs its layers on
+one microbatch and `lax.ppermute`s the result to its neighbour. Each loop
+knows its own costs (`meshfit.pipeline.schedule_costs.ScheduleCost`): its
+ticks forward and backward, what a tick sends, how many microbatch passes'
+residuals a stage keeps at once, and what one pass keeps (measured from its
+residuals with `jax.vjp`):
 
 * "gpipe" and "circular": every tick of the forward loop, repeats * M + P - 1
-  (bubble ticks too: they run on zeros), each the residuals of its pass;
-* "1f1b": min(2P - 1, M), the passes whose residuals its loop stashes between a
-  microbatch's forward tick and its backward tick (the loss runs inside the
-  last stage, `meshfit.pipeline.one_f_one_b`).
+  (idle ticks too: they run on zeros), each the residuals of its pass
+  (circular's: a round's input and its matrix products' outputs, what its
+  `jax.checkpoint` saves);
+* "1f1b": the min(2P - 1, M) slots of the ring its loop stashes residuals in
+  between a microbatch's forward tick and its backward tick (the loss runs
+  inside the last stage, `meshfit.pipeline.one_f_one_b`).
 
-Shapes inside the `shard_map` span the whole batch (the other mesh axes stay
-with the compiler); a microbatch's rows are split over the data replicas, so
-its bytes per device are divided by them.
+`recorded` collects them while the train step is traced; `pipeline_cost`
+adds the parameters one device holds, read from their shardings.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import jax
-from jax.extend import core as jax_core
 
 from meshfit.pipeline import layer_stacks
-from meshfit.pipeline.settings import STAGE_AXIS
+from meshfit.pipeline.schedule_costs import ScheduleCost, recording
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +43,11 @@ class PipelineCost:
     Attributes:
         stages: P, the size of the `stage` axis.
         microbatches: M, the parts each data replica's rows are cut into.
-        schedule: "gpipe", "circular" or "1f1b".
+        schedule: "gpipe", "circular" or "1f1b": the loop the train step runs.
         repeats: v, the layer groups a stage runs per microbatch (circular).
         bubble: the fraction of a stage's ticks spent idle, (P - 1) / (v * M + P - 1).
-        p2p_bytes: bytes a device sends to its neighbour stage per step (`ppermute`
-            operands times the ticks that send them, forward and backward).
+        p2p_bytes: bytes a device sends to its neighbour stage per step: an activation each
+            forward tick, a cotangent each backward tick.
         microbatch_bytes: bytes of one microbatch's activation on one device (what a tick sends).
         stage_param_bytes: bytes of the `Stages` parameters one device holds: its stage's layers.
         pass_residual_bytes: bytes autodiff keeps of one microbatch's pass through a stage's
@@ -54,7 +55,7 @@ class PipelineCost:
         kept_passes: how many passes' residuals a stage keeps at once (gpipe, circular: every
             forward tick, v * M + P - 1; 1f1b: the min(2P - 1, M) its ring stashes).
         activation_bytes: the activations the schedule keeps on one device:
-            kept_passes * pass_residual_bytes.
+            kept_passes * pass_residual_bytes (summed over the step's stacks, where it has several).
     """
 
     stages: int
@@ -70,112 +71,40 @@ class PipelineCost:
     activation_bytes: int
 
 
-def pipeline_cost(strategy: Any, jaxpr: jax_core.ClosedJaxpr, params: Any) -> PipelineCost | None:
-    """The `PipelineCost` of a train step's `jaxpr` under `strategy`; None without a `stage` axis or
-    where the step runs no pipelined loop. `params` are the state's parameters (laid out, or abstract
-    with their shardings)."""
-    pipeline = getattr(strategy, "pipeline", None)
-    if pipeline is None:
+def recorded(trace: Callable[[], T]) -> tuple[T, tuple[ScheduleCost, ...]]:
+    """`trace()`'s result (a step traced: its jaxpr) and the `ScheduleCost`s its pipelined loops recorded.
+
+    Only a trace that runs the step's Python records: trace the step itself (`jax.make_jaxpr`), not a
+    program a cache may answer from without running it."""
+    with recording() as found:
+        result = trace()
+    return result, tuple(found)
+
+
+def pipeline_cost(schedules: Sequence[ScheduleCost], params: Any) -> PipelineCost | None:
+    """The `PipelineCost` of a train step from the `schedules` its pipelined loops recorded while it was traced
+    (`recording()`); None where it ran none. `params` are the state's parameters (laid out, or abstract with
+    their shardings).
+
+    Where a step runs several pipelined stacks, their sends and kept activations add up (each keeps its
+    residuals until its own backward); `pass_residual_bytes` and `kept_passes` are the largest stack's.
+    """
+    if not schedules:
         return None
-    loops = _tick_loops(jaxpr.jaxpr)
-    if not loops:
-        return None
-    replicas = max(int(strategy.num_replicas_in_sync), 1)
-    stages, microbatches, repeats = strategy.stages, pipeline.microbatches, pipeline.repeats
-    # A loop manual over the data axes sees one device's rows already; one left to the compiler, every row.
-    manual = loops[0].manual - {STAGE_AXIS}
-    replicas = max(replicas // math.prod(strategy.mesh.shape[axis] for axis in manual), 1)
-    p2p = sum(loop.sent for loop in loops) // replicas
-    microbatch = loops[0].operand // replicas
-    residuals = max(loop.residuals for loop in loops) // replicas
-    if pipeline.schedule == "1f1b":
-        kept = min(2 * stages - 1, microbatches)
-        activations = kept * residuals
-    else:
-        kept = pipeline.ticks(stages)
-        activations = kept * residuals
+    first = schedules[0]
     return PipelineCost(
-        stages=stages,
-        microbatches=microbatches,
-        schedule=pipeline.schedule,
-        repeats=repeats,
-        bubble=pipeline.bubble(stages),
-        p2p_bytes=p2p,
-        microbatch_bytes=microbatch,
+        stages=first.stages,
+        microbatches=first.microbatches,
+        schedule=first.schedule,
+        repeats=first.repeats,
+        bubble=first.bubble,
+        p2p_bytes=sum(s.p2p_bytes for s in schedules),
+        microbatch_bytes=first.send_bytes,
         stage_param_bytes=_stage_param_bytes(params),
-        pass_residual_bytes=residuals,
-        kept_passes=kept,
-        activation_bytes=activations,
+        pass_residual_bytes=max(s.pass_residual_bytes for s in schedules),
+        kept_passes=max(s.depth for s in schedules),
+        activation_bytes=sum(s.activation_bytes for s in schedules),
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class _Loop:
-    operand: int  # bytes of one ppermute operand (as the loop sees it: one device's rows, or every row)
-    sent: int  # ppermute bytes over all ticks
-    residuals: int  # ys bytes of the layer loops one tick runs
-    manual: frozenset  # the mesh axes the enclosing `shard_map` runs manual over
-
-
-def _tick_loops(jaxpr: jax_core.Jaxpr, manual: frozenset | None = None) -> list[_Loop]:
-    """The scans inside a `shard_map` whose bodies send over the stage axis: the pipeline's tick loops."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "scan" and manual is not None:
-            body = eqn.params["jaxpr"].jaxpr
-            sends = [e for e in body.eqns if e.primitive.name == "ppermute" and STAGE_AXIS in _axes(e)]
-            if sends:
-                aval = sends[0].invars[0].aval
-                sent = eqn.params["length"] * sum(_bytes(e.invars[0].aval) for e in sends)
-                residuals = max((_residual_bytes(e, aval.shape[0]) for e in _eqns(body)), default=0)
-                found.append(_Loop(_bytes(aval), sent, residuals, manual))
-                continue
-        inner = manual
-        if eqn.primitive.name == "shard_map":
-            inner = (manual or frozenset()) | frozenset(eqn.params.get("newly_manual_axes", ()))
-        for sub in _subjaxprs(eqn):
-            found += _tick_loops(sub, inner)
-    return found
-
-
-def _axes(eqn: Any) -> tuple:
-    names = eqn.params.get("axis_name", ())
-    return names if isinstance(names, tuple) else (names,)
-
-
-def _residual_bytes(eqn: Any, rows: int) -> int:
-    """Bytes of the activations a layer loop stacks over its layers: the outputs beyond its carry
-    shaped (layers, rows of a microbatch, ...), not the parameters' gradients it stacks too."""
-    if eqn.primitive.name != "scan":
-        return 0
-    stacked = [v.aval for v in eqn.outvars[eqn.params["num_carry"] :]]
-    return sum(_bytes(a) for a in stacked if len(a.shape) > 1 and a.shape[1] == rows)
-
-
-def _eqns(jaxpr: jax_core.Jaxpr) -> list[Any]:
-    """`jaxpr`'s equations and those nested in them (a `checkpoint`'s, a `pjit`'s), in order."""
-    found = []
-    for eqn in jaxpr.eqns:
-        found.append(eqn)
-        if eqn.primitive.name != "scan":
-            for sub in _subjaxprs(eqn):
-                found += _eqns(sub)
-    return found
-
-
-def _subjaxprs(eqn: Any) -> list[jax_core.Jaxpr]:
-    subs = []
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(item, jax_core.ClosedJaxpr):
-                subs.append(item.jaxpr)
-            elif isinstance(item, jax_core.Jaxpr):
-                subs.append(item)
-    return subs
-
-
-def _bytes(aval: Any) -> int:
-    return int(math.prod(aval.shape)) * aval.dtype.itemsize
 
 
 def _stage_param_bytes(params: Any) -> int:

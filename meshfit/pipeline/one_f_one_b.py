@@ -26,6 +26,10 @@ which is computed so:
   whatever M. Residuals that are the stage's own parameters are not stored
   (`meshfit.core.compat.VjpResiduals`).
 
+Traced inside a `schedule_costs.recording()`, the loop records what it costs a
+device (`schedule_costs.ScheduleCost`): its ticks, the stash's slots and the
+bytes of the residuals one slot holds.
+
 With F one microbatch's forward through a stage, a stage runs
 (P - 1) F + 3 M F + (P - 1) 2F = 3 (M + P - 1) F: its idle share is the GPipe
 bubble, (P - 1) / (M + P - 1). The tail runs on the last stage only
@@ -55,7 +59,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from meshfit.core import compat
-from meshfit.pipeline import capture, schedules
+from meshfit.pipeline import capture, schedule_costs, schedules
 from meshfit.pipeline.settings import STAGE_AXIS
 from meshfit.pipeline.stage_layout import StageLayout
 from meshfit.pipeline.stages import Stages
@@ -196,6 +200,7 @@ def _loop(tail: Callable, apply: Callable, layout: StageLayout) -> Callable:
         stage = lax.axis_index(STAGE_AXIS)
         last = stage == stages - 1
         residuals = compat.vjp_residuals(stage_forward, local, varying(micro_h[0]))
+        _record(layout, depth, residuals, micro_h[0])
 
         def tail_and_loss(y, m):
             """The tail and the loss on microbatch m's stage output y, and their backward for a unit cotangent."""
@@ -308,6 +313,28 @@ def _loop(tail: Callable, apply: Callable, layout: StageLayout) -> Callable:
         return mapped(tail_params, grouped, micro_h, micro_batch, consts)
 
     return run
+
+
+def _record(layout: StageLayout, depth: int, residuals: compat.VjpResiduals, h: jax.Array) -> None:
+    """Records the loop's `ScheduleCost` where a recording is open: P - 1 + M ticks forward and M + P - 1 backward,
+    each sending one microbatch's activation or its cotangent; a stash of `depth` slots of `residuals.kept_shapes`."""
+    if not schedule_costs.active():
+        return
+    pipeline, share = layout.pipeline, schedule_costs.share(layout)
+    ticks = pipeline.ticks(layout.stages)
+    schedule_costs.record(
+        schedule_costs.ScheduleCost(
+            schedule="1f1b",
+            stages=layout.stages,
+            microbatches=pipeline.microbatches,
+            repeats=1,
+            forward_ticks=ticks,
+            backward_ticks=ticks,
+            depth=depth,
+            send_bytes=schedule_costs.nbytes(h) // share,
+            pass_residual_bytes=schedule_costs.nbytes(residuals.kept_shapes) // share,
+        )
+    )
 
 
 def _aux_shape(tail, tail_params, micro_h, micro_batch, consts, microbatches):

@@ -10,7 +10,8 @@ its layers of that round and sends the result to the next stage with
 microbatch's output. GPipe's and the circular schedule's backward pass is
 autodiff of this loop. "1f1b" runs this loop for evaluation and prediction;
 the built-in train step runs its own loop instead (`one_f_one_b.py`), with
-the loss inside the last stage.
+the loss inside the last stage. Traced inside a `schedule_costs.recording()`,
+the loop records what it costs a device (`schedule_costs.ScheduleCost`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from meshfit.core import compat
+from meshfit.pipeline import schedule_costs
 from meshfit.pipeline.settings import STAGE_AXIS, Pipeline
 from meshfit.pipeline.stage_layout import StageLayout
 from meshfit.pipeline.vma import vary
@@ -45,10 +48,10 @@ def run(apply: Apply, params: Any, x: jax.Array, layout: StageLayout, repeat_maj
     repeats, ...), as `group` says.
     """
     pipeline, data_axes = layout.pipeline, layout.data_axes
-    stages, microbatches, repeats = layout.stages, pipeline.microbatches, pipeline.repeats
+    stages, microbatches = layout.stages, pipeline.microbatches
     grouped = group(params, stages, pipeline, repeat_major)
     micro = to_micro(x, microbatches, layout.replicas)
-    body = _loop(apply, stages, microbatches, repeats, data_axes)
+    body = _loop(apply, layout)
     rows_spec = P(None, data_axes or None)
     forward = jax.shard_map(
         body,
@@ -94,7 +97,9 @@ def from_micro(micro: jax.Array) -> jax.Array:
     return jnp.swapaxes(micro, 0, 1).reshape(micro.shape[0] * micro.shape[1], *micro.shape[2:])
 
 
-def _loop(apply: Apply, stages: int, microbatches: int, repeats: int, data_axes: tuple[str, ...]) -> Callable:
+def _loop(apply: Apply, layout: StageLayout) -> Callable:
+    pipeline, stages, data_axes = layout.pipeline, layout.stages, layout.data_axes
+    microbatches, repeats = pipeline.microbatches, pipeline.repeats
     items = repeats * microbatches
     ring = [(s, (s + 1) % stages) for s in range(stages)]
 
@@ -102,6 +107,7 @@ def _loop(apply: Apply, stages: int, microbatches: int, repeats: int, data_axes:
         # (repeats, layers of a round, ...), each data shard's own copy: the gradient is reduced once, after the loop.
         local = jax.tree.map(lambda a: vary(a[0], data_axes), grouped)
         stage = lax.axis_index(STAGE_AXIS)
+        varying = functools.partial(vary, axes=(STAGE_AXIS, *data_axes))  # each stage's (and data shard's) own values
 
         def scan_layers(params, h):
             return lax.scan(lambda h, p: (apply(p, h), None), h, params)[0]
@@ -114,8 +120,21 @@ def _loop(apply: Apply, stages: int, microbatches: int, repeats: int, data_axes:
         else:  # the round's slice is taken again in the backward pass: saved, it would be a residual of every tick
 
             @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.dots_saveable)
+            def round_of_layers(params, r, h):
+                return scan_layers(jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, keepdims=False), params), h)
+
             def layers_of_round(r, h):
-                return scan_layers(jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, keepdims=False), local), h)
+                return round_of_layers(local, r, h)
+
+        if schedule_costs.active():
+            # What autodiff keeps of one microbatch's pass through the stage's layers of a round, as a tick runs
+            # them: the stage's parameters are the loop's, kept once (`vjp_residuals` sets them apart).
+            h = varying(micro[0])
+            if repeats == 1:
+                residuals = compat.vjp_residuals(scan_layers, jax.tree.map(lambda a: a[0], local), h)
+            else:
+                residuals = compat.vjp_residuals(lambda p, h: round_of_layers(p, 0, h), local, h)
+            _record(layout, residuals, h)
 
         def tick(carry, t):
             received, done = carry
@@ -131,9 +150,28 @@ def _loop(apply: Apply, stages: int, microbatches: int, repeats: int, data_axes:
             done = lax.dynamic_update_index_in_dim(done, jnp.where(keep, sent, done[slot]), slot, 0)
             return (sent, done), None
 
-        varying = functools.partial(vary, axes=(STAGE_AXIS, *data_axes))  # each stage's (and data shard's) own values
         start = (varying(jnp.zeros_like(micro[0])), varying(jnp.zeros_like(micro)))
         (_, done), _ = lax.scan(tick, start, jnp.arange(items + stages - 1))
         return lax.psum(jnp.where(stage == 0, done, jnp.zeros_like(done)), STAGE_AXIS)
 
     return body
+
+
+def _record(layout: StageLayout, residuals: compat.VjpResiduals, h: jax.Array) -> None:
+    """Records the loop's `ScheduleCost` for a train step: autodiff runs its ticks again backward, each tick's
+    residuals kept from its forward to its backward (idle ticks' too: they run on zeros)."""
+    pipeline, share = layout.pipeline, schedule_costs.share(layout)
+    ticks = pipeline.ticks(layout.stages)
+    schedule_costs.record(
+        schedule_costs.ScheduleCost(
+            schedule="circular" if pipeline.schedule == "circular" else "gpipe",  # 1f1b evaluates on GPipe's loop
+            stages=layout.stages,
+            microbatches=pipeline.microbatches,
+            repeats=pipeline.repeats,
+            forward_ticks=ticks,
+            backward_ticks=ticks,
+            depth=ticks,
+            send_bytes=schedule_costs.nbytes(h) // share,
+            pass_residual_bytes=schedule_costs.nbytes(residuals.kept_shapes) // share,
+        )
+    )

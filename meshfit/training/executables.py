@@ -30,8 +30,7 @@ import numpy as np
 
 from meshfit.core import compat
 from meshfit.core.state import TrainState
-from meshfit.cost import step_report
-from meshfit.cost.pipeline_cost import pipeline_cost
+from meshfit.cost import pipeline_cost, step_report
 from meshfit.cost.step_report import StepReport
 from meshfit.steps.builtin import Steps
 from meshfit.strategies.base import Strategy
@@ -254,16 +253,16 @@ class Executables:
         compiled = lowered.compile()
 
         @functools.cache
-        def jaxpr():  # traced (in the strategy's scope, as compiled) only where a part of the report needs it
-            with Strategy.scope(self.strategy):
-                return jax.make_jaxpr(self.steps.train_step)(state, batch)
+        def traced():  # (in the strategy's scope, as compiled) only where a part of the report needs it
+            with Strategy.scope(self.strategy):  # its jaxpr, and the costs its pipelined loops say as they are traced
+                return pipeline_cost.recorded(lambda: jax.make_jaxpr(self.steps.train_step)(state, batch))
 
         rows = jax.tree.leaves(batch.mask)[0].shape[0]
         leaf = jax.tree.leaves(state.params)[0]
         devices = sorted(leaf.sharding.device_set, key=lambda d: d.id)
-        report = step_report.analyse(lowered, compiled, rows, devices, jaxpr)
+        report = step_report.analyse(lowered, compiled, rows, devices, lambda: traced()[0])
         if getattr(self.strategy, "pipeline", None) is not None:
-            report = dataclasses.replace(report, pipeline=pipeline_cost(self.strategy, jaxpr(), state.params))
+            report = dataclasses.replace(report, pipeline=pipeline_cost.pipeline_cost(traced()[1], state.params))
         return report
 
 
