@@ -12,7 +12,11 @@ that run 8 simulated devices make every tick cost the same, busy or idle):
     (the row-proportional part: bytes at 2x the rows minus bytes at 1x), against the
     formula in units measured on one stage: R = one microbatch's residuals through a stage's layers,
     I = one microbatch's stage input;
-  * temporaries per device (`compiled.memory_analysis()`) and seconds per step (indicative only).
+  * temporaries per device (`compiled.memory_analysis()`) and seconds per step (indicative only);
+  * what each schedule reports of itself while the gradient is traced (`meshfit.cost.pipeline_cost.recorded`,
+    the figures `model.step_report().pipeline` shows): its point-to-point bytes against the `ppermute`
+    operands of the jaxpr times their loops' trip counts, and its kept activations (depth x one pass's
+    residuals) against the measured ones less the stage inputs the formulas above count beside them.
 
 Run: `python benchmarks/bench_pipeline.py` (`--smoke`: tiny sizes, one timed step).
 """
@@ -31,6 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import meshfit as mf  # noqa: E402
+from meshfit.cost import pipeline_cost  # noqa: E402
 from meshfit.pipeline import Stages, one_f_one_b  # noqa: E402
 from meshfit.strategies.mesh import MeshStrategy  # noqa: E402
 
@@ -58,6 +63,17 @@ def matmul_flops(jaxpr, devices: int) -> float:
 def largest_loop_carry(jaxpr, devices: int) -> float:
     """Bytes per device of the largest `scan` carry in `jaxpr` (e.g. the 1f1b stash, the received buffers)."""
     return _walk(jaxpr, 1.0 / devices, _carry_bytes, combine=max)
+
+
+def sent_bytes(jaxpr, devices: int) -> float:
+    """Bytes per device of the `ppermute` operands of `jaxpr`, loops counted times their trip counts."""
+    return _walk(jaxpr, 1.0 / devices, _ppermute_bytes)
+
+
+def _ppermute_bytes(eqn) -> float:
+    if eqn.primitive.name != "ppermute":
+        return 0.0
+    return float(sum(v.aval.size * v.aval.dtype.itemsize for v in eqn.invars))
 
 
 def _dot_flops(eqn) -> float:
@@ -164,14 +180,24 @@ def _measure(strategy):
     carry = figures[2][1] - figures[1][1]
     forward, loss, params, x = build(strategy, ROWS)
     grad = jax.grad(loss, argnums=(0, 1))
-    flops = matmul_flops(jax.make_jaxpr(grad)(params, x), 8)
+    jaxpr, schedules = pipeline_cost.recorded(lambda: jax.make_jaxpr(grad)(params, x))  # what each loop reports
+    flops, sent = matmul_flops(jaxpr, 8), sent_bytes(jaxpr, 8)
     step = strategy.compile(grad)
     temp = step.lower(params, x).compile().memory_analysis().temp_size_in_bytes
     jax.block_until_ready(step(params, x))
     start = time.perf_counter()
     for _ in range(REPEATS):
         jax.block_until_ready(step(params, x))
-    return {"flops": flops, "kept": kept, "carry": carry, "temp": temp, "s": (time.perf_counter() - start) / REPEATS}
+    seconds = (time.perf_counter() - start) / REPEATS
+    return {
+        "flops": flops,
+        "kept": kept,
+        "carry": carry,
+        "temp": temp,
+        "s": seconds,
+        "sent": sent,
+        "reported": schedules,
+    }
 
 
 def stage_units():
@@ -243,6 +269,24 @@ def main():
             f"| {kib(got['carry'])} | {carry_name} = {kib(carry)} | {got['carry'] / carry:.2f} "
             f"| {kib(got['temp'])} | {got['temp'] / base['temp']:.1f} | {got['s'] * 1e3:.1f} "
             f"| {got['s'] / base['s']:.1f} |"
+        )
+    print()
+    # The stage inputs the measured activations hold beside the passes' residuals (the formulas above): the
+    # batch's M I kept for the backward (gpipe, circular), the stash's ring beside M + 2 I (1f1b's loop carry).
+    beside = {"gpipe": ("kept", m * i), "circular v=2": ("kept", m * i), "1f1b": ("carry", (m + 2) * i)}
+    print(
+        "| layout | p2p reported | p2p measured (ppermutes x trips) | measured / reported | depth (passes) "
+        "| kept reported (depth x pass) | measured less stage inputs | measured / reported |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, _, got in rows:
+        cost = pipeline_cost.pipeline_cost(got["reported"], {})
+        which, inputs = beside[name]
+        measured = got[which] - inputs
+        print(
+            f"| {name} | {kib(cost.p2p_bytes)} | {kib(got['sent'])} | {got['sent'] / cost.p2p_bytes:.2f} "
+            f"| {cost.kept_passes} | {cost.kept_passes} x {kib(cost.pass_residual_bytes)} = "
+            f"{kib(cost.activation_bytes)} | {kib(measured)} | {measured / cost.activation_bytes:.2f} |"
         )
 
 
