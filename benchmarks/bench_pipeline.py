@@ -26,8 +26,8 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import argparse  # noqa: E402
 import math  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -39,7 +39,9 @@ from meshfit.cost import pipeline_cost  # noqa: E402
 from meshfit.pipeline import Stages, one_f_one_b  # noqa: E402
 from meshfit.strategies.mesh import MeshStrategy  # noqa: E402
 
-SMOKE = "--smoke" in sys.argv[1:]
+_parser = argparse.ArgumentParser(description="Pipeline schedules on 8 simulated CPU devices, against the formulas.")
+_parser.add_argument("--smoke", action="store_true", help="tiny sizes, one timed step (the benchmarks' tests)")
+SMOKE = _parser.parse_args().smoke
 WIDTH, LAYERS, ROWS, STAGES, DATA = (16, 8, 32, 4, 2) if SMOKE else (256, 8, 256, 4, 2)
 MICRO = 4 * STAGES
 REPEATS = 1 if SMOKE else 5
