@@ -100,6 +100,7 @@ class NeedsBFloat16(nnx.Module):
         return self.dense(x)
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_every_call_of_the_module_runs_under_the_compiled_policy():
     x, y = classification_data(n=32)
     model = mf.Model(NeedsBFloat16())

@@ -158,6 +158,7 @@ def test_one_loss_for_every_output_and_outputs_without_a_loss():
     assert changed == {"reg/kernel", "reg/bias", "trunk/kernel", "trunk/bias"}  # ...and the cls head gets no gradient
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_list_inputs_are_positional_arguments_and_dict_inputs_keywords():
     rng = np.random.default_rng(1)
     image, extra = rng.normal(size=(40, DIN)).astype(np.float32), rng.normal(size=(40, 3)).astype(np.float32)

@@ -1,3 +1,5 @@
+import pytest
+
 from meshfit.callbacks import CallbackList, History, LambdaCallback
 
 
@@ -56,6 +58,7 @@ def _fit(callbacks):
     return history
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_a_fit_with_only_history_reads_epoch_logs_when_history_is_read():
     import jax
 

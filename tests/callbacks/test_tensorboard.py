@@ -230,6 +230,7 @@ def test_the_learning_rate_of_an_optax_schedule_is_logged(tmp_path):
     assert scalars["epoch_learning_rate"] == [(e, pytest.approx(float(schedule(4 * (e + 1))))) for e in range(3)]
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_each_of_several_optimizers_logs_its_learning_rate(tmp_path):
     from custom_models import GAN, TinyGAN
 

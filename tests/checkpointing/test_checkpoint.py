@@ -148,6 +148,7 @@ def test_an_altered_model_file_is_refused_and_left_in_place(tmp_path):
     assert sorted(os.listdir(tmp_path / "m")) == ["0", MARKER]  # a reader moves nothing
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_fingerprints_verify_under_another_layout(tmp_path):
     """Saved from 8 devices (replicated), loaded on one and onto an FSDP mesh: fingerprints still match."""
     with mf.strategies.MirroredStrategy().scope():

@@ -167,6 +167,7 @@ def test_a_fit_resumes_from_the_newest_memory_snapshot_exactly(tmp_path, keeper,
     assert keeper.committed_steps(os.path.abspath(tmp_path / "b")) == []  # a finished fit's snapshots are dropped
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 @pytest.mark.parametrize("tier", ["memory", "disk"])
 def test_a_model_built_by_a_factory_resumes_without_creating_what_it_restores(tmp_path, keeper, capsys, tier):
     """A factory's model holds only its template until its arrays are read: a fit that resumes reads them from
@@ -301,6 +302,7 @@ def test_an_array_split_across_the_larger_jobs_processes_is_not_assembled_from_o
     )
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_snapshots_the_keeper_cannot_take_every_memory_freq_steps_say_so_once_naming_a_freq_that_can(tmp_path, keeper):
     """A 50-MiB state (a 1,024 x 4,096 layer and Adam's moments) snapshotted after every step of a few ms: each
     snapshot waits for the one before it, which the warning says once, with a `memory_freq` that keeps up."""

@@ -201,6 +201,7 @@ class Staged(nnx.Module):
         return self.head(self.body(self.embed(x)))
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 @eight_devices
 @pytest.mark.parametrize("schedule, repeats", [("gpipe", 1), ("circular", 2), ("1f1b", 1)])
 def test_a_pipelined_step_reports_its_stage_cost(schedule, repeats):

@@ -69,6 +69,7 @@ def test_batches_of_any_size_train_exactly_with_a_bounded_number_of_compilations
     assert ragged == pytest.approx(whole, rel=1e-5)
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_growing_batches_with_steps_per_execution():
     x, y = classification_data(n=sum(SIZES))
     # Logits, not the probabilities the loss's name expects: clipped "probabilities" make gradients so

@@ -93,6 +93,7 @@ def test_sample_weights_and_a_partial_last_batch_train_as_on_one_device():
     np.testing.assert_allclose(one.predict(x, verbose=0), piped.predict(x, verbose=0), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_the_step_runs_gpipes_work_and_no_recomputed_forward():
     """Matmul work per device of the compiled train step (read as benchmarks/bench_pipeline.py reads it):
     1f1b's equals GPipe's, whose idle share is the bubble (P - 1) / (M + P - 1)."""

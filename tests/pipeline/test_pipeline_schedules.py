@@ -50,6 +50,7 @@ def residual_bytes(strategy, forward, params, rows):
     return sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 @pytest.mark.parametrize("schedule, repeats", SCHEDULES)
 def test_a_tick_runs_no_collective_but_its_ppermute(schedule, repeats):
     strategy, forward, params = stack(schedule, repeats)

@@ -165,6 +165,7 @@ def test_measure_times_the_best_predicted_with_real_steps_ranks_them_by_it_and_f
     assert lines[6].startswith("step ≥ (roofline): a lower bound") and "3 real steps each" in lines[7]
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_verbose_names_each_candidate_on_stderr_and_zero_shows_nothing(capfd):
     x, y = classification_data(n=8, din=32, classes=10)
     mf.plan(Recorded, x, y, compile=COMPILE, devices=jax.devices()[:1], batch_sizes=[8, 16], verbose=1)

@@ -130,6 +130,7 @@ def hand_written_own_gradients(x, y, epochs, batch_size):
     return params, means, lasts
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_train_step_override_equals_a_hand_written_loop_and_logs_by_keras_rule():
     x, y = classification_data(n=40)
     model = own_gradients_model()

@@ -23,6 +23,7 @@ def train(strategy, x, y, batch_size, epochs=1, **fit_kwargs):
     return model, history
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 @pytest.mark.parametrize("n, batch_size", [(320, 16), (290, 15)])  # 20 steps; the second with ragged batches
 def test_sync_mode_equals_mirrored(n, batch_size):
     x, y = classification_data(n=n)
