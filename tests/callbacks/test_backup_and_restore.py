@@ -112,12 +112,31 @@ def test_sigkill_with_steps_per_execution_and_epoch_backups(tmp_path, uninterrup
     assert_same_run(tmp_path / "out", uninterrupted["spe2"])
 
 
-def test_sigterm_saves_exits_143_and_resumes_exactly(tmp_path, uninterrupted):
+def test_sigterm_saves_exits_143_and_resumes_exactly_also_when_repeated_during_the_save(tmp_path, uninterrupted):
+    """One SIGTERM at step 13: the process saves at the next step boundary and exits 143. The process resumed from
+    that backup gets SIGTERM after step 25 again and again until it is gone, as a scheduler may: it still saves and
+    exits 143. Resumed once more, the run ends bitwise equal to an uninterrupted one: each preemption backup
+    resumed exactly."""
     backup = tmp_path / "backup"
     status, output = run_worker(tmp_path / "out", backup, "--slow", "0.02", stop_at=13, sig=signal.SIGTERM)
     assert status == mf.PREEMPTED_EXIT_CODE == 143, output
     steps = sorted(int(p) for p in os.listdir(backup) if p.isdigit())
     assert steps[-1] in (13, 14)  # saved at the next step boundary after the signal
+
+    with Job([sys.executable, WORKER, str(tmp_path / "out"), str(backup), "--slow", "0.02"], timeout=180) as job:
+        job.wait_for(r"step 25$")
+        job.proc.send_signal(signal.SIGTERM)
+        while job.proc.poll() is None:  # as a scheduler may: again and again until it is gone
+            time.sleep(0.05)
+            try:
+                job.proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                break
+        status = job.finish()
+    assert status == 143, job.stdout[-2000:] + job.stderr[-2000:]
+    assert f"(step {steps[-1]})." in job.stdout, job.stdout[-2000:]  # resumed from the first preemption backup
+    assert backup_steps(backup)[-1] in (25, 26)
+
     status, output = run_worker(tmp_path / "out", backup)
     assert status == 0, output
     assert_same_run(tmp_path / "out", uninterrupted["freq3"])
@@ -429,25 +448,6 @@ def test_sigterm_while_fit_sets_up_still_ends_in_a_backup_and_143(tmp_path):
     assert status == 143, output[-3000:]
     assert "sent SIGTERM in setup" in output
     assert backup_steps(tmp_path / "backup") == [1]  # stopped after the first step, and saved it
-
-
-def test_repeated_sigterms_during_the_preemption_save_still_exit_143(tmp_path, uninterrupted):
-    backup = tmp_path / "backup"
-    with Job([sys.executable, WORKER, str(tmp_path / "out"), str(backup), "--slow", "0.02"], timeout=180) as job:
-        job.wait_for(r"step 13$")
-        job.proc.send_signal(signal.SIGTERM)
-        while job.proc.poll() is None:  # as a scheduler may: again and again until it is gone
-            time.sleep(0.05)
-            try:
-                job.proc.send_signal(signal.SIGTERM)
-            except ProcessLookupError:
-                break
-        status = job.finish()
-    assert status == 143, job.stdout[-2000:] + job.stderr[-2000:]
-    assert backup_steps(backup)[-1] in (13, 14)
-    status, output = run_worker(tmp_path / "out", backup)
-    assert status == 0, output
-    assert_same_run(tmp_path / "out", uninterrupted["freq3"])
 
 
 def test_a_second_job_on_the_same_backup_directory_is_refused_and_the_first_is_undisturbed(tmp_path, uninterrupted):
