@@ -52,6 +52,7 @@ class Printing(mf.Model):
         return logs, state
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_a_side_effect_in_a_custom_train_step_runs_at_every_eager_step():
     x, y = classification_data(n=64)
     model = Printing(MLP())

@@ -320,6 +320,7 @@ def keras_parity(keras):
     return evaluate_all(ours), evaluate_all(theirs)
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 @pytest.mark.parametrize("case_id", CASE_IDS)
 def test_matches_keras(keras_parity, case_id):
     ours, theirs = keras_parity

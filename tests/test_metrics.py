@@ -416,6 +416,7 @@ def semantics():
     return evaluate_all(thunks)
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 @pytest.mark.parametrize("case_id", SEMANTIC_IDS)
 def test_padding_accumulation_and_merge(semantics, case_id):
     for weighting, results in semantics[case_id].items():

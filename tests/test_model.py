@@ -86,6 +86,7 @@ def test_partial_last_batch_trains_exactly():
     assert_trees_close(model.params, sgd_reference(x, y, 4, 0.1), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_same_seed_same_result_and_different_seed_differs():
     x, y = classification_data(n=100)
 
@@ -157,6 +158,7 @@ def test_summary_lists_every_weight_with_totals():
     assert model.count_params() == total
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_sample_weight_and_class_weight():
     x, y = classification_data(n=40)
     model = make_model(metrics=None)
@@ -172,6 +174,7 @@ def test_sample_weight_and_class_weight():
         model.fit(x, y, class_weight={0: 1.0}, verbose=0)
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_multi_input_dict_and_tuple_inputs():
     class TwoInputs(nnx.Module):
         def __init__(self):
@@ -245,6 +248,7 @@ def test_grain_dataset_input():
     assert model.evaluate(dataset, verbose=0, return_dict=True)["accuracy"] >= 0.0
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_linen_module_with_batchnorm_and_dropout():
     from flax import linen as nn
 
@@ -293,6 +297,7 @@ def test_keras_default_optimizer_and_learning_rate_access():
         _ = plain.optimizer.learning_rate
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 @pytest.mark.parametrize("strategy", ["one_device", "mirrored"])
 def test_on_batch_methods_match_keras_on_the_same_weights(strategy):
     """train_on_batch / test_on_batch / predict_on_batch against Keras 3's, from the same weights."""
@@ -438,6 +443,7 @@ def test_scalar_loss_on_a_generator_of_ragged_batches(monkeypatch, prefetch):
     ]
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_scalar_loss_on_batch_methods_under_mirrored():
     """10 rows padded to 16 over 8 replicas: train_on_batch and test_on_batch take the real rows."""
     x, y = classification_data(n=30)
@@ -455,6 +461,7 @@ def test_scalar_loss_on_batch_methods_under_mirrored():
     assert models[1].session.executables.partial_batch_steps == [("evaluate", 7), ("train", 10)]
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_scalar_loss_found_after_predict_built_the_steps():
     """`predict` builds the steps without targets; the first fit finds the scalar loss and builds them again."""
     x, y = classification_data(n=70)
@@ -503,6 +510,7 @@ def test_scalar_loss_costs_one_compilation_per_partial_size_and_data():
     assert compiles["scalar"] == (compiles["per_sample"][0] + 2, 0)
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_scalar_loss_matches_keras_fit_with_sample_weight():
     """Keras 3 weights a scalar loss by the batch's mean sample weight: so does meshfit, on 30 rows in
     batches of 8 (a last batch of 6)."""
@@ -534,6 +542,7 @@ class TwoProcesses(mf.strategies.OneDeviceStrategy):
     process_count = 2
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 @pytest.mark.parametrize(
     "strategy, reason",
     [
@@ -557,6 +566,7 @@ def test_scalar_loss_is_refused_where_it_cannot_be_exact(strategy, reason):
     model.fit(x, y, batch_size=8, verbose=0)
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_ignore_class_leaves_ignored_labels_out_of_the_loss_in_fit_and_evaluate():
     """The step combines the loss's own mask (ignored entries) with the padding mask, as calling the loss does."""
     keras = pytest.importorskip("keras")

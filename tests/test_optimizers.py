@@ -20,6 +20,7 @@ def scheduled(**compile_kwargs):
     return model
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_a_schedules_learning_rate_is_its_value_at_the_step_count_after_fit():
     x, y = classification_data(n=64)
     model = scheduled()

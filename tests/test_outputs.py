@@ -131,6 +131,7 @@ def test_tuple_outputs_take_lists_and_are_named_output_i():
     model.fit(x, tuple(targets), batch_size=32, verbose=0)  # a tuple of targets for tuple outputs works too
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_one_loss_for_every_output_and_outputs_without_a_loss():
     x, y = data()
     y["cls"] = np.eye(3, dtype=np.float32)[y["cls"]]
@@ -189,6 +190,7 @@ def test_a_dict_input_a_module_takes_whole_is_one_argument():
     assert model.predict(x, verbose=0).shape == (8, 2)
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 @pytest.mark.parametrize("strategy", ["mirrored", "explicit"])
 def test_several_outputs_under_data_parallelism_equal_one_device(strategy):
     """The explicit step sums each loss's divisor over the replicas before dividing: still one device's numbers."""

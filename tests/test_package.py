@@ -85,6 +85,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_no_import_cycles_among_meshfit_modules():
     found = modules()
     graph = {name: imports(path, set(found), name) for name, path in found.items()}
@@ -103,6 +104,7 @@ def loaded_after(code: str, prefixes: tuple[str, ...]) -> list[str]:
     return eval(result.stdout)
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_a_model_loads_no_parameter_server_module():
     loaded = loaded_after("import meshfit; meshfit.Model; meshfit.strategies.MirroredStrategy", ("meshfit", "ray"))
     assert "meshfit.model" in loaded  # the names did load

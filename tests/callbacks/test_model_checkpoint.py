@@ -32,6 +32,7 @@ def steps_in(directory):
     return sorted(int(p) for p in os.listdir(directory) if p.isdigit())
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_every_epoch_with_max_to_keep(tmp_path):
     model, _, snapshots = fit_with(mf.callbacks.ModelCheckpoint(tmp_path / "ck", max_to_keep=2))
     assert steps_in(tmp_path / "ck") == [3, 4]

@@ -66,6 +66,7 @@ class _KerasStandIn:
         self.stop_training = False
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_matches_keras_reduce_lr_on_plateau(make_model):
     os.environ.setdefault("KERAS_BACKEND", "jax")
     keras = pytest.importorskip("keras")

@@ -18,6 +18,7 @@ def fitted(callbacks=(), strategy=None, **fit_args):
     return model, history
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_throughput_logs_reach_history_and_csv(tmp_path):
     throughput = mf.callbacks.Throughput(peak_flops=1e12, tokens_per_sample=4)
     csv = mf.callbacks.CSVLogger(tmp_path / "log.csv")

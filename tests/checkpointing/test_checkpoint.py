@@ -130,6 +130,7 @@ def test_flipped_bytes_in_any_data_file_are_never_restored_silently(tmp_path):
     assert "fingerprint" in outcomes.values(), outcomes  # bytes the format itself does not check
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_an_altered_model_file_is_refused_and_left_in_place(tmp_path):
     trained(hidden=64).save(tmp_path / "m")
     data = [

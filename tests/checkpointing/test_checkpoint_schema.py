@@ -99,6 +99,7 @@ def weights_equal(a, b):
     return all(np.array_equal(u, v) for u, v in zip(a.get_weights(), b.get_weights(), strict=True))
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_saved_weights_models_and_checkpoints_in_the_old_layouts_load(tmp_path):
     model = trained()
     state = model.session.state

@@ -558,6 +558,7 @@ def fit_compiled(backup_dir, epochs, optimizer, **backup_kwargs):
     return model, model.fit(x, y, batch_size=16, epochs=epochs, callbacks=[backup], verbose=0)
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 @pytest.mark.parametrize("tier", ["memory", "disk"])
 @pytest.mark.parametrize(
     "first, second, differs",

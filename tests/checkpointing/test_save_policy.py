@@ -65,6 +65,7 @@ def test_a_bad_save_freq_is_refused_by_both_callbacks(tmp_path, save_freq):
             callback(tmp_path, save_freq=save_freq)
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_one_policy_serves_both_callbacks_at_the_same_steps(tmp_path):
     """With steps_per_execution=2 the count jumps by 2: both callbacks save after the same batches."""
     x, y = classification_data(n=96)

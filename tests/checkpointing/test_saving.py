@@ -82,6 +82,7 @@ def test_weights_round_trip_and_no_silent_overwrite(tmp_path):
     assert sorted(p for p in os.listdir(tmp_path / "w") if p.isdigit()) == ["1"]  # the new one replaced the old
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_loads_print_no_read_only_warning_and_orbax_still_warns_elsewhere(tmp_path, caplog, capfd):
     import orbax.checkpoint as ocp
 
@@ -127,6 +128,7 @@ def compiled_with_objects(x, y):
     return model
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_a_reload_evaluates_predicts_and_trains_on_with_nothing_passed(tmp_path):
     x, y = classification_data(n=64)
     y = y[:, None]  # a trailing axis of 1, so that "mae" compares labels with every logit
@@ -163,6 +165,7 @@ class TwoHeads(nnx.Module):
         return {"cls": self.cls(h), "reg": self.reg(h)}
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_per_output_settings_reload_as_dicts(tmp_path):
     x, labels = classification_data(n=32)
     y = {"cls": labels, "reg": x[:, :1] * 2.0}

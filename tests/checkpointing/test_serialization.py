@@ -124,6 +124,7 @@ def test_every_public_loss_metric_and_schedule_class_is_registered_and_covered()
     assert {cls for cls, _ in CASES} == public  # a new class needs a case here
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 @pytest.mark.parametrize("cls,kwargs", CASES, ids=CASE_IDS)
 def test_get_config_rebuilds_an_equal_object_through_json(cls, kwargs):
     obj = cls(**kwargs)

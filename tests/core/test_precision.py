@@ -54,6 +54,7 @@ def test_mixed_bfloat16_keeps_float32_weights_learns_and_computes_in_bfloat16():
     assert np.abs(mixed_pred - full_pred).max() > 1e-3  # the forward pass really ran in bfloat16
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_predict_and_evaluate_run_under_the_policy_too():
     x, y, x_test, y_test = digits()
     full = mf.Model(DigitsMLP(rngs=nnx.Rngs(0)))
@@ -102,6 +103,7 @@ class Scaled(mf.losses.Loss):
         return 1e4 * optax.softmax_cross_entropy_with_integer_labels(y_pred, y_true)
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_mixed_float16_skips_overflowing_steps_lowers_the_scale_and_learns():
     x, y = classification_data(n=256)
     model = mf.Model(MLP(hidden=32))
@@ -115,6 +117,7 @@ def test_mixed_float16_skips_overflowing_steps_lowers_the_scale_and_learns():
     assert np.isfinite(losses).all() and losses[-1] < 0.8 * losses[0]
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_the_loss_scale_is_saved_and_loaded_with_the_model(tmp_path):
     x, y = classification_data(n=256)
     model = mf.Model(MLP(hidden=32))
@@ -288,6 +291,7 @@ def test_a_clipped_optimizer_still_exposes_its_learning_rate():
     assert model.optimizer.learning_rate == pytest.approx(0.002)
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_layers_that_fix_their_dtype_compute_in_the_policy_dtype_too():
     """`nnx.Embed` takes its parameters' float32 as its dtype when built; the policy still reaches it."""
 

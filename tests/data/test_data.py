@@ -188,6 +188,7 @@ class Rows(mf.data.DataSource):
         del state
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 @pytest.mark.parametrize("steps_per_execution", [1, 3])
 def test_a_users_own_data_source_trains_evaluates_and_predicts_as_the_same_arrays_do(steps_per_execution):
     """Keras takes a user's own DataAdapter likewise: fit (validation too), evaluate and predict."""
@@ -224,6 +225,7 @@ class PositionedRows(Rows):
     random_access = True
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 @pytest.mark.parametrize("steps_per_execution", [1, 3])
 def test_a_users_own_random_access_source_is_staged_and_trains_as_it_does_batch_by_batch(steps_per_execution):
     x, y = classification_data(n=36)  # 4 full batches of 8 and a partial one

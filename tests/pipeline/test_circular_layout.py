@@ -121,6 +121,7 @@ def test_a_checkpoint_saved_under_circular_loads_under_gpipe_and_on_one_device(t
     assert_trees_close(loaded["one"].params, saved.params, rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 @eight_devices
 def test_weights_set_under_circular_are_the_natural_stack():
     """`set_weights` takes the natural stack (as `get_weights` gives it) under circular; a one-device model's

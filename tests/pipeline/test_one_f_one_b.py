@@ -130,6 +130,7 @@ def test_a_tail_that_updates_module_state_is_refused_before_any_step():
     assert int(model.session.state.step) == 0
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_a_module_with_two_stacks_is_refused():
     model = compiled(one_f_one_b(), module=TwoStacks, loss="mse")
     x = classification_data(n=16, din=16, classes=4)[0]

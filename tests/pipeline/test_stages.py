@@ -41,6 +41,7 @@ def reference():
     return train(mf.strategies.OneDeviceStrategy())
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_stages_run_the_blocks_in_order_as_one_scan():
     net = StagedNet(layers=3)
     x = jnp.asarray(classification_data(n=5, din=8)[0])
@@ -202,6 +203,7 @@ def test_a_stage_axis_without_stages_is_refused():
         train(pipelined(), model=lambda: nnx.Linear(8, 4, rngs=nnx.Rngs(0)))
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_a_batch_that_does_not_cut_into_microbatches_is_refused():
     net = StagedNet()
     x = jnp.ones((12, 16))  # 2 data replicas x 4 microbatches need a multiple of 8 rows

@@ -265,6 +265,7 @@ def test_learning_rate_callbacks_name_the_optimizer_they_act_on():
     assert model.optimizer["generator"].learning_rate == pytest.approx(5e-4)
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_a_dict_of_optimizers_saves_and_loads_with_its_state(tmp_path):
     data = gan_data()
     optimizers = {"generator": optax.adam(2e-3), "discriminator": optax.adam(1e-3)}
@@ -290,6 +291,7 @@ def test_a_dict_of_optimizers_saves_and_loads_with_its_state(tmp_path):
 # -- strategies ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_custom_step_under_mirrored_on_four_devices_equals_one_device():
     x, y = classification_data(n=40)  # a partial last batch of 8 rows, 2 per device
     one = own_gradients_model()

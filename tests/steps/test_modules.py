@@ -72,6 +72,7 @@ def test_a_factory_model_saved_under_fsdp_restores_with_a_factory(tmp_path):
     )
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_the_users_module_holds_the_trained_weights_after_fit():
     x = np.random.default_rng(0).integers(0, 64, (32, 8)).astype(np.int32)
     module = Embedder()
@@ -132,6 +133,7 @@ class LinenMLP(linen.Module):
         return linen.Dense(16)(linen.relu(x))
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (simulated on a CPU)")
 def test_linen_variables_are_created_in_their_layout():
     x = jnp.ones((8, 512))
@@ -145,6 +147,7 @@ def test_linen_variables_are_created_in_their_layout():
     np.testing.assert_array_equal(model.get_weights()[1], reference.get_weights()[1])
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_frozen_parameters_stay_bitwise_unchanged_without_optimizer_state(tmp_path):
     """`trainable=` an NNX filter: the rest gets no gradient, no optimizer state, no update."""
     from helpers import MLP, classification_data

@@ -29,6 +29,7 @@ def param_bytes(model):
     return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(model.params))
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 @pytest.mark.parametrize(
     "n, batch_size, spe, compile_kw",
     [

@@ -22,6 +22,7 @@ def train(strategy, x, y, batch_size, epochs, spe=1, **fit_kwargs):
     return model, history
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 @pytest.mark.parametrize(
     "n, batch_size",
     [
@@ -62,6 +63,7 @@ def test_mirrored_state_is_replicated_and_batches_are_split():
     assert {s.data.shape for s in batch.x.addressable_shards} == {(2, 4)}
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_mirrored_steps_per_execution_and_subset_of_devices():
     x, y = classification_data(n=150)
     one, _ = train(mf.strategies.OneDeviceStrategy(), x, y, 12, 2)

@@ -108,6 +108,7 @@ def test_a_prefetch_for_other_data_is_not_used():
     assert not feeder.has_prefetched  # dropped, not kept for later
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_mirrored_staged_batches_equal_one_device(monkeypatch):
     monkeypatch.setattr(feeder_lib, "MAX_STAGED_STEPS", 3)
     x, y = classification_data(n=70)

@@ -64,6 +64,7 @@ def test_steps_per_execution_matches_single_steps_with_ragged_last_group():
     assert four.session.executables.compilations()["execution"] == 1
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_callback_order_and_batch_indices_follow_keras():
     x, y = classification_data(n=40)
     rec = recorder()

@@ -191,6 +191,7 @@ def test_state_partitioned_over_server_devices(mode):
     assert accuracy > 0.5
 
 
+@pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
 def test_gradient_accumulation_happens_on_the_server():
     """Sync mode, K=4 batches of 16: the server's optimizer applies the mean of 4 rounds, as one batch of 64."""
     x, y = classification_data(n=256)
