@@ -318,12 +318,11 @@ def test_grain_iterator_position_is_restored(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("stop_at, newest", [(5, 4), (7, 6)])  # backup mid-epoch (epoch 2, batch 1); at its end
-def test_grain_stream_resumes_mid_epoch_exactly(tmp_path, stop_at, newest):
-    """The restored iterator state stands at the saved batch and must not be skipped past again."""
+def grain_stream():
+    """A continuing grain stream of batches of 8 from 80 rows, shuffled (seed 2)."""
     grain = pytest.importorskip("grain")
     x, y = classification_data(n=80)
-    dataset = (
+    return (
         grain.MapDataset.source([{"x": x[i], "y": y[i]} for i in range(80)])
         .shuffle(seed=2)
         .repeat()
@@ -331,28 +330,45 @@ def test_grain_stream_resumes_mid_epoch_exactly(tmp_path, stop_at, newest):
         .map(lambda b: (b["x"], b["y"]))
     )
 
+
+def fit_grain_stream(epochs, backup=None, stop_at=None):
+    """The MLP fit on `grain_stream()`'s iterator, 3 steps an epoch; backups every 2 steps into `backup` (kept);
+    `stop_at`: the fit stops after that step."""
+
     class StopAtStep(mf.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             if self.model.session.step == stop_at:
                 self.model.stop_training = True
 
-    def fit(epochs, backup=None, stop=False):
-        model = mf.Model(MLP(), seed=1)
-        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
-        callbacks = [StopAtStep()] if stop else []
-        if backup:
-            callbacks.append(mf.callbacks.BackupAndRestore(backup, save_freq=2, delete_checkpoint=False))
-        history = model.fit(dataset.to_iter_dataset(), steps_per_epoch=3, epochs=epochs, callbacks=callbacks, verbose=0)
-        return model, history
+    model = mf.Model(MLP(), seed=1)
+    model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    callbacks = [StopAtStep()] if stop_at is not None else []
+    if backup:
+        callbacks.append(mf.callbacks.BackupAndRestore(backup, save_freq=2, delete_checkpoint=False))
+    history = model.fit(
+        grain_stream().to_iter_dataset(), steps_per_epoch=3, epochs=epochs, callbacks=callbacks, verbose=0
+    )
+    return model, history
 
-    full, full_history = fit(4)
-    fit(4, tmp_path / "b", stop=True)
+
+@pytest.fixture(scope="module")
+def uninterrupted_grain_stream():
+    """(weights, History) of `fit_grain_stream(4)` without a stop or a backup: the reference of the tests below."""
+    model, history = fit_grain_stream(4)
+    return model.get_weights(), history.history
+
+
+@pytest.mark.parametrize("stop_at, newest", [(5, 4), (7, 6)])  # backup mid-epoch (epoch 2, batch 1); at its end
+def test_grain_stream_resumes_mid_epoch_exactly(tmp_path, stop_at, newest, uninterrupted_grain_stream):
+    """The restored iterator state stands at the saved batch and must not be skipped past again."""
+    full_weights, full_history = uninterrupted_grain_stream
+    fit_grain_stream(4, tmp_path / "b", stop_at=stop_at)
     steps = sorted(int(p) for p in os.listdir(tmp_path / "b") if p.isdigit())
     assert steps[-1] == newest
-    resumed, resumed_history = fit(4, tmp_path / "b")
+    resumed, resumed_history = fit_grain_stream(4, tmp_path / "b")
     assert int(resumed.session.state.step) == 12
-    assert resumed_history.history == full_history.history
-    for a, b in zip(full.get_weights(), resumed.get_weights(), strict=True):
+    assert resumed_history.history == full_history
+    for a, b in zip(full_weights, resumed.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
