@@ -49,7 +49,7 @@ from typing import NamedTuple, TextIO
 
 from meshfit.launch.replica_forwarder import Forward, ReplicaForwarder
 from meshfit.runtime import keeper_protocol as protocol
-from meshfit.runtime.handshake import HANDSHAKE_ERRORS, handshake
+from meshfit.runtime.handshake import HANDSHAKE_ERRORS, handshake, shut
 
 #: Committed snapshots kept per fit: the newest, and the one before in case the newest cannot be used.
 KEEP = 2
@@ -282,7 +282,7 @@ class Keeper:
             self._handshaking[id(conn)] = conn
             while len(self._handshaking) > self._MAX_HANDSHAKES:
                 _, oldest = self._handshaking.popitem(last=False)
-                protocol.shut(oldest)  # (its handshake's thread ends)
+                shut(oldest)  # (its handshake's thread ends)
 
     def _serve(self, conn: Connection, tcp: bool) -> None:
         try:

@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
 from meshfit.runtime import keeper_protocol as protocol
-from meshfit.runtime.handshake import HANDSHAKE_ERRORS
+from meshfit.runtime.handshake import HANDSHAKE_ERRORS, shut
 
 #: What talking to a peer raises when it is gone, stopped, slow past its bounds, or not the launch's keeper.
 PEER_ERRORS = (*HANDSHAKE_ERRORS, EOFError, protocol.ProtocolError)
@@ -166,7 +166,7 @@ class ReplicaForwarder:
             self._changed.notify_all()
             conns = [p.conn for p in self._peers.values() if p.conn is not None]
         for conn in conns:
-            protocol.shut(conn)
+            shut(conn)
 
     # -- a peer's thread -----------------------------------------------------------------
 

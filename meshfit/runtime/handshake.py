@@ -24,6 +24,15 @@ HANDSHAKE_TIMEOUT = 10.0
 HANDSHAKE_ERRORS = (AuthenticationError, EOFError, OSError, AssertionError)
 
 
+def shut(conn: Connection) -> None:
+    """Wakes and ends whatever reads or writes `conn` on another thread, without closing its descriptor under it."""
+    try:
+        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 def handshake(conn: Connection, key: bytes, accepting: bool, timeout: float = HANDSHAKE_TIMEOUT, then=None):
     """Runs the HMAC challenge both ways on `conn` (and `then(conn)`, say reading a hello) within `timeout` s.
 
@@ -34,16 +43,12 @@ def handshake(conn: Connection, key: bytes, accepting: bool, timeout: float = HA
     """
     done, lock = False, threading.Lock()
 
-    def shut():
+    def shut_unless_done():
         with lock:
             if not done:
-                with socket.socket(fileno=os.dup(conn.fileno())) as sock:  # wakes a read blocked on `conn`
-                    try:
-                        sock.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
+                shut(conn)
 
-    timer = threading.Timer(timeout, shut)
+    timer = threading.Timer(timeout, shut_unless_done)
     timer.daemon = True
     timer.start()
     try:

@@ -162,15 +162,6 @@ def set_timeout(conn: Connection, seconds: float) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
 
 
-def shut(conn: Connection) -> None:
-    """Wakes and ends whatever reads or writes `conn` on another thread, without closing its descriptor under it."""
-    try:
-        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
-            sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-
-
 def error_text(error: BaseException) -> str:
     """`error` for a one-line warning or log line: its type, and its message where it has one."""
     text = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
