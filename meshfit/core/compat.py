@@ -271,3 +271,12 @@ def vjp_residuals(fn: Callable, params: Any, *args: Any) -> VjpResiduals:
     shapes = jax.tree.leaves(vjp_shape)
     kept_shapes = tuple(shape for shape, index in zip(shapes, primal, strict=True) if index is None)
     return VjpResiduals(jax.tree.structure(vjp_shape), primal, kept_shapes)
+
+
+def keras_layers(model: Any) -> list:
+    """Every layer inside a Keras model, nested ones included (not the model itself).
+
+    Keras 3 lists a model's layers recursively only through its private `_flatten_layers` (`model.layers` holds
+    the direct ones); meshfit reads it to check that each is built and can run compiled before training starts.
+    """
+    return list(model._flatten_layers(include_self=False, recursive=True))
