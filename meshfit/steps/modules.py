@@ -1,4 +1,4 @@
-"""Adapters that give Flax NNX and Linen modules one pure, functional face.
+"""Adapters that give Flax NNX and Linen modules (and Keras 3 models: `keras_module`) one pure, functional face.
 
 The training step only ever sees `apply(params, model_state, x, training, rng)`
 on plain pytrees (nested dicts of `jax.Array`), whatever API built the model.
@@ -17,6 +17,7 @@ from flax import linen, nnx
 from flax.core import meta
 
 from meshfit.core import compat
+from meshfit.steps import keras_module
 
 Pytree = Any
 
@@ -314,7 +315,10 @@ def adapt(module: Any, sample_input: Any = None, seed: int = 0, trainable: Any =
 
     `trainable`: an NNX filter of the parameters to train (default all `nnx.Param`s);
     the others are frozen: kept with the non-trainable weights, never updated.
+    A Keras 3 model gets `meshfit.steps.keras_module.KerasAdapter` (built from `sample_input` if unbuilt).
     """
+    if keras_module.is_keras_model(module):
+        return keras_module.adapter(module, sample_input, trainable)
     if isinstance(module, linen.Module):
         if trainable is not None:
             raise TypeError(
@@ -330,8 +334,8 @@ def adapt(module: Any, sample_input: Any = None, seed: int = 0, trainable: Any =
         _check_factory(module)
         return NNXAdapter.from_factory(module, trainable)
     raise TypeError(
-        "meshfit.Model expects a flax.nnx.Module, a flax.linen.Module, or a factory: a function of no "
-        f"arguments that returns an nnx.Module. Received: module of type {type(module).__name__}."
+        "meshfit.Model expects a flax.nnx.Module, a flax.linen.Module, a Keras 3 model, or a factory: a function of "
+        f"no arguments that returns an nnx.Module. Received: module of type {type(module).__name__}."
     )
 
 
