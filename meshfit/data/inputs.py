@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshfit.data import sources as data_lib
+from meshfit.data.global_batches import GlobalBatchSource
 
 __all__ = ["DEFAULT_BATCH_SIZE", "data_source"]
 
@@ -44,6 +45,8 @@ def data_source(
         raise ValueError(f"The number of steps must be a positive int or None. Received: {steps!r}.")
     if isinstance(x, data_lib.DataSource):  # the user's own, taken as it is (as Keras takes a DataAdapter)
         _check_own_source(x, y, sample_weight, batch_size, steps)
+        if isinstance(x, GlobalBatchSource):  # made before the strategy was known (mf.data.parquet)
+            x.lay_out(strategy.batch_block, strategy.batch_multiple)
         return x
     if what in ("fit", "evaluate") and y is None and sample_weight is None and _is_list_of_batches(x):
         raise ValueError(
