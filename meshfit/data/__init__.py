@@ -2,9 +2,13 @@
 
 A data source yields fixed-shape host batches (the last one padded and
 masked), says how many there are and where a resumed epoch continues; which
-source serves an input is `meshfit.data.inputs.data_source`.
+source serves an input is `meshfit.data.inputs.data_source`. `parquet(...)`
+reads Parquet files, each process its own row groups (pyarrow, imported
+only when a source is made).
 """
 
+from meshfit.data.global_batches import GlobalBatchSource
+from meshfit.data.parquet import ParquetData, parquet
 from meshfit.data.sources import (
     REPLAY_BYTES,
     ArrayData,
@@ -15,4 +19,15 @@ from meshfit.data.sources import (
     stack_batches,
 )
 
-__all__ = ["DataSource", "ArrayData", "IterableData", "Replay", "REPLAY_BYTES", "make_batch", "stack_batches"]
+__all__ = [
+    "parquet",
+    "ParquetData",
+    "GlobalBatchSource",
+    "DataSource",
+    "ArrayData",
+    "IterableData",
+    "Replay",
+    "REPLAY_BYTES",
+    "make_batch",
+    "stack_batches",
+]
