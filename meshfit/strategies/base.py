@@ -128,6 +128,12 @@ class Strategy(ABC):
         default): no `stage` axis, so its blocks run in one scan."""
         return None
 
+    @property
+    def context_layout(self) -> Any:
+        """How a `context` mesh axis splits sequences (`meshfit.strategies.context_layout.ContextLayout`);
+        None (the default): sequences are whole on every device, and attention is plain."""
+        return None
+
     @contextlib.contextmanager
     def scope(self) -> Iterator[Strategy]:
         """Makes this the current strategy: models created inside belong to it, and `Stages` stacks called

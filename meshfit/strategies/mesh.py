@@ -15,8 +15,9 @@ from meshfit.pipeline import layer_stacks, one_f_one_b
 from meshfit.pipeline.settings import STAGE_AXIS, Pipeline
 from meshfit.pipeline.stage_layout import StageLayout
 from meshfit.runtime import cluster
-from meshfit.strategies import layout
+from meshfit.strategies import layout, placement
 from meshfit.strategies.base import Strategy
+from meshfit.strategies.context_layout import CONTEXT_AXIS, ContextLayout, SequenceAxis, expect_attention
 from meshfit.strategies.current import get_strategy
 from meshfit.strategies.device_mesh import DeviceMeshStrategy, build_mesh
 
@@ -24,6 +25,9 @@ if TYPE_CHECKING:
     from meshfit.steps.builtin import StepFunctions
 
 DEFAULT_AXES = {"data": -1, "fsdp": 1, "tensor": 1}
+
+#: The mesh axes meshfit gives a meaning to; any other must be named by a rule, `batch_axes` or `fsdp_axis`.
+KNOWN_AXES = ("data", "fsdp", "tensor", STAGE_AXIS, CONTEXT_AXIS)
 
 
 def _axis_sizes(axes: Mapping[str, int], n_devices: int) -> dict[str, int]:
@@ -68,10 +72,17 @@ class MeshStrategy(DeviceMeshStrategy):
         fsdp_axis: the axis the default rule shards large parameters over.
         min_shard_size: parameters with fewer elements are replicated by default.
         devices: devices to use; all devices of all processes by default.
+        sequence_axis: with a `context` axis, which dimension of each input and target is the sequence it
+            splits: one for all (default 1, `(batch, seq, ...)`), or a mapping from an input's or target's
+            name ("x", "y", or a dict input's key) to its dimension, None to keep that one whole.
         pipeline: how a `stage` axis runs the model's `meshfit.pipeline.Stages` (`Pipeline`);
             with a `stage` axis and no `pipeline`, GPipe with one microbatch per stage.
             A batch size must give each data replica a multiple of M rows; a batch an iterable
             yields, and the last partial batch, are padded to a multiple of the replicas times M.
+
+    A `context` axis splits each batch's sequence dimension over its devices (context parallelism): the
+    model's attention must then be `meshfit.layers.dot_product_attention`, which runs ring or all-gather
+    attention over the axis (`docs/sharding.md`, "Context parallelism").
 
     Example:
         >>> strategy = MeshStrategy(axes={"data": 2, "fsdp": 2, "tensor": 2},
@@ -89,7 +100,9 @@ class MeshStrategy(DeviceMeshStrategy):
         min_shard_size: int = 2**12,
         devices: Sequence[jax.Device] | None = None,
         pipeline: Pipeline | None = None,
+        sequence_axis: SequenceAxis = 1,
     ):
+        _check_axis_names(axes, rules, logical_axis_rules, batch_axes, fsdp_axis)
         if devices is None:
             cluster.initialize()
             devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
@@ -102,6 +115,12 @@ class MeshStrategy(DeviceMeshStrategy):
         self.fsdp_axis = fsdp_axis
         self.min_shard_size = min_shard_size
         self.pipeline = _pipeline(sizes, pipeline)
+        self._context = _context_layout(self.mesh, self.batch_axes, sizes, sequence_axis)
+
+    @property
+    def context_layout(self) -> ContextLayout | None:
+        """How a `context` axis splits sequences (None without one, or with one of size 1)."""
+        return self._context
 
     @property
     def stages(self) -> int:
@@ -222,12 +241,21 @@ class MeshStrategy(DeviceMeshStrategy):
         """`jax.jit` whose first output keeps the layout of the first donated argument."""
 
         def in_scope(*args):
-            with Strategy.scope(self):  # `constrain` inside the model finds this strategy, `Stages` its stage layout
+            # `constrain` inside the model finds this strategy, `Stages` its stage layout, and a context axis
+            # checks that the model attends through meshfit.layers (the one attention that splits sequences).
+            with Strategy.scope(self), expect_attention(self._context):
                 return fn(*args)
 
         return layout.jit_keeping_layout(
             in_scope, donate_argnums[0] if donate_argnums else None, donate_argnums=donate_argnums
         )
+
+    def distribute_batch(self, host_batch: Any, stacked: bool = False) -> Any:
+        """Rows over the batch axes; with a `context` axis, each input's and target's sequence over it too."""
+        if self._context is None:
+            return super().distribute_batch(host_batch, stacked)
+        shardings = self._context.batch_shardings(host_batch, self.batch_sharding(stacked), stacked)
+        return jax.tree.map(placement.put_local_rows, host_batch, shardings)
 
     def constrain(self, x: jax.Array, *spec: Any) -> jax.Array:
         """Pins `x` to `spec` on this mesh. Inside a pipeline's stage loop (a `shard_map` manual over `stage`
@@ -252,6 +280,47 @@ def _without(entry: Any, axes: set[str]) -> Any:
     names = (entry,) if isinstance(entry, str) else tuple(entry or ())
     kept = tuple(name for name in names if name not in axes)
     return None if not kept else kept[0] if len(kept) == 1 else kept
+
+
+def _check_axis_names(axes, rules, logical_axis_rules, batch_axes, fsdp_axis) -> None:
+    """Raises unless every mesh axis is one meshfit knows or one the rules, `batch_axes` or `fsdp_axis` name:
+    an axis nothing names would silently act as one more copy of everything."""
+    named = set(KNOWN_AXES) | set(batch_axes) | {fsdp_axis}
+    for _, spec in rules:
+        named |= {a for entry in layout.as_spec(spec) for a in ((entry,) if isinstance(entry, str) else entry or ())}
+    pairs = logical_axis_rules.items() if isinstance(logical_axis_rules, Mapping) else (logical_axis_rules or ())
+    for _, target in pairs:
+        named |= {target} if isinstance(target, str) else set(target or ())
+    unknown = [name for name in axes if name not in named]
+    if unknown:
+        raise ValueError(
+            f"MeshStrategy does not know mesh axis {unknown[0]!r}. Received axes={dict(axes)}. "
+            f"Known axes: {', '.join(KNOWN_AXES)}; another name must be named by `rules`, "
+            "`logical_axis_rules`, `batch_axes` or `fsdp_axis`."
+        )
+    if CONTEXT_AXIS in batch_axes:
+        raise ValueError(
+            f"'{CONTEXT_AXIS}' splits the sequence, not the batch. Received batch_axes={tuple(batch_axes)}. "
+            f"Leave '{CONTEXT_AXIS}' out of batch_axes."
+        )
+
+
+def _context_layout(mesh, batch_axes, sizes: Mapping[str, int], sequence_axis) -> ContextLayout | None:
+    """The strategy's context layout: None without a `context` axis (or with one of size 1)."""
+    if sizes.get(CONTEXT_AXIS, 1) == 1:
+        return None
+    if STAGE_AXIS in sizes and sizes[STAGE_AXIS] > 1:
+        raise ValueError(
+            f"A '{CONTEXT_AXIS}' axis cannot yet be combined with a '{STAGE_AXIS}' axis. Received axes={dict(sizes)}. "
+            f"Use one of them, e.g. axes={{'{CONTEXT_AXIS}': {sizes[CONTEXT_AXIS]}, 'data': -1}}."
+        )
+    if not isinstance(sequence_axis, int | Mapping) or isinstance(sequence_axis, bool):
+        raise TypeError(
+            "`sequence_axis` must be an int or a mapping from input names to an int or None. "
+            f"Received: sequence_axis={sequence_axis!r}."
+        )
+    head_axis = "tensor" if sizes.get("tensor", 1) > 1 else None
+    return ContextLayout(mesh, tuple(batch_axes), head_axis, sequence_axis)
 
 
 def _pipeline(sizes: Mapping[str, int], pipeline: Pipeline | None) -> Pipeline | None:
