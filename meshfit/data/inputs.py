@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from meshfit.data import ray_data
 from meshfit.data import sources as data_lib
 from meshfit.data.global_batches import GlobalBatchSource
 
@@ -48,6 +49,8 @@ def data_source(
         if isinstance(x, GlobalBatchSource):  # made before the strategy was known (mf.data.parquet)
             x.lay_out(strategy.batch_block, strategy.batch_multiple)
         return x
+    if ray_data.is_ray_dataset(x):
+        return _ray_source(x, y, sample_weight, batch_size, steps, strategy)
     if what in ("fit", "evaluate") and y is None and sample_weight is None and _is_list_of_batches(x):
         raise ValueError(
             f"`x` is a list of {len(x)} tuples of arrays, which Keras reads as one input made of several "
@@ -119,6 +122,19 @@ def _check_own_source(source: data_lib.DataSource, y: Any, sample_weight: Any, b
             f"its `steps_per_epoch` ({source.steps_per_epoch}). Received: steps_per_epoch={steps}. Set "
             f"`steps_per_epoch` on the {name} instead."
         )
+
+
+def _ray_source(dataset: Any, y: Any, sample_weight: Any, batch_size: Any, steps: Any, strategy: Any):
+    """A `ray.data.Dataset`'s source (`meshfit.data.ray_data`): its columns hold `y` and `sample_weight`."""
+    if y is not None or sample_weight is not None or steps is not None:
+        raise ValueError(
+            "When `x` is a ray.data.Dataset, `y` and `sample_weight` must be None (its columns 'y' and "
+            "'sample_weight' hold them) and so must `steps_per_epoch` (an epoch is one pass). "
+            f"Received: y, sample_weight or steps set (steps={steps!r})."
+        )
+    source = ray_data.RayData(dataset, batch_size=batch_size or DEFAULT_BATCH_SIZE)
+    source.lay_out(strategy.batch_block, strategy.batch_multiple)
+    return source
 
 
 def _is_list_of_batches(x: Any) -> bool:
