@@ -65,6 +65,7 @@ GROUPS = {
     "tests/launch/test_launch.py": "launch",
     "tests/launch/test_launch_ray.py": "ray",
     "tests/strategies/parameter_server/test_ray.py": "ray",
+    "tests/data/test_ray_data.py": "ray",
     "tests/strategies/parameter_server/test_processes.py": "parameter_server_processes",
     "tests/pipeline/test_stages.py": "pipeline",
     "tests/strategies/test_data_parallel.py": "data_parallel",
