@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -31,6 +32,8 @@ __all__ = [
     "RMSprop",
     "Adagrad",
     "get",
+    "from_keras",
+    "is_keras_optimizer",
     "names",
     "factory_of",
     "Optimizer",
@@ -120,7 +123,8 @@ def get(
     Args:
         identifier: a name such as "adam" (case-insensitive), an
             `optax.GradientTransformation` (returned unchanged unless clipping
-            is asked for), or an `optax.MultiSteps` (gradient accumulation).
+            is asked for), an `optax.MultiSteps` (gradient accumulation), or a
+            Keras optimizer object (`from_keras`).
         clipnorm: clip each gradient array to this L2 norm (Keras's `clipnorm`).
         clipvalue: clip each gradient element to `[-clipvalue, clipvalue]`.
         global_clipnorm: clip all gradients together to this global L2 norm.
@@ -130,6 +134,8 @@ def get(
             "lamb", ...) it is that argument. None: none (or the factory's default).
         **overrides: keyword arguments for the optax factory, e.g. `learning_rate=3e-4`.
     """
+    if is_keras_optimizer(identifier) and not overrides and clipnorm is clipvalue is global_clipnorm is weight_decay:
+        return from_keras(identifier)
     clipping = _clipping(clipnorm, clipvalue, global_clipnorm)
     if weight_decay is not None:
         if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or weight_decay < 0:
@@ -603,3 +609,66 @@ def select(optimizer, key: str | None, who: str):
             "Leave `optimizer` unset, or compile with a dict of optimizers."
         )
     return optimizer
+
+
+def is_keras_optimizer(obj: Any) -> bool:
+    """Whether `obj` is a Keras 3 optimizer object (`keras.optimizers.Adam()`), without importing Keras."""
+    keras = sys.modules.get("keras")
+    optimizers = getattr(keras, "optimizers", None)
+    return optimizers is not None and isinstance(obj, optimizers.Optimizer)
+
+
+#: The Keras optimizer classes `from_keras` maps, to the functions with their names and arguments.
+_FROM_KERAS: dict[str, Callable[..., optax.GradientTransformation]] = {
+    "Adam": Adam,
+    "AdamW": AdamW,
+    "SGD": SGD,
+    "RMSprop": RMSprop,
+    "Adagrad": Adagrad,
+}
+
+
+def from_keras(optimizer: Any) -> optax.GradientTransformation:
+    """The optax transform of a Keras optimizer object, from its `get_config()`: Keras's arguments, as
+    `meshfit.optimizers.Adam(...)` etc. take them (a learning-rate schedule of Keras's as the same
+    `meshfit.optimizers.schedules` one), so it saves and loads as a name does.
+
+    Raises:
+        TypeError: an optimizer class with no meshfit function of its name, naming what to pass instead.
+        ValueError: a setting meshfit does elsewhere or not at all (`use_ema`, `loss_scale_factor`,
+            `gradient_accumulation_steps`, a schedule of another class).
+    """
+    name = type(optimizer).__name__
+    build = _FROM_KERAS.get(name)
+    if build is None:
+        instead = f"meshfit.optimizers.get({name.lower()!r}, ...)" if name.lower() in _FACTORIES else "an optax one"
+        raise TypeError(
+            f"meshfit maps Keras's {sorted(_FROM_KERAS)} optimizers to optax. Received: keras.optimizers.{name}. "
+            f"Pass {instead} as the optimizer instead."
+        )
+    config = optimizer.get_config()
+    if config.get("gradient_accumulation_steps"):
+        raise ValueError(
+            f"Received: keras.optimizers.{name}(gradient_accumulation_steps="
+            f"{config['gradient_accumulation_steps']}). Pass compile(gradient_accumulation_steps=...) instead."
+        )
+    for setting in ("use_ema", "loss_scale_factor"):
+        if config.get(setting):
+            raise ValueError(
+                f"meshfit's optimizers have no `{setting}`. Received: keras.optimizers.{name}({setting}="
+                f"{config[setting]!r}). Leave it unset, or pass an optax transformation that does it."
+            )
+    learning_rate = config["learning_rate"]
+    if isinstance(learning_rate, dict):  # a serialized Keras schedule
+        schedule = getattr(schedules, str(learning_rate.get("class_name")), None)
+        if not (isinstance(schedule, type) and issubclass(schedule, schedules.LearningRateSchedule)):
+            raise ValueError(
+                f"meshfit.optimizers.schedules has no {learning_rate.get('class_name')!r}. Received it as "
+                f"keras.optimizers.{name}'s learning_rate. Pass an optax schedule as the learning rate instead."
+            )
+        config["learning_rate"] = schedule.from_config(learning_rate["config"])
+    accepted = inspect.signature(build).parameters
+    # Keras holds its hyperparameters in float32: 0.003 comes back as 0.003000000026; the shortest decimal
+    # of the same float32 is what the user wrote (and what `save` writes down).
+    shortest = {k: float(str(np.float32(v))) for k, v in config.items() if type(v) is float}
+    return build(**{key: shortest.get(key, value) for key, value in config.items() if key in accepted})

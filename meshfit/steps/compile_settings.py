@@ -123,6 +123,9 @@ def resolve(
         )
     several = isinstance(optimizer, dict)
     given = dict(optimizer) if several else {} if optimizer is None else {None: optimizer}
+    # A Keras optimizer object as the optax transform of its arguments (which `save` writes down).
+    given = {k: optimizers_lib.from_keras(o) if optimizers_lib.is_keras_optimizer(o) else o for k, o in given.items()}
+    optimizer = given if several else given.get(None)
     if several and not given:
         raise ValueError("`optimizer` given as a dict needs one optimizer per top-level part. Received: {}.")
     if accumulate > 1 and any(isinstance(opt, optax.MultiSteps) for opt in given.values()):
