@@ -64,13 +64,9 @@ def _unbuilt(model: Any) -> bool:
 
 
 def _build(model: Any, sample_input: Any) -> None:
-    """Builds `model`'s variables from the shapes of `sample_input`, as Keras's `fit` builds it from a batch."""
-    import keras
-
-    def symbolic(a: Any) -> Any:
-        return None if a is None else keras.KerasTensor(tuple(a.shape), keras.backend.standardize_dtype(a.dtype))
-
-    keras.backend.compute_output_spec(model, keras.tree.map_structure(symbolic, sample_input), training=False)
+    """Builds `model`'s variables by calling it on `sample_input` in inference mode, as Keras's own message for an
+    unbuilt model says to ("calling the model on a batch of data is the right way to build it")."""
+    model(sample_input, training=False)
 
 
 def _check_call(model: Any) -> None:
@@ -164,6 +160,7 @@ class KerasAdapter:
                     "model.build(input_shape), start it from keras.Input(...), or pass "
                     "meshfit.Model(model, sample_input=x[:1]) to build it from a batch as Keras's fit does."
                 )
+            _check_call(model)
             _build(model, sample_input)
         _check_call(model)
         _check_layers(model)

@@ -1,0 +1,56 @@
+"""Keras 3 models built twice from one seed: one trained by Keras's `fit`, one by meshfit's, numbers compared.
+
+Keras numbers the layers it names (`dense`, `dense_1`, ...) across a process; each twin is built after
+`keras.backend.clear_session()`, so both have the paths a fresh process gives (and so does a model rebuilt
+to load a save or resume a backup).
+"""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+#: Keras's fit and meshfit's agree to this under SGD, RMSprop and Adagrad.
+RTOL, ATOL = 1e-5, 1e-6
+#: ... and to this under Adam: Keras adds epsilon outside the bias correction of the second moment, optax inside
+#: it, so a weight with a small gradient takes a step ~3 % different at the first update (1e-5 apart in the
+#: epoch losses of these tiny models, weights up to 3e-4 apart after 8 steps).
+ADAM_RTOL = 1e-4
+
+
+def fresh(build, seed=0):
+    """`build()` as a fresh process builds it: Keras's layer names restarted, its random seed set."""
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(seed)
+    return build()
+
+
+def twins(build, seed=0):
+    """Two models from `build` with the same paths, initial weights and seed generator states."""
+    return fresh(build, seed), fresh(build, seed)
+
+
+def assert_same_history(keras_history: dict, meshfit_history: dict, rtol=RTOL, atol=ATOL):
+    """Every log Keras's fit wrote, per epoch, equal in meshfit's (which must log it too)."""
+    missing = sorted(set(keras_history) - set(meshfit_history))
+    assert not missing, f"meshfit did not log {missing}; it logged {sorted(meshfit_history)}"
+    for key, values in keras_history.items():
+        np.testing.assert_allclose(meshfit_history[key], values, rtol=rtol, atol=atol, err_msg=key)
+
+
+def assert_trees_close(a, b, rtol=RTOL, atol=ATOL):
+    for x, y in zip(keras.tree.flatten(a), keras.tree.flatten(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def mlp(classes=3, width=16, features=6):
+    return keras.Sequential(
+        [keras.Input((features,)), keras.layers.Dense(width, activation="relu"), keras.layers.Dense(classes)]
+    )
+
+
+def classification(rows=50, features=6, classes=3, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(rows, features)).astype(np.float32), rng.integers(0, classes, rows).astype(np.int32)

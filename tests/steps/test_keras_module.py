@@ -1,0 +1,304 @@
+"""Keras 3 models trained by meshfit (`meshfit.steps.keras_module`): Keras's own numbers, its files, its errors."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from keras_twins import ADAM_RTOL, assert_same_history, assert_trees_close, classification, fresh, mlp, twins
+
+import meshfit as mf
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+import keras  # noqa: E402
+
+XENT = "sparse_categorical_crossentropy"
+
+
+def logits_loss(lib):
+    return lib.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def bn_dropout():
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dropout(0.3),
+            keras.layers.Dense(3),
+        ]
+    )
+
+
+@pytest.mark.slow  # a process of its own that imports JAX and Flax
+def test_import_meshfit_does_not_import_keras():
+    code = (
+        "import sys, meshfit as mf, numpy as np\n"
+        "from flax import nnx\n"
+        "model = mf.Model(nnx.Linear(2, 1, rngs=nnx.Rngs(0)))\n"
+        "model.compile(optimizer=mf.optimizers.Adam(), loss='mse')\n"
+        "assert 'keras' not in sys.modules, 'imported'\n"
+        "print('ok')"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+@pytest.mark.slow  # compiles Keras's steps and meshfit's: several CPU-s
+def test_a_sequential_model_gives_kerass_losses_metrics_evaluate_and_predict_with_a_partial_last_batch():
+    x, y = classification(rows=50)  # batches of 16, 16, 16 and 2
+    reference, ours = twins(mlp)
+    reference.compile(optimizer="adam", loss=logits_loss(keras), metrics=["accuracy"])
+    expected = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    model = mf.Model(ours)
+    model.compile(optimizer="adam", loss=logits_loss(mf), metrics=["accuracy"])
+    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    assert_same_history(expected, history, rtol=ADAM_RTOL)
+    reference.set_weights(model.module.get_weights())  # the same weights: evaluate and predict as Keras does
+    np.testing.assert_allclose(model.evaluate(x, y, verbose=0), reference.evaluate(x, y, verbose=0), rtol=1e-6)
+    np.testing.assert_allclose(model.predict(x, verbose=0), reference.predict(x, verbose=0), rtol=1e-6, atol=1e-6)
+    assert model.weight_names()[:2] == ["sequential/dense/bias", "sequential/dense/kernel"]
+
+
+def two_inputs_two_outputs():
+    a, b = keras.Input((4,), name="a"), keras.Input((3,), name="b")
+    hidden = keras.layers.Dense(8, activation="tanh", name="hidden")(keras.layers.Concatenate()([a, b]))
+    outputs = {"cls": keras.layers.Dense(3, name="cls")(hidden), "reg": keras.layers.Dense(1, name="reg")(hidden)}
+    return keras.Model([a, b], outputs)
+
+
+@pytest.mark.slow  # compiles Keras's steps and meshfit's: several CPU-s
+def test_a_functional_model_with_two_inputs_and_two_weighted_outputs_gives_kerass_numbers():
+    rng = np.random.default_rng(1)
+    xa, xb = rng.normal(size=(40, 4)).astype(np.float32), rng.normal(size=(40, 3)).astype(np.float32)
+    y = {"cls": rng.integers(0, 3, 40).astype(np.int32), "reg": rng.normal(size=(40, 1)).astype(np.float32)}
+    reference, ours = twins(two_inputs_two_outputs)
+
+    def compile_args(lib):
+        return dict(
+            optimizer="adam",
+            loss={"cls": logits_loss(lib), "reg": "mse"},
+            loss_weights={"cls": 1.0, "reg": 0.5},
+            metrics={"reg": ["mae"]},
+        )
+
+    reference.compile(**compile_args(keras))
+    expected = reference.fit([xa, xb], y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    model = mf.Model(ours)
+    model.compile(**compile_args(mf))
+    history = model.fit([xa, xb], y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    assert_same_history(expected, history, rtol=ADAM_RTOL)
+    reference.set_weights(model.module.get_weights())
+    assert_trees_close(model.predict([xa, xb], verbose=0), reference.predict([xa, xb], verbose=0))
+
+
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(8, activation="relu")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, inputs, training=False):
+        return self.out(self.hidden(inputs))
+
+
+@pytest.mark.slow  # compiles Keras's steps and meshfit's: several CPU-s
+def test_an_unbuilt_subclassed_model_is_refused_or_built_from_sample_input_and_gives_kerass_numbers():
+    x, y = classification(rows=40)
+    with pytest.raises(ValueError, match=r"is not built.*model.build\(input_shape\).*sample_input=x\[:1\]"):
+        mf.Model(fresh(Subclassed))
+    reference, ours = twins(Subclassed)
+    reference.compile(optimizer="sgd", loss=logits_loss(keras))
+    expected = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    model = mf.Model(ours, sample_input=x[:1])
+    model.compile(optimizer="sgd", loss=logits_loss(mf))
+    assert_same_history(expected, model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history)
+
+
+@pytest.fixture(scope="module")
+def trained_bn_dropout():
+    """A BatchNormalization and Dropout model trained by Keras and by meshfit, from one seed."""
+    x, y = classification(rows=48)
+    reference, ours = twins(bn_dropout)
+    initial_mean = np.asarray(ours.layers[1].moving_mean.value).copy()
+    reference.compile(optimizer="rmsprop", loss=logits_loss(keras), metrics=["accuracy"])
+    expected = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    model = mf.Model(ours)
+    model.compile(optimizer="rmsprop", loss=logits_loss(mf), metrics=["accuracy"])
+    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    return x, y, reference, model, expected, history, initial_mean
+
+
+@pytest.mark.slow  # compiles Keras's steps and meshfit's: several CPU-s
+def test_batchnorm_statistics_and_dropout_masks_follow_kerass(trained_bn_dropout):
+    x, _, reference, model, expected, history, initial_mean = trained_bn_dropout
+    assert_same_history(expected, history)
+    names = model.weight_names()
+    mean = model.get_weights()[names.index("sequential/batch_normalization/moving_mean")]
+    assert np.abs(mean - initial_mean).max() > 1e-3  # it moved
+    np.testing.assert_allclose(mean, reference.layers[1].moving_mean.value, rtol=1e-5, atol=1e-6)
+    first = model.predict(x, verbose=0)
+    np.testing.assert_array_equal(first, model.predict(x, verbose=0))  # no dropout in inference
+    np.testing.assert_allclose(first, reference.predict(x, verbose=0), rtol=1e-5, atol=1e-5)
+    assert "seed_generator/seed_generator_state" not in names  # model state, not a weight
+    assert set(model.session.state.model_state) == {"weights", "rngs"}
+
+
+@pytest.mark.slow  # compiles Keras's steps and meshfit's: several CPU-s
+def test_the_keras_model_holds_the_trained_values_and_saves_as_keras_loads_it(trained_bn_dropout, tmp_path):
+    x, _, _, model, _, _, _ = trained_bn_dropout
+    keras_model = model.module
+    assert isinstance(keras_model, keras.Sequential)
+    expected = model.predict(x, verbose=0)
+    np.testing.assert_allclose(keras_model.predict(x, verbose=0), expected, rtol=1e-6, atol=1e-6)
+    keras_model.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), expected, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(model.predict(x, verbose=0), expected)  # Keras's predict donated only its copies
+
+
+@pytest.mark.slow  # compiles Keras's steps and meshfit's: several CPU-s
+def test_save_and_load_model_round_trip_and_export(trained_bn_dropout, tmp_path):
+    x, y, _, model, _, _, _ = trained_bn_dropout
+    model.save(tmp_path / "saved")
+    loaded = mf.load_model(tmp_path / "saved", fresh(bn_dropout, seed=5))  # other initial values, same paths
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+    assert loaded.evaluate(x, y, verbose=0) == model.evaluate(x, y, verbose=0)
+    model.export(tmp_path / "export")
+    exported = jax.export.deserialize(open(tmp_path / "export" / "forward.jax", "rb").read())
+    stored = np.load(tmp_path / "export" / "weights.npz")
+    served = exported.call([stored[f"w{i}"] for i in range(len(stored.files))], x[:5])
+    np.testing.assert_allclose(np.asarray(served), model.predict(x[:5], verbose=0), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow  # compiles Keras's steps and meshfit's: several CPU-s
+def test_backup_and_restore_resumes_a_batchnorm_dropout_model_bitwise_mid_epoch(tmp_path):
+    x, y = classification(rows=48)
+
+    class Crash(mf.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if self.context.step == 4:  # epoch 2, batch 2 of 3
+                raise RuntimeError("simulated crash")
+
+    def fit(backup, callbacks=()):
+        model = mf.Model(fresh(bn_dropout), seed=3)
+        model.compile(optimizer="adam", loss=logits_loss(mf), metrics=["accuracy"])
+        saver = mf.callbacks.BackupAndRestore(backup, save_freq=1)
+        history = model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[*callbacks, saver])
+        return model, history.history
+
+    full, full_history = fit(tmp_path / "full")
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        fit(tmp_path / "resumed", [Crash()])
+    resumed, resumed_history = fit(tmp_path / "resumed")
+    assert resumed_history == full_history  # epoch 1's logs restored with the History, epochs 2 and 3 trained
+    for name, a, b in zip(full.weight_names(), full.get_weights(), resumed.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    jax.tree.map(np.testing.assert_array_equal, full.session.state.model_state, resumed.session.state.model_state)
+
+
+@pytest.mark.slow  # compiles Keras's steps and meshfit's: several CPU-s
+def test_mirrored_and_fsdp8_give_one_devices_losses_and_fsdp_shards_a_dense_kernel():
+    x, y = classification(rows=64, features=64)
+
+    def wide():
+        return keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(3)])
+
+    histories, kernels = {}, {}
+    for name, strategy in {
+        "one": mf.strategies.OneDeviceStrategy(),
+        "mirrored": mf.strategies.MirroredStrategy(),
+        "fsdp8": mf.strategies.MeshStrategy(axes={"fsdp": 8}),
+    }.items():
+        with strategy.scope():
+            model = mf.Model(fresh(wide))
+            model.compile(optimizer="adam", loss=logits_loss(mf), metrics=["accuracy"])
+            histories[name] = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+        kernels[name] = model.params["sequential"]["dense"]["kernel"]
+    for name in ("mirrored", "fsdp8"):
+        assert_same_history(histories["one"], histories[name])
+    assert kernels["fsdp8"].sharding.spec == jax.sharding.PartitionSpec("fsdp")  # 64 x 64: 4,096 elements
+    assert kernels["mirrored"].sharding.is_fully_replicated
+
+
+@pytest.mark.slow  # compiles Keras's steps and meshfit's: several CPU-s
+def test_a_layout_maps_items_are_mesh_rules_on_the_same_paths():
+    layout_map = keras.distribution.LayoutMap(keras.distribution.DeviceMesh((8,), ["tensor"]))
+    layout_map["dense/kernel"] = (None, "tensor")
+    rules = [(pattern, layout.axes) for pattern, layout in layout_map.items()]
+    with mf.strategies.MeshStrategy(axes={"tensor": 8}, rules=rules).scope():
+        model = mf.Model(fresh(lambda: mlp(width=16)))
+    assert model.params["sequential"]["dense"]["kernel"].sharding.spec == jax.sharding.PartitionSpec(None, "tensor")
+
+
+@pytest.mark.slow  # compiles Keras's steps and meshfit's: several CPU-s
+def test_a_keras_optimizer_object_is_its_meshfit_name_and_others_are_refused_by_name():
+    x, y = classification(rows=32)
+    models = []
+    for optimizer in (keras.optimizers.Adam(learning_rate=3e-3), mf.optimizers.Adam(learning_rate=3e-3)):
+        model = mf.Model(fresh(mlp))
+        model.compile(optimizer=optimizer, loss=logits_loss(mf))
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        models.append(model)
+    for a, b in zip(models[0].get_weights(), models[1].get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert models[0].get_compile_config()["optimizer"] == models[1].get_compile_config()["optimizer"]
+    with pytest.raises(TypeError, match=r"keras.optimizers.Nadam.*meshfit.optimizers.get\('nadam', ...\)"):
+        models[0].compile(optimizer=keras.optimizers.Nadam(), loss=XENT)
+    with pytest.raises(ValueError, match=r"use_ema"):
+        models[0].compile(optimizer=keras.optimizers.Adam(use_ema=True), loss=XENT)
+
+
+class TwoArguments(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, a, b):
+        return self.dense(a) + b
+
+
+class NoJit(keras.layers.Layer):
+    def __init__(self):
+        super().__init__()
+        self.supports_jit = False
+
+    def call(self, x):
+        return x
+
+
+def test_models_meshfit_cannot_train_are_refused_by_name_before_any_step():
+    with pytest.raises(TypeError, match=r"requires \['a', 'b'\].*call\(self, inputs\)"):
+        mf.Model(fresh(TwoArguments), sample_input=[np.zeros((1, 3), np.float32), np.zeros((1, 2), np.float32)])
+    with pytest.raises(ValueError, match=r"layer 'no_jit' \(NoJit\).*cannot be compiled on JAX"):
+        mf.Model(fresh(lambda: keras.Sequential([keras.Input((3,)), NoJit(), keras.layers.Dense(2)])))
+    with pytest.raises(TypeError, match=r"layer.trainable = False"):
+        mf.Model(fresh(mlp), trainable=lambda path, value: True)
+    regularized = mf.Model(
+        fresh(lambda: keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, kernel_regularizer="l2")]))
+    )
+    regularized.compile(optimizer="sgd", loss="mse")
+    before = regularized.get_weights()
+    with pytest.raises(ValueError, match=r"adds losses of its own \(a kernel_regularizer"):
+        regularized.fit(np.ones((4, 3), np.float32), np.ones((4, 2), np.float32), epochs=1, verbose=0)
+    for a, b in zip(before, regularized.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match=r"computes in its layers' own dtype policy"):
+        model = mf.Model(fresh(mlp))
+        model.compile(optimizer="sgd", loss=XENT, dtype_policy="mixed_bfloat16")
+        model.fit(*classification(rows=8), epochs=1, verbose=0)
+
+
+@pytest.mark.slow  # a process of its own, importing Keras under another backend
+def test_a_keras_model_under_another_backend_is_refused_naming_keras_backend():
+    code = (
+        "import keras, meshfit as mf\n"
+        "model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])\n"
+        "try:\n    mf.Model(model)\nexcept ValueError as e:\n    print(e)\n"
+    )
+    env = dict(os.environ, KERAS_BACKEND="numpy")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    assert "keras.backend.backend()='numpy'" in result.stdout and "KERAS_BACKEND=jax" in result.stdout, result.stderr
