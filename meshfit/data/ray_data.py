@@ -5,23 +5,35 @@ partial, padded and masked as for arrays), a new pass over the dataset each
 epoch. Its columns are read by name: `x`, and `y` and `sample_weight` where
 the dataset has them (rename others first: `dataset.rename_columns(...)`).
 
+Under a strategy over several processes (`meshfit launch --ray`, every
+rank joined to the Ray cluster with `ray.init(address="auto")`), each rank
+reads its share through Ray Data's own `Dataset.streaming_split(P,
+equal=True)`: process 0 makes the split and hands each rank its
+`DataIterator` (pickled, broadcast over the job's `jax.distributed`
+collectives), and each yields `B / P` rows of every step's batch. The split
+is equal (Ray Data may drop up to P - 1 rows an epoch to make it so), since
+every rank must take as many steps.
+
 Position. Ray Data's iterators keep no state a backup could save, so the
 position is `(epoch, batches taken)`; a resumed epoch starts a new pass and
-skips (reads, does not train on) the batches already taken. That continues
-exactly when Ray Data yields the rows in the same order on every pass: set
+skips (reads, does not train on) the batches already taken. On one process
+that continues exactly when Ray Data yields the rows in the same order on
+every pass: set
 `ray.data.DataContext.get_current().execution_options.preserve_order = True`
 (without it a parallel read may order rows differently, and the resumed
-epoch may repeat some rows and miss others).
-
-One process only: under a strategy over several processes it is refused
-(each rank would train on the whole dataset); `mf.data.parquet` splits by
-process. Ray is imported by whoever made the dataset, never here.
+epoch may repeat some rows and miss others). Split over processes it is not
+exact: `streaming_split` hands blocks to whichever rank asks first, so which
+rows a rank skipped is not known on the next pass. Ray is imported by whoever
+made the dataset, never here.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
+
+import numpy as np
 
 from meshfit.core.batch import Batch
 from meshfit.data.global_batches import GlobalBatchSource
@@ -34,8 +46,6 @@ COLUMNS = ("x", "y", "sample_weight")
 
 def is_ray_dataset(value: Any) -> bool:
     """Whether `value` is a `ray.data.Dataset` (without importing Ray: only a program that made one has it)."""
-    import sys
-
     data = sys.modules.get("ray.data")
     return data is not None and isinstance(value, data.Dataset)
 
@@ -56,38 +66,50 @@ class RayData(GlobalBatchSource):
         self.dataset = dataset
         self.columns = [c for c in COLUMNS if c in columns]
         self.batch_size = batch_size
-        self.padded_rows = batch_size
+        self.local_rows = self.padded_rows = batch_size
+        self._split: Any = None  # this process's DataIterator of a split over processes
         self._position: dict = {}
         self._pending: dict | None = None
         self._label_check: Callable | None = None
         self._first: Batch | None = None
 
     def lay_out(self, block: tuple[int, int], batch_multiple: int) -> None:
-        """One process only (see the module's docstring); the batch padded to `batch_multiple` rows."""
-        if block[1] != 1:
+        """Feeds `batch_size / block[1]` rows of each batch, padded to this process's share of `batch_multiple`;
+        over several processes, reads its share of a `streaming_split` made by process 0 (a collective: every
+        process of the job calls it, as `fit` does)."""
+        index, count = block
+        if self.batch_size % count:
             raise ValueError(
-                f"A ray.data.Dataset as fit's input runs on one process; this strategy splits each batch over "
-                f"{block[1]} processes, and each would train on the whole dataset. Use mf.data.parquet(...), which "
-                "reads each process's share, or one process."
+                f"`batch_size` is the global batch, split evenly over {count} processes: it must be a multiple of "
+                f"{count}. Received: batch_size={self.batch_size}."
             )
-        self.padded_rows = -(-self.batch_size // batch_multiple) * batch_multiple
+        self.local_rows = self.batch_size // count
+        multiple = max(1, batch_multiple // count)
+        self.padded_rows = -(-self.local_rows // multiple) * multiple
+        if count > 1 and self._split is None:
+            self._split = _split_over_processes(self.dataset, index, count)
 
     def _batches(self) -> Iterator[Batch]:
-        for step, part in enumerate(self.dataset.iter_batches(batch_size=self.batch_size, batch_format="numpy")):
-            x, y, weight = (part.get(name) for name in COLUMNS)
-            check_numeric(x, "x (the dataset's column 'x')")
-            check_numeric(y, "y (the dataset's column 'y')")
-            if self._label_check is not None and y is not None:
-                self._label_check(y, lambda row, step=step: f"row {row} of batch {step} of the Ray dataset")
-            yield make_batch(x, y, weight, self.padded_rows)
+        source = self.dataset if self._split is None else self._split
+        parts = source.iter_batches(batch_size=self.local_rows, batch_format="numpy")
+        for step, part in enumerate(parts):
+            yield self._batch(part, step)
+
+    def _batch(self, part: dict, step: int) -> Batch:
+        x, y, weight = (part.get(name) for name in COLUMNS)
+        check_numeric(x, "x (the dataset's column 'x')")
+        check_numeric(y, "y (the dataset's column 'y')")
+        if self._label_check is not None and y is not None:
+            self._label_check(y, lambda row: f"row {row} of batch {step} of the Ray dataset")
+        return make_batch(x, y, weight, self.padded_rows)
 
     def peek(self) -> Batch:
         """The first batch (read once, kept), to build the model."""
         if self._first is None:
-            first = next(self._batches(), None)
-            if first is None:
+            first = self.dataset.take_batch(self.local_rows, batch_format="numpy")  # a read of its own
+            if not len(first["x"]):
                 raise ValueError("The ray.data.Dataset is empty: it has no rows. Pass a dataset with rows.")
-            self._first = first
+            self._first = self._batch(first, 0)
         return self._first
 
     def batches(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
@@ -117,4 +139,26 @@ class RayData(GlobalBatchSource):
 
     @property
     def has_partial_batches(self) -> bool:
-        return self.padded_rows != self.batch_size  # a short last batch cannot be known without counting rows
+        return self.padded_rows != self.local_rows  # a short last batch cannot be known without counting rows
+
+
+def _split_over_processes(dataset: Any, index: int, count: int) -> Any:
+    """This process's `DataIterator` of `dataset.streaming_split(count, equal=True)`, made on process 0 and
+    broadcast pickled over the job's collectives (`jax.experimental.multihost_utils.broadcast_one_to_all`)."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized() or jax.process_count() != count:
+        raise ValueError(
+            f"A ray.data.Dataset split over {count} processes needs each process to be one rank of a "
+            "`meshfit launch --ray` job joined to its cluster (ray.init(address='auto') in the script) and to "
+            "feed a block of its own. Use mf.data.parquet(...) otherwise, or one process."
+        )
+    payload = b""
+    if index == 0:
+        payload = ray.cloudpickle.dumps(dataset.streaming_split(count, equal=True))
+    size = int(multihost_utils.broadcast_one_to_all(np.int64(len(payload))))
+    buffer = np.frombuffer(payload, np.uint8) if index == 0 else np.zeros(size, np.uint8)
+    data = np.asarray(multihost_utils.broadcast_one_to_all(buffer), np.uint8).tobytes()
+    return ray.cloudpickle.loads(data)[index]

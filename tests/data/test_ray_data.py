@@ -1,7 +1,10 @@
 """`model.fit(ray_dataset, batch_size=B)`: a Ray Data Dataset trains as the same rows as arrays, on one local Ray
-instance (one CPU); a resumed epoch skips the batches its backup had taken; several processes are refused."""
+instance (one CPU); a resumed epoch skips the batches its backup had taken; under `meshfit launch --ray` each rank
+reads its share through Ray Data's `streaming_split`."""
 
+import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -78,5 +81,23 @@ def test_refusals(local_ray):
     with pytest.raises(ValueError, match="`y` and `sample_weight` must be None"):
         model.fit(dataset(x, y), y, batch_size=4, verbose=0)
     data = mf.data.ray_data.RayData(dataset(x, y), batch_size=4)
-    with pytest.raises(ValueError, match="runs on one process; this strategy splits each batch over 2 processes"):
+    with pytest.raises(ValueError, match="split over 2 processes needs each process to be one rank of a `meshfit"):
         data.lay_out((0, 2), 2)
+
+
+def test_under_launch_ray_each_rank_reads_its_own_share_through_a_streaming_split(tmp_path):
+    """2 ranks of `meshfit launch --ray` on a one-node cluster (4 logical CPUs: a rank each, the rest for Ray
+    Data's reads): `fit` trains 2 epochs, and an epoch read through the same split gives each rank 8 rows a step
+    of ids the other does not get, together every id once."""
+    from processes import run
+    from ray_clusters import token_cluster
+
+    worker = os.path.join(os.path.dirname(__file__), "..", "workers", "train_ray_data.py")
+    with token_cluster({"num_cpus": 4}, []) as (cluster, _):
+        argv = [sys.executable, "-m", "meshfit.cli", "launch", "--ray", cluster.address, "--nprocs", "2"]
+        job = run(argv + [worker, cluster.address, str(tmp_path)], timeout=300)
+    said = job.stdout[-3000:] + job.stderr[-3000:]
+    assert job.returncode == 0, said
+    taken = [json.load(open(tmp_path / f"ids-{rank}.json")) for rank in range(2)]
+    assert taken[0] and taken[1] and not set(taken[0]) & set(taken[1])
+    assert sorted(taken[0] + taken[1]) == list(range(96))
