@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import MLP, classification_data
+from helpers import EXAMPLES, MLP, classification_data, load_example
 from processes import LAUNCH, run
 
 pa = pytest.importorskip("pyarrow")
@@ -286,3 +286,11 @@ def test_an_elastic_restart_onto_one_process_from_a_memory_snapshot_takes_every_
     alone = read_taps(out, last)
     assert [r["step"] for r in alone] == list(range(20, 64))
     assert exactly_once(*first, alone)
+
+
+@pytest.mark.slow
+def test_the_digits_parquet_example_writes_shards_and_trains_from_them(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(EXAMPLES)  # its `from digits import ...`
+    accuracy = load_example("digits_parquet").main(["--epochs", "2", "--shards", str(tmp_path)])
+    assert sorted(os.listdir(tmp_path)) == [f"part-{i:02d}.parquet" for i in range(8)]
+    assert accuracy > 0.5
