@@ -30,6 +30,7 @@ from typing import Any
 import jax
 from jax.extend import core as jax_core
 
+from meshfit.cost.context_cost import ContextCost
 from meshfit.cost.jaxpr_work import Work, jaxpr_work
 from meshfit.cost.pipeline_cost import PipelineCost
 
@@ -90,6 +91,8 @@ class StepReport:
             after `Stages` and the loss) run on every stage and kept on the last is P - 1 copies of
             its work here (under a `lax.cond` on the stage, it runs on the last only and is not).
             0 for a step without such masks.
+        context: under a `context` axis, what it costs (`ContextCost`: the K/V bytes context-parallel
+            attention moves per device); else None.
     """
 
     flops: float
@@ -104,6 +107,7 @@ class StepReport:
     device_bytes_accessed: float = 0.0
     pipeline: PipelineCost | None = None
     redundant_flops: float = 0.0
+    context: ContextCost | None = None
 
     @property
     def flops_per_sample(self) -> float:

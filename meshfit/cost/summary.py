@@ -50,6 +50,11 @@ def format_step_report(report: StepReport) -> str:
         lines.append(f"Collectives per step: {parts}{note}")
     if report.pipeline is not None:
         lines.append(format_pipeline_cost(report.pipeline))
+    if report.context is not None:
+        lines.append(
+            f"Context parallelism (context={report.context.size}; per device): attention sends "
+            f"{human_bytes(report.context.kv_bytes)} of K/V (and their gradients) per step"
+        )
     return "\n".join(lines)
 
 
