@@ -30,7 +30,7 @@ import numpy as np
 
 from meshfit.core import compat
 from meshfit.core.state import TrainState
-from meshfit.cost import pipeline_cost, step_report
+from meshfit.cost import context_cost, pipeline_cost, step_report
 from meshfit.cost.step_report import StepReport
 from meshfit.steps.builtin import Steps
 from meshfit.strategies.base import Strategy
@@ -263,6 +263,9 @@ class Executables:
         report = step_report.analyse(lowered, compiled, rows, devices, lambda: traced()[0])
         if getattr(self.strategy, "pipeline", None) is not None:
             report = dataclasses.replace(report, pipeline=pipeline_cost.pipeline_cost(traced()[1], state.params))
+        if self.strategy.context_layout is not None:
+            context = context_cost.context_cost(report.lowered_collectives, self.strategy.context_layout.size)
+            report = dataclasses.replace(report, context=context)
         return report
 
 
