@@ -100,6 +100,8 @@ from meshfit.cost.summary import bytes_per_device  # noqa: E402
 from meshfit.pipeline import Stages  # noqa: E402
 
 BATCH = ("data", "fsdp")  # mesh axes the batch dimension is split over
+SEQ = "context"  # the mesh axis the time dimension is split over (dropped from a pin on a mesh without it)
+CONTEXT_PARALLEL_CHOICES = ("ring", "all_gather", "none")
 VOCAB = 256  # bytes
 
 # A fixed, sorted list of standard-library modules: ~440 KB of Python source.
@@ -247,13 +249,23 @@ def rotary(x, positions, base: float = 10_000.0):
 class CausalSelfAttention(nnx.Module):
     """Multi-head causal self-attention; kernels keep heads as their own axis so rules can split them."""
 
-    def __init__(self, d_model: int, heads: int, *, attention: str = "auto", rope: bool = False, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        d_model: int,
+        heads: int,
+        *,
+        attention: str = "auto",
+        rope: bool = False,
+        context_parallel: str = "ring",
+        rngs: nnx.Rngs,
+    ):
         if d_model % heads:
             raise ValueError(f"--d-model {d_model} must be divisible by --heads {heads}.")
         if attention not in ATTENTION_CHOICES:
             raise ValueError(f"`attention` must be one of {ATTENTION_CHOICES}. Received: attention={attention!r}.")
         head_dim = d_model // heads
         self.attention = attention
+        self.context_parallel = context_parallel
         self.rope = rope
         self.query = nnx.LinearGeneral(d_model, (heads, head_dim), rngs=rngs)  # (d, heads, head_dim)
         self.key = nnx.LinearGeneral(d_model, (heads, head_dim), rngs=rngs)
@@ -261,7 +273,7 @@ class CausalSelfAttention(nnx.Module):
         self.out = nnx.LinearGeneral((heads, head_dim), d_model, axis=(-2, -1), rngs=rngs)  # (heads, head_dim, d)
 
     def __call__(self, x):
-        heads = (BATCH, None, "tensor", None)  # (batch, time, heads, head_dim): heads split over "tensor"
+        heads = (BATCH, SEQ, "tensor", None)  # (batch, time, heads, head_dim): heads split over "tensor"
         q = mf.strategies.constrain(checkpoint_name(self.query(x), "query_proj"), *heads)
         k = mf.strategies.constrain(checkpoint_name(self.key(x), "key_proj"), *heads)
         v = mf.strategies.constrain(checkpoint_name(self.value(x), "value_proj"), *heads)
@@ -269,7 +281,8 @@ class CausalSelfAttention(nnx.Module):
             positions = jnp.arange(x.shape[1])
             q, k = rotary(q, positions), rotary(k, positions)
         implementation = attention_implementation(self.attention, q.dtype, q.shape[-1])
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+        cp = None if self.context_parallel == "none" else self.context_parallel  # used only under a context axis
+        y = mf.layers.dot_product_attention(q, k, v, causal=True, context_parallel=cp, implementation=implementation)
         y = mf.strategies.constrain(checkpoint_name(y, "context"), *heads)
         return checkpoint_name(self.out(y), "out_proj")  # row-parallel: partial sums over "tensor" reduced here
 
@@ -280,7 +293,7 @@ class MLP(nnx.Module):
         self.down = nnx.Linear(hidden, d_model, rngs=rngs)
 
     def __call__(self, x):
-        h = mf.strategies.constrain(nnx.gelu(checkpoint_name(self.up(x), "mlp_up")), BATCH, None, "tensor")
+        h = mf.strategies.constrain(nnx.gelu(checkpoint_name(self.up(x), "mlp_up")), BATCH, SEQ, "tensor")
         return checkpoint_name(self.down(h), "mlp_down")
 
 
@@ -299,16 +312,19 @@ class Block(nnx.Module):
         attention: str = "auto",
         rope: bool = False,
         pin: bool = True,
+        context_parallel: str = "ring",
         rngs: nnx.Rngs,
     ):
         self.pin = pin
         self.ln1 = nnx.LayerNorm(d_model, rngs=rngs)
-        self.attn = CausalSelfAttention(d_model, heads, attention=attention, rope=rope, rngs=rngs)
+        self.attn = CausalSelfAttention(
+            d_model, heads, attention=attention, rope=rope, context_parallel=context_parallel, rngs=rngs
+        )
         self.ln2 = nnx.LayerNorm(d_model, rngs=rngs)
         self.mlp = MLP(d_model, 4 * d_model, rngs=rngs)
 
     def __call__(self, x):
-        pin = (lambda h: mf.strategies.constrain(h, BATCH, None, None)) if self.pin else (lambda h: h)
+        pin = (lambda h: mf.strategies.constrain(h, BATCH, SEQ, None)) if self.pin else (lambda h: h)
         x = pin(x + self.attn(self.ln1(x)))
         return pin(x + self.mlp(self.ln2(x)))
 
@@ -321,6 +337,8 @@ class TransformerLM(nnx.Module):
             name of REMAT_POLICIES ("nothing_saveable", "dots_saveable",
             "dots_with_no_batch_dims_saveable", "minimal": keep the projections' outputs).
         attention: "auto" (cuDNN flash attention where it can run, else XLA), "xla" or "cudnn".
+        context_parallel: under a `context` mesh axis, how attention reaches the other devices' keys
+            (`mf.layers.dot_product_attention`): "ring", "all_gather" or "none" (GSPMD's gathers).
         position: "learned" (a position embedding table) or "rope" (rotary, no parameters).
         scan_layers: stack the blocks' parameters on a leading layer axis and run them with
             `nnx.scan`: one block is traced and compiled, whatever the depth.
@@ -345,6 +363,7 @@ class TransformerLM(nnx.Module):
         scan_layers: bool = False,
         output: str = "logits",
         stages: bool = False,
+        context_parallel: str = "ring",
         rngs: nnx.Rngs,
     ):
         if position not in POSITION_CHOICES:
@@ -370,7 +389,15 @@ class TransformerLM(nnx.Module):
         )
 
         def make_block(rngs):
-            return Block(d_model, heads, attention=attention, rope=position == "rope", pin=not stages, rngs=rngs)
+            return Block(
+                d_model,
+                heads,
+                attention=attention,
+                rope=position == "rope",
+                pin=not stages,
+                context_parallel=context_parallel,
+                rngs=rngs,
+            )
 
         self.blocks: Any
         if stages:
@@ -397,7 +424,7 @@ class TransformerLM(nnx.Module):
         x = self.tok_embed(tokens)
         if self.pos_embed is not None:
             x = x + self.pos_embed(jnp.arange(tokens.shape[1]))[None]
-        x = mf.strategies.constrain(x, BATCH, None, None)
+        x = mf.strategies.constrain(x, BATCH, SEQ, None)
         call = block_call(self.remat_policy)
         if self.stages:
             x = self.blocks(x)
@@ -653,6 +680,7 @@ def module_options(args: argparse.Namespace) -> dict:
         "scan_layers": args.scan_layers,
         "output": "hidden" if args.loss_chunk else "logits",
         "stages": getattr(args, "pipeline", None) is not None,
+        "context_parallel": getattr(args, "context_parallel", "ring"),
     }
 
 
@@ -663,7 +691,14 @@ def parse_args(argv=None):
     parser.add_argument(
         "--mesh",
         default=None,
-        help='data,fsdp,tensor sizes; one may be -1 (default "1,4,2" on 8 devices, else "-1,1,1")',
+        help='data,fsdp,tensor sizes, or named axes such as "context=4,data=2"; one may be -1 '
+        '(default "1,4,2" on 8 devices, else "-1,1,1")',
+    )
+    parser.add_argument(
+        "--context-parallel",
+        choices=CONTEXT_PARALLEL_CHOICES,
+        default="ring",
+        help="with a context axis in --mesh: ring or all-gather attention over it (mf.layers.dot_product_attention)",
     )
     add_model_arguments(parser)
     parser.add_argument(
@@ -725,12 +760,20 @@ SCHEDULES = ("gpipe", "circular", "1f1b")
 
 
 def parse_mesh(text: str | None) -> dict[str, int]:
+    """`--mesh` as MeshStrategy's axes: "d,f,t" (data, fsdp, tensor) or named sizes, "context=4,data=2", with
+    the data, fsdp and tensor axes the rules and pins name added at size 1 where not given."""
     if text is None:
         text = "1,4,2" if len(jax.devices()) == 8 else "-1,1,1"
-    sizes = [int(s) for s in text.split(",")]
-    if len(sizes) != 3:
-        raise SystemExit(f"--mesh takes three sizes data,fsdp,tensor. Received: {text!r}.")
-    return dict(zip(("data", "fsdp", "tensor"), sizes, strict=True))
+    if "=" not in text:
+        sizes = [int(s) for s in text.split(",")]
+        if len(sizes) != 3:
+            raise SystemExit(f"--mesh takes three sizes data,fsdp,tensor or name=size pairs. Received: {text!r}.")
+        return dict(zip(("data", "fsdp", "tensor"), sizes, strict=True))
+    try:
+        named = {name.strip(): int(size) for name, size in (pair.split("=") for pair in text.split(","))}
+    except ValueError:
+        raise SystemExit(f'--mesh takes name=size pairs such as "context=4,data=2". Received: {text!r}.') from None
+    return {**named, **{axis: 1 for axis in ("data", "fsdp", "tensor") if axis not in named}}
 
 
 def make_strategy(args: argparse.Namespace, tied: bool) -> mf.strategies.MeshStrategy:

@@ -260,7 +260,11 @@ class MeshStrategy(DeviceMeshStrategy):
     def constrain(self, x: jax.Array, *spec: Any) -> jax.Array:
         """Pins `x` to `spec` on this mesh. Inside a pipeline's stage loop (a `shard_map` manual over `stage`
         and the data axes), `x` is already one device's part along the loop's axes: they are dropped from
-        `spec`, and what is left pins `x` on the mesh as the loop sees it, so blocks keep their constraints."""
+        `spec`, and what is left pins `x` on the mesh as the loop sees it, so blocks keep their constraints.
+        A model written for context parallelism pins its sequence dimension to `context`; on a mesh without
+        that axis the name is dropped, so the same model runs on any mesh."""
+        if CONTEXT_AXIS not in self.mesh.shape:
+            spec = tuple(_without(entry, {CONTEXT_AXIS}) for entry in spec)
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty or STAGE_AXIS not in mesh.manual_axes:
             return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(*spec)))
