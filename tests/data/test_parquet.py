@@ -58,6 +58,7 @@ def compiled_model():
     return model
 
 
+@pytest.mark.slow  # fits that compile: 3 to 5 CPU-s
 def test_training_from_parquet_equals_training_on_the_same_rows_as_arrays(shards):
     directory, x, y = shards
     taps = []
@@ -127,6 +128,7 @@ def test_two_processes_read_disjoint_row_groups_and_a_one_process_resume_finishe
     assert ids_of(alone, 1) and alone.get_state()["lanes"] == 1
 
 
+@pytest.mark.slow  # fits that compile: 3 to 5 CPU-s
 def test_a_fit_resumed_from_a_disk_backup_mid_epoch_takes_every_row_once_and_ends_as_an_uninterrupted_one(
     shards, tmp_path
 ):
