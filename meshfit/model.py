@@ -53,9 +53,10 @@ class Model(Trainer, StepMethods, Weights):
         module: a `flax.nnx.Module` (variables already created), a factory of one (a function of no arguments, e.g.
             `lambda: MLP(rngs=nnx.Rngs(0))`: the variables are created straight into the strategy's layout, so a
             model larger than one device never exists whole on a device), or a `flax.linen.Module` (variables
-            created from `sample_input`, in the layout too). An eager module is moved into the layout and then holds
-            the placed arrays (its own copies are freed).
-        sample_input: an example input batch; required for Linen modules.
+            created from `sample_input`, in the layout too), or a Keras 3 model under `KERAS_BACKEND=jax` (Sequential,
+            functional or subclassed; see "Bring your Keras model" in docs/keras.md). An eager module is moved into
+            the layout and then holds the placed arrays (its own copies are freed; a Keras model gets copies back).
+        sample_input: an example input batch; required for Linen modules, and builds an unbuilt Keras model.
         seed: seeds data shuffling, Linen initialisation and dropout. Same seed, same data -> bitwise identical
             training.
         trainable: for NNX modules, a filter of the parameters to train (default `nnx.Param`: all), e.g.
