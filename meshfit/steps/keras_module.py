@@ -102,8 +102,7 @@ def _check_layers(model: Any) -> None:
 
 def _paths(variables: list, model: Any) -> list[str]:
     paths = [v.path for v in variables]
-    seen: set[str] = set()
-    doubles = [p for p in paths if p in seen or seen.add(p)]
+    doubles = sorted({p for p in paths if paths.count(p) > 1})
     if doubles:
         raise ValueError(
             f"Model {model.name!r} has several variables with the path {doubles[0]!r}; meshfit names each weight by "

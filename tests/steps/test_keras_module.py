@@ -270,7 +270,18 @@ class NoJit(keras.layers.Layer):
         return x
 
 
+class SameNames(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = keras.layers.Dense(2, name="d"), keras.layers.Dense(2, name="d")
+
+    def call(self, x):
+        return self.second(self.first(x))
+
+
 def test_models_meshfit_cannot_train_are_refused_by_name_before_any_step():
+    with pytest.raises(ValueError, match=r"several variables with the path 'same_names/d/bias'.*distinct names"):
+        mf.Model(fresh(SameNames), sample_input=np.zeros((1, 2), np.float32))
     with pytest.raises(TypeError, match=r"requires \['a', 'b'\].*call\(self, inputs\)"):
         mf.Model(fresh(TwoArguments), sample_input=[np.zeros((1, 3), np.float32), np.zeros((1, 2), np.float32)])
     with pytest.raises(ValueError, match=r"layer 'no_jit' \(NoJit\).*cannot be compiled on JAX"):
