@@ -1,6 +1,7 @@
 """Keras 3 models trained by meshfit (`meshfit.steps.keras_module`): Keras's own numbers, its files, its errors."""
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -8,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 from keras_twins import ADAM_RTOL, assert_same_history, assert_trees_close, classification, fresh, mlp, twins
+from processes import Job
 
 import meshfit as mf
 
@@ -313,3 +315,32 @@ def test_a_keras_model_under_another_backend_is_refused_naming_keras_backend():
     env = dict(os.environ, KERAS_BACKEND="numpy")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
     assert "keras.backend.backend()='numpy'" in result.stdout and "KERAS_BACKEND=jax" in result.stdout, result.stderr
+
+
+KERAS_WORKER = os.path.join(os.path.dirname(__file__), "..", "workers", "train_keras_resumable.py")
+
+
+def run_keras_worker(out, backup, *args, kill_at=None):
+    """Runs the Keras worker; with `kill_at`, SIGKILLs it when it prints that step. Returns (status, output)."""
+    with Job([sys.executable, KERAS_WORKER, str(out), str(backup), *args], timeout=240) as job:
+        if kill_at is not None:
+            job.wait_for(rf"step {kill_at}$")
+            job.proc.send_signal(signal.SIGKILL)
+        status = job.finish()
+    return status, job.stdout + job.stderr
+
+
+@pytest.mark.slow  # three processes, each importing Keras and compiling
+def test_a_keras_job_sigkilled_mid_epoch_resumes_bitwise_equal_to_an_uninterrupted_one(tmp_path):
+    status, output = run_keras_worker(tmp_path / "full", tmp_path / "full-backup")
+    assert status == 0, output
+    status, output = run_keras_worker(tmp_path / "out", tmp_path / "backup", "--slow", "0.05", kill_at=6)
+    assert status == -signal.SIGKILL, output  # epoch 2 of 3, batch 2 of 4
+    status, output = run_keras_worker(tmp_path / "out", tmp_path / "backup")
+    assert status == 0, output
+    assert "BackupAndRestore: resumed" in output
+    full, resumed = np.load(tmp_path / "full" / "weights.npz"), np.load(tmp_path / "out" / "weights.npz")
+    assert full.files == resumed.files
+    for name in full.files:  # weights, BatchNormalization statistics, the dropout seed state: bitwise
+        np.testing.assert_array_equal(full[name], resumed[name], err_msg=name)
+    assert (tmp_path / "full" / "history.json").read_text() == (tmp_path / "out" / "history.json").read_text()
