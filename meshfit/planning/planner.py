@@ -4,7 +4,8 @@ Before any parameter exists: for every layout of the devices (`Mirrored`,
 every `data` x `fsdp` x `tensor` factorisation as a `MeshStrategy`, and,
 where the model holds `meshfit.pipeline.Stages`, `stage` x `data` layouts
 whose stage counts divide its layers, each with every schedule that fits:
-GPipe, 1f1b and circular, `stage_layouts`),
+GPipe, 1f1b and circular, `stage_layouts`; where the inputs' sequences are
+long, `context` x `data` layouts that split them, `context_layouts`),
 every global batch size and every rematerialisation choice the model's
 factory offers, the plan builds the model abstractly (`Model(...,
 abstract=True)`: shapes and shardings, the factory run under `nnx.eval_shape`
@@ -49,12 +50,16 @@ from meshfit.cost.step_report import COLLECTIVE_KINDS, StepReport
 from meshfit.model import Model
 from meshfit.pipeline import Stages
 from meshfit.pipeline.settings import STAGE_AXIS, Pipeline
+from meshfit.strategies.context_layout import CONTEXT_AXIS
 from meshfit.strategies.layout import Rules
 from meshfit.strategies.mesh import MeshStrategy
 from meshfit.strategies.mirrored import MirroredStrategy
 
 #: The mesh axes a plan factors the devices into, in `MeshStrategy` order.
 MESH_AXES = ("data", "fsdp", "tensor")
+
+#: From this many tokens a sequence (dimension 1 of the inputs) is long: a plan proposes `context` layouts.
+LONG_SEQUENCE = 2048
 
 #: Timed steps per measured candidate (after one untimed step that compiles).
 MEASURE_STEPS = 3
@@ -155,6 +160,28 @@ def stage_layouts(count: int, layers: Sequence[int], batch_size: int) -> list[La
         pipelines += circular[:1] + circular[1:][-1:]  # the smallest and the largest repeats
         found += [Layout(((STAGE_AXIS, stages), ("data", data)), pipeline) for pipeline in pipelines]
     return found
+
+
+def context_layouts(count: int, sequence: int | None) -> list[Layout]:
+    """`context` x `data` layouts of `count` devices for inputs whose sequence has `sequence` tokens: one for
+    each C > 1 dividing `count` such that the sequence cuts into 2C chunks (ring attention's load-balanced
+    causal layout), with `fsdp` and `tensor` at 1 so rules naming them still apply. None without a sequence.
+
+    The model must attend through `meshfit.layers.dot_product_attention`; a model that does not is listed
+    as not compiling, with the reason.
+    """
+    if not sequence:
+        return []
+    sizes = [c for c in range(2, count + 1) if count % c == 0 and sequence % (2 * c) == 0]
+    return [Layout(((CONTEXT_AXIS, c), ("data", count // c), ("fsdp", 1), ("tensor", 1))) for c in sizes]
+
+
+def _sequence(x: Any) -> int | None:
+    """The sequence length of the inputs: dimension 1 of the first input with two or more dimensions."""
+    for leaf in jax.tree.leaves(x):
+        if np.ndim(leaf) >= 2:
+            return int(np.shape(leaf)[1])
+    return None
 
 
 def _runs(pipeline: Pipeline, stages: int, layers: Sequence[int]) -> bool:
@@ -295,6 +322,7 @@ def plan(
     device_spec: DeviceSpec | None = None,
     measure: int = 0,
     verbose: int | str = "auto",
+    context: bool | None = None,
 ) -> Plan:
     """Compiles the train step for every layout, batch size and remat choice, creating no parameter.
 
@@ -305,7 +333,10 @@ def plan(
     bubble, the bytes a device sends to its neighbour stage per step, one stage's parameters per device
     and the activations its schedule keeps (and of how many microbatch passes). A candidate the strategy
     refuses (a 1f1b schedule whose loss is not a sum over rows, or whose layers after `Stages` update
-    state) is listed as not compiling, with the reason.
+    state) is listed as not compiling, with the reason. Where the inputs' sequences are long
+    (`LONG_SEQUENCE` tokens or more on dimension 1), `context` x `data` layouts split them
+    (`context_layouts`; context parallelism, for a model attending through `mf.layers.dot_product_attention`):
+    their rows show the activation memory per device a split sequence saves.
 
     Args:
         factory: a function returning a `flax.nnx.Module` (as `meshfit.Model` takes one); if it has a
@@ -330,6 +361,8 @@ def plan(
         verbose: 1 shows a progress bar on stderr naming the candidate being compiled (a plan of a large
             model on many devices compiles for minutes); 0 shows nothing; "auto" (default) shows it when
             stderr is a terminal.
+        context: whether to propose `context` layouts: None (default) where the sequence is long
+            (`LONG_SEQUENCE`), True for any sequence that splits, False never.
 
     Returns:
         A `Plan`: `plan.best.strategy()` is a ready strategy; `print(plan)` prints the table.
@@ -373,11 +406,18 @@ def plan(
     def strategy_of(layout: Layout) -> Callable[[], Any]:
         return functools.partial(layout.strategy, devices, rules, logical_axis_rules)
 
+    if context not in (None, True, False):
+        raise ValueError(f"`context` must be None (by the sequence's length), True or False. Received: {context!r}.")
     stacks = _stage_layers(factory, remats[0])
+    sequence = _sequence(x)
+    if context is False or (context is None and (sequence or 0) < LONG_SEQUENCE):
+        sequence = None
     jobs = [
         (layout, batch_size, choice)
         for batch_size in batch_sizes
-        for layout in layouts(len(devices)) + stage_layouts(len(devices), stacks, batch_size)
+        for layout in layouts(len(devices))
+        + stage_layouts(len(devices), stacks, batch_size)
+        + context_layouts(len(devices), sequence)
         for choice in remats
     ]
 
