@@ -32,7 +32,7 @@ copy and transfer, on a shared 2-core machine).
 
     python benchmarks/bench_recovery.py [--model digits|transformer|digits,transformer] [--failures 3]
                                         [--memory-freq 5] [--disk-freq 100] [--seed 0] [--no-early-cache]
-                                        [--cost-rounds 1] [--spares]
+                                        [--cost-rounds 1] [--no-fork-server]
 
 `--smoke` runs the digits MLP only (a transformer job adds its own start-up and compiles). `--gpu` runs one
 process on the machine's GPU (it is the rank killed) and `--model decoder` a GPU-sized decoder (the 350 M
@@ -78,7 +78,7 @@ MODELS = {
 EARLY_CACHE = True  # --no-early-cache: only BackupAndRestore's cache, from the fit's start
 GPU = False  # --gpu: one process on the machine's GPU (the killed rank is rank 0), not 2 on the CPU
 NPROCS = 2  # --nprocs: processes of the job on the CPU (the last is the one killed)
-SPARES = False  # --spares: `meshfit launch --spares` (each rank's next process started ahead)
+FORK_SERVER = True  # --no-fork-server: `meshfit launch --no-fork-server` (each rank a new interpreter)
 
 
 def build(name: str):
@@ -190,7 +190,7 @@ def launch(
     argv = LAUNCH + ["--nprocs", "1" if GPU else str(NPROCS), "--devices-per-proc", "1"]
     argv += ["--max-restarts", str(len(kills))]
     argv += ["--stop-grace", "1", "--verbose"]  # --verbose: each rank's own account of its start's phases
-    argv += ["--spares"] if SPARES else []
+    argv += [] if FORK_SERVER else ["--no-fork-server"]
     argv += [__file__, "--worker", "--model", model, "--backup", os.path.join(base, name)]
     argv += ["--epochs", str(epochs), "--disk-freq", str(disk_freq)]
     argv += ["--memory-freq", str(memory_freq or 0)]  # 0: disk backups only
@@ -270,15 +270,17 @@ def main() -> None:
     parser.add_argument("--cost-rounds", type=int, default=1, help="pairs of jobs without failures for the cost")
     parser.add_argument("--gpu", action="store_true", help="one process on the GPU (it is the rank killed)")
     parser.add_argument("--nprocs", type=int, default=2, help="processes on the CPU (the last is the rank killed)")
-    parser.add_argument("--spares", action="store_true", help="meshfit launch --spares: restarts in warm spares")
+    parser.add_argument(
+        "--no-fork-server", action="store_true", help="meshfit launch --no-fork-server: each rank a new interpreter"
+    )
     parser.add_argument("--memory-only", action="store_true", help="SIGKILLs with the memory tier only")
     args = parse_args(parser, epochs=1, failures=1, cost_rounds=0)
     if args.worker:
         (args.model,) = args.model
         worker(args)
         return
-    global EARLY_CACHE, GPU, NPROCS, SPARES
-    EARLY_CACHE, GPU, NPROCS, SPARES = not args.no_early_cache, args.gpu, args.nprocs, args.spares
+    global EARLY_CACHE, GPU, NPROCS, FORK_SERVER
+    EARLY_CACHE, GPU, NPROCS, FORK_SERVER = not args.no_early_cache, args.gpu, args.nprocs, not args.no_fork_server
     steps = args.epochs * STEPS_PER_EPOCH
     rng = random.Random(args.seed)
     # One kill in each of `failures` equal stretches of the run, past the first stretch's start-up.

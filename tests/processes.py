@@ -107,9 +107,8 @@ class Job:
         self.proc.wait()
 
     def children(self) -> list[int]:
-        """Pids of the processes the job started itself (a launcher's ranks)."""
-        found = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True)
-        return [int(pid) for pid in found.stdout.split()]
+        """Pids of the processes the job started itself (a launcher's ranks, also those its fork server forked)."""
+        return _children(self.proc.pid)
 
     def _signal_state(self) -> str:
         """Each thread's pending, blocked, ignored and caught signals (hex masks from /proc), for a stuck job."""
@@ -147,6 +146,20 @@ class Job:
     def __exit__(self, *exc) -> None:
         if self.proc.poll() is None:
             self.kill()
+
+
+def _children(pid: int, through_fork_server: bool = True) -> list[int]:
+    """The children of `pid`, `meshfit launch`'s fork server replaced by its own (the ranks it forked)."""
+    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    pids = []
+    for child in (int(p) for p in found.stdout.split()):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                server = through_fork_server and b"meshfit.launch.fork_server_process" in f.read()
+        except OSError:
+            server = False
+        pids += _children(child, through_fork_server=False) if server else [child]
+    return pids
 
 
 def alive(pid: int) -> bool:

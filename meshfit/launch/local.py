@@ -60,9 +60,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from meshfit.launch.fork_server import ForkServer, forkable
 from meshfit.launch.keeper import Keeper
-from meshfit.launch.spare_process import READY
-from meshfit.launch.spares import Spares, usable
 from meshfit.runtime import exit_report, job_env, start_phases
 from meshfit.runtime.job_layout import JobLayout, JobStart, status_text
 
@@ -149,9 +148,9 @@ class LaunchConfig:
     stop_grace: float = GRACE_SECONDS
     #: Pass on every line of the ranks' output, also gloo's connection lines (`GLOO_CONNECTED`).
     verbose: bool = False
-    #: With restarts left, start each rank's next process ahead, its libraries imported (`meshfit.launch.spares`;
-    #: `--spares`): restarts skip the imports, at the cost of a spare's memory and of its imports' CPU time.
-    spares: bool = False
+    #: Fork the ranks of every start from one process that imported the libraries once
+    #: (`meshfit.launch.fork_server`); False (`--no-fork-server`): each rank is a new interpreter.
+    fork_server: bool = True
     #: Elastic restarts: the fewest processes the job may restart with (`--min-nprocs`); None: always
     #: `nprocs`. A restart drops a rank that fails within `start_window` seconds of being started.
     min_nprocs: int | None = None
@@ -200,7 +199,7 @@ def _pump(stream, rank: int, out, verbose: bool = False) -> None:
     """Copies a rank's output to `out`, each line prefixed with its rank; gloo's connection lines only when
     `verbose`."""
     for line in iter(stream.readline, ""):
-        if line.rstrip("\n") == READY or (not verbose and GLOO_CONNECTED.match(line)):
+        if not verbose and GLOO_CONNECTED.match(line):
             continue
         out.write(f"[rank {rank}] {line}" if line.endswith("\n") else f"[rank {rank}] {line}\n")
         out.flush()
@@ -242,14 +241,14 @@ class _Exits:
     aborted on losing its peer a consequence.
     """
 
-    def __init__(self, procs: list[subprocess.Popen]):
+    def __init__(self, procs: list):
         self.order: list[tuple[int, int]] = []  # (rank, status), first to end first
         self.at: dict[int, float] = {}  # rank -> when it ended (time.monotonic)
         self.changed = threading.Condition()
         for rank, proc in enumerate(procs):
             threading.Thread(target=self._wait, args=(rank, proc), daemon=True).start()
 
-    def _wait(self, rank: int, proc: subprocess.Popen) -> None:
+    def _wait(self, rank: int, proc) -> None:
         status = proc.wait()
         with self.changed:
             self.at[rank] = time.monotonic()
@@ -289,7 +288,7 @@ class Signals:
             signal.signal(sig, previous)
 
 
-def _stop(procs: list[subprocess.Popen], grace: float = GRACE_SECONDS) -> list[int]:
+def _stop(procs: list, grace: float = GRACE_SECONDS) -> list[int]:
     """SIGTERM every live process, then SIGKILL what is left after `grace` seconds; returns the ranks killed."""
     for proc in procs:
         if proc.poll() is None:
@@ -306,7 +305,7 @@ def _stop(procs: list[subprocess.Popen], grace: float = GRACE_SECONDS) -> list[i
     return killed
 
 
-def _watch(config: LaunchConfig, procs: list[subprocess.Popen], exits: _Exits, signals: Signals, log: TextIO) -> int:
+def _watch(config: LaunchConfig, procs: list, exits: _Exits, signals: Signals, log: TextIO) -> int:
     """Waits until the job ends, fails, or the launcher is signalled; returns the job's status."""
     layout = config.layout
     needed = set(layout.needed_ranks)
@@ -386,12 +385,11 @@ def run_once(config: LaunchConfig, attempt: int, log: TextIO = sys.stderr) -> in
 
 
 def run_once_outcome(
-    config: LaunchConfig, attempt: int, log: TextIO = sys.stderr, spares: Spares | None = None
+    config: LaunchConfig, attempt: int, log: TextIO = sys.stderr, forks: ForkServer | None = None
 ) -> Outcome:
     """`run_once`, also saying which rank failed first and how long it had run (for elastic restarts).
 
-    `spares`: the ranks' processes started ahead for this start (taken where they fit), and where the spares
-    of the next start are started once this one's ranks are (with restarts left).
+    `forks`: the launch's fork server, which each rank is forked from where it can be (else a new process).
     """
     gpus = _gpus_to_assign(config)
     start = JobStart(
@@ -411,7 +409,9 @@ def run_once_outcome(
                 env = process_env(config, rank, start, attempt, gpus)
                 env[exit_report.ENV_EXIT_REPORT] = os.path.join(reports, f"{rank}.json")
                 command = config.layout.command(rank, config.command)
-                proc = spares.take(rank, env, command) if spares is not None else None
+                proc = forks.start(env, command, rank=rank) if forks is not None else None
+                if proc is None and forks is not None and config.verbose:
+                    log.write(f"[launch] rank {rank} starts as a new process: {forks.why}.\n")
                 if proc is None:
                     proc = subprocess.Popen(
                         process_command(config, rank),
@@ -426,10 +426,6 @@ def run_once_outcome(
                 pump = threading.Thread(target=_pump, args=(proc.stdout, rank, sys.stdout, config.verbose), daemon=True)
                 pump.start()
                 pumps.append(pump)
-            if spares is not None:
-                spares.close()  # any not taken
-                if attempt < config.max_restarts:  # the next start's, importing while this one runs
-                    spares.prepare(_next_envs(config, start, attempt + 1, gpus), die_with_parent())
             exits = _Exits(procs)
             status = _watch(config, procs, exits, signals, log)
             time.sleep(0.2)  # ranks failing because the first one did: reported as its consequences
@@ -467,11 +463,14 @@ def run_once_outcome(
     return Outcome(status, reports=found)
 
 
-def _next_envs(config: LaunchConfig, start: JobStart, attempt: int, gpus: int) -> dict[int, dict[str, str]]:
-    """Each rank's environment in start `attempt` as far as it is known now (all but `spares.PER_START`)."""
-    if not usable(config.layout.command(0, config.command)):
-        return {}
-    return {rank: process_env(config, rank, start, attempt, gpus) for rank in range(config.nprocs)}
+def _fork_server(config: LaunchConfig) -> ForkServer | None:
+    """The launch's fork server, started with the environment the ranks share (`fork_server.PER_START`
+    aside), where the ranks run a script or module; None where they cannot be forked or `fork_server` is off."""
+    if not config.fork_server or not forkable(config.layout.command(0, config.command)):
+        return None
+    start = JobStart(coordinator_port=0, control_port=0, heartbeat_timeout=config.heartbeat_timeout, authkey="")
+    env = process_env(config, 0, start, 0, _gpus_to_assign(config))
+    return ForkServer(env, die_with_parent(), learn_imports=config.max_restarts > 0)
 
 
 def _launch_cache(config: LaunchConfig) -> str | None:
@@ -579,13 +578,13 @@ def launch(config: LaunchConfig, log: TextIO = sys.stderr, runner: Runner | None
     # Elastic on this machine: the launcher drops the rank that cannot restart (`_shrunk`); an elastic runner
     # (Ray's) sizes each restart to what its cluster can place.
     elastic = _check_elastic(config, runner) and runner is run_once
-    spares = Spares() if runner is run_once and config.spares and config.max_restarts > 0 else None
+    forks = _fork_server(config) if runner is run_once else None
     attempt = 0
     setup_error = None
     try:
         while True:
             if runner is run_once:
-                outcome = run_once_outcome(config, attempt, log, spares)
+                outcome = run_once_outcome(config, attempt, log, forks)
             else:
                 ran = runner(config, attempt, log)
                 outcome = ran if isinstance(ran, Outcome) else Outcome(ran)
@@ -605,8 +604,8 @@ def launch(config: LaunchConfig, log: TextIO = sys.stderr, runner: Runner | None
             )
             log.write(f"[launch] restarting the job ({attempt}/{config.max_restarts}){since}.\n")
     finally:
-        if spares is not None:
-            spares.close()
+        if forks is not None:
+            forks.close()
         if cache is not None:
             shutil.rmtree(cache, ignore_errors=True)
         if snapshots is not None:

@@ -17,12 +17,16 @@ Imports nothing of JAX: meshfit marks its own import from `meshfit/__init__`.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
 
 #: Set (to 1) by `meshfit launch --verbose` for every rank: print the start's phases at the first step.
 ENV_VERBOSE = "MESHFIT_VERBOSE"
+#: Set by `meshfit launch` for rank 0 of each start: the file where it lists, at its first step, the modules
+#: its script imported from the installed libraries, which the launch's fork server imports for the next start.
+ENV_IMPORTS_REPORT = "MESHFIT_IMPORTS_REPORT"
 
 #: The phases, in the order a start reaches them: (the mark that ends it, how the line names it).
 PHASES = (
@@ -34,7 +38,7 @@ PHASES = (
 )
 
 _marks: dict[str, float] = {}
-_handed_over: list[float] = []  # when a warm spare (`meshfit.launch.spare_process`) became this start's rank
+_handed_over: list[tuple[float, str]] = []  # when and how a process forked ahead became this start's rank
 
 
 def mark(name: str) -> None:
@@ -47,11 +51,11 @@ def reached(name: str) -> bool:
     return name in _marks
 
 
-def restart_clock(now: float) -> None:
-    """This process becomes a start's rank only `now` (a warm spare whose imports were done before): its
-    phases count from here, the imports taking none of them."""
+def restart_clock(now: float, how: str) -> None:
+    """This process becomes a start's rank only `now`, `how` says in what way (forked from a process whose
+    imports were done before): its phases count from here, the imports taking none of them."""
     _marks.clear()
-    _handed_over[:] = [now]
+    _handed_over[:] = [(now, how)]
     mark("meshfit imported")
 
 
@@ -78,7 +82,7 @@ def summary(compile_seconds: float = 0.0) -> str:
     `compile_seconds` (the fit timer's, spent before the first step was done) is taken out of the first step's
     phase and named on its own.
     """
-    created = _handed_over[0] if _handed_over else process_created()
+    created = _handed_over[0][0] if _handed_over else process_created()
     last = created if created is not None else min(_marks.values(), default=time.time())
     parts = []
     for name, label in PHASES:
@@ -92,7 +96,7 @@ def summary(compile_seconds: float = 0.0) -> str:
         parts.append(f"{label} {seconds:.2f} s")
         last = _marks[name]
     start = os.environ.get("MESHFIT_RESTART_COUNT", "0")
-    since = "a warm spare took it" if _handed_over else "its process was created"
+    since = _handed_over[0][1] if _handed_over else "its process was created"
     total = f" {last - created:.2f} s after {since}" if created is not None else ""
     return f"meshfit: start {start} reached its first step{total}: {', '.join(parts)}."
 
@@ -102,5 +106,36 @@ def first_step(compile_seconds: float = 0.0) -> None:
     if "first step" in _marks:
         return
     mark("first step")
+    _report_imports()
     if verbose():
         print(summary(compile_seconds), file=sys.stderr, flush=True)
+
+
+def _report_imports() -> None:
+    """Lists, where the launcher asked (`ENV_IMPORTS_REPORT`), the modules imported from the installed
+    libraries, the standard library and meshfit: what every later start's script imports again. Modules from the
+    script's own directory are left out (the user may change them; their imports may act)."""
+    path = os.environ.get(ENV_IMPORTS_REPORT)
+    if not path:
+        return
+    import sysconfig
+
+    roots = tuple(
+        os.path.join(os.path.realpath(p), "")
+        for p in {*sysconfig.get_paths().values(), *(p for p in sys.path if p.endswith("-packages"))}
+    )
+    names = [
+        name
+        for name, module in list(sys.modules.items())
+        if not name.startswith("_")
+        and (
+            name.partition(".")[0] == "meshfit"
+            or os.path.realpath(getattr(module, "__file__", None) or "/").startswith(roots)
+        )
+    ]
+    try:
+        with open(path + ".part", "w") as f:
+            json.dump(names, f)
+        os.replace(path + ".part", path)
+    except OSError:
+        pass  # a restart then imports them itself

@@ -375,26 +375,27 @@ def test_an_error_every_start_would_repeat_ends_the_launch_at_once_naming_the_ra
 
 
 @pytest.mark.slow
-def test_an_exception_after_the_first_step_still_restarts_in_warm_spares(tmp_path):
-    """An error once training ran is not one every start would repeat: the launcher restarts as asked, in the
-    spare processes it started beside the ranks, and the restart (which does not raise) finishes the job."""
+def test_an_exception_after_the_first_step_still_restarts_forked_from_the_fork_server(tmp_path):
+    """An error once training ran is not one every start would repeat: the launcher restarts as asked, each
+    rank forked from the launch's fork server with the libraries imported, and the restart (which does not
+    raise) finishes the job."""
     # One epoch (10 steps): the restart resumes from the backup of step 3 and trains to the end of it.
     argv = [RESUMABLE, str(tmp_path / "out"), str(tmp_path / "backup"), "--strategy", "multi_worker", "--epochs", "1"]
-    launch_args = ("--nprocs", "2", "--max-restarts", "1", "--verbose", "--spares")
+    launch_args = ("--nprocs", "2", "--max-restarts", "1", "--verbose")
     result = run(launch_cmd(*launch_args, *argv, "--raise-at-step", "5"), timeout=180)
     restarted = re.search(r"restarting the job \(1/1\), [\d.]+ s after rank [01] ended\.", result.stderr)
     assert restarted, result.stderr[-3000:]
     assert result.returncode == 0, result.stderr[-3000:]
-    # Under --verbose each rank of each start says where its start's seconds went, up to its first step.
-    phases = r"reached its first step [\d.]+ s after (its process was created|a warm spare took it): "
-    phases += r"interpreter and imports [\d.]+ s, "
+    # Under --verbose each rank of each start says where its start's seconds went, up to its first step: the
+    # imports were the fork server's, before the fork (0.00 s).
+    phases = r"reached its first step [\d.]+ s after it was forked from the launch's fork server: "
+    phases += r"interpreter and imports 0.00 s, "
     phases += r"JAX and jax.distributed [\d.]+ s, the script until fit [\d.]+ s, fit's setup and the restore [\d.]+ s, "
     phases += r"compile [\d.]+ s, first step [\d.]+ s\."
-    for start, began in ((0, "its process was created"), (1, "a warm spare took it")):
+    for start in (0, 1):
         said = re.findall(rf"^\[rank (\d)\] meshfit: start {start} {phases}$", result.stdout + result.stderr, re.M)
-        # The restart runs in the spares started while the first start ran, their imports done (0.00 s).
-        assert sorted(said) == [("0", began), ("1", began)], result.stderr[-3000:]
-    assert "meshfit-spare-ready" not in result.stdout  # the spares' own line is the launcher's, not output
+        assert sorted(said) == ["0", "1"], result.stderr[-3000:]
+    assert "starts as a new process" not in result.stderr
 
 
 def test_the_ranks_share_a_private_compilation_cache_for_the_launch(tmp_path):
