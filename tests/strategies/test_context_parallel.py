@@ -170,3 +170,47 @@ def test_an_input_without_a_sequence_dimension_is_an_error_naming_the_fix():
         strategy.distribute_batch(mf.core.batch.Batch(x, np.zeros(8, np.int32)))
     kept = mf.strategies.MeshStrategy(axes={"context": 4, "data": 2}, sequence_axis={"y": None})
     assert kept.distribute_batch(mf.core.batch.Batch(x, np.zeros(8, np.int32))).y.sharding.spec == P("data")
+
+
+# -- what it costs, and the example -------------------------------------------------------------------
+
+
+@pytest.mark.slow  # compiles two steps
+def test_step_report_shows_a_quarter_of_the_activation_memory_of_data_parallel_on_one_global_batch():
+    """Two long sequences a batch: data=8 gives each device a whole one (6 of them padding), context=4 a quarter."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, VOCAB, size=(2, 257)).astype(np.int32)
+
+    def report(axes):
+        class Long(TinyLM):
+            def __init__(self):
+                super().__init__()
+                self.positions = nnx.Embed(256, WIDTH, rngs=nnx.Rngs(1))
+
+        with mf.strategies.MeshStrategy(axes=axes).scope():
+            model = mf.Model(Long())
+            model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model.step_report(tokens[:, :-1], tokens[:, 1:])
+
+    data, context = report({"data": 8}), report({"context": 4, "data": 2})
+    assert data.context is None and context.context.size == 4
+    assert context.memory["temporaries"] < 0.35 * data.memory["temporaries"]
+    # Ring attention sends each K/V block (256 / 4 tokens x 2 heads x 4 x float32, per row) around the ring
+    # 3 times forward and its gradient 3 times backward, plus the balanced layout's moves of q, k, v, out and
+    # their gradients: more than the 6 K/V passes alone.
+    kv_block = 64 * 2 * 4 * 4 * 2  # K and V
+    assert context.context.kv_bytes >= 6 * kv_block
+    assert context.context.collectives.get("collective-permute", 0) == context.context.kv_bytes
+
+
+@pytest.mark.slow  # trains the example for a few steps
+@pytest.mark.parametrize("context_parallel", ["ring", "all_gather"])
+def test_the_example_trains_with_context_parallelism(context_parallel):
+    from helpers import load_example
+
+    example = load_example("transformer_lm")
+    flags = "--layers 1 --d-model 32 --heads 4 --context 32 --batch-size 8 --epochs 1 --steps-per-epoch 3"
+    flags += " --validation-steps 1 --max-bytes 20000 --sample-len 4 --verbose 0 --mesh context=4,data=2"
+    result = example.main([*flags.split(), "--context-parallel", context_parallel])
+    assert np.isfinite(result["history"]["loss"]).all()
+    assert result["model"].step_report().context.size == 4  # the step it trained split sequences over 4
