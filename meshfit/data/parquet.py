@@ -159,7 +159,7 @@ class ParquetData(GlobalBatchSource):
             raise TypeError(f"`y` must be a column name or None. Received: {y!r}.")
         self.y_column = y
         self.files = _expand(paths_or_glob)
-        schema = _same_schema(pq, self.files)
+        self._schema = schema = _same_schema(pq, self.files)
         named = self.x_columns + ([y] if y is not None else [])
         for name in named + list(columns or []):
             if name not in schema.names:
@@ -265,18 +265,25 @@ class ParquetData(GlobalBatchSource):
     # -- the DataSource contract ------------------------------------------------------------
 
     def peek(self) -> Batch:
-        """A batch of zeros with every batch's shapes and dtypes (from the schema and one row), to build the
-        model: nothing is consumed and `tap` is not called."""
+        """A batch of zeros with every batch's shapes and dtypes, to build the model: from the schema (a list
+        column of variable length: from its first row), so no row group of another process is read for it,
+        nothing is consumed and `tap` is not called."""
         if self._first is None:
-            _, pq = _pyarrow()
-            table = pq.ParquetFile(self.files[self._groups[0][0]]).read_row_group(
-                self._groups[0][1], columns=self.read_columns
-            )
-            columns = {name: _to_numpy(table.column(name))[:1] for name in self.read_columns}
+            columns = {name: self._empty(name, rows=self.padded_rows) for name in self.read_columns}
             x, y = self._features(columns)
-            zeros = lambda a: np.zeros((self.padded_rows,) + a.shape[1:], a.dtype)  # noqa: E731
-            self._first = Batch(zeros(x), None if y is None else zeros(y), None, np.ones(self.padded_rows, np.float32))
+            self._first = Batch(x, y, None, np.ones(self.padded_rows, np.float32))
         return self._first
+
+    def _empty(self, name: str, rows: int = 0) -> np.ndarray:
+        """Zeros of column `name`'s dtype and row shape, `rows` rows."""
+        pa, pq = _pyarrow()
+        kind = self._schema.field(name).type
+        if pa.types.is_fixed_size_list(kind):
+            return np.zeros((rows, kind.list_size), kind.value_type.to_pandas_dtype())
+        if pa.types.is_list(kind) or pa.types.is_large_list(kind):  # the length is in the data: one row
+            first = next(pq.ParquetFile(self.files[0]).iter_batches(batch_size=1, columns=[name]))
+            return np.zeros((rows,) + _to_numpy(first.column(0)).shape[1:], kind.value_type.to_pandas_dtype())
+        return np.zeros(rows, kind.to_pandas_dtype())
 
     def batches(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
         """Yields this process's rows of epoch `epoch`'s batches from `start_step` on, read ahead on a thread;
@@ -358,16 +365,12 @@ class ParquetData(GlobalBatchSource):
 
     def _batch(self, plan: _Plan, step: int, parts: list[dict]) -> tuple[Batch, dict]:
         """This process's batch of real rows `parts` (concatenated), padded to `padded_rows` and masked."""
-        if parts:
-            columns = {name: np.concatenate([p[name] for p in parts]) for name in self.read_columns}
-        else:  # this process's lanes have run out: a batch of padding only
-            empty = self.peek()
-            columns = None
-        real = 0 if columns is None else len(next(iter(columns.values())))
+        if not parts:  # this process's lanes have run out: a batch of padding only (mask 0)
+            padding = self.peek()._replace(mask=np.zeros(self.padded_rows, np.float32))
+            return padding, {name: self._empty(name) for name in self.columns}
+        columns = {name: np.concatenate([p[name] for p in parts]) for name in self.read_columns}
+        real = len(columns[self.read_columns[0]])
         mask = (np.arange(self.padded_rows) < real).astype(np.float32)
-        if columns is None:
-            batch = empty._replace(mask=mask)
-            return batch, {name: np.zeros((0,)) for name in self.columns}
         x, y = self._features(columns)
         if self._label_check is not None and y is not None:
             self._label_check(y, lambda row: f"row {row} of batch {step} of epoch {plan.epoch} on this process")
@@ -454,7 +457,8 @@ def _read_ahead(items: Iterator, depth: int) -> Iterator:
             yield value
     finally:
         stop.set()
-        thread.join(timeout=READER_WAIT)
+        if threading.current_thread() is not thread:  # (an abandoned epoch may be collected on the thread itself)
+            thread.join(timeout=READER_WAIT)
 
 
 def _expand(paths_or_glob: Any) -> list[str]:
