@@ -128,6 +128,31 @@ def test_two_processes_read_disjoint_row_groups_and_a_one_process_resume_finishe
     assert ids_of(alone, 1) and alone.get_state()["lanes"] == 1
 
 
+def test_a_process_whose_row_groups_run_out_first_yields_masked_padding_until_the_epoch_ends(tmp_path):
+    """Row groups of 64 and 8 rows dealt to 2 processes: process 1's 8 rows fill its first batch, then it
+    yields batches of padding only (mask 0, an empty tap) as long as process 0 has rows: as many steps."""
+    x, y = classification_data(n=72)
+    write_shards(tmp_path, x, y, files=1, row_group_size=64)
+    ranks = [as_process(tmp_path, (rank, 2)) for rank in range(2)]
+    taken = [ids_of(data, 0) for data in ranks]
+    assert [len(t) for t in taken] == [8, 8]
+    assert [len(ids) for _, ids in taken[1]] == [8] + [0] * 7
+    assert sorted(sum((ids for t in taken for _, ids in t), [])) == list(range(72))
+    last = list(ranks[1].batches(0))[-1]
+    assert last.x.shape == (8, 4) and last.x.dtype == np.float32 and not last.mask.any()
+
+
+def test_a_list_column_is_one_input_of_its_lists_length(tmp_path):
+    x, y = classification_data(n=20)
+    table = pa.table({"pixels": pa.array(list(x)), "label": y})  # a list<float> column of lists of 4
+    pq.write_table(table, tmp_path / "lists.parquet", row_group_size=8)
+    data = mf.data.parquet(tmp_path, x="pixels", y="label", batch_size=8)
+    assert data.peek().x.shape == (8, 4) and data.peek().x.dtype == np.float32
+    batches = list(data.batches(0))
+    np.testing.assert_array_equal(np.concatenate([b.x[b.mask > 0] for b in batches]), x)
+    np.testing.assert_array_equal(np.concatenate([b.y[b.mask > 0] for b in batches]), y)
+
+
 @pytest.mark.slow  # fits that compile: 3 to 5 CPU-s
 def test_a_fit_resumed_from_a_disk_backup_mid_epoch_takes_every_row_once_and_ends_as_an_uninterrupted_one(
     shards, tmp_path
