@@ -172,6 +172,15 @@ def test_an_input_without_a_sequence_dimension_is_an_error_naming_the_fix():
     assert kept.distribute_batch(mf.core.batch.Batch(x, np.zeros(8, np.int32))).y.sharding.spec == P("data")
 
 
+def test_sequence_axis_names_another_dimension():
+    strategy = mf.strategies.MeshStrategy(axes={"context": 4, "data": 2}, sequence_axis=2)
+    features_first = np.zeros((8, 3, SEQ), np.float32)
+    placed = strategy.distribute_batch(mf.core.batch.Batch(features_first, features_first[:, :1]))
+    assert placed.x.sharding.spec == P("data", None, "context")
+    with pytest.raises(TypeError, match="sequence_axis"):
+        mf.strategies.MeshStrategy(axes={"context": 4, "data": 2}, sequence_axis="seq")
+
+
 # -- what it costs, and the example -------------------------------------------------------------------
 
 
