@@ -1,7 +1,8 @@
 """Optimizers by Keras name, built on optax with an injectable learning rate.
 
-`get("adam")` returns `optax.inject_hyperparams(optax.adam)(...)` with Keras's
-defaults, so the learning rate lives in the optimizer state as an array and
+`get("adam")` returns `optax.inject_hyperparams(adam)(...)` with Keras's
+defaults and Keras's own Adam step (`meshfit.keras_adam`; optax's places
+epsilon elsewhere), so the learning rate lives in the optimizer state as an array and
 callbacks can change it between steps without recompiling. The other
 hyperparameters are static: each array in the state is one more buffer every
 compiled step call passes, which costs host time on small models.
@@ -22,7 +23,7 @@ import numpy as np
 import optax
 from optax import tree_utils as otu
 
-from meshfit import schedules
+from meshfit import keras_adam, schedules
 from meshfit.strategies import placement
 
 __all__ = [
@@ -47,8 +48,8 @@ __all__ = [
 
 # name -> (optax factory, Keras's default keyword arguments)
 _FACTORIES: dict[str, tuple[Callable[..., optax.GradientTransformation], dict[str, Any]]] = {
-    "adam": (optax.adam, dict(learning_rate=1e-3, b1=0.9, b2=0.999, eps=1e-7)),
-    "adamw": (optax.adamw, dict(learning_rate=1e-3, b1=0.9, b2=0.999, eps=1e-7, weight_decay=0.004)),
+    "adam": (keras_adam.adam, dict(learning_rate=1e-3, b1=0.9, b2=0.999, eps=1e-7)),
+    "adamw": (keras_adam.adamw, dict(learning_rate=1e-3, b1=0.9, b2=0.999, eps=1e-7, weight_decay=0.004)),
     "adamax": (optax.adamax, dict(learning_rate=1e-3, b1=0.9, b2=0.999, eps=1e-7)),
     "nadam": (optax.nadam, dict(learning_rate=1e-3, b1=0.9, b2=0.999, eps=1e-7)),
     "sgd": (optax.sgd, dict(learning_rate=1e-2)),
@@ -105,7 +106,7 @@ def names() -> list[str]:
 
 
 def factory_of(name: str) -> Callable[..., optax.GradientTransformation]:
-    """The optax factory `get(name)` calls (`optax.adam` for "adam"): its signature says what `get` takes."""
+    """The optax factory `get(name)` calls (`optax.sgd` for "sgd"): its signature says what `get` takes."""
     return _FACTORIES[name.lower()][0]
 
 
@@ -211,13 +212,10 @@ def _decoupled_weight_decay(factory: Callable[..., optax.GradientTransformation]
 
 def _keras_optimizer(name: str, keras_names: dict[str, str], **arguments: Any) -> optax.GradientTransformation:
     """`get(name, ...)` with Keras's argument names renamed to optax's (`beta_1` -> `b1`)."""
-    amsgrad = arguments.pop("amsgrad", False)
-    if amsgrad:
-        raise ValueError(
-            "amsgrad=True is not built in: optax's `optax.amsgrad` takes the maximum of the bias-corrected second "
-            "moment, Keras of the raw one, so the steps differ. Received: amsgrad=True. Pass "
-            "optimizer=optax.amsgrad(learning_rate) for optax's variant, or leave amsgrad=False."
-        )
+    if not arguments.get("amsgrad", True):
+        arguments.pop("amsgrad")  # the default of every factory that takes it
+    elif "amsgrad" in arguments and name not in ("adam", "adamw"):
+        raise ValueError(f"amsgrad=True is Adam's and AdamW's option, not {name!r}'s. Received: amsgrad=True.")
     own = {keras_names.get(k, k): v for k, v in arguments.items()}
     return get(name, **own)
 
@@ -239,9 +237,8 @@ def Adam(  # noqa: N802 (Keras's name)
     """Keras's `Adam` with its arguments and defaults: `get("adam", ...)`, so it compiles, saves and
     loads as the name does.
 
-    Keras puts `epsilon` outside the bias correction of the second moment and
-    optax inside it: steps agree to about `epsilon / sqrt(v)` relative (1e-6 for
-    gradients near 0.1). `amsgrad=True` is refused (optax's variant differs).
+    The steps are Keras's (`meshfit.keras_adam`: epsilon outside the bias
+    correction, `amsgrad` on the raw second moment).
 
     Example:
         >>> model.compile(optimizer=meshfit.optimizers.Adam(1e-3, clipnorm=1.0), loss="mse")
