@@ -6,7 +6,7 @@ import pytest
 from helpers import MLP, classification_data
 
 import meshfit as mf
-from meshfit import keras_adam
+from meshfit.optimizers import keras_adam
 
 SCHEDULE = optax.exponential_decay(0.05, transition_steps=3, decay_rate=0.5)
 

@@ -282,7 +282,6 @@ def test_the_top_of_the_package_is_its_public_face():
         "metrics",
         "mixed_precision",
         "model",
-        "optimizers",
         "outputs",
         "schedules",
         "utils",

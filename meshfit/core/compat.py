@@ -273,10 +273,10 @@ def vjp_residuals(fn: Callable, params: Any, *args: Any) -> VjpResiduals:
     return VjpResiduals(jax.tree.structure(vjp_shape), primal, kept_shapes)
 
 
-def keras_layers(model: Any) -> list:
+def keras_layers(keras_model: Any) -> list:
     """Every layer inside a Keras model, nested ones included (not the model itself).
 
     Keras 3 lists a model's layers recursively only through its private `_flatten_layers` (`model.layers` holds
     the direct ones); meshfit reads it to check that each is built and can run compiled before training starts.
     """
-    return list(model._flatten_layers(include_self=False, recursive=True))
+    return list(keras_model._flatten_layers(include_self=False, recursive=True))

@@ -1,7 +1,7 @@
 """Optimizers by Keras name, built on optax with an injectable learning rate.
 
 `get("adam")` returns `optax.inject_hyperparams(adam)(...)` with Keras's
-defaults and Keras's own Adam step (`meshfit.keras_adam`; optax's places
+defaults and Keras's own Adam step (`meshfit.optimizers.keras_adam`; optax's places
 epsilon elsewhere), so the learning rate lives in the optimizer state as an array and
 callbacks can change it between steps without recompiling. The other
 hyperparameters are static: each array in the state is one more buffer every
@@ -23,7 +23,8 @@ import numpy as np
 import optax
 from optax import tree_utils as otu
 
-from meshfit import keras_adam, schedules
+from meshfit import schedules
+from meshfit.optimizers import keras_adam
 from meshfit.strategies import placement
 
 __all__ = [
@@ -237,7 +238,7 @@ def Adam(  # noqa: N802 (Keras's name)
     """Keras's `Adam` with its arguments and defaults: `get("adam", ...)`, so it compiles, saves and
     loads as the name does.
 
-    The steps are Keras's (`meshfit.keras_adam`: epsilon outside the bias
+    The steps are Keras's (`meshfit.optimizers.keras_adam`: epsilon outside the bias
     correction, `amsgrad` on the raw second moment).
 
     Example:

@@ -14,7 +14,7 @@ import numpy as np  # noqa: E402
 
 #: Keras's fit and meshfit's agree to this under SGD, RMSprop and Adagrad.
 RTOL, ATOL = 1e-5, 1e-6
-#: ... and under Adam (meshfit's "adam" takes Keras's own step: `meshfit.keras_adam`).
+#: ... and under Adam (meshfit's "adam" takes Keras's own step: `meshfit.optimizers.keras_adam`).
 ADAM_RTOL = RTOL
 
 
