@@ -16,6 +16,7 @@ TRAININGS = {
     "bf16": "--compression bf16 --epochs 1",
     "mesh": "--strategy mesh",
     "custom": "--custom-step --n 160 --batch-size 16",  # every batch full: 4 replicas, 128 + 32 rows
+    "keras": "--keras --epochs 2",  # (a space: argparse reads it as --each's value, not an option)
 }
 
 

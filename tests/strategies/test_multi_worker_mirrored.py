@@ -36,10 +36,10 @@ def launch(out, *worker_args, nprocs=2, devices=2, timeout=240):
     return result
 
 
-def in_process(strategy, spe=1, epochs=2, n=150, batch_size=15):
+def in_process(strategy, spe=1, epochs=2, n=150, batch_size=15, module=None):
     x, y = classification_data(n=n)
     with strategy.scope():
-        model = mf.Model(MLP(din=4, hidden=32, dout=3))
+        model = mf.Model(MLP(din=4, hidden=32, dout=3) if module is None else module())
         model.compile(
             optimizer="adam",
             loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -121,3 +121,20 @@ def test_bf16_compression_across_processes_equals_it_in_one_process(two_process_
         np.testing.assert_allclose(got["history"]["loss"], history["loss"], rtol=1e-4)
         lowered = got["collectives"]["lowered"]["all-reduce"]
         assert 0.5 * param_bytes <= lowered <= 0.5 * param_bytes + 64  # the gradients cross in bf16
+
+
+def test_a_keras_model_in_two_processes_equals_one_device(two_process_job):
+    """The shared job also trained a Keras 3 Sequential MLP under MultiWorkerMirroredStrategy: the same
+    weights, History and predictions as the same Keras model on one device."""
+    from workers.train_data_parallel import keras_mlp
+
+    out = two_process_job.folder("keras")
+    assert any("replicas 4" in ln for ln in two_process_job.lines("keras"))
+    model, history, evaluation, predictions = in_process(mf.strategies.OneDeviceStrategy(), module=keras_mlp)
+    saved = np.load(out / "params.npz")
+    for i, weight in enumerate(model.get_weights()):
+        np.testing.assert_allclose(saved[f"arr_{i}"], weight, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(saved["predictions"], predictions, rtol=1e-5, atol=1e-6)
+    got = json.loads((out / "history_1.json").read_text())
+    for key in history:
+        np.testing.assert_allclose(got["history"][key], history[key], rtol=1e-5)

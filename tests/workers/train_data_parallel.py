@@ -2,7 +2,7 @@
 
     python train_data_parallel.py OUT_DIR [--strategy multi_worker|mirrored|mesh] [--epochs N] [--batch-size B]
                                   [--steps-per-execution K] [--compression bf16|fp16] [--hang]
-                                  [--stall S [--stall-process P]] [--custom-step]
+                                  [--stall S [--stall-process P]] [--custom-step] [--keras]
     python train_data_parallel.py OUT_DIR --each NAME "ARGS" [--each NAME "ARGS" ...]
 Process 0 writes OUT_DIR/params.npz; every process writes OUT_DIR/history_<rank>.json.
 With --each, the processes train one fresh model after the other, each with its own ARGS (the options
@@ -58,6 +58,7 @@ def parser_():
         help="train tests/custom_models.OwnGradients (its own train_step); first try a fit with a partial "
         "batch, which must be refused before any step, and save the refusal",
     )
+    parser.add_argument("--keras", action="store_true", help="train a Keras 3 Sequential MLP (keras_mlp) instead")
     parser.add_argument(
         "--each",
         nargs=2,
@@ -76,6 +77,16 @@ def main():
     for name, options in args.each or []:
         print(f"training {name}", flush=True)  # what follows, up to the next such line, is this training's
         train(parser.parse_args([os.path.join(args.out, name), *shlex.split(options)]))
+
+
+def keras_mlp():
+    """The test MLP's shape as a Keras 3 Sequential model, from Keras's seed 0 in a fresh session."""
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    import keras
+
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(3)])
 
 
 def train(args):
@@ -99,7 +110,7 @@ def train(args):
             model = OwnGradients(MLP(din=4, hidden=32, dout=3))
             model.compile(optimizer="adam", steps_per_execution=args.steps_per_execution)
         else:
-            model = mf.Model(MLP(din=4, hidden=32, dout=3))
+            model = mf.Model(keras_mlp() if args.keras else MLP(din=4, hidden=32, dout=3))
             model.compile(
                 optimizer="adam",
                 loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
