@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import glob as glob_lib
 import os
-import queue
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -37,14 +35,12 @@ import numpy as np
 
 from meshfit.core.batch import Batch
 from meshfit.data.global_batches import GlobalBatchSource
+from meshfit.data.read_ahead import read_ahead
 
 __all__ = ["ParquetData", "parquet"]
 
 #: Batches read ahead of the trainer on the reading thread, by default.
 READ_AHEAD = 4
-
-#: Seconds a stopped epoch waits for its reading thread (a read in progress) before leaving it behind.
-READER_WAIT = 5.0
 
 Tap = Callable[[int, int, dict], None]
 
@@ -300,7 +296,7 @@ class ParquetData(GlobalBatchSource):
         plan = self._plan(epoch, lanes)
         items = self._read(plan, start_step)
         if self.read_ahead:
-            items = _read_ahead(items, self.read_ahead)
+            items = read_ahead(items, self.read_ahead, name="meshfit-parquet")
         for step, batch, rows in items:
             self._position = self._state(epoch, lanes, step + 1)
             if self.tap is not None:
@@ -420,45 +416,6 @@ class _LaneCursor:
             columns = {k: v[order] for k, v in columns.items()}
         self._loaded = (at, columns)
         return columns
-
-
-def _read_ahead(items: Iterator, depth: int) -> Iterator:
-    """`items`, produced on a thread up to `depth` ahead; the thread stops when the caller stops taking."""
-    ready: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-
-    def offer(item: tuple) -> bool:
-        while not stop.is_set():
-            try:
-                ready.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def reader() -> None:
-        try:
-            for item in items:
-                if not offer(("item", item)):
-                    return
-            offer(("end", None))
-        except BaseException as error:  # noqa: BLE001 - raised again in the caller's thread
-            offer(("error", error))
-
-    thread = threading.Thread(target=reader, name="meshfit-parquet", daemon=True)
-    thread.start()
-    try:
-        while True:
-            kind, value = ready.get()
-            if kind == "end":
-                return
-            if kind == "error":
-                raise value
-            yield value
-    finally:
-        stop.set()
-        if threading.current_thread() is not thread:  # (an abandoned epoch may be collected on the thread itself)
-            thread.join(timeout=READER_WAIT)
 
 
 def _expand(paths_or_glob: Any) -> list[str]:

@@ -20,8 +20,6 @@ from __future__ import annotations
 import collections
 import itertools
 import math
-import queue
-import threading
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
@@ -31,6 +29,7 @@ import jax
 import numpy as np
 
 from meshfit.core.batch import Batch
+from meshfit.data.read_ahead import read_ahead
 
 __all__ = [
     "DataSource",
@@ -107,9 +106,6 @@ def _num_rows(tree: Any, name: str) -> int:
 #: Batches an iterable input (generator, grain) is read ahead of the trainer, on a thread (0: read each
 #: batch when the trainer takes it); `IterableData(prefetch=...)` sets it per input.
 PREFETCH_BATCHES = 2
-
-#: Seconds a fit that stops waits for its read-ahead thread before leaving it, stuck in the input, behind.
-STUCK_READER_WAIT = 5.0
 
 #: Bytes to which gathered groups of batches are aligned: XLA's CPU client takes a host buffer so aligned
 #: without copying it first (placing a 0.5 MiB stage inside a fit: about 60 µs against 170 µs).
@@ -782,60 +778,15 @@ class IterableData(DataSource):
         yield from self._read_ahead(items, prefetch)
 
     def _read_ahead(self, items: Iterator, prefetch: int) -> Iterator[Batch]:
-        """Reads, checks and pads `items` on a thread, up to `prefetch` batches ahead of the caller.
+        """Reads, checks and pads `items` on a thread, up to `prefetch` batches ahead of the caller
+        (`read_ahead`); the reads of batches not taken go back to the front of the input, with their positions."""
 
-        When the caller stops taking (an early stop, an error), the thread stops
-        at the next batch, and the elements of batches not taken go back to the
-        front of the input, with their positions. A thread stuck in the input
-        itself (a read that never returns) is left behind after
-        `STUCK_READER_WAIT` seconds, so a preempted or interrupted fit can end.
-        """
-        ready: queue.Queue = queue.Queue(maxsize=prefetch)
-        stop = threading.Event()
-        untaken: list = []  # the read of a batch the thread made but could not hand over
+        def give_back(left: list) -> None:
+            self._pushback.extendleft(reversed([read for _, read in left]))
 
-        def offer(item: tuple) -> bool:
-            """Hands `item` to the caller; False once the caller has stopped taking."""
-            while not stop.is_set():
-                try:
-                    ready.put(item, timeout=0.05)
-                    return True
-                except queue.Full:
-                    continue
-            return False
-
-        def reader() -> None:
-            try:
-                for batch, read in items:
-                    if not offer(("batch", batch, read)):
-                        untaken.append(read)
-                        return
-                offer(("end",))
-            except BaseException as error:  # noqa: BLE001 - raised again in the caller's thread
-                offer(("error", error))
-
-        thread = threading.Thread(target=reader, name="meshfit-prefetch", daemon=True)
-        thread.start()
-        try:
-            while True:
-                item = ready.get()
-                if item[0] == "end":
-                    return
-                if item[0] == "error":
-                    raise item[1]
-                _, batch, read = item
-                self._position = read[1]
-                yield batch
-        finally:
-            stop.set()
-            thread.join(timeout=STUCK_READER_WAIT)
-            if not thread.is_alive():  # else stuck reading the input: what it holds is lost with it
-                left = []
-                while not ready.empty():
-                    item = ready.get_nowait()
-                    if item[0] == "batch":
-                        left.append(item[2])
-                self._pushback.extendleft(reversed(left + untaken))
+        for batch, read in read_ahead(items, prefetch, name="meshfit-prefetch", give_back=give_back):
+            self._position = read[1]
+            yield batch
 
     def peek(self) -> Batch:
         """The first batch, without losing it for a later epoch (to build the model)."""
