@@ -6,6 +6,7 @@ Keep every such use here, so a version bump has one file to check.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -129,15 +130,17 @@ COORDINATION_SHUTDOWN_GRACE = 1.0
 
 
 class _BoundedServiceShutdown:
-    """Stands in for JAX's coordination service so that its `shutdown()` waits at most `grace` seconds."""
+    """Stands in for JAX's coordination service so that its `shutdown()` waits at most about `grace` seconds."""
 
-    def __init__(self, service, grace: float):
-        self.service, self.grace = service, grace
+    def __init__(self, service, grace: float, port: int | None = None):
+        self.service, self.grace, self.port = service, grace, port
 
     def shutdown(self) -> None:
         stopper = threading.Thread(target=self.service.shutdown, daemon=True, name="meshfit-coordination-shutdown")
         stopper.start()
         stopper.join(self.grace)
+        if stopper.is_alive() and self.port is not None and _cut_connections_to(self.port):
+            stopper.join(self.grace)  # the service ends once no connection holds it
         if stopper.is_alive():
             import logging
 
@@ -148,7 +151,38 @@ class _BoundedServiceShutdown:
             )
 
 
-def bound_coordination_shutdown(grace: float = COORDINATION_SHUTDOWN_GRACE) -> None:
+def _cut_connections_to(port: int) -> int:
+    """Shuts down this process's accepted TCP connections on local port `port`; returns how many.
+
+    At exit, after the job's shutdown barrier, every job process has left the coordination service: a
+    connection still open on its port is not one of the job's (a silent stranger), and it alone holds the
+    service's shutdown. Left to the process's own end, the shutdown's thread could return into an interpreter
+    that is finalising, which aborts the process (SIGABRT) after the job succeeded.
+    """
+    import socket
+
+    cut = 0
+    for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            conn = socket.socket(fileno=os.dup(int(name)))
+        except (OSError, ValueError):
+            continue
+        try:
+            if conn.type == socket.SOCK_STREAM and conn.family in (socket.AF_INET, socket.AF_INET6):
+                if conn.getsockname()[1] == port:
+                    conn.getpeername()  # a connection, not the listening socket (which has no peer)
+                    conn.shutdown(socket.SHUT_RDWR)
+                    cut += 1
+        except OSError:
+            pass
+        finally:
+            conn.close()
+    return cut
+
+
+def bound_coordination_shutdown(grace: float = COORDINATION_SHUTDOWN_GRACE, port: int | None = None) -> None:
     """Makes this process's `jax.distributed` shutdown wait at most `grace` seconds for its coordination service.
 
     Why: process 0 runs the job's coordination service, whose shutdown (run by
@@ -157,15 +191,17 @@ def bound_coordination_shutdown(grace: float = COORDINATION_SHUTDOWN_GRACE) -> N
     a connection that is not one of the job's and never speaks holds that
     deadline to its end, so any local process could make every job exit 5 s
     late. The job's own calls are answered in milliseconds; past `grace` the
-    server is left to the process's exit, which closes its sockets. JAX keeps
-    the service in `global_state.service` and calls only its `shutdown()`.
-    No-op in a process without the service.
+    connections still open on the service's `port` are cut (none is the
+    job's any more) and the shutdown gets `grace` more; past that the server
+    is left to the process's exit. JAX keeps the service in
+    `global_state.service` and calls only its `shutdown()`. No-op in a
+    process without the service.
     """
     from jax._src import distributed
 
     service = distributed.global_state.service
     if service is not None and not isinstance(service, _BoundedServiceShutdown):
-        distributed.global_state.service = _BoundedServiceShutdown(service, grace)
+        distributed.global_state.service = _BoundedServiceShutdown(service, grace, port)
 
 
 def release_orbax_waiters() -> int:

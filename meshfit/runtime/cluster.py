@@ -185,7 +185,8 @@ def initialize(
         heartbeat_timeout_seconds=heartbeat,
         initialization_timeout=initialization_timeout,  # every process is there by now: this wait is short
     )
-    compat.bound_coordination_shutdown()  # a silent stranger at the service must not hold the exit
+    # A silent stranger at the service must not hold the exit (nor abort it): its connections are cut at exit.
+    compat.bound_coordination_shutdown(port=int(address.rsplit(":", 1)[1]))
     start_phases.mark("joined")
     logger.info("Joined a %d-process job as process %d.", jax.process_count(), jax.process_index())
     return jax.process_count() > 1

@@ -324,3 +324,58 @@ def test_a_silent_connection_at_the_coordination_service_does_not_hold_process_0
             took = time.monotonic() - ended
     assert statuses == [0, 0], ranks[0].stderr[-3000:] + ranks[1].stderr[-3000:]
     assert took < 3.5, f"process 0 exited {took:.1f} s after the job ended"
+
+
+STRANGER_AT_EXIT = """
+import sys, time
+from meshfit.runtime import cluster
+port, rank = sys.argv[1], int(sys.argv[2])
+cluster.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=rank)
+print("joined", flush=True)
+if rank == 0:
+    sys.stdin.readline()  # the test's silent connection to the coordination service is open
+
+
+class SlowToFinalise:  # an interpreter whose end outlasts the service's own 5 s shutdown deadline
+    def __del__(self, sleep=time.sleep):  # (the module's globals are gone by then)
+        sleep(6)
+
+
+keep = SlowToFinalise() if rank == 0 else None
+"""
+
+
+@pytest.mark.slow  # a 2-process job whose process 0 takes seconds to end
+def test_a_silent_stranger_at_the_coordination_service_neither_holds_nor_aborts_process_0s_exit():
+    """A stranger connected to the coordination service and silent holds its shutdown until gRPC's 5 s
+    deadline; left to a daemon thread, that shutdown returned into a finalising interpreter and process 0
+    aborted (SIGABRT) after its job had succeeded. Its connections are cut at exit instead: status 0."""
+    import socket
+    import subprocess
+
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", STRANGER_AT_EXIT, str(port), str(rank)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        assert [proc.stdout.readline().strip() for proc in procs] == ["joined", "joined"]
+        stranger = socket.create_connection(("127.0.0.1", int(port)))  # connects, never speaks
+        procs[0].stdin.write("go\n")
+        procs[0].stdin.close()
+        outputs = [proc.stdout.read() for proc in procs]
+        assert [proc.wait(timeout=60) for proc in procs] == [0, 0], outputs
+        assert "Fatal Python error" not in outputs[0] and "terminate called" not in outputs[0], outputs[0]
+        stranger.close()
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
