@@ -80,6 +80,13 @@ def classification_data(n=64, din=4, classes=3, seed=0):
     return x, y
 
 
+#: One device against a pipeline (sums over microbatches, stages in another order): float noise in a gradient
+#: that Adam normalises. Keras's Adam step (meshfit's "adam") adds epsilon to the raw sqrt(v), so gradients near
+#: 3e-6 (epsilon / sqrt(1 - beta_2) at the first step), common in a deep residual stack, are where a last-bit
+#: difference moves a weight most: a few 1e-6 after three steps.
+PIPELINE_TOLERANCE = dict(rtol=2e-5, atol=1e-5)
+
+
 def assert_trees_close(a, b, rtol=1e-6, atol=1e-6):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)

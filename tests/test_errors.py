@@ -134,7 +134,8 @@ def test_fit_without_targets(model):
 
 def test_non_flax_module():
     with pytest.raises(
-        TypeError, match=r"flax.nnx.Module, a flax.linen.Module, or a factory.*Received: module of type dict"
+        TypeError,
+        match=r"flax.nnx.Module, a flax.linen.Module, a Keras 3 model, or a factory.*Received: module of type dict",
     ):
         mf.Model({"w": 1})
 

@@ -47,10 +47,12 @@ def scale_by_keras_adam(
         nu_max = jax.tree.map(jnp.maximum, state.nu_max, nu) if amsgrad else None
         count = optax.safe_increment(state.count)
         step = count.astype(jnp.float32)
+        # In float32 whatever the moments' dtype: in bfloat16, 0.999 rounds to 1 and the step would be 0.
+        alpha = jnp.sqrt(1 - jnp.float32(b2) ** step) / (1 - jnp.float32(b1) ** step)
 
         def direction(m, v):
-            alpha = jnp.sqrt(1 - jnp.asarray(b2, m.dtype) ** step) / (1 - jnp.asarray(b1, m.dtype) ** step)
-            return m * alpha / (jnp.sqrt(v) + eps)
+            wide = m.astype(jnp.float32) * alpha / (jnp.sqrt(v.astype(jnp.float32)) + eps)
+            return wide.astype(m.dtype)
 
         scaled = jax.tree.map(direction, mu, nu_max if amsgrad else nu)
         return scaled, ScaleByKerasAdamState(count, mu, nu, nu_max)

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import StagedNet, assert_trees_close, classification_data
+from helpers import PIPELINE_TOLERANCE, StagedNet, assert_trees_close, classification_data
 
 import meshfit as mf
 from meshfit.pipeline import Stages
@@ -117,8 +117,8 @@ def test_a_checkpoint_saved_under_circular_loads_under_gpipe_and_on_one_device(t
         model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
         loaded[name] = model
     saved.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)  # circular goes on from the same point
-    assert_trees_close(loaded["one"].params, loaded["gpipe"].params, rtol=2e-5, atol=2e-6)
-    assert_trees_close(loaded["one"].params, saved.params, rtol=2e-5, atol=2e-6)
+    assert_trees_close(loaded["one"].params, loaded["gpipe"].params, **PIPELINE_TOLERANCE)
+    assert_trees_close(loaded["one"].params, saved.params, **PIPELINE_TOLERANCE)
 
 
 @pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
@@ -163,4 +163,4 @@ def test_a_backup_written_under_circular_resumes_under_another_schedule(tmp_path
     assert int(resumed.session.state.step) == 8
     uninterrupted = built(mf.strategies.OneDeviceStrategy())
     uninterrupted.fit(x, y, **fit)
-    assert_trees_close(uninterrupted.params, resumed.params, rtol=2e-5, atol=2e-6)
+    assert_trees_close(uninterrupted.params, resumed.params, **PIPELINE_TOLERANCE)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from custom_models import OwnGradients
 from flax import nnx
-from helpers import ResidualBlock, assert_trees_close, classification_data
+from helpers import PIPELINE_TOLERANCE, ResidualBlock, assert_trees_close, classification_data
 
 import meshfit as mf
 from meshfit.pipeline import Stages
@@ -88,7 +88,7 @@ def test_sample_weights_and_a_partial_last_batch_train_as_on_one_device():
         runs.append((model, history))
     (one, h_one), (piped, h_piped) = runs
     assert int(piped.session.state.step) == 8
-    assert_trees_close(one.params, piped.params, rtol=2e-5, atol=2e-6)
+    assert_trees_close(one.params, piped.params, **PIPELINE_TOLERANCE)
     np.testing.assert_allclose(h_one.history["loss"], h_piped.history["loss"], rtol=1e-5)
     np.testing.assert_allclose(one.predict(x, verbose=0), piped.predict(x, verbose=0), rtol=1e-4, atol=1e-5)
 
@@ -145,7 +145,7 @@ def test_a_stack_called_inside_try_except_trains_as_on_one_device():
     histories = [model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False) for model in models]
     one, piped = models
     assert int(piped.session.state.step) == 2
-    assert_trees_close(one.params, piped.params, rtol=2e-5, atol=2e-6)
+    assert_trees_close(one.params, piped.params, **PIPELINE_TOLERANCE)
     np.testing.assert_allclose(histories[0].history["loss"], histories[1].history["loss"], rtol=1e-5)
 
 
@@ -169,4 +169,4 @@ def test_a_custom_train_step_differentiates_the_gpipe_loop_as_on_one_device():
         model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
         models.append(model)
     assert models[1].strategy.step_functions(models[1].session.steps) is models[1].session.steps
-    assert_trees_close(models[0].params, models[1].params, rtol=2e-5, atol=2e-6)
+    assert_trees_close(models[0].params, models[1].params, **PIPELINE_TOLERANCE)

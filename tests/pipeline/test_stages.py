@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import ResidualBlock, StagedNet, assert_trees_close, classification_data
+from helpers import PIPELINE_TOLERANCE, ResidualBlock, StagedNet, assert_trees_close, classification_data
 from processes import run
 
 import meshfit as mf
@@ -75,7 +75,7 @@ def test_stages_builds_a_block_whose_rngs_is_keyword_only():
 def test_the_same_model_trains_without_a_stage_axis(reference):
     one, h_one = reference
     model, history = train(mf.strategies.MeshStrategy(axes={"data": 4, "fsdp": 2}, min_shard_size=1))
-    assert_trees_close(one.params, model.params, rtol=2e-5, atol=2e-6)
+    assert_trees_close(one.params, model.params, **PIPELINE_TOLERANCE)
     np.testing.assert_allclose(h_one.history["loss"], history.history["loss"], rtol=1e-5)
 
 
@@ -88,7 +88,7 @@ def test_pipelined_training_equals_one_device(reference, schedule, repeats, micr
     strategy = pipelined(schedule, repeats, microbatches)
     model, history = train(strategy)
     assert int(model.session.state.step) == 3
-    assert_trees_close(one.params, model.params, rtol=2e-5, atol=2e-6)
+    assert_trees_close(one.params, model.params, **PIPELINE_TOLERANCE)
     np.testing.assert_allclose(h_one.history["loss"], history.history["loss"], rtol=1e-5)
     # Each stage's devices hold only that stage's layers (and Adam's moments follow them).
     mesh = strategy.mesh
@@ -119,7 +119,7 @@ def test_steps_per_execution_and_accumulation_train_as_on_one_device(accumulated
     one, h_one = accumulated_reference
     model, history = train(pipelined(schedule, repeats), steps=8, **ACCUMULATED)
     assert int(model.session.state.step) == 8  # a step per batch; the optimizer updates every 2
-    assert_trees_close(one.params, model.params, rtol=2e-5, atol=2e-6)
+    assert_trees_close(one.params, model.params, **PIPELINE_TOLERANCE)
     np.testing.assert_allclose(h_one.history["loss"], history.history["loss"], rtol=1e-5)
 
 
@@ -255,7 +255,7 @@ def test_a_checkpoint_restores_under_another_pipeline_layout_and_on_one_device(t
     kernel = restored["circular"].session.state.params["body"]["blocks"]["up"]["kernel"]
     assert kernel.sharding.spec[:2] == (None, "stage")  # repeat-major: a stage's 4 layers, 2 in each round
     assert kernel.addressable_shards[0].data.shape[:2] == (2, LAYERS // 4)
-    assert_trees_close(restored["one"].params, restored["circular"].params, rtol=2e-5, atol=2e-6)
+    assert_trees_close(restored["one"].params, restored["circular"].params, **PIPELINE_TOLERANCE)
 
 
 class PinnedBlock(ResidualBlock):
