@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 from keras_twins import ADAM_RTOL, assert_same_history, assert_trees_close, classification, fresh, mlp, twins
-from processes import Job
+from processes import LAUNCH, Job
 
 import meshfit as mf
 
@@ -331,17 +331,44 @@ def run_keras_worker(out, backup, *args, kill_at=None):
     return status, job.stdout + job.stderr
 
 
-@pytest.mark.slow  # three processes, each importing Keras and compiling
-def test_a_keras_job_sigkilled_mid_epoch_resumes_bitwise_equal_to_an_uninterrupted_one(tmp_path):
-    status, output = run_keras_worker(tmp_path / "full", tmp_path / "full-backup")
+@pytest.fixture(scope="module")
+def uninterrupted_keras_job(tmp_path_factory):
+    """The Keras worker's run, never killed: what every resumed run must end as."""
+    base = tmp_path_factory.mktemp("keras_full")
+    status, output = run_keras_worker(base / "full", base / "full-backup")
     assert status == 0, output
+    return base / "full"
+
+
+def assert_same_keras_run(a, b):
+    expected, got = np.load(a / "weights.npz"), np.load(b / "weights.npz")
+    assert expected.files == got.files
+    for name in expected.files:  # weights, BatchNormalization statistics, the dropout seed state: bitwise
+        np.testing.assert_array_equal(expected[name], got[name], err_msg=name)
+    assert (a / "history.json").read_text() == (b / "history.json").read_text()
+
+
+@pytest.mark.slow  # three processes, each importing Keras and compiling
+def test_a_keras_job_sigkilled_mid_epoch_resumes_bitwise_equal_to_an_uninterrupted_one(
+    tmp_path, uninterrupted_keras_job
+):
     status, output = run_keras_worker(tmp_path / "out", tmp_path / "backup", "--slow", "0.05", kill_at=6)
     assert status == -signal.SIGKILL, output  # epoch 2 of 3, batch 2 of 4
     status, output = run_keras_worker(tmp_path / "out", tmp_path / "backup")
     assert status == 0, output
     assert "BackupAndRestore: resumed" in output
-    full, resumed = np.load(tmp_path / "full" / "weights.npz"), np.load(tmp_path / "out" / "weights.npz")
-    assert full.files == resumed.files
-    for name in full.files:  # weights, BatchNormalization statistics, the dropout seed state: bitwise
-        np.testing.assert_array_equal(full[name], resumed[name], err_msg=name)
-    assert (tmp_path / "full" / "history.json").read_text() == (tmp_path / "out" / "history.json").read_text()
+    assert_same_keras_run(uninterrupted_keras_job, tmp_path / "out")
+
+
+@pytest.mark.slow  # a launch: a fork server and its two starts
+def test_a_killed_keras_job_resumes_from_the_launchers_memory_snapshot_bitwise(tmp_path, uninterrupted_keras_job):
+    """Memory snapshots every 2 steps, no disk backup within the run; the rank SIGKILLs itself at step 9: the
+    restart resumes from the launcher's memory and ends bitwise equal to the uninterrupted run."""
+    argv = LAUNCH + ["--max-restarts", "1", KERAS_WORKER, str(tmp_path / "out"), str(tmp_path / "backup")]
+    with Job(argv + ["--save-freq", "1000", "--memory-freq", "2", "--die-at-step", "9"], timeout=240) as job:
+        status = job.finish()
+    said = job.stdout + job.stderr
+    assert status == 0, said[-3000:]
+    assert "restarting the job (1/1)" in job.stderr, said[-3000:]
+    assert "BackupAndRestore: resumed from the launcher's memory snapshot" in job.stdout, said[-3000:]
+    assert_same_keras_run(uninterrupted_keras_job, tmp_path / "out")
