@@ -364,7 +364,15 @@ def test_a_keras_job_sigkilled_mid_epoch_resumes_bitwise_equal_to_an_uninterrupt
 def test_a_killed_keras_job_resumes_from_the_launchers_memory_snapshot_bitwise(tmp_path, uninterrupted_keras_job):
     """Memory snapshots every 2 steps, no disk backup within the run; the rank SIGKILLs itself at step 9: the
     restart resumes from the launcher's memory and ends bitwise equal to the uninterrupted run."""
-    argv = LAUNCH + ["--max-restarts", "1", KERAS_WORKER, str(tmp_path / "out"), str(tmp_path / "backup")]
+    argv = LAUNCH + [
+        "--nprocs",
+        "1",
+        "--max-restarts",
+        "1",
+        KERAS_WORKER,
+        str(tmp_path / "out"),
+        str(tmp_path / "backup"),
+    ]
     with Job(argv + ["--save-freq", "1000", "--memory-freq", "2", "--die-at-step", "9"], timeout=240) as job:
         status = job.finish()
     said = job.stdout + job.stderr
