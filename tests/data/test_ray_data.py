@@ -95,7 +95,7 @@ def test_under_launch_ray_each_rank_reads_its_own_share_through_a_streaming_spli
     worker = os.path.join(os.path.dirname(__file__), "..", "workers", "train_ray_data.py")
     with token_cluster({"num_cpus": 4}, []) as (cluster, _):
         argv = [sys.executable, "-m", "meshfit.cli", "launch", "--ray", cluster.address, "--nprocs", "2"]
-        job = run(argv + [worker, cluster.address, str(tmp_path)], timeout=300)
+        job = run(argv + [worker, cluster.address, str(tmp_path)], timeout=600)
     said = job.stdout[-3000:] + job.stderr[-3000:]
     assert job.returncode == 0, said
     taken = [json.load(open(tmp_path / f"ids-{rank}.json")) for rank in range(2)]
