@@ -17,6 +17,7 @@ from functools import partial
 import jax
 from jax.sharding import PartitionSpec as P
 
+from meshfit.core import compat
 from meshfit.layers.context_parallel import STRATEGIES
 from meshfit.strategies.context_layout import CONTEXT_AXIS, ContextLayout, note_attention
 from meshfit.strategies.current import get_strategy
@@ -46,7 +47,9 @@ def dot_product_attention(
             causal work load-balanced, so `seq` must divide by 2 x C) or "all_gather" (every device gathers the
             whole K and V; `seq` divisible by C); None leaves the layout to GSPMD. Ignored without the axis.
         scale: the scores' factor; 1 / sqrt(head_dim) by default.
-        implementation: for plain attention, `jax.nn.dot_product_attention`'s ("xla", "cudnn" or None).
+        implementation: `jax.nn.dot_product_attention`'s ("xla", "cudnn" or None), for plain attention and
+            for "all_gather"'s one call per device; "ring" combines XLA blocks (cuDNN's kernel does not
+            differentiate the log-sum-exp the combination needs).
 
     Returns:
         `(batch, seq, heads, head_dim)`, in `query`'s dtype, in the natural order of the sequence.
@@ -64,16 +67,33 @@ def dot_product_attention(
         )
     _check_sequence(query, key, layout.size, causal, context_parallel)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    kernel = partial(STRATEGIES[context_parallel], axis=CONTEXT_AXIS, size=layout.size, causal=causal, scale=scale)
-    spec = _spec(layout, query.shape[0], query.shape[2], key.shape[2])
-    return jax.shard_map(kernel, mesh=layout.mesh, in_specs=(spec, spec, spec), out_specs=spec)(query, key, value)
+    kernel = partial(
+        STRATEGIES[context_parallel],
+        axis=CONTEXT_AXIS,
+        size=layout.size,
+        causal=causal,
+        scale=scale,
+        implementation=implementation,
+    )
+    manual = frozenset(jax.sharding.get_abstract_mesh().manual_axes)
+    spec = _spec(layout, query.shape[0], query.shape[2], key.shape[2], manual)
+    if not manual:
+        return jax.shard_map(kernel, mesh=layout.mesh, in_specs=(spec, spec, spec), out_specs=spec)(query, key, value)
+    # Inside another map's manual region (a pipeline stage's loop): the rest of the mesh is this map's.
+    compat.fix_nested_shard_map_residuals()
+    mesh = jax.sharding.get_abstract_mesh()
+    free = frozenset(mesh.axis_names) - manual
+    attend = jax.shard_map(kernel, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, axis_names=free)
+    return attend(query, key, value)
 
 
-def _spec(layout: ContextLayout, batch: int, heads: int, kv_heads: int) -> P:
+def _spec(layout: ContextLayout, batch: int, heads: int, kv_heads: int, manual: frozenset = frozenset()) -> P:
     """How the per-device blocks are cut: rows over the batch axes (where they divide), the sequence over
-    `context`, heads over the head axis (where both head counts divide)."""
-    rows = layout.batch_axes if layout.batch_axes and batch % layout.axis_size(layout.batch_axes) == 0 else None
-    head = layout.head_axis
+    `context`, heads over the head axis (where both head counts divide). Axes already `manual` (those of an
+    enclosing map, over which the arrays here are this device's share) are left out."""
+    batch_axes = tuple(axis for axis in layout.batch_axes if axis not in manual)
+    rows = batch_axes if batch_axes and batch % layout.axis_size(batch_axes) == 0 else None
+    head = layout.head_axis if layout.head_axis not in manual else None
     size = layout.axis_size(head)
     head = head if head is not None and heads % size == 0 and kv_heads % size == 0 else None
     return P(rows, CONTEXT_AXIS, head, None)

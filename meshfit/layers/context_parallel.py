@@ -5,7 +5,8 @@ sequence, `(batch, seq / C, heads, head_dim)`) and returns its block of the
 output; `axis` is the mesh axis the sequence is split over, `size` its length C.
 
 * `all_gather_attention`: gathers every key and value (each device then holds
-  the whole sequence's K and V) and attends its queries to them at once.
+  the whole sequence's K and V) and attends its queries to them at once, with
+  `jax.nn.dot_product_attention` (cuDNN's kernel when asked, on a GPU).
 * `ring_attention`: passes K/V blocks around the axis with `lax.ppermute`, C - 1
   times, combining each block's partial attention by an online softmax; the next
   block's transfer is issued before the current block's compute, so XLA can
@@ -25,21 +26,30 @@ from jax import lax
 from meshfit.layers import blockwise, load_balance
 
 
-def all_gather_attention(q, k, v, *, axis: str, size: int, causal: bool, scale: float) -> jax.Array:
-    """This device's output block: its queries attending to the gathered keys and values."""
+def all_gather_attention(
+    q, k, v, *, axis: str, size: int, causal: bool, scale: float, implementation: str | None = None
+) -> jax.Array:
+    """This device's output block: its queries attending to the gathered keys and values, in one call of
+    `jax.nn.dot_product_attention` (so `implementation="cudnn"` runs cuDNN's fused kernel on a GPU)."""
     keys = lax.all_gather(k, axis, axis=1, tiled=True)
     values = lax.all_gather(v, axis, axis=1, tiled=True)
     mask = None
     if causal:
         rows = q.shape[1]
         q_pos = lax.axis_index(axis) * rows + jnp.arange(rows)
-        mask = q_pos[:, None] >= jnp.arange(keys.shape[1])[None, :]
-    grouped = blockwise.group_heads(q, k.shape[2])
-    return blockwise.finish(blockwise.block(grouped, keys, values, scale, mask), q.dtype)
+        mask = (q_pos[:, None] >= jnp.arange(keys.shape[1])[None, :])[None, None]  # (1, 1, q, k)
+    return jax.nn.dot_product_attention(q, keys, values, mask=mask, scale=scale, implementation=implementation)
 
 
-def ring_attention(q, k, v, *, axis: str, size: int, causal: bool, scale: float) -> jax.Array:
-    """This device's output block: its queries attending to every device's K/V block as it passes by."""
+def ring_attention(
+    q, k, v, *, axis: str, size: int, causal: bool, scale: float, implementation: str | None = None
+) -> jax.Array:
+    """This device's output block: its queries attending to every device's K/V block as it passes by.
+
+    The blocks are XLA's whatever `implementation` asks: combining them needs each block's log-sum-exp with
+    its gradient, which cuDNN's kernel returns but does not differentiate (its backward drops that cotangent).
+    """
+    del implementation
     if causal:
         q, k, v = (load_balance.to_balanced(t, axis, size) for t in (q, k, v))
     grouped = blockwise.group_heads(q, k.shape[2])

@@ -313,11 +313,6 @@ def _context_layout(mesh, batch_axes, sizes: Mapping[str, int], sequence_axis) -
     """The strategy's context layout: None without a `context` axis (or with one of size 1)."""
     if sizes.get(CONTEXT_AXIS, 1) == 1:
         return None
-    if STAGE_AXIS in sizes and sizes[STAGE_AXIS] > 1:
-        raise ValueError(
-            f"A '{CONTEXT_AXIS}' axis cannot yet be combined with a '{STAGE_AXIS}' axis. Received axes={dict(sizes)}. "
-            f"Use one of them, e.g. axes={{'{CONTEXT_AXIS}': {sizes[CONTEXT_AXIS]}, 'data': -1}}."
-        )
     if not isinstance(sequence_axis, int | Mapping) or isinstance(sequence_axis, bool):
         raise TypeError(
             "`sequence_axis` must be an int or a mapping from input names to an int or None. "

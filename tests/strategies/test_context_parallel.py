@@ -6,12 +6,14 @@ devices. Ring and all-gather attention, `fsdp` beside `context`, a resume from
 BackupAndRestore, how batches lie on the devices, and the errors.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import assert_trees_close
+from helpers import PIPELINE_TOLERANCE, assert_trees_close
 from jax.sharding import PartitionSpec as P
 
 import meshfit as mf
@@ -116,6 +118,74 @@ def test_resumed_from_backup_and_restore_equals_one_device(one_device, tmp_path)
     assert int(model.session.state.step) == 8
     one, _ = one_device
     assert_trees_close(one.params, model.params, rtol=1e-5, atol=1e-6)
+
+
+class AttentionBlock(nnx.Module):
+    """TinyLM's block as a `Stages` block: pre-norm causal attention through meshfit, then an MLP."""
+
+    def __init__(self, *, rngs, context_parallel="ring"):
+        self.norm = nnx.LayerNorm(WIDTH, rngs=rngs)
+        self.q = nnx.Linear(WIDTH, WIDTH, use_bias=False, rngs=rngs)
+        self.kv = nnx.Linear(WIDTH, WIDTH, use_bias=False, rngs=rngs)
+        self.out = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.up = nnx.Linear(WIDTH, 2 * WIDTH, rngs=rngs)
+        self.down = nnx.Linear(2 * WIDTH, WIDTH, rngs=rngs)
+        self.context_parallel = context_parallel
+
+    def __call__(self, h):
+        b, s, _ = h.shape
+        d = WIDTH // HEADS
+        x = self.norm(h)
+        q = self.q(x).reshape(b, s, HEADS, d)
+        k, v = jnp.split(self.kv(x).reshape(b, s, HEADS, d), 2, axis=2)
+        a = mf.layers.dot_product_attention(q, k, v, causal=True, context_parallel=self.context_parallel)
+        h = h + self.out(a.reshape(b, s, WIDTH))
+        return h + self.down(nnx.gelu(self.up(h)))
+
+
+class StagedLM(nnx.Module):
+    """Embeddings (global positions), 4 attention blocks in `meshfit.pipeline.Stages`, a head."""
+
+    def __init__(self, context_parallel="ring"):
+        rngs = nnx.Rngs(0)
+        self.tokens = nnx.Embed(VOCAB, WIDTH, rngs=rngs)
+        self.positions = nnx.Embed(SEQ, WIDTH, rngs=rngs)
+        make_block = functools.partial(AttentionBlock, context_parallel=context_parallel)
+        self.body = mf.pipeline.Stages(make_block, 4, rngs=rngs)
+        self.head = nnx.Linear(WIDTH, VOCAB, rngs=rngs)
+
+    def __call__(self, tokens):
+        h = self.tokens(tokens) + self.positions(jnp.arange(tokens.shape[1]))[None]
+        return self.head(self.body(h))
+
+
+def train_staged(strategy, context_parallel="ring"):
+    x, y = lm_data()
+    with strategy.scope():
+        model = mf.Model(lambda: StagedLM(context_parallel))
+        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model, model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+
+
+@pytest.fixture(scope="module")
+def staged_one_device():
+    return train_staged(mf.strategies.OneDeviceStrategy())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, repeats, context_parallel", [("circular", 2, "all_gather"), ("1f1b", 1, "ring")])
+def test_context_beside_pipeline_stages_equals_one_device(staged_one_device, schedule, repeats, context_parallel):
+    """Each stage's attention splits its microbatch's sequence over `context` (a shard_map nested in the
+    pipeline loop's; the circular loop's rounds are rematerialised, the fused 1F1B step keeps its residuals in
+    the stash): the losses and parameters are one device's."""
+    one, one_history = staged_one_device
+    pipeline = mf.strategies.Pipeline(microbatches=2, schedule=schedule, repeats=repeats)
+    strategy = mf.strategies.MeshStrategy(axes={"stage": 2, "context": 2, "data": 2}, pipeline=pipeline)
+    model, history = train_staged(strategy, context_parallel)
+    assert model.params["body"]["blocks"]["up"]["kernel"].sharding.spec == P("stage")
+    assert model.step_report().context.size == 2
+    np.testing.assert_allclose(history.history["loss"], one_history.history["loss"], rtol=1e-5)
+    assert_trees_close(one.params, model.params, **PIPELINE_TOLERANCE)
 
 
 def test_batches_split_their_sequence_over_context():
