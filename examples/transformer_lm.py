@@ -40,7 +40,8 @@ schedule=...))`: each stage's devices hold `layers / P` blocks, the batch flows 
 microbatches per data replica (`--microbatches`, default P; `--schedule gpipe|circular|1f1b`,
 `--repeats` for circular), the embeddings and head run outside the pipeline; the step report
 prints the bubble, the point-to-point bytes and a stage's memory (docs/sharding.md, "Pipeline
-parallelism"). `--layers` must divide by P (times `--repeats`).
+parallelism"). `--layers` must divide by P (times `--repeats`). `--mesh context=C` beside it splits
+each microbatch's sequence over C devices too (`--context-parallel ring|all_gather`).
 
 The model is built from a factory (`mf.Model(lambda: TransformerLM(...))`):
 its parameters are created straight into their sharded layout, so a model
@@ -705,7 +706,7 @@ def parse_args(argv=None):
         "--pipeline",
         type=int,
         metavar="P",
-        help="build the blocks on meshfit.pipeline.Stages and train on a stage=P x data=devices/P mesh (not --mesh)",
+        help="build the blocks on meshfit.pipeline.Stages; train on a stage=P x data mesh (--mesh context=C adds one)",
     )
     parser.add_argument("--microbatches", type=int, help="with --pipeline: microbatches per data replica (default P)")
     parser.add_argument("--schedule", choices=SCHEDULES, default="gpipe", help="with --pipeline: the schedule")
@@ -778,18 +779,25 @@ def parse_mesh(text: str | None) -> dict[str, int]:
 
 def make_strategy(args: argparse.Namespace, tied: bool) -> mf.strategies.MeshStrategy:
     """`--mesh`'s data x fsdp x tensor mesh with the Megatron rules, or with `--pipeline P` a stage=P x data
-    mesh whose `Pipeline` runs the decoder's `Stages` (its other parameters replicated, the batch split)."""
+    mesh (and `--mesh context=C`'s axis) whose `Pipeline` runs the decoder's `Stages` (its other parameters
+    replicated, the batch split)."""
     if args.pipeline is None:
         rules = sharding_rules(tied, scan_layers=args.scan_layers)
         return mf.strategies.MeshStrategy(axes=parse_mesh(args.mesh), rules=rules)
+    context = {}
     if args.mesh is not None:
-        raise SystemExit(f"--pipeline lays the devices out as stage={args.pipeline} x data; leave --mesh out.")
+        context = {axis: size for axis, size in parse_mesh(args.mesh).items() if size != 1}
+        if set(context) - {"context"}:
+            raise SystemExit(
+                f"--pipeline lays the devices out as stage={args.pipeline} x data; --mesh may add only a context "
+                f"axis (--mesh context=2). Received: --mesh {args.mesh}."
+            )
     pipeline = mf.strategies.Pipeline(
         microbatches=args.microbatches or args.pipeline, schedule=args.schedule, repeats=args.repeats
     )
     # fsdp=1, tensor=1: the axes the model pins its activations to (BATCH, heads) exist on the mesh.
     return mf.strategies.MeshStrategy(
-        axes={"stage": args.pipeline, "data": -1, "fsdp": 1, "tensor": 1}, pipeline=pipeline
+        axes={"stage": args.pipeline, **context, "data": -1, "fsdp": 1, "tensor": 1}, pipeline=pipeline
     )
 
 

@@ -283,13 +283,16 @@ def test_step_report_shows_a_quarter_of_the_activation_memory_of_data_parallel_o
 
 
 @pytest.mark.slow  # trains the example for a few steps
-@pytest.mark.parametrize("context_parallel", ["ring", "all_gather"])
-def test_the_example_trains_with_context_parallelism(context_parallel):
+@pytest.mark.parametrize(
+    "context_parallel, layout, context",
+    [("ring", "--layers 1 --mesh context=4,data=2", 4), ("all_gather", "--layers 2 --pipeline 2 --mesh context=2", 2)],
+)
+def test_the_example_trains_with_context_parallelism(context_parallel, layout, context):
     from helpers import load_example
 
     example = load_example("transformer_lm")
-    flags = "--layers 1 --d-model 32 --heads 4 --context 32 --batch-size 8 --epochs 1 --steps-per-epoch 3"
-    flags += " --validation-steps 1 --max-bytes 20000 --sample-len 4 --verbose 0 --mesh context=4,data=2"
+    flags = "--d-model 32 --heads 4 --context 32 --batch-size 8 --epochs 1 --steps-per-epoch 3"
+    flags += f" --validation-steps 1 --max-bytes 20000 --sample-len 4 --verbose 0 {layout}"
     result = example.main([*flags.split(), "--context-parallel", context_parallel])
     assert np.isfinite(result["history"]["loss"]).all()
-    assert result["model"].step_report().context.size == 4  # the step it trained split sequences over 4
+    assert result["model"].step_report().context.size == context  # the step it trained split sequences
