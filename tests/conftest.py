@@ -80,6 +80,52 @@ GROUPS = {
 }
 
 
+#: The audit events of starting a process: a test that causes one (itself, or a fixture it starts) belongs to the
+#: `processes` tier, which the README's test command leaves to CI.
+PROCESS_EVENTS = frozenset({"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.system", "os.exec"})
+_running: list = []  # the test item whose setup or call runs now, if any
+
+
+def _audit(event, args):
+    if event in PROCESS_EVENTS and _running and _running[-1] is not None:
+        _running[-1].user_properties.append(("started_process", event))
+
+
+sys.addaudithook(_audit)
+
+
+def _watching(item):
+    """A hook wrapper's body: while the wrapped phase of `item` runs, the processes it starts are noted on it."""
+    _running.append(item)
+    try:
+        return (yield)
+    finally:
+        _running.pop()
+
+
+pytest_runtest_setup = pytest.hookimpl(wrapper=True)(_watching)  # fixtures that start a job count for the test
+pytest_runtest_call = pytest.hookimpl(wrapper=True)(_watching)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that started a process without the `processes` mark fails, naming the mark: the tiers stay true."""
+    report = yield
+    started = [event for name, event in item.user_properties if name == "started_process"]
+    if call.when == "call" and started and item.get_closest_marker("processes") is None:
+        record = os.environ.get("MESHFIT_TESTS_RECORD_PROCESSES")
+        if record:
+            with open(record, "a") as f:
+                f.write(f"{item.nodeid}\n")
+        elif report.passed:
+            report.outcome = "failed"
+            report.longrepr = (
+                f"{item.nodeid} started a process ({started[0]}) but is not marked `processes`. "
+                "Mark it @pytest.mark.processes (or its module: pytestmark), so the README's tier stays in-process."
+            )
+    return report
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:

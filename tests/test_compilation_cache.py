@@ -157,6 +157,7 @@ RESTART = textwrap.dedent(
 
 
 @pytest.mark.slow  # two Python processes
+@pytest.mark.processes
 def test_a_restarted_process_loads_its_programs_from_the_cache(tmp_path):
     tests = os.path.dirname(os.path.abspath(__file__))
     env = without_suite_cache(
@@ -327,6 +328,7 @@ FIFO_FIT = textwrap.dedent(
 
 
 @pytest.mark.slow  # a fit, then one in a new process
+@pytest.mark.processes
 def test_a_fifo_at_a_cached_program_s_name_does_not_hang_the_fit(tmp_path):
     """JAX would block reading a FIFO at the name of the program it looks up; the new process moves it aside."""
     backup = tmp_path / "backup"

@@ -23,6 +23,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.processes  # each page runs in a process of its own: the tier CI runs after the README's
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 DOCS = os.path.join(ROOT, "docs")
 FRAGMENT = "<!-- fragment -->"

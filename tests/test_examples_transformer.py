@@ -122,6 +122,8 @@ def test_the_pipelined_decoder_equals_one_device(example):
     assert_trees_close(one.params, piped.params, rtol=1e-4, atol=1e-5)
 
 
-def test_pipeline_takes_no_mesh(example):
-    with pytest.raises(SystemExit, match="leave --mesh out"):
+def test_pipeline_takes_only_a_context_axis_from_mesh(example):
+    with pytest.raises(SystemExit, match="may add only a context axis.*Received: --mesh 2,2,2"):
         example.make_strategy(example.parse_args(["--pipeline", "2", "--mesh", "2,2,2"]), tied=True)
+    strategy = example.make_strategy(example.parse_args(["--pipeline", "2", "--mesh", "context=2"]), tied=True)
+    assert dict(strategy.mesh.shape) == {"stage": 2, "context": 2, "data": 2, "fsdp": 1, "tensor": 1}

@@ -37,6 +37,7 @@ def trained_model():
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_an_export_loads_and_runs_with_jax_alone_on_any_batch_size(tmp_path):
     model, x = trained_model()
     model.export(tmp_path / "served")

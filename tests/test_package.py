@@ -105,6 +105,7 @@ def loaded_after(code: str, prefixes: tuple[str, ...]) -> list[str]:
 
 
 @pytest.mark.slow  # trains or compiles for seconds: the full suite, not the fast tier
+@pytest.mark.processes
 def test_a_model_loads_no_parameter_server_module():
     loaded = loaded_after("import meshfit; meshfit.Model; meshfit.strategies.MirroredStrategy", ("meshfit", "ray"))
     assert "meshfit.model" in loaded  # the names did load
@@ -112,11 +113,13 @@ def test_a_model_loads_no_parameter_server_module():
     assert [m for m in loaded if m.split(".")[0] == "ray"] == []  # Ray is an optional extra
 
 
+@pytest.mark.processes
 def test_the_parameter_server_loads_ray_only_for_cluster_ray():
     code = "import meshfit; meshfit.strategies.ParameterServerStrategy(mode='sync')"
     assert loaded_after(code, ("ray",)) == []
 
 
+@pytest.mark.processes
 def test_the_launcher_imports_no_jax():
     """`meshfit launch` supervises processes and never computes: it starts in a fraction of a second."""
     assert loaded_after("import meshfit.cli", ("jax", "jaxlib", "flax", "optax", "orbax", "numpy", "ray")) == []
@@ -135,6 +138,7 @@ def test_names_load_on_first_use_as_if_imported():
         _ = meshfit.Modle
 
 
+@pytest.mark.processes
 def test_internal_modules_are_not_attributes_of_the_package():
     """`mf.<name>` is the public API only; internal modules are imported by their path."""
     code = "import meshfit as mf; print([n for n in ('feeder', 'session', 'checkpoint', 'launch') if hasattr(mf, n)])"
@@ -257,6 +261,7 @@ def test_private_reaches_are_seen(tmp_path):
     ]
 
 
+@pytest.mark.processes
 def test_the_layers_contract_holds_and_sees_the_package():
     """pyproject.toml's [tool.importlinter] layers, checked by import-linter as `.ci/run` does."""
     result = subprocess.run(

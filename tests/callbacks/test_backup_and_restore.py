@@ -89,6 +89,7 @@ def uninterrupted(tmp_path_factory):
     return runs
 
 
+@pytest.mark.processes
 def test_sigkill_mid_epoch_then_restart_is_bitwise_identical(tmp_path, uninterrupted):
     backup = tmp_path / "backup"
     status, output = run_worker(tmp_path / "out", backup, "--slow", "0.02", stop_at=17)
@@ -101,6 +102,7 @@ def test_sigkill_mid_epoch_then_restart_is_bitwise_identical(tmp_path, uninterru
     assert_same_run(tmp_path / "out", uninterrupted["freq3"])
 
 
+@pytest.mark.processes
 def test_sigkill_with_steps_per_execution_and_epoch_backups(tmp_path, uninterrupted):
     backup = tmp_path / "backup"
     status, _ = run_worker(tmp_path / "out", backup, "--spe", "2", "--save-freq", "epoch", "--slow", "0.02", stop_at=24)
@@ -112,6 +114,7 @@ def test_sigkill_with_steps_per_execution_and_epoch_backups(tmp_path, uninterrup
     assert_same_run(tmp_path / "out", uninterrupted["spe2"])
 
 
+@pytest.mark.processes
 def test_sigterm_saves_exits_143_and_resumes_exactly_also_when_repeated_during_the_save(tmp_path, uninterrupted):
     """One SIGTERM at step 13: the process saves at the next step boundary and exits 143. The process resumed from
     that backup gets SIGTERM after step 25 again and again until it is gone, as a scheduler may: it still saves and
@@ -220,6 +223,7 @@ def resume_two_processes_exactly(tmp_path, reference, saved_from: int) -> None:
     assert_same_run(tmp_path / "a", reference)
 
 
+@pytest.mark.processes
 def test_restart_under_launch_with_a_killed_worker(tmp_path, uninterrupted_two_processes):
     """2 processes, rank 1 SIGKILLs itself mid-epoch; --max-restarts resumes; equals an uninterrupted job."""
     killed = run(
@@ -247,6 +251,7 @@ def test_restart_under_launch_with_a_killed_worker(tmp_path, uninterrupted_two_p
     assert_same_run(tmp_path / "a", uninterrupted_two_processes)
 
 
+@pytest.mark.processes
 def test_a_killed_rank_resumes_from_the_launchers_memory_snapshot(tmp_path, uninterrupted_two_processes):
     """memory_freq=5 and no disk backup after step 0; rank 1 SIGKILLed at step 23: the restart resumes at
     step 20 from the launcher's memory, finishes bitwise equal to an uninterrupted job; no backup on disk."""
@@ -266,6 +271,7 @@ def test_a_killed_rank_resumes_from_the_launchers_memory_snapshot(tmp_path, unin
     assert_same_run(tmp_path / "a", uninterrupted_two_processes)
 
 
+@pytest.mark.processes
 def test_ranks_that_find_different_snapshots_resume_together_from_disk(tmp_path, uninterrupted_two_processes):
     """Disk backups every 6 steps, memory snapshots every 2; rank 1 SIGKILLed at step 23. In the restart rank
     1's keeper cannot be reached while rank 0's snapshot of step 22 (or 20) can: the ranks agree to resume
@@ -442,6 +448,7 @@ def backup_steps(backup) -> list[int]:
     return sorted(int(p) for p in os.listdir(backup) if p.isdigit())
 
 
+@pytest.mark.processes
 def test_resuming_with_a_different_model_is_refused_and_the_backups_are_untouched(tmp_path):
     backup = tmp_path / "backup"
     status, output = run_worker(tmp_path / "out", backup, "--slow", "0.02", stop_at=10)
@@ -458,6 +465,7 @@ def test_resuming_with_a_different_model_is_refused_and_the_backups_are_untouche
     assert status == 0 and "BackupAndRestore: resumed" in output, output[-3000:]
 
 
+@pytest.mark.processes
 def test_sigterm_while_fit_sets_up_still_ends_in_a_backup_and_143(tmp_path):
     """The SIGTERM arrives before the restore and the first compile: the handler is armed already."""
     status, output = run_worker(tmp_path / "out", tmp_path / "backup", "--sigterm-in-setup")
@@ -466,6 +474,7 @@ def test_sigterm_while_fit_sets_up_still_ends_in_a_backup_and_143(tmp_path):
     assert backup_steps(tmp_path / "backup") == [1]  # stopped after the first step, and saved it
 
 
+@pytest.mark.processes
 def test_a_second_job_on_the_same_backup_directory_is_refused_and_the_first_is_undisturbed(tmp_path, uninterrupted):
     backup = tmp_path / "backup"
     go_on = tmp_path / "go_on"  # the first job waits after step 7, mid-epoch, until the second one has ended
@@ -553,6 +562,7 @@ def test_unreadable_backups_are_kept_when_fit_deletes_its_backups(tmp_path):
     assert sorted(os.listdir(backup)) == ["12.unreadable", "meshfit_checkpoints.json"]
 
 
+@pytest.mark.processes
 def test_a_read_only_backup_directory_fails_fit_clearly_and_the_process_exits(tmp_path):
     backup = tmp_path / "backup"
     with mounted(backup, "--bind"):
@@ -567,6 +577,7 @@ def test_a_read_only_backup_directory_fails_fit_clearly_and_the_process_exits(tm
         assert snapshot(backup) == before
 
 
+@pytest.mark.processes
 def test_a_backup_directory_that_becomes_read_only_ends_the_process_at_the_next_save(tmp_path):
     backup = tmp_path / "backup"
     with mounted(backup, "--bind"):
@@ -583,6 +594,7 @@ def test_a_backup_directory_that_becomes_read_only_ends_the_process_at_the_next_
         assert 3 in backup_steps(backup)  # what was written before is all there
 
 
+@pytest.mark.processes
 def test_a_full_disk_ends_the_process_with_a_clear_error(tmp_path):
     backup = tmp_path / "backup"
     with mounted(backup, "-t", "tmpfs", "-o", "size=192k"):
@@ -595,6 +607,7 @@ def test_a_full_disk_ends_the_process_with_a_clear_error(tmp_path):
         assert status == 1 and "No space left on device" in output and "CheckpointWriteError" in output, output[-3000:]
 
 
+@pytest.mark.processes
 def test_sigterm_to_the_launcher_then_to_every_rank_saves_exits_143_and_resumes_exactly(
     tmp_path, uninterrupted_two_processes
 ):
@@ -641,6 +654,7 @@ def test_sigterm_to_the_launcher_then_to_every_rank_saves_exits_143_and_resumes_
     resume_two_processes_exactly(tmp_path, uninterrupted_two_processes, saved_from=25)
 
 
+@pytest.mark.processes
 def test_a_launcher_killed_outright_takes_its_ranks_along(tmp_path):
     with Job(
         LAUNCH + [WORKER, str(tmp_path / "a"), str(tmp_path / "ab"), "--strategy", "multi_worker", "--slow", "0.05"],
@@ -852,6 +866,7 @@ def test_kerass_double_checkpoint_keeps_the_previous_backup(tmp_path):
     assert mf.callbacks.BackupAndRestore(tmp_path, max_to_keep=1).max_to_keep == 1
 
 
+@pytest.mark.processes
 def test_an_elastic_restart_onto_one_process_resumes_from_the_two_process_jobs_memory_snapshot(
     tmp_path, uninterrupted_two_processes
 ):

@@ -166,6 +166,7 @@ def test_a_fit_resumed_in_the_same_process_counts_lost_steps_and_no_down_time(tm
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_a_sigkilled_and_resumed_run_reports_its_lost_work_and_the_time_between(tmp_path):
     """Backups every 3 steps; SIGKILL while paused at step 8; a new process resumes from the last backup."""
     backup, record = tmp_path / "backup", tmp_path / "ledger.json"
@@ -240,6 +241,7 @@ def test_the_process_start_time_comes_before_now():
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_a_preempted_run_loses_no_work_and_counts_the_restart_as_down_time(tmp_path):
     """SIGTERM: BackupAndRestore backs up at the step where training stops, so nothing is trained again."""
     backup, record = tmp_path / "backup", tmp_path / "ledger.json"

@@ -356,6 +356,7 @@ def test_a_failed_background_save_raises_at_the_next_save_wait_or_close_and_keep
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_a_sigkill_during_a_background_save_leaves_the_previous_checkpoint_complete(tmp_path):
     import signal
     import sys

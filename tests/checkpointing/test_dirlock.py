@@ -22,6 +22,7 @@ HOLDER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.processes
 def test_a_live_process_holding_the_directory_is_refused_by_name_and_a_killed_one_is_taken_over(tmp_path):
     with Job([sys.executable, "-c", HOLDER, str(tmp_path)], timeout=60) as holder:
         pid = int(holder.wait_for(r"holding as (\d+)")[0].group(1))

@@ -359,6 +359,7 @@ def fit_with(backup_dir, epochs, extra, **backup_kwargs):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_a_stopped_keeper_turns_the_tier_off_with_one_warning_and_the_fit_finishes_from_disk(
     tmp_path, keeper_process, monkeypatch
 ):
@@ -388,6 +389,7 @@ def test_a_stopped_keeper_turns_the_tier_off_with_one_warning_and_the_fit_finish
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_a_keeper_gone_after_the_last_snapshot_does_not_fail_the_finished_fit(tmp_path, keeper_process):
     """The keeper SIGKILLed after the fit's last snapshot: the fit ends as it would without the tier (its
     backups deleted), with a warning that the keeper could not be asked to forget the snapshots."""
@@ -477,6 +479,7 @@ def newest_part(address: str, key: bytes, fit_key: str) -> tuple[int, bytes] | N
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_the_ranks_own_keeper_sends_its_replica_on_and_the_rank_sends_its_part_once(tmp_path, monkeypatch):
     """Two nodes' keepers in processes of their own. The rank writes each snapshot into its own keeper's shared
     memory (its Unix socket) and opens no TCP connection at all, to the replica's keeper least; its own keeper
@@ -503,8 +506,26 @@ def test_the_ranks_own_keeper_sends_its_replica_on_and_the_rank_sends_its_part_o
         assert said in replica_job.stderr, replica_job.stderr
 
 
+class ReplicaTried(mf.callbacks.Callback):
+    """Holds the step after each snapshot until the keeper has tried (sent or failed) that snapshot's replica, so
+    every snapshot is tried whatever the machine's speed (a newer part replaces one still queued); records the
+    seconds each wait took."""
+
+    def __init__(self, keeper):
+        super().__init__()
+        self.keeper, self.waits = keeper, []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch in (2, 4):  # steps 2 and 4 were snapshots (memory_freq=2)
+            start = time.monotonic()
+            while sum(self.keeper.replica_counts) < batch // 2 and time.monotonic() - start < 30:
+                time.sleep(0.01)
+            self.waits.append(time.monotonic() - start)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["stopped", "gone"])
+@pytest.mark.processes
 def test_a_replica_keeper_stopped_or_gone_never_holds_the_rank_and_is_said_once(tmp_path, monkeypatch, fault):
     """The replica's keeper SIGSTOPped (or SIGKILLed) before the fit: every snapshot still commits on the rank's
     own keeper with no warning (the tier stays on, nothing waits for the replica), each replica the own
@@ -519,9 +540,11 @@ def test_a_replica_keeper_stopped_or_gone_never_holds_the_rank_and_is_said_once(
             os.kill(replica_job.proc.pid, signal.SIGSTOP if fault == "stopped" else signal.SIGKILL)
             with warnings.catch_warnings(record=True) as said:
                 warnings.simplefilter("always")
-                fit(tmp_path / "b", 1, save_freq=1000, memory_freq=2, delete_checkpoint=False)
+                tried = ReplicaTried(own)
+                fit(tmp_path / "b", 1, after_restore=[tried], save_freq=1000, memory_freq=2, delete_checkpoint=False)
             assert not [str(w.message) for w in said if "BackupAndRestore" in str(w.message)]
             assert own.committed_steps(os.path.abspath(tmp_path / "b")) == [4, 6]
+            assert tried.waits and max(tried.waits) < 30  # each replica try ended (failed) within its bounds
             assert own.settle(60)  # every try ended within its bounds
             sent, failed = own.replica_counts
             assert sent == 0 and failed >= 2, (sent, failed)
@@ -531,6 +554,7 @@ def test_a_replica_keeper_stopped_or_gone_never_holds_the_rank_and_is_said_once(
         own.close()
 
 
+@pytest.mark.processes
 def test_another_user_cannot_connect_to_the_keeper_of_this_node(tmp_path, keeper):
     """The ranks reach their node's keeper through a Unix socket in a directory of mode 0700: another local
     user (uid 1234) cannot even connect, so cannot crowd the job's connections out."""
@@ -589,6 +613,7 @@ def test_a_backup_of_a_fit_compiled_differently_is_refused_naming_what_differs(
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_a_read_only_backup_directory_does_not_hide_a_newer_memory_snapshot(tmp_path, keeper, capsys):
     """Disk backup at step 4, memory snapshots at 5 and 6; the directory is then remounted read-only. The next
     fit resumes from memory at step 6 (saying once that the directory cannot be written), backs up in memory

@@ -322,6 +322,7 @@ def test_save_overwrites_by_default_and_overwrite_false_refuses(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["model", "weights"])
+@pytest.mark.processes
 def test_a_save_killed_while_overwriting_leaves_one_complete_copy(tmp_path, kind):
     """SIGKILL lands inside an overwriting save (after the first saves): the old or the new copy loads whole."""
     path = tmp_path / "saved"

@@ -15,6 +15,8 @@ import pytest
 from meshfit.checkpointing import trusted_dirs
 from meshfit.checkpointing.trusted_dirs import UntrustedDirectory
 
+pytestmark = pytest.mark.processes  # starts real processes: the tier CI runs after the README's
+
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
 

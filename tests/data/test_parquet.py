@@ -224,6 +224,7 @@ def test_a_backup_position_of_another_batch_size_is_refused(shards):
         data.set_state({"epoch": 0, "rows": 64, "lanes": 1, "shuffle_seed": None, "batch_size": 32})
 
 
+@pytest.mark.processes
 def test_importing_meshfit_does_not_import_pyarrow():
     probe = "import sys, meshfit; print('pyarrow' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "False"
@@ -258,6 +259,7 @@ def groups(records):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_a_killed_two_process_job_resumes_with_two_processes_and_a_plain_fit_finishes_its_epoch(big_shards, tmp_path):
     """2 processes, rank 1 SIGKILLed after step 23, --max-restarts 1: the restart resumes from the backup of
     step 20 (or 10, when 20's write was in flight) and every id is taken exactly once in the epoch, each process
@@ -296,6 +298,7 @@ def test_a_killed_two_process_job_resumes_with_two_processes_and_a_plain_fit_fin
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_an_elastic_restart_onto_one_process_from_a_memory_snapshot_takes_every_row_once(big_shards, tmp_path):
     """--min-nprocs 1 with memory snapshots every 5 steps and no disk backup after step 0: rank 1 is SIGKILLed
     after step 23 and fails its restart; one process resumes from the snapshot of step 20 and takes the rest of

@@ -16,7 +16,7 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
 pytest.importorskip("pandas")  # Ray Data's own need (the `ray` extra)
 
-pytestmark = pytest.mark.slow  # a local Ray instance starts: several CPU-s
+pytestmark = [pytest.mark.slow, pytest.mark.processes]  # a local Ray instance starts: several CPU-s
 
 
 @pytest.fixture(scope="module")

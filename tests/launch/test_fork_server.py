@@ -14,7 +14,7 @@ from meshfit.launch.fork_server import ForkServer, forkable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from processes import LAUNCH, Job  # noqa: E402
 
-pytestmark = pytest.mark.slow  # a server imports JAX, Flax, Optax, Orbax and meshfit
+pytestmark = [pytest.mark.slow, pytest.mark.processes]  # a server imports JAX, Flax, Optax, Orbax and meshfit
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", MESHFIT_PROCESS_ID="0", PYTHONUNBUFFERED="1")
 ENV.pop("XLA_FLAGS", None)

@@ -133,6 +133,7 @@ KILLED_MID_SEND = textwrap.dedent("""
 """)
 
 
+@pytest.mark.processes
 def test_a_snapshot_whose_sender_was_killed_half_way_is_never_restored(keeper):
     a, b = client(keeper), client(keeper)
     put(a, 5, 0, b"r0@5")

@@ -14,7 +14,7 @@ from processes import Job, alive, run, without_suite_cache
 from meshfit.launch import local as launch
 from meshfit.runtime.job_layout import DistributedJob
 
-pytestmark = pytest.mark.slow  # starts real processes (the fast tier leaves these out)
+pytestmark = [pytest.mark.slow, pytest.mark.processes]  # starts real processes (the fast tier leaves these out)
 
 WORKERS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "workers")
 

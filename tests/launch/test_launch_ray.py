@@ -20,7 +20,7 @@ import meshfit as mf
 
 ray = pytest.importorskip("ray")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 WORKERS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "workers")
 

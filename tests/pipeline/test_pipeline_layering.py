@@ -4,8 +4,12 @@ the stage layout it runs on."""
 import subprocess
 import sys
 
+import pytest
+
 import meshfit as mf
 from meshfit.pipeline import stage_layout
+
+pytestmark = pytest.mark.processes  # starts real processes: the tier CI runs after the README's
 
 PIPELINE = ("capture", "layer_stacks", "one_f_one_b", "schedules", "settings", "stage_layout", "stages", "vma")
 ABOVE = ("strategies", "steps", "training", "model", "callbacks")

@@ -166,6 +166,7 @@ RESUMABLE = textwrap.dedent(
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_a_sigkilled_pipelined_run_resumes_bitwise(tmp_path):
     """1f1b over stage=4 x data=2 with backups every 2 steps, SIGKILLed at step 9 of 18: the rerun resumes
     from the newest backup and ends with the uninterrupted run's weights and losses, bitwise."""

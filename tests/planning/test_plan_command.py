@@ -26,6 +26,7 @@ def factory(remat=False):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_plan_prints_the_table(tmp_path):
     (tmp_path / "tiny.py").write_text(FACTORY)
     command = [sys.executable, "-m", "meshfit.cli", "plan", f"{tmp_path / 'tiny.py'}:factory", "--batch-size", "8"]

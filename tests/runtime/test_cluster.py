@@ -12,7 +12,7 @@ import pytest
 from meshfit.launch.local import free_port
 from meshfit.runtime.cluster import DEFAULT_HEARTBEAT_TIMEOUT, check_settings, heartbeat_timeout
 
-pytestmark = pytest.mark.slow  # starts real processes (the fast tier leaves these out)
+pytestmark = [pytest.mark.slow, pytest.mark.processes]  # starts real processes (the fast tier leaves these out)
 
 CODE = """
 import warnings, meshfit as mf

@@ -5,12 +5,16 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from meshfit.cli import _layout as layout_from_args
 from meshfit.cli import _parser
 from meshfit.launch import local as launch
 from meshfit.runtime import job_env
 from meshfit.runtime.job_layout import DistributedJob, JobStart
 from meshfit.strategies.parameter_server.launcher import ParameterServerJob
+
+pytestmark = pytest.mark.processes  # starts real processes: the tier CI runs after the README's
 
 START = JobStart(coordinator_port=1111, control_port=2222, heartbeat_timeout=7)
 

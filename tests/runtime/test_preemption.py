@@ -18,6 +18,8 @@ from processes import LAUNCH, Job, alive
 
 import meshfit as mf
 
+pytestmark = pytest.mark.processes  # starts real processes: the tier CI runs after the README's
+
 WORKERS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "workers")
 WORKER = os.path.join(WORKERS, "hang_in_fit.py")
 TRAINER = os.path.join(WORKERS, "train_resumable.py")  # 2 ranks: a backup every 3 steps

@@ -191,6 +191,7 @@ print(f"cpu {usage.ru_utime + usage.ru_stime:.3f}", flush=True)
 """
 
 
+@pytest.mark.processes
 def test_process_0_out_of_file_descriptors_backs_off_says_so_and_the_job_still_forms(address):
     """`ulimit -n 64` in process 0 and 160 idle connections: accept() fails for lack of descriptors while
     connections wait. Process 0 must not spin (its CPU time stays low), must say why it cannot accept, and

@@ -365,6 +365,7 @@ def finished_run(out) -> tuple[dict, dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_sigkilled_custom_step_resumes_bitwise_from_backup_and_restore(tmp_path):
     status, output = run_custom_worker(tmp_path / "reference", tmp_path / "reference-backup")
     assert status == 0, output

@@ -36,6 +36,7 @@ def bn_dropout():
 
 
 @pytest.mark.slow  # a process of its own that imports JAX and Flax
+@pytest.mark.processes
 def test_import_meshfit_does_not_import_keras():
     code = (
         "import sys, meshfit as mf, numpy as np\n"
@@ -307,6 +308,7 @@ def test_models_meshfit_cannot_train_are_refused_by_name_before_any_step():
 
 
 @pytest.mark.slow  # a process of its own, importing Keras under another backend
+@pytest.mark.processes
 def test_a_keras_model_under_another_backend_is_refused_naming_keras_backend():
     code = (
         "import keras, meshfit as mf\n"
@@ -349,6 +351,7 @@ def assert_same_keras_run(a, b):
 
 
 @pytest.mark.slow  # three processes, each importing Keras and compiling
+@pytest.mark.processes
 def test_a_keras_job_sigkilled_mid_epoch_resumes_bitwise_equal_to_an_uninterrupted_one(
     tmp_path, uninterrupted_keras_job
 ):
@@ -361,6 +364,7 @@ def test_a_keras_job_sigkilled_mid_epoch_resumes_bitwise_equal_to_an_uninterrupt
 
 
 @pytest.mark.slow  # a launch: a fork server and its two starts
+@pytest.mark.processes
 def test_a_killed_keras_job_resumes_from_the_launchers_memory_snapshot_bitwise(tmp_path, uninterrupted_keras_job):
     """Memory snapshots every 2 steps, no disk backup within the run; the rank SIGKILLs itself at step 9: the
     restart resumes from the launcher's memory and ends bitwise equal to the uninterrupted run."""

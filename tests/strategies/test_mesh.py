@@ -158,6 +158,7 @@ def test_constrain_is_a_no_op_elsewhere():
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_mesh_under_launch_equals_single_process(two_process_job):
     """data=2 x fsdp=2 over 2 processes x 2 devices equals the same mesh in one process."""
     import os

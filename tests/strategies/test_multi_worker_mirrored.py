@@ -12,7 +12,7 @@ from processes import run
 
 import meshfit as mf
 
-pytestmark = pytest.mark.slow  # starts real processes (the fast tier leaves these out)
+pytestmark = [pytest.mark.slow, pytest.mark.processes]  # starts real processes (the fast tier leaves these out)
 
 WORKER = os.path.join(os.path.dirname(__file__), "..", "workers", "train_data_parallel.py")
 

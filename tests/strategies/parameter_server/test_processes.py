@@ -12,7 +12,7 @@ from processes import LAUNCH, Job, run
 
 from meshfit.runtime.handshake import HANDSHAKE_TIMEOUT
 
-pytestmark = pytest.mark.slow  # starts real processes (the fast tier leaves these out)
+pytestmark = [pytest.mark.slow, pytest.mark.processes]  # starts real processes (the fast tier leaves these out)
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "parameter_server.py")
 WORKER = os.path.join(os.path.dirname(__file__), "..", "..", "workers", "train_ps.py")

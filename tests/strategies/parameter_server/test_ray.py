@@ -25,7 +25,7 @@ ray = pytest.importorskip("ray")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples"))
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 WORKERS = {"num_cpus": 0, "resources": {"ps_worker": 1}}
 SERVERS = {"num_cpus": 0, "resources": {"ps_server": 1}}

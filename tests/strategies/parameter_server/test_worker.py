@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow  # starts real processes (the fast tier leaves these out)
+pytestmark = [pytest.mark.slow, pytest.mark.processes]  # starts real processes (the fast tier leaves these out)
 
 
 def test_the_worker_started_outside_a_job_says_how_to_start_one():
