@@ -75,15 +75,15 @@ def dot_product_attention(
         scale=scale,
         implementation=implementation,
     )
-    manual = frozenset(jax.sharding.get_abstract_mesh().manual_axes)
+    context_mesh = jax.sharding.get_abstract_mesh()
+    manual = frozenset(context_mesh.manual_axes)
     spec = _spec(layout, query.shape[0], query.shape[2], key.shape[2], manual)
     if not manual:
         return jax.shard_map(kernel, mesh=layout.mesh, in_specs=(spec, spec, spec), out_specs=spec)(query, key, value)
     # Inside another map's manual region (a pipeline stage's loop): the rest of the mesh is this map's.
     compat.fix_nested_shard_map_residuals()
-    mesh = jax.sharding.get_abstract_mesh()
-    free = frozenset(mesh.axis_names) - manual
-    attend = jax.shard_map(kernel, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, axis_names=free)
+    free = frozenset(context_mesh.axis_names) - manual
+    attend = jax.shard_map(kernel, mesh=context_mesh, in_specs=(spec, spec, spec), out_specs=spec, axis_names=free)
     return attend(query, key, value)
 
 
