@@ -6,6 +6,7 @@ Keep every such use here, so a version bump has one file to check.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import threading
 from collections.abc import Callable
@@ -309,10 +310,7 @@ def vjp_residuals(fn: Callable, params: Any, *args: Any) -> VjpResiduals:
     return VjpResiduals(jax.tree.structure(vjp_shape), primal, kept_shapes)
 
 
-_NESTED_RESIDUALS_LOCK = threading.Lock()
-_nested_residuals_fixed = False
-
-
+@functools.cache
 def fix_nested_shard_map_residuals() -> bool:
     """Makes `jax.shard_map` differentiable inside another one's manual region (context attention in a pipeline).
 
@@ -322,33 +320,29 @@ def fix_nested_shard_map_residuals() -> bool:
     the pipeline's loop (manual over `stage` and data axes), the inner map over
     `context` then names axes it cannot split, and Shardy refuses the program
     ("all manual axes come before free axes", or a local shape mismatch). The
-    residuals belong to the inner map's own axes only (the caller's stay manual
-    around it): this keeps those, as JAX does already when `check_vma=False`.
-    Returns whether the fix is in place (False on a JAX without the method, whose
-    errors then show at the step's compile).
+    residuals belong to the inner map's own axes only (`all_names`; the caller's
+    stay manual around it): this keeps those, as JAX does already when
+    `check_vma=False`. Applied once (a second application would filter again,
+    to the same spec). Returns whether the fix is in place (False on a JAX
+    without the method, whose errors then show at the step's compile).
     """
-    global _nested_residuals_fixed
     from jax._src import core
 
-    with _NESTED_RESIDUALS_LOCK:
-        if _nested_residuals_fixed:
-            return True
-        original = getattr(core.ShapedArray, "nospec", None)
-        order = getattr(core, "order_wrt_mesh", None)
-        if original is None or order is None:
-            return False
+    original = getattr(core.ShapedArray, "nospec", None)
+    if original is None:
+        return False
 
-        def nospec(self, mesh, check_vma, all_names):
-            spec = original(self, mesh, check_vma, all_names)
-            if not check_vma or not spec or spec[0] is None:
-                return spec
-            names = tuple(name for name in order(mesh, self.mat.varying) if name in all_names)
-            dims = (names,) if names else ()
-            return type(spec)(*dims, unreduced=spec.unreduced, reduced=spec.reduced)
+    def nospec(self, mesh, check_vma, all_names):
+        spec = original(self, mesh, check_vma, all_names)
+        if not check_vma or not spec:
+            return spec
+        varying = (spec[0],) if isinstance(spec[0], str) else tuple(spec[0])
+        names = tuple(name for name in varying if name in all_names)
+        dims = (names,) if names else ()
+        return type(spec)(*dims, unreduced=spec.unreduced, reduced=spec.reduced)
 
-        core.ShapedArray.nospec = nospec
-        _nested_residuals_fixed = True
-        return True
+    core.ShapedArray.nospec = nospec
+    return True
 
 
 def keras_layers(keras_model: Any) -> list:
