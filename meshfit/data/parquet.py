@@ -34,15 +34,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from meshfit.core.batch import Batch
-from meshfit.data.global_batches import GlobalBatchSource
+from meshfit.data.global_batches import GlobalBatchSource, Tap
 from meshfit.data.read_ahead import read_ahead
 
 __all__ = ["ParquetData", "parquet"]
 
 #: Batches read ahead of the trainer on the reading thread, by default.
 READ_AHEAD = 4
-
-Tap = Callable[[int, int, dict], None]
 
 
 def _pyarrow():
@@ -82,10 +80,11 @@ def parquet(
             rows of every step's batch (P must divide it).
         shuffle_seed: shuffle row groups, and rows within each, from the seed and the epoch alone (None: file
             order, as written).
-        tap: `tap(epoch, step, rows)` is called on each process once for each batch the trainer takes, in step
-            order: `epoch` the data pass, `step` the batch's index in the epoch, `rows` this process's real rows
-            (no padding) as `{column: array}` for each column in `columns`. Never for a batch only peeked at
-            (to build the model), nor for batches a resumed epoch skips: it audits exactly-once.
+        tap: `tap(epoch, step, rows)` is called on each process once for each batch the trainer takes for a
+            training step, in step order: `epoch` the data pass, `step` the batch's index in the epoch, `rows`
+            this process's real rows (no padding) as `{column: array}` for each column in `columns`. Never for a
+            batch only peeked at (to build the model), for batches a resumed epoch skips, nor for `evaluate`,
+            `predict` or `validation_data` reading the source: it audits exactly-once.
         read_ahead: batches read ahead of the trainer on a thread (0: read each when it is taken).
 
     Example:

@@ -36,10 +36,10 @@ from typing import Any
 import numpy as np
 
 from meshfit.core.batch import Batch
-from meshfit.data.global_batches import GlobalBatchSource
+from meshfit.data.global_batches import GlobalBatchSource, Tap
 from meshfit.data.sources import check_numeric, make_batch
 
-__all__ = ["RayData", "is_ray_dataset"]
+__all__ = ["RayData", "is_ray_dataset", "ray_dataset"]
 
 COLUMNS = ("x", "y", "sample_weight")
 
@@ -50,13 +50,32 @@ def is_ray_dataset(value: Any) -> bool:
     return data is not None and isinstance(value, data.Dataset)
 
 
+def ray_dataset(dataset: Any, *, batch_size: int, tap: Tap | None = None) -> RayData:
+    """A `ray.data.Dataset` as `fit`'s `x`, with a `tap` to audit what each process trains on.
+
+    `model.fit(dataset, batch_size=B)` makes the same source without a tap.
+
+    Args:
+        dataset: a `ray.data.Dataset` with a column `x` (and `y`, `sample_weight` where used).
+        batch_size: the global batch: each of P processes takes `batch_size / P` rows of every step's batch.
+        tap: `tap(epoch, step, rows)` is called on each process once for each batch a training step takes, in
+            step order, `rows` this process's real rows of every column the dataset has (`{column: array}`, no
+            padding); never for batches a resumed epoch skips, nor for evaluation.
+    """
+    return RayData(dataset, batch_size=batch_size, tap=tap)
+
+
 class RayData(GlobalBatchSource):
     """Batches of a `ray.data.Dataset`'s columns `x` (and `y`, `sample_weight`), `batch_size` rows each."""
 
     random_access = False
     steps_per_epoch = None  # read until the pass ends
 
-    def __init__(self, dataset: Any, *, batch_size: int) -> None:
+    def __init__(self, dataset: Any, *, batch_size: int, tap: Tap | None = None) -> None:
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"`batch_size` must be a positive int (the global batch). Received: {batch_size!r}.")
+        if tap is not None and not callable(tap):
+            raise TypeError(f"`tap` must be callable as tap(epoch, step, rows). Received: {type(tap).__name__}.")
         columns = list(dataset.columns())
         if "x" not in columns:
             raise ValueError(
@@ -66,6 +85,7 @@ class RayData(GlobalBatchSource):
         self.dataset = dataset
         self.columns = [c for c in COLUMNS if c in columns]
         self.batch_size = batch_size
+        self.tap = tap
         self.local_rows = self.padded_rows = batch_size
         self._split: Any = None  # this process's DataIterator of a split over processes
         self._position: dict = {}
@@ -89,11 +109,10 @@ class RayData(GlobalBatchSource):
         if count > 1 and self._split is None:
             self._split = _split_over_processes(self.dataset, index, count)
 
-    def _batches(self) -> Iterator[Batch]:
+    def _parts(self) -> Iterator[dict]:
+        """This process's real rows of each batch of a new pass, `{column: array}`."""
         source = self.dataset if self._split is None else self._split
-        parts = source.iter_batches(batch_size=self.local_rows, batch_format="numpy")
-        for step, part in enumerate(parts):
-            yield self._batch(part, step)
+        return source.iter_batches(batch_size=self.local_rows, batch_format="numpy")
 
     def _batch(self, part: dict, step: int) -> Batch:
         x, y, weight = (part.get(name) for name in COLUMNS)
@@ -115,10 +134,13 @@ class RayData(GlobalBatchSource):
     def batches(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
         """A new pass over the dataset; a resumed epoch skips its first `start_step` batches (read, not trained)."""
         self._pending = None
-        for step, batch in enumerate(self._batches()):
+        for step, part in enumerate(self._parts()):
             if step < start_step:
                 continue
+            batch = self._batch(part, step)
             self._position = {"epoch": epoch, "batches": step + 1, "batch_size": self.batch_size}
+            if self.tap is not None:
+                self.tap(epoch, step, part)
             yield batch
 
     def get_state(self) -> dict:
@@ -144,21 +166,40 @@ class RayData(GlobalBatchSource):
 
 def _split_over_processes(dataset: Any, index: int, count: int) -> Any:
     """This process's `DataIterator` of `dataset.streaming_split(count, equal=True)`, made on process 0 and
-    broadcast pickled over the job's collectives (`jax.experimental.multihost_utils.broadcast_one_to_all`)."""
+    broadcast pickled over the job's collectives (`jax.experimental.multihost_utils.broadcast_one_to_all`).
+
+    The iterators live in process 0's Ray cluster, so first every process compares its cluster's address
+    with process 0's, and all raise together if one differs."""
     import jax
     from jax.experimental import multihost_utils
 
     ray = sys.modules.get("ray")
     if ray is None or not ray.is_initialized() or jax.process_count() != count:
+        raise ValueError(_NOT_ONE_CLUSTER.format(count=count))
+    cluster = ray.get_runtime_context().gcs_address
+    first_cluster = _from_process_0(cluster.encode() if index == 0 else b"").decode()
+    joined = np.asarray(multihost_utils.process_allgather(np.int32(cluster == first_cluster))).ravel()
+    if not joined.all():
+        apart = [rank for rank, same in enumerate(joined.tolist()) if not same]
         raise ValueError(
-            f"A ray.data.Dataset split over {count} processes needs each process to be one rank of a "
-            "`meshfit launch --ray` job joined to its cluster (ray.init(address='auto') in the script) and to "
-            "feed a block of its own. Use mf.data.parquet(...) otherwise, or one process."
+            _NOT_ONE_CLUSTER.format(count=count)
+            + f" Process(es) {apart} are joined to another Ray cluster than process 0's ({first_cluster})."
         )
-    payload = b""
-    if index == 0:
-        payload = ray.cloudpickle.dumps(dataset.streaming_split(count, equal=True))
+    split = ray.cloudpickle.dumps(dataset.streaming_split(count, equal=True)) if index == 0 else b""
+    return ray.cloudpickle.loads(_from_process_0(split))[index]
+
+
+def _from_process_0(payload: bytes) -> bytes:
+    """Process 0's `payload` on every process (a collective; the others pass b"")."""
+    from jax.experimental import multihost_utils
+
     size = int(multihost_utils.broadcast_one_to_all(np.int64(len(payload))))
-    buffer = np.frombuffer(payload, np.uint8) if index == 0 else np.zeros(size, np.uint8)
-    data = np.asarray(multihost_utils.broadcast_one_to_all(buffer), np.uint8).tobytes()
-    return ray.cloudpickle.loads(data)[index]
+    buffer = np.frombuffer(payload, np.uint8) if payload else np.zeros(size, np.uint8)
+    return np.asarray(multihost_utils.broadcast_one_to_all(buffer), np.uint8).tobytes()
+
+
+_NOT_ONE_CLUSTER = (
+    "A ray.data.Dataset split over {count} processes needs each process to be one rank of a "
+    "`meshfit launch --ray` job joined to its cluster (ray.init(address='auto') in the script). "
+    "Use mf.data.parquet(...) otherwise, or one process."
+)

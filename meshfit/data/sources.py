@@ -271,6 +271,14 @@ class DataSource(ABC):
         """Work for epoch `epoch` that can be done ahead, while the devices finish the last one."""
         del epoch
 
+    def for_evaluation(self) -> DataSource:
+        """The source `evaluate` and `predict` read a pass of (also as a fit's `validation_data`).
+
+        This source itself by default. A source whose position and audit belong to training
+        (`mf.data.parquet`, a Ray dataset) returns a view that reads the same rows without moving the
+        training position a backup saves, and without calling its `tap`."""
+        return self
+
     @property
     def has_partial_batches(self) -> bool:
         """Whether some batch is known ahead to hold padding rows (False where it cannot be known ahead)."""

@@ -266,8 +266,8 @@ class Session:
 
     def host_groups(self, data) -> Iterator[tuple[int, Batch]]:
         """`(count, host)` of one pass of evaluation or prediction: a batch, or `steps_per_execution` stacked
-        (`Feeder.host_groups`)."""
-        return self.feeder.host_groups(data)
+        (`Feeder.host_groups`), read from `data.for_evaluation()`: it moves no training position."""
+        return self.feeder.host_groups(data.for_evaluation())
 
     # -- training --------------------------------------------------------------------------
 

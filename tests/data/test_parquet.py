@@ -190,10 +190,35 @@ def test_a_fit_resumed_from_a_disk_backup_mid_epoch_takes_every_row_once_and_end
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow  # fits that compile: 3 to 5 CPU-s
+def test_validation_and_evaluate_read_the_rows_without_tapping_or_moving_the_training_position(shards, tmp_path):
+    """The same source as `x` and `validation_data`, then `evaluate`d: the tap sees the training steps only, and
+    the position a backup saves at each epoch's end is training's (every row consumed), not evaluation's."""
+    directory, x, y = shards
+    taps, positions = [], []
+    data = source(directory, tap=lambda e, s, rows: taps.append((e, s)))
+
+    class Position(mf.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            positions.append(data.get_state())
+
+    model = compiled_model()
+    history = model.fit(data, validation_data=data, epochs=2, verbose=0, callbacks=[Position()])
+    assert taps == [(e, s) for e in range(2) for s in range(13)]
+    assert [(p["epoch"], p["rows"]) for p in positions] == [(0, 13 * 16), (1, 13 * 16)]
+    logs = model.evaluate(data, verbose=0, return_dict=True)
+    assert len(taps) == 26 and data.get_state() == positions[-1]
+    reference = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    assert logs["loss"] == pytest.approx(reference["loss"], rel=1e-6)
+    assert history.history["val_loss"][-1] == pytest.approx(reference["loss"], rel=1e-6)
+
+
 def test_a_missing_column_is_refused_naming_the_columns_that_exist(shards):
     directory, _, _ = shards
     with pytest.raises(ValueError, match=r"`y` names column 'target', which no file has\. The files' columns: id, f0"):
         mf.data.parquet(directory, x=FEATURES, y="target", batch_size=16)
+    with pytest.raises(ValueError, match=r"`x` names column 'f9', which no file has\. The files' columns: id, f0"):
+        mf.data.parquet(directory, x=["f0", "f9"], y="label", batch_size=16)
 
 
 def test_files_of_different_schemas_are_refused_naming_both(tmp_path):
@@ -225,15 +250,24 @@ def test_a_backup_position_of_another_batch_size_is_refused(shards):
 
 
 @pytest.mark.processes
-def test_importing_meshfit_does_not_import_pyarrow():
-    probe = "import sys, meshfit; print('pyarrow' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "False"
+def test_a_fit_evaluate_and_predict_on_arrays_import_neither_pyarrow_nor_ray():
+    """In a fresh interpreter: meshfit's data names are reachable, and a whole fit, evaluate and predict on arrays
+    (the path every input goes through) leave pyarrow and Ray unimported."""
+    probe = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import numpy as np, meshfit as mf; from helpers import MLP\n"
+        "assert callable(mf.data.parquet) and callable(mf.data.ray_dataset)\n"
+        "model = mf.Model(MLP(), seed=0); model.compile(optimizer='adam', loss='sparse_categorical_crossentropy')\n"
+        "x, y = np.zeros((8, 4), np.float32), np.zeros(8, np.int32)\n"
+        "model.fit(x, y, batch_size=4, verbose=0, validation_data=(x, y)); model.evaluate(x, y, verbose=0)\n"
+        "model.predict(x, verbose=0)\n"
+        "print(sorted(m for m in ('pyarrow', 'ray', 'ray.data', 'pandas') if m in sys.modules))"
+    )
+    tests = os.path.join(os.path.dirname(__file__), "..")
+    ran = subprocess.run([sys.executable, "-c", probe, tests], capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert ran.stdout.strip().splitlines()[-1] == "[]"
 
 
-# -- real processes: a 2-process job killed mid-epoch -------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
 def big_shards(tmp_path_factory):
     """4096 rows with an id column, in 8 files of row groups of 256: 16 groups."""
     x, y = classification_data(n=4096)

@@ -64,8 +64,10 @@ def test_a_fit_resumed_mid_epoch_skips_the_batches_its_backup_had_taken(local_ra
     with pytest.raises(RuntimeError, match="simulated crash"):
         compiled_model().fit(dataset(x, y), batch_size=16, epochs=1, verbose=0, callbacks=[Crash(), backup()])
     assert max(int(p) for p in os.listdir(tmp_path / "b") if p.isdigit()) == 4
-    resumed = compiled_model()
-    resumed.fit(dataset(x, y), batch_size=16, epochs=1, verbose=0, callbacks=[backup()])
+    resumed, taps = compiled_model(), []
+    tapped = mf.data.ray_dataset(dataset(x, y), batch_size=16, tap=lambda e, s, rows: taps.append((e, s)))
+    resumed.fit(tapped, validation_data=tapped, epochs=1, verbose=0, callbacks=[backup()])
+    assert taps == [(0, step) for step in range(4, 7)]  # the skipped batches and validation's are not tapped
     uninterrupted = compiled_model()
     uninterrupted.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     for a, b in zip(resumed.get_weights(), uninterrupted.get_weights(), strict=True):
@@ -87,8 +89,8 @@ def test_refusals(local_ray):
 
 def test_under_launch_ray_each_rank_reads_its_own_share_through_a_streaming_split(tmp_path):
     """2 ranks of `meshfit launch --ray` on a one-node cluster (4 logical CPUs: a rank each, the rest for Ray
-    Data's reads): `fit` trains 2 epochs, and an epoch read through the same split gives each rank 8 rows a step
-    of ids the other does not get, together every id once."""
+    Data's reads) train 2 epochs; what `fit` took, counted by each rank's tap: 8 rows a step, ids the other rank
+    does not take, together every id once an epoch."""
     from processes import run
     from ray_clusters import token_cluster
 
@@ -98,6 +100,26 @@ def test_under_launch_ray_each_rank_reads_its_own_share_through_a_streaming_spli
         job = run(argv + [worker, cluster.address, str(tmp_path)], timeout=600)
     said = job.stdout[-3000:] + job.stderr[-3000:]
     assert job.returncode == 0, said
-    taken = [json.load(open(tmp_path / f"ids-{rank}.json")) for rank in range(2)]
-    assert taken[0] and taken[1] and not set(taken[0]) & set(taken[1])
-    assert sorted(taken[0] + taken[1]) == list(range(96))
+    taps = [json.load(open(tmp_path / f"ids-{rank}.json")) for rank in range(2)]
+    for epoch in ("0", "1"):
+        steps = [[step for step, _ in tap[epoch]] for tap in taps]
+        assert steps == [list(range(6))] * 2, steps  # 96 rows, 16 a step
+        taken = [[i for _, ids in tap[epoch] for i in ids] for tap in taps]
+        assert all(len(ids) == 8 for tap in taps for _, ids in tap[epoch])  # 16 / 2 rows a step on each rank
+        assert not set(taken[0]) & set(taken[1])
+        assert sorted(taken[0] + taken[1]) == list(range(96))
+
+
+def test_ranks_each_on_a_ray_of_their_own_are_refused_together_before_any_step(tmp_path):
+    """`meshfit launch --nprocs 2` (no shared cluster) whose ranks each start a local Ray: the split is refused
+    on every rank, naming the rank on another cluster, and the launch ends without a restart."""
+    from processes import run
+
+    worker = os.path.join(os.path.dirname(__file__), "..", "workers", "train_ray_data.py")
+    argv = [sys.executable, "-m", "meshfit.cli", "launch", "--nprocs", "2", "--max-restarts", "2"]
+    job = run(argv + [worker, "local", str(tmp_path)], timeout=600)
+    said = job.stdout[-4000:] + job.stderr[-4000:]
+    assert job.returncode != 0, said
+    assert "joined to another Ray cluster than process 0's" in said, said
+    assert "Process(es) [1]" in said, said
+    assert not list(tmp_path.glob("ids-*.json")), said  # no rank trained
