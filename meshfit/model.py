@@ -83,7 +83,9 @@ class Model(Trainer, StepMethods, Weights):
         self.abstract = bool(abstract)
         cluster.warn_if_launched_but_alone(self.strategy)
         self.seed = int(seed)
-        self._adapter = adapt(module, sample_input, self.seed, trainable)
+        self._adapter = adapt(
+            module, sample_input, self.seed, trainable, own_steps=self._custom_methods(), strategy=self.strategy
+        )
         hints = self._adapter.partition_specs()
         template = jax.eval_shape(self._initial_state, *self._adapter.abstract_init())
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+from collections.abc import Collection
 from typing import Any
 
 from meshfit.core import compat
@@ -27,6 +28,11 @@ Pytree = Any
 
 #: Modules of Keras 2 (tf.keras) classes: models meshfit cannot call on JAX.
 _KERAS_2 = ("tf_keras", "tensorflow", "keras.engine", "keras.src.engine")
+#: The arguments Keras's `fit` fills in itself when a model's `call` takes them (`keras.Layer.__call__`).
+_FILLED_BY_KERAS = ("training", "mask")
+#: The step methods of `keras.Model` a subclass may override, which meshfit's compiled steps never call
+#: (a `meshfit.Model` subclass overrides the same names: `meshfit.steps.custom_steps.STEP_METHODS`).
+_KERAS_STEP_METHODS = ("train_step", "test_step", "predict_step", "compute_loss")
 
 
 def is_keras_model(obj: Any) -> bool:
@@ -70,7 +76,8 @@ def _build(model: Any, sample_input: Any) -> None:
 
 
 def _check_call(model: Any) -> None:
-    """Raises unless `model.call` takes the batch's inputs as its one required argument, as Keras's `fit` calls it."""
+    """Raises unless `model.call` takes the batch's inputs as its one required argument, as Keras's `fit` calls it
+    (`training` and `mask` need no default: Keras fills them in, and so does `stateless_call(training=...)`)."""
     try:
         parameters = list(inspect.signature(model.call).parameters.values())
     except (TypeError, ValueError):  # no signature to read: let the first call say
@@ -78,7 +85,9 @@ def _check_call(model: Any) -> None:
     required = [
         p.name
         for p in parameters
-        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        if p.default is p.empty
+        and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and p.name not in _FILLED_BY_KERAS
     ]
     if len(required) > 1:
         raise TypeError(
@@ -88,15 +97,53 @@ def _check_call(model: Any) -> None:
         )
 
 
+def _check_steps(model: Any, own_steps: Collection[str]) -> None:
+    """Raises if `model`'s class overrides a step method of `keras.Model` that the `meshfit.Model` wrapping it does
+    not override itself (`own_steps`): meshfit compiles its own steps around `stateless_call`, so Keras's would
+    silently go unused."""
+    import keras
+
+    if not isinstance(model, keras.Model):
+        return
+    overridden = [
+        name
+        for name in _KERAS_STEP_METHODS
+        if getattr(type(model), name, None) is not getattr(keras.Model, name) and name not in own_steps
+    ]
+    if overridden:
+        name = overridden[0]
+        raise TypeError(
+            f"Keras model class {type(model).__name__} overrides {name}, which meshfit never calls (it compiles "
+            f"its own steps around the model's forward pass), so the override would silently go unused. Write it "
+            f"as the {name} of a meshfit.Model subclass (`class MyModel(mf.Model)`; docs/keras.md, 'Bring your "
+            "Keras model', ports a Keras 3 JAX-style train_step) and wrap the Keras model in it: "
+            "MyModel(keras_model). Or drop the override."
+        )
+
+
+def _check_strategy(model: Any, strategy: Any) -> None:
+    """Raises under a strategy that pipelines over a `stage` axis: a Keras model holds no `Stages` stack."""
+    stages = getattr(strategy, "stages", 1)
+    if stages > 1:
+        raise ValueError(
+            f"Keras model {model.name!r} ({type(model).__name__}) cannot run pipelined over MeshStrategy's "
+            f"'stage' axis (size {stages}): pipeline stages run a Flax module's meshfit.pipeline.Stages stack, "
+            "which a Keras model does not hold. Train a Keras model over the 'data', 'fsdp' and 'tensor' axes "
+            "(or another strategy), or write the pipelined blocks in Flax with meshfit.pipeline.Stages."
+        )
+
+
 def _check_layers(model: Any) -> None:
-    """Raises for layers a compiled JAX step cannot run (TensorFlow lookups and text processing)."""
+    """Raises for layers that `jax.jit` cannot trace (Keras marks them `supports_jit=False`: the TensorFlow
+    lookups and text layers, and image augmentations such as RandomCrop or RandomZoom)."""
     unjittable = [layer for layer in compat.keras_layers(model) if not getattr(layer, "supports_jit", True)]
     if unjittable:
         layer = unjittable[0]
         raise ValueError(
-            f"Model {model.name!r} holds layer {layer.name!r} ({type(layer).__name__}), which runs TensorFlow "
-            "code and cannot be compiled on JAX. Apply it to the data before fit (e.g. in a tf.data or grain "
-            "pipeline) and give meshfit the model after it."
+            f"Model {model.name!r} holds layer {layer.name!r} ({type(layer).__name__}), which Keras marks "
+            "supports_jit=False: jax.jit cannot trace it, so it cannot run inside meshfit's compiled step. Apply "
+            "it in the input pipeline before fit (e.g. a tf.data or grain map, or on the numpy arrays) and give "
+            "meshfit the model without it."
         )
 
 
@@ -150,8 +197,12 @@ class KerasAdapter:
     #: The variables exist (a Keras model is built before it is wrapped): `init` returns their values.
     creates = False
 
-    def __init__(self, model: Any, sample_input: Any = None) -> None:
+    def __init__(
+        self, model: Any, sample_input: Any = None, own_steps: Collection[str] = (), strategy: Any = None
+    ) -> None:
         check_keras_backend(model)
+        _check_steps(model, own_steps)
+        _check_strategy(model, strategy)
         if _unbuilt(model):
             if sample_input is None:
                 raise ValueError(
@@ -259,11 +310,20 @@ class KerasAdapter:
         return self
 
 
-def adapter(model: Any, sample_input: Any = None, trainable: Any = None) -> KerasAdapter:
-    """The adapter of a Keras model (`meshfit.steps.modules.adapt`), refusing NNX's `trainable` filter."""
+def adapter(
+    model: Any,
+    sample_input: Any = None,
+    trainable: Any = None,
+    own_steps: Collection[str] = (),
+    strategy: Any = None,
+) -> KerasAdapter:
+    """The adapter of a Keras model (`meshfit.steps.modules.adapt`), refusing NNX's `trainable` filter.
+
+    `own_steps`: the step methods the `meshfit.Model` subclass wrapping it overrides (a Keras override of one of
+    those names is then ported, not ignored); `strategy`: the model's (a `stage` axis is refused)."""
     if trainable is not None:
         raise TypeError(
             "`trainable` takes an NNX filter and applies to flax.nnx modules. To freeze part of a Keras model, set "
             f"layer.trainable = False before meshfit.Model(model), as in Keras. Received: trainable={trainable!r}."
         )
-    return KerasAdapter(model, sample_input)
+    return KerasAdapter(model, sample_input, own_steps, strategy)

@@ -9,7 +9,7 @@ forward pass reads or updates (BatchNorm statistics, NNX RNG counters).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import jax
@@ -310,15 +310,24 @@ class LinenAdapter(ModuleAdapter):
         return self.module.bind({"params": params, **model_state})
 
 
-def adapt(module: Any, sample_input: Any = None, seed: int = 0, trainable: Any = None) -> ModuleAdapter:
+def adapt(
+    module: Any,
+    sample_input: Any = None,
+    seed: int = 0,
+    trainable: Any = None,
+    own_steps: Collection[str] = (),
+    strategy: Any = None,
+) -> ModuleAdapter:
     """Picks the adapter for `module` (a module, or a factory of one), with a clear error for anything else.
 
     `trainable`: an NNX filter of the parameters to train (default all `nnx.Param`s);
     the others are frozen: kept with the non-trainable weights, never updated.
-    A Keras 3 model gets `meshfit.steps.keras_module.KerasAdapter` (built from `sample_input` if unbuilt).
+    A Keras 3 model gets `meshfit.steps.keras_module.KerasAdapter` (built from `sample_input` if unbuilt), which
+    refuses Keras step overrides not among `own_steps` (the step methods the `meshfit.Model` subclass overrides)
+    and a `strategy` that pipelines over a `stage` axis.
     """
     if keras_module.is_keras_model(module):
-        return keras_module.adapter(module, sample_input, trainable)
+        return keras_module.adapter(module, sample_input, trainable, own_steps, strategy)
     if isinstance(module, linen.Module):
         if trainable is not None:
             raise TypeError(

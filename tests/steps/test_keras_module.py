@@ -100,6 +100,11 @@ def test_a_functional_model_with_two_inputs_and_two_weighted_outputs_gives_keras
     assert_same_history(expected, history, rtol=ADAM_RTOL)
     reference.set_weights(model.module.get_weights())
     assert_trees_close(model.predict([xa, xb], verbose=0), reference.predict([xa, xb], verbose=0))
+    evaluated = model.evaluate([xa, xb], y, batch_size=16, verbose=0, return_dict=True)  # 16, 16 and 8 rows
+    expected = reference.evaluate([xa, xb], y, batch_size=16, verbose=0, return_dict=True)
+    assert sorted(evaluated) == sorted(expected)
+    for key, value in expected.items():
+        np.testing.assert_allclose(evaluated[key], value, rtol=1e-6, err_msg=key)
 
 
 class Subclassed(keras.Model):
@@ -123,6 +128,44 @@ def test_an_unbuilt_subclassed_model_is_refused_or_built_from_sample_input_and_g
     model = mf.Model(ours, sample_input=x[:1])
     model.compile(optimizer="sgd", loss=logits_loss(mf))
     assert_same_history(expected, model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history)
+
+
+class TrainingWithoutDefault(keras.Model):
+    """A subclassed model whose `call` requires `training` (Keras's fit passes it) and gives it to its dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(16, activation="relu")
+        self.dropout = keras.layers.Dropout(0.3)
+        self.out = keras.layers.Dense(3)
+
+    def call(self, inputs, training):
+        return self.out(self.dropout(self.hidden(inputs), training=training))
+
+
+def training_without_default():
+    model = TrainingWithoutDefault()
+    model(np.zeros((1, 6), np.float32), training=False)  # built by a call, as Keras builds it
+    return model
+
+
+@pytest.mark.slow  # compiles Keras's steps and meshfit's: several CPU-s
+def test_a_subclassed_model_requiring_training_trains_under_adam_to_kerass_history_evaluate_and_predict():
+    x, y = classification(rows=40)  # batches of 16, 16 and a partial 8
+    reference, ours = twins(training_without_default)
+    reference.compile(optimizer="adam", loss=logits_loss(keras), metrics=["accuracy"])
+    expected = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    model = mf.Model(ours)
+    model.compile(optimizer="adam", loss=logits_loss(mf), metrics=["accuracy"])
+    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    assert_same_history(expected, history, rtol=ADAM_RTOL)  # the dropout masks of training=True, as Keras's
+    # The models as each fit left them: evaluate and predict (training=False: no dropout) agree too.
+    np.testing.assert_allclose(
+        model.evaluate(x, y, batch_size=16, verbose=0), reference.evaluate(x, y, batch_size=16, verbose=0), rtol=1e-5
+    )
+    predicted = model.predict(x, batch_size=16, verbose=0)
+    np.testing.assert_array_equal(predicted, model.predict(x, batch_size=16, verbose=0))
+    np.testing.assert_allclose(predicted, reference.predict(x, batch_size=16, verbose=0), rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -292,7 +335,7 @@ def test_models_meshfit_cannot_train_are_refused_by_name_before_any_step():
         mf.Model(fresh(SameNames), sample_input=np.zeros((1, 2), np.float32))
     with pytest.raises(TypeError, match=r"requires \['a', 'b'\].*call\(self, inputs\)"):
         mf.Model(fresh(TwoArguments), sample_input=[np.zeros((1, 3), np.float32), np.zeros((1, 2), np.float32)])
-    with pytest.raises(ValueError, match=r"layer 'no_jit' \(NoJit\).*cannot be compiled on JAX"):
+    with pytest.raises(ValueError, match=r"layer 'no_jit' \(NoJit\).*supports_jit=False"):
         mf.Model(fresh(lambda: keras.Sequential([keras.Input((3,)), NoJit(), keras.layers.Dense(2)])))
     with pytest.raises(TypeError, match=r"layer.trainable = False"):
         mf.Model(fresh(mlp), trainable=lambda path, value: True)
@@ -309,6 +352,56 @@ def test_models_meshfit_cannot_train_are_refused_by_name_before_any_step():
         model = mf.Model(fresh(mlp))
         model.compile(optimizer="sgd", loss=XENT, dtype_policy="mixed_bfloat16")
         model.fit(*classification(rows=8), epochs=1, verbose=0)
+
+
+def test_a_keras_layer_jax_cannot_trace_is_refused_naming_it_and_the_input_pipeline():
+    crop = keras.layers.RandomCrop(4, 4)
+    assert crop.supports_jit is False  # as Keras marks it (with RandomZoom, RandomTranslation, the lookups, ...)
+    with pytest.raises(
+        ValueError,
+        match=r"layer 'random_crop' \(RandomCrop\).*supports_jit=False: jax.jit cannot trace it.*"
+        r"in the input pipeline before fit",
+    ):
+        mf.Model(fresh(lambda: keras.Sequential([keras.Input((8, 8, 3)), crop, keras.layers.Flatten()])))
+
+
+def step_override(name):
+    """A Sequential whose class overrides the Keras step method `name`, as a Keras 3 program does."""
+
+    def override(self, *args, **kwargs):
+        raise AssertionError(f"meshfit called Keras's {name}")
+
+    cls = type(f"Own{name.title().replace('_', '')}", (keras.Sequential,), {name: override})
+    return cls([keras.Input((3,)), keras.layers.Dense(2)])
+
+
+class PortedTrainStep(mf.Model):
+    """A meshfit model whose own train_step ports a Keras model's (the corpus's `MeshfitOwnStep` runs one)."""
+
+    def train_step(self, state, data):
+        return super().train_step(state, data)
+
+
+def test_a_keras_step_override_meshfit_would_not_call_is_refused_naming_the_class_and_the_method():
+    for name in ("train_step", "test_step", "predict_step", "compute_loss"):
+        model = fresh(lambda: step_override(name))  # noqa: B023 (called at once)
+        cls = type(model).__name__
+        with pytest.raises(TypeError, match=rf"class {cls} overrides {name}, which meshfit never calls.*mf.Model"):
+            mf.Model(model)
+    PortedTrainStep(fresh(lambda: step_override("train_step")))  # ported: the meshfit class overrides it too
+    with pytest.raises(TypeError, match=r"overrides test_step"):
+        PortedTrainStep(fresh(lambda: step_override("test_step")))
+    mf.Model(fresh(mlp))  # Sequential's own methods are keras.Model's
+
+
+def test_a_stage_axis_refuses_a_keras_model_naming_it_and_what_works():
+    with mf.strategies.MeshStrategy(axes={"stage": 2, "data": 4}).scope():
+        with pytest.raises(
+            ValueError,
+            match=r"Keras model 'sequential' \(Sequential\) cannot run pipelined over MeshStrategy's 'stage' axis "
+            r"\(size 2\).*meshfit.pipeline.Stages.*'data', 'fsdp' and 'tensor' axes",
+        ):
+            mf.Model(fresh(mlp))
 
 
 @pytest.mark.slow  # a process of its own, importing Keras under another backend
