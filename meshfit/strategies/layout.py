@@ -21,7 +21,8 @@ parameter, its shape and the rule.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+import sys
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -34,6 +35,24 @@ from meshfit.pipeline import layer_stacks
 from meshfit.pipeline.settings import STAGE_AXIS
 
 Rules = Sequence[tuple[str, Any]]
+
+
+def is_layout_map(rules: Any) -> bool:
+    """Whether `rules` is a `keras.distribution.LayoutMap` (looked for only where Keras is imported already)."""
+    distribution = getattr(sys.modules.get("keras"), "distribution", None)
+    layout_map = getattr(distribution, "LayoutMap", None)
+    return isinstance(layout_map, type) and isinstance(rules, layout_map)
+
+
+def rules_of(rules: Rules | Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """`rules` as `(regex, spec)` pairs; a mapping's items are pairs. A `keras.distribution.LayoutMap`'s items
+    are rules on the same variable paths (`"sequential/dense/kernel"`, searched by regex): each key a regex, its
+    `TensorLayout`'s `axes` the spec."""
+    if not isinstance(rules, Mapping):
+        return list(rules)
+    if is_layout_map(rules):
+        return [(pattern, tuple(tensor_layout.axes)) for pattern, tensor_layout in rules.items()]
+    return list(rules.items())
 
 
 def as_spec(spec) -> P:

@@ -64,8 +64,10 @@ class MeshStrategy(DeviceMeshStrategy):
 
     Args:
         axes: mesh axis names and sizes, in order; one size may be -1 (inferred).
-        rules: sequence of `(regex, spec)`; `spec` a `PartitionSpec` or a tuple of
-            axis names / None per dimension. Every rule must match a parameter.
+        rules: sequence of `(regex, spec)` (or a mapping of them); `spec` a `PartitionSpec`
+            or a tuple of axis names / None per dimension. Every rule must match a parameter.
+            Or a `keras.distribution.LayoutMap`: its items are rules on the same paths (each
+            key a regex, its layout's `axes` the spec), and the axes it names must be the mesh's.
         logical_axis_rules: mapping (or pairs) from logical axis names in Flax
             metadata to mesh axes, e.g. `{"embed": "fsdp", "mlp": "tensor"}`.
         batch_axes: mesh axes the batch dimension is split over.
@@ -93,7 +95,7 @@ class MeshStrategy(DeviceMeshStrategy):
     def __init__(
         self,
         axes: Mapping[str, int] = DEFAULT_AXES,
-        rules: layout.Rules = (),
+        rules: layout.Rules | Mapping[str, Any] = (),
         logical_axis_rules: Mapping[str, Any] | Sequence[tuple[str, Any]] | None = None,
         batch_axes: Sequence[str] = ("data", "fsdp"),
         fsdp_axis: str = "fsdp",
@@ -102,11 +104,15 @@ class MeshStrategy(DeviceMeshStrategy):
         pipeline: Pipeline | None = None,
         sequence_axis: SequenceAxis = 1,
     ):
+        from_layout_map = layout.is_layout_map(rules)
+        rules = layout.rules_of(rules)
         _check_axis_names(axes, rules, logical_axis_rules, batch_axes, fsdp_axis)
         if devices is None:
             cluster.initialize()
             devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         sizes = _axis_sizes(axes, len(devices))
+        if from_layout_map:
+            _check_layout_map_axes(rules, sizes)
         super().__init__(build_mesh(devices, sizes), tuple(a for a in batch_axes if a in sizes))
         self.rules = [(pattern, layout.as_spec(spec)) for pattern, spec in rules]
         if isinstance(logical_axis_rules, Mapping):
@@ -284,6 +290,20 @@ def _without(entry: Any, axes: set[str]) -> Any:
     names = (entry,) if isinstance(entry, str) else tuple(entry or ())
     kept = tuple(name for name in names if name not in axes)
     return None if not kept else kept[0] if len(kept) == 1 else kept
+
+
+def _check_layout_map_axes(rules: layout.Rules, sizes: Mapping[str, int]) -> None:
+    """Raises unless every axis a `keras.distribution.LayoutMap`'s layouts name is one of the mesh's."""
+    for pattern, spec in rules:
+        for entry in layout.as_spec(spec):
+            for axis in (entry,) if isinstance(entry, str) else entry or ():
+                if axis not in sizes:
+                    raise ValueError(
+                        f"keras.distribution.LayoutMap key {pattern!r} lays its variables out as {tuple(spec)}, "
+                        f"naming mesh axis {axis!r}, but MeshStrategy's mesh has axes {tuple(sizes)}. Give the "
+                        "MeshStrategy the axes the LayoutMap's DeviceMesh names (e.g. axes={'batch': 2, "
+                        "'model': 4}, batch_axes=('batch',)), or change the LayoutMap's layouts."
+                    )
 
 
 def _check_axis_names(axes, rules, logical_axis_rules, batch_axes, fsdp_axis) -> None:

@@ -276,13 +276,29 @@ def test_mirrored_fsdp8_and_a_sync_parameter_server_give_one_devices_losses_and_
 
 
 @pytest.mark.slow  # compiles Keras's steps and meshfit's: several CPU-s
-def test_a_layout_maps_items_are_mesh_rules_on_the_same_paths():
-    layout_map = keras.distribution.LayoutMap(keras.distribution.DeviceMesh((8,), ["tensor"]))
-    layout_map["dense/kernel"] = (None, "tensor")
-    rules = [(pattern, layout.axes) for pattern, layout in layout_map.items()]
-    with mf.strategies.MeshStrategy(axes={"tensor": 8}, rules=rules).scope():
-        model = mf.Model(fresh(lambda: mlp(width=16)))
-    assert model.params["sequential"]["dense"]["kernel"].sharding.spec == jax.sharding.PartitionSpec(None, "tensor")
+def test_a_layout_map_as_rules_shards_the_kernels_as_it_says_and_gives_one_devices_losses():
+    x, y = classification(rows=40, features=8)  # batches of 16, 16 and a partial 8
+    layout_map = keras.distribution.LayoutMap(keras.distribution.DeviceMesh((2, 4), ["fsdp", "tensor"]))
+    layout_map["dense/kernel"] = ("fsdp", "tensor")  # 8 x 16
+    layout_map["dense_1/kernel"] = ("tensor", None)  # 16 x 3
+    histories, params = {}, {}
+    for name, strategy in {
+        "one": mf.strategies.OneDeviceStrategy(),
+        "layout_map": mf.strategies.MeshStrategy(axes={"fsdp": 2, "tensor": 4}, rules=layout_map),
+    }.items():
+        with strategy.scope():
+            model = mf.Model(fresh(lambda: mlp(width=16, features=8)))
+            model.compile(optimizer="adam", loss=logits_loss(mf), metrics=["accuracy"])
+        histories[name] = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+        params[name] = model.params["sequential"]
+    assert params["layout_map"]["dense"]["kernel"].sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+    assert params["layout_map"]["dense_1"]["kernel"].sharding.spec == jax.sharding.PartitionSpec("tensor")
+    assert params["layout_map"]["dense"]["bias"].sharding.is_fully_replicated  # no key: meshfit's default
+    assert_same_history(histories["one"], histories["layout_map"])
+    keras_names = keras.distribution.LayoutMap(keras.distribution.DeviceMesh((2, 4), ["batch", "model"]))
+    keras_names["dense/kernel"] = (None, "model")
+    with pytest.raises(ValueError, match=r"LayoutMap key 'dense/kernel'.*axis 'model'.*axes \('fsdp', 'tensor'\)"):
+        mf.strategies.MeshStrategy(axes={"fsdp": 2, "tensor": 4}, rules=keras_names)
 
 
 @pytest.mark.slow  # compiles Keras's steps and meshfit's: several CPU-s
