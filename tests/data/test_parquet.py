@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import EXAMPLES, MLP, classification_data, load_example
+from helpers import EXAMPLES, MLP, classification_data
 from processes import LAUNCH, run
 
 pa = pytest.importorskip("pyarrow")
@@ -268,6 +268,10 @@ def test_a_fit_evaluate_and_predict_on_arrays_import_neither_pyarrow_nor_ray():
     assert ran.stdout.strip().splitlines()[-1] == "[]"
 
 
+# -- real processes: a 2-process job killed mid-epoch -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
 def big_shards(tmp_path_factory):
     """4096 rows with an id column, in 8 files of row groups of 256: 16 groups."""
     x, y = classification_data(n=4096)
@@ -295,10 +299,10 @@ def groups(records):
 @pytest.mark.slow
 @pytest.mark.processes
 def test_a_killed_two_process_job_resumes_with_two_processes_and_a_plain_fit_finishes_its_epoch(big_shards, tmp_path):
-    """2 processes, rank 1 SIGKILLed after step 23, --max-restarts 1: the restart resumes from the backup of
-    step 20 (or 10, when 20's write was in flight) and every id is taken exactly once in the epoch, each process
-    reading row groups the other does not. A plain one-process fit from the same backup finishes the epoch
-    exactly once too."""
+    """2 processes, rank 1 SIGKILLed after step 23 (once the backup of step 20 is written), --max-restarts 1:
+    the restart resumes from the backup of step 20 and every id is taken exactly once in the epoch, each
+    process reading row groups the other does not. A plain one-process fit from the same backup finishes the
+    epoch exactly once too."""
     out, backup = tmp_path / "out", tmp_path / "backup"
     job = run(
         LAUNCH
@@ -309,10 +313,8 @@ def test_a_killed_two_process_job_resumes_with_two_processes_and_a_plain_fit_fin
     said = job.stdout[-3000:] + job.stderr[-3000:]
     assert job.returncode == 0, said
     assert "restarting the job (1/1)" in job.stderr, said
-    # The backup of step 20, or of step 10 when 20's asynchronous write was still in flight at the kill.
-    resumed = re.search(r"\[rank 0\] BackupAndRestore: resumed from \S+ at .* \(step (10|20)\)\.", job.stdout)
-    assert resumed, said
-    at = int(resumed.group(1))
+    assert re.search(r"\[rank 0\] BackupAndRestore: resumed from \S+ at .* \(step 20\)\.", job.stdout), said
+    at = 20
     first = [[r for r in read_taps(out, f"tap-0-{rank}.jsonl") if r["step"] < at] for rank in range(2)]
     again = [read_taps(out, f"tap-1-{rank}.jsonl") for rank in range(2)]
     assert [r["step"] for r in again[0]] == [r["step"] for r in again[1]] == list(range(at, 64))
@@ -333,36 +335,62 @@ def test_a_killed_two_process_job_resumes_with_two_processes_and_a_plain_fit_fin
 
 @pytest.mark.slow
 @pytest.mark.processes
-def test_an_elastic_restart_onto_one_process_from_a_memory_snapshot_takes_every_row_once(big_shards, tmp_path):
-    """--min-nprocs 1 with memory snapshots every 5 steps and no disk backup after step 0: rank 1 is SIGKILLed
-    after step 23 and fails its restart; one process resumes from the snapshot of step 20 and takes the rest of
-    the epoch (both lanes of the 2-process layout), every id exactly once."""
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_an_elastic_restart_onto_one_process_takes_every_row_once(big_shards, tmp_path, tier):
+    """--min-nprocs 1: rank 1 is SIGKILLed after step 23 (once the snapshot or backup of step 20 is complete)
+    and fails its restart; one process resumes from step 20 — the launcher's memory snapshot (every 5 steps,
+    no disk backup after step 0) or the disk backup (every 10) — and takes the rest of the epoch (both lanes
+    of the 2-process layout), every id exactly once."""
     out = tmp_path / "out"
+    frequencies = ["--save-freq", "1000", "--memory-freq", "5"] if tier == "memory" else ["--save-freq", "10"]
     job = run(
         LAUNCH
         + ["--nprocs", "2", "--min-nprocs", "1", "--max-restarts", "2", "--stop-grace", "1"]
-        + [WORKER, str(big_shards), str(out), str(tmp_path / "backup"), "--save-freq", "1000"]
-        + ["--memory-freq", "5", "--die-at-step", "23", "--rank1-fails-to-restart"],
+        + [WORKER, str(big_shards), str(out), str(tmp_path / "backup"), *frequencies]
+        + ["--die-at-step", "23", "--rank1-fails-to-restart"],
         timeout=300,
     )
     said = job.stdout[-3000:] + job.stderr[-3000:]
     assert job.returncode == 0, said
     assert "restarting the job with 1 process(es)" in job.stderr, said
-    resumed = re.search(r"resumed from the launcher's memory snapshot of a 2-process job .*\(step (15|20)\)", said)
-    assert resumed, said  # 20, or 15 when 20's snapshot was not yet committed at the kill
-    at = int(resumed.group(1))
-    first = [[r for r in read_taps(out, f"tap-0-{rank}.jsonl") if r["step"] < at] for rank in range(2)]
+    if tier == "memory":
+        assert re.search(r"resumed from the launcher's memory snapshot of a 2-process job .*\(step 20\)", said), said
+    else:
+        assert re.search(r"BackupAndRestore: resumed from \S+ at .* \(step 20\)\.", said), said
+    first = [[r for r in read_taps(out, f"tap-0-{rank}.jsonl") if r["step"] < 20] for rank in range(2)]
     attempts = sorted(name for name in os.listdir(out) if name.startswith("tap-") and not name.startswith("tap-0-"))
     last = attempts[-1]
     assert last.endswith("-0.jsonl")
     alone = read_taps(out, last)
-    assert [r["step"] for r in alone] == list(range(at, 64))
+    assert [r["step"] for r in alone] == list(range(20, 64))
     assert exactly_once(*first, alone)
 
 
+@pytest.mark.processes
+def test_a_global_batch_two_processes_cannot_split_is_refused_before_any_step_and_not_restarted(big_shards, tmp_path):
+    job = run(
+        LAUNCH
+        + ["--nprocs", "2", "--max-restarts", "2"]
+        + [WORKER, str(big_shards), str(tmp_path / "out"), str(tmp_path / "backup"), "--batch-size", "63"],
+        timeout=300,
+    )
+    said = job.stdout[-3000:] + job.stderr[-3000:]
+    assert job.returncode != 0, said
+    assert "split evenly over 2 processes: it must be a multiple of 2. Received: batch_size=63" in said, said
+    assert "not restarting" in job.stderr and "restarting the job" not in job.stderr, said
+    assert not any(read_taps(tmp_path / "out", p.name) for p in (tmp_path / "out").glob("tap-*")), said  # no batch
+
+
 @pytest.mark.slow
-def test_the_digits_parquet_example_writes_shards_and_trains_from_them(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(EXAMPLES)  # its `from digits import ...`
-    accuracy = load_example("digits_parquet").main(["--epochs", "2", "--shards", str(tmp_path)])
+@pytest.mark.processes
+def test_the_digits_parquet_example_trains_from_its_shards_on_two_processes(tmp_path):
+    example = os.path.join(EXAMPLES, "digits_parquet.py")
+    job = run(
+        LAUNCH + ["--nprocs", "2", "--devices-per-proc", "2", example, "--epochs", "2", "--shards", str(tmp_path)],
+        timeout=300,
+    )
+    said = job.stdout[-3000:] + job.stderr[-3000:]
+    assert job.returncode == 0, said
     assert sorted(os.listdir(tmp_path)) == [f"part-{i:02d}.parquet" for i in range(8)]
-    assert accuracy > 0.5
+    accuracy = re.search(r"test accuracy: ([0-9.]+) on 2 processes, from Parquet", job.stdout)
+    assert accuracy and float(accuracy.group(1)) > 0.5, said

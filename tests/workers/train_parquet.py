@@ -6,6 +6,11 @@
 Every batch the trainer takes is appended by `tap` to OUT/tap-<attempt>-<rank>.jsonl as
 `{"epoch", "step", "ids"}` (flushed), so a test can count each id across attempts and processes. Under
 `meshfit launch` the strategy is MultiWorkerMirroredStrategy; run plainly, one process on one device.
+
+With `--die-at-step S`, after step S of the first attempt every rank waits until its backups and snapshots
+in flight are complete (`BackupAndRestore.wait_until_finished`) and says so in OUT/flushed-<rank>; rank 1
+then waits for rank 0's word and SIGKILLs itself. So the restart resumes from the newest backup before S,
+whatever the machine's speed (no collective: the ranks may have started the next step).
 """
 
 import argparse
@@ -13,6 +18,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -53,8 +59,14 @@ def main():
 
     def on_batch_end(batch, logs):
         print(f"step {model.session.step}", flush=True)
-        if args.die_at_step == model.session.step and attempt == "0" and strategy.process_index == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if args.die_at_step == model.session.step and attempt == "0":
+            backup.wait_until_finished()
+            open(os.path.join(args.out, f"flushed-{strategy.process_index}"), "w").close()
+            if strategy.process_index == 1:
+                deadline = time.monotonic() + 120
+                while not os.path.exists(os.path.join(args.out, "flushed-0")) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                os.kill(os.getpid(), signal.SIGKILL)
 
     backup = mf.callbacks.BackupAndRestore(
         args.backup,
