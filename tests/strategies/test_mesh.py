@@ -83,7 +83,7 @@ def test_mesh_equals_one_device_after_20_steps(reference, axes, rules):
 def test_rules_then_metadata_then_default():
     strategy = mf.strategies.MeshStrategy(
         axes={"data": 1, "fsdp": 4, "tensor": 2},
-        rules=MEGATRON[:1],
+        rules=dict(MEGATRON[:1]),  # rules as a mapping (regex -> spec), as a LayoutMap's items are
         logical_axis_rules={"hidden": "tensor", "embed": "fsdp"},
     )
 
