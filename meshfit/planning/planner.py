@@ -50,6 +50,7 @@ from meshfit.cost.step_report import COLLECTIVE_KINDS, StepReport
 from meshfit.model import Model
 from meshfit.pipeline import Stages
 from meshfit.pipeline.settings import STAGE_AXIS, Pipeline
+from meshfit.steps.keras_module import is_keras_model
 from meshfit.strategies.context_layout import CONTEXT_AXIS
 from meshfit.strategies.layout import Rules
 from meshfit.strategies.mesh import MeshStrategy
@@ -340,7 +341,8 @@ def plan(
 
     Args:
         factory: a function returning a `flax.nnx.Module` (as `meshfit.Model` takes one); if it has a
-            `remat` argument, each of its `remat` choices is planned.
+            `remat` argument, each of its `remat` choices is planned. Not a Keras model, nor a factory of
+            one (a TypeError): plan one with `model.step_report(x, y)` under each strategy.
         x: example inputs (an array or a pytree of them); their rows are repeated up to each batch size.
         y: example targets, likewise.
         compile: the arguments of `Model.compile`, e.g. `dict(optimizer="adam", loss="mse")`.
@@ -375,6 +377,8 @@ def plan(
         >>> with p.best.strategy().scope(): ...
     """
     start = time.perf_counter()
+    if is_keras_model(factory):
+        raise _not_a_flax_factory(type(factory).__name__)
     devices = list(devices) if devices is not None else jax.devices()
     if not devices:
         raise ValueError("plan needs at least one device. Received: devices=[].")
@@ -455,8 +459,25 @@ def plan(
 def _stage_layers(factory: Callable[..., Any], remat: Any) -> list[int]:
     """The layers of each `meshfit.pipeline.Stages` stack in the factory's module (built abstractly)."""
     build = factory if remat is None else functools.partial(factory, remat=remat)
-    module = nnx.eval_shape(build)
+
+    def checked() -> Any:
+        module = build()
+        if is_keras_model(module):
+            raise _not_a_flax_factory(f"a factory returning {type(module).__name__}")
+        return module
+
+    module = nnx.eval_shape(checked)
     return [node.layers for _, node in nnx.iter_graph(module) if isinstance(node, Stages)]
+
+
+def _not_a_flax_factory(received: str) -> TypeError:
+    return TypeError(
+        "meshfit.plan takes a factory of a Flax module (a function returning a flax.nnx.Module), which it builds "
+        "abstractly, creating no parameter; a Keras model creates its variables when it is built, so plan does "
+        f"not take one. Received: {received} (a Keras model). For a Keras model, build it once and compare "
+        "strategies with model.step_report(x, y) under each strategy's scope (docs/keras.md, 'Bring your Keras "
+        "model')."
+    )
 
 
 def _progress(jobs: list[tuple[Layout, int, Any]], verbose: int | str):

@@ -250,13 +250,13 @@ def test_backup_and_restore_resumes_a_batchnorm_dropout_model_bitwise_mid_epoch(
     jax.tree.map(np.testing.assert_array_equal, full.session.state.model_state, resumed.session.state.model_state)
 
 
+def wide():
+    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(3)])
+
+
 @pytest.mark.slow  # compiles Keras's steps and meshfit's: several CPU-s
 def test_mirrored_fsdp8_and_a_sync_parameter_server_give_one_devices_losses_and_fsdp_shards_a_dense_kernel():
     x, y = classification(rows=64, features=64)
-
-    def wide():
-        return keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(3)])
-
     histories, kernels = {}, {}
     for name, strategy in {
         "one": mf.strategies.OneDeviceStrategy(),
@@ -418,6 +418,32 @@ def test_a_stage_axis_refuses_a_keras_model_naming_it_and_what_works():
             r"\(size 2\).*meshfit.pipeline.Stages.*'data', 'fsdp' and 'tensor' axes",
         ):
             mf.Model(fresh(mlp))
+
+
+@pytest.mark.slow  # compiles two train steps: a few CPU-s
+def test_plan_refuses_a_keras_model_naming_what_it_takes_and_step_report_costs_its_step_on_one_device_and_a_mesh():
+    x, y = classification(rows=16, features=64)
+    compile_args = dict(optimizer="adam", loss=logits_loss(mf))
+    for given, received in ((fresh(wide), "Sequential"), (wide, "a factory returning Sequential")):
+        with pytest.raises(
+            TypeError,
+            match=rf"meshfit.plan takes a factory of a Flax module.*Received: {received}.*"
+            r"step_report\(x, y\)",
+        ):
+            mf.plan(given, x, y, compile=compile_args, verbose=0)
+    reports = {}
+    for name, strategy in {
+        "one": mf.strategies.OneDeviceStrategy(),
+        "fsdp8": mf.strategies.MeshStrategy(axes={"fsdp": 8}),
+    }.items():
+        with strategy.scope():
+            model = mf.Model(fresh(wide))
+            model.compile(**compile_args)
+        reports[name] = model.step_report(x, y)
+    assert reports["one"].num_devices == 1 and reports["fsdp8"].num_devices == 8
+    assert reports["one"].flops > 2 * 16 * 64 * 64  # the first Dense's forward matmul, at least
+    assert not reports["one"].collectives and reports["fsdp8"].collectives  # FSDP gathers the sharded kernel
+    assert reports["fsdp8"].memory["arguments"] < reports["one"].memory["arguments"]  # a shard of the state each
 
 
 @pytest.mark.slow  # a process of its own, importing Keras under another backend
