@@ -1,5 +1,6 @@
 """Keras 3 models trained by meshfit (`meshfit.steps.keras_module`): Keras's own numbers, its files, its errors."""
 
+import json
 import os
 import signal
 import subprocess
@@ -273,6 +274,54 @@ def test_mirrored_fsdp8_and_a_sync_parameter_server_give_one_devices_losses_and_
         assert_same_history(histories["one"], {k: v for k, v in histories[name].items() if "staleness" not in k})
     assert kernels["fsdp8"].sharding.spec == jax.sharding.PartitionSpec("fsdp")  # 64 x 64: 4,096 elements
     assert kernels["mirrored"].sharding.is_fully_replicated
+
+
+@pytest.mark.slow  # a worker thread per device, each compiling the step: several CPU-s
+def test_an_async_parameter_server_trains_a_keras_model_and_its_module_holds_the_trained_values():
+    x, y = classification(rows=64)
+    with mf.strategies.ParameterServerStrategy(mode="async", workers=jax.devices()[:2]).scope():
+        model = mf.Model(fresh(bn_dropout))
+        model.compile(optimizer="adam", loss=logits_loss(mf), metrics=["accuracy"])
+    names = model.weight_names()
+    mean = names.index("sequential/batch_normalization/moving_mean")
+    before = model.get_weights()
+    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0).history
+    assert {"loss", "accuracy", "staleness", "max_staleness"} <= set(history)
+    assert np.isfinite(history["loss"]).all()
+    after = model.get_weights()
+    for name, a, b in zip(names, before, after, strict=True):
+        assert np.abs(a - b).max() > 0, name  # every weight trained, the moving statistics moved
+    assert np.abs(after[mean] - before[mean]).max() > 1e-3
+    np.testing.assert_allclose(model.module.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6, atol=1e-6)
+
+
+KERAS_PS_WORKER = os.path.join(os.path.dirname(__file__), "..", "workers", "train_keras_ps.py")
+
+
+@pytest.mark.slow  # two launches of a server and two worker processes
+@pytest.mark.processes
+def test_launched_parameter_server_workers_train_a_keras_model_sync_to_one_devices_losses_and_async(tmp_path):
+    sys.path.insert(0, os.path.dirname(KERAS_PS_WORKER))
+    from train_keras_ps import build, data
+
+    x, y = data()
+    keras.backend.clear_session()
+    with mf.strategies.OneDeviceStrategy().scope():
+        model = mf.Model(build())
+        model.compile(optimizer="adam", loss=logits_loss(mf))
+    expected = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    histories = {}
+    for mode in ("sync", "async"):
+        out = tmp_path / f"{mode}.json"
+        argv = LAUNCH + ["--ps", "1", "--workers", "2", KERAS_PS_WORKER, str(out), "--mode", mode]
+        with Job(argv, timeout=240) as job:
+            status = job.finish()
+        said = job.stdout + job.stderr
+        assert status == 0, said[-3000:]
+        assert said.count("parameter-server worker pid") == 2, said[-3000:]  # both worker processes computed
+        histories[mode] = json.loads(out.read_text())
+    assert_same_history(expected, {"loss": histories["sync"]["loss"]})
+    assert np.isfinite(histories["async"]["loss"]).all() and "staleness" in histories["async"]
 
 
 @pytest.mark.slow  # compiles Keras's steps and meshfit's: several CPU-s
