@@ -243,8 +243,21 @@ class ParquetData(GlobalBatchSource):
 
     @property
     def has_partial_batches(self) -> bool:
-        """Whether some batch holds padding rows (a short last batch, lanes of unequal rows, rounding)."""
-        return self.steps_per_epoch * self.batch_size != self.num_rows or self.padded_rows != self.local_rows
+        """Whether some batch of some epoch may hold padding rows (a short last batch, lanes of unequal rows,
+        rounding), in the lanes of a resumed epoch or of the epochs after it."""
+        if self.padded_rows != self.local_rows:
+            return True
+        return any(self._may_pad(lanes) for lanes in {self._lanes_now(), self.block[1]})
+
+    def _may_pad(self, lanes: int) -> bool:
+        """Whether an epoch dealt to `lanes` lanes may have padding. In file order (or in one lane) every epoch
+        is dealt alike; shuffled over lanes, each is dealt anew, so only row groups of one size that deal evenly
+        are full every epoch."""
+        if self.shuffle_seed is None or lanes == 1:
+            return self._plan(0, lanes).steps * self.batch_size != self.num_rows
+        groups, sizes = len(self._group_rows), set(self._group_rows)
+        even = len(sizes) == 1 and groups % lanes == 0
+        return not (even and (groups // lanes * sizes.pop()) % (self.batch_size // lanes) == 0)
 
     def _pieces(self, lanes: int) -> list[tuple[int, int, int]]:
         """`(lane, start, stop)`: the positions this process takes within each lane's block of a global batch."""

@@ -143,6 +143,28 @@ def test_a_process_whose_row_groups_run_out_first_yields_masked_padding_until_th
     assert last.x.shape == (8, 4) and last.x.dtype == np.float32 and not last.mask.any()
 
 
+@pytest.mark.parametrize("group_rows", [(32, 32, 32, 32), (40, 24, 32, 32, 16, 16), (32, 32, 16, 16, 32, 32)])
+@pytest.mark.parametrize("seed", [None, 1])
+@pytest.mark.parametrize("processes", [1, 2])
+def test_has_partial_batches_is_true_whenever_some_epoch_pads(tmp_path, group_rows, seed, processes):
+    """What `has_partial_batches` says before the fit (a strategy may refuse partial batches on it) holds for
+    every epoch, shuffled ones included, where each epoch deals its row groups anew."""
+    x, y = classification_data(n=sum(group_rows))
+    for index, rows in enumerate(group_rows):  # a file per row group, of the sizes given
+        start = sum(group_rows[:index])
+        part = slice(start, start + rows)
+        table = pa.table(
+            {"id": np.arange(start, start + rows), **{f: x[part, j] for j, f in enumerate(FEATURES)}, "label": y[part]}
+        )
+        pq.write_table(table, tmp_path / f"part-{index}.parquet")
+    blocks = [as_process(tmp_path, (rank, processes), shuffle_seed=seed, batch_size=32) for rank in range(processes)]
+    padded = any((batch.mask == 0).any() for data in blocks for epoch in range(6) for batch in data.batches(epoch))
+    dealt_anew = seed is not None and processes > 1 and len(set(group_rows)) > 1  # said without reading
+    assert blocks[0].has_partial_batches == (padded or dealt_anew)
+    if len(set(group_rows)) == 1:
+        assert not padded and not blocks[0].has_partial_batches
+
+
 def test_a_list_column_is_one_input_of_its_lists_length(tmp_path):
     x, y = classification_data(n=20)
     table = pa.table({"pixels": pa.array(list(x)), "label": y})  # a list<float> column of lists of 4
