@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from helpers import load_example
 
-pytestmark = pytest.mark.slow  # trains the examples for seconds each (the fast tier leaves these out)
+pytestmark = [pytest.mark.slow, pytest.mark.examples]  # trains the examples for seconds each
 
 
 def test_gan_example_trains_both_parts():

@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 import meshfit as mf
 
-pytestmark = pytest.mark.slow  # trains the examples for seconds each (the fast tier leaves these out)
+pytestmark = [pytest.mark.slow, pytest.mark.examples]  # trains the example for seconds each
 
 TINY = [
     "--epochs",

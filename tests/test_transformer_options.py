@@ -15,6 +15,8 @@ from flax import nnx
 from helpers import load_example
 from jax.sharding import PartitionSpec as P
 
+pytestmark = pytest.mark.examples
+
 SMALL = {"vocab": 64, "context": 16, "layers": 3, "d_model": 32, "heads": 4}
 
 

@@ -282,6 +282,7 @@ def test_step_report_shows_a_quarter_of_the_activation_memory_of_data_parallel_o
 
 
 @pytest.mark.slow  # trains the example for a few steps
+@pytest.mark.examples
 @pytest.mark.parametrize(
     "context_parallel, layout, context",
     [("ring", "--layers 1 --mesh context=4,data=2", 4), ("all_gather", "--layers 2 --pipeline 2 --mesh context=2", 2)],
