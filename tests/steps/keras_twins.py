@@ -12,6 +12,8 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+import meshfit as mf  # noqa: E402
+
 #: Keras's fit and meshfit's agree to this under SGD, RMSprop and Adagrad.
 RTOL, ATOL = 1e-5, 1e-6
 #: ... and under Adam (meshfit's "adam" takes Keras's own step: `meshfit.optimizers.keras_adam`).
@@ -28,6 +30,23 @@ def fresh(build, seed=0):
 def twins(build, seed=0):
     """Two models from `build` with the same paths, initial weights and seed generator states."""
     return fresh(build, seed), fresh(build, seed)
+
+
+def logits_loss(lib):
+    """Sparse categorical cross-entropy from logits, of Keras or of meshfit (`lib`)."""
+    return lib.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def fit_twins(build, x, y, optimizer="adam", rtol=ADAM_RTOL):
+    """Twins of `build` compiled alike (logits cross-entropy, accuracy) and fit 2 epochs of batches of 16 in
+    order, one by Keras, one wrapped in `meshfit.Model`; their histories asserted equal. Returns both models."""
+    reference, ours = twins(build)
+    reference.compile(optimizer=optimizer, loss=logits_loss(keras), metrics=["accuracy"])
+    expected = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    model = mf.Model(ours)
+    model.compile(optimizer=optimizer, loss=logits_loss(mf), metrics=["accuracy"])
+    assert_same_history(expected, model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history, rtol)
+    return reference, model
 
 
 def assert_same_history(keras_history: dict, meshfit_history: dict, rtol=RTOL, atol=ATOL):

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from keras_twins import ADAM_RTOL, RTOL, assert_same_history, twins
+from keras_twins import ADAM_RTOL, RTOL, assert_same_history, logits_loss, twins
 
 import meshfit as mf
 
@@ -31,10 +31,6 @@ def features(rows, *shape):
 
 def labels(rows, classes=3):
     return RNG.integers(0, classes, rows).astype(np.int32)
-
-
-def logits_loss(lib):
-    return lib.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
 class Program(NamedTuple):

@@ -9,7 +9,17 @@ import sys
 import jax
 import numpy as np
 import pytest
-from keras_twins import ADAM_RTOL, assert_same_history, assert_trees_close, classification, fresh, mlp, twins
+from keras_twins import (
+    ADAM_RTOL,
+    assert_same_history,
+    assert_trees_close,
+    classification,
+    fit_twins,
+    fresh,
+    logits_loss,
+    mlp,
+    twins,
+)
 from processes import LAUNCH, Job
 
 import meshfit as mf
@@ -18,10 +28,6 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 import keras  # noqa: E402
 
 XENT = "sparse_categorical_crossentropy"
-
-
-def logits_loss(lib):
-    return lib.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
 def bn_dropout():
@@ -58,13 +64,7 @@ def test_import_meshfit_does_not_import_keras():
 @pytest.mark.slow  # compiles Keras's steps and meshfit's: several CPU-s
 def test_a_sequential_model_gives_kerass_losses_metrics_evaluate_and_predict_with_a_partial_last_batch():
     x, y = classification(rows=50)  # batches of 16, 16, 16 and 2
-    reference, ours = twins(mlp)
-    reference.compile(optimizer="adam", loss=logits_loss(keras), metrics=["accuracy"])
-    expected = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
-    model = mf.Model(ours)
-    model.compile(optimizer="adam", loss=logits_loss(mf), metrics=["accuracy"])
-    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
-    assert_same_history(expected, history, rtol=ADAM_RTOL)
+    reference, model = fit_twins(mlp, x, y)
     reference.set_weights(model.module.get_weights())  # the same weights: evaluate and predict as Keras does
     np.testing.assert_allclose(model.evaluate(x, y, verbose=0), reference.evaluate(x, y, verbose=0), rtol=1e-6)
     np.testing.assert_allclose(model.predict(x, verbose=0), reference.predict(x, verbose=0), rtol=1e-6, atol=1e-6)
@@ -153,13 +153,7 @@ def training_without_default():
 @pytest.mark.slow  # compiles Keras's steps and meshfit's: several CPU-s
 def test_a_subclassed_model_requiring_training_trains_under_adam_to_kerass_history_evaluate_and_predict():
     x, y = classification(rows=40)  # batches of 16, 16 and a partial 8
-    reference, ours = twins(training_without_default)
-    reference.compile(optimizer="adam", loss=logits_loss(keras), metrics=["accuracy"])
-    expected = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
-    model = mf.Model(ours)
-    model.compile(optimizer="adam", loss=logits_loss(mf), metrics=["accuracy"])
-    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
-    assert_same_history(expected, history, rtol=ADAM_RTOL)  # the dropout masks of training=True, as Keras's
+    reference, model = fit_twins(training_without_default, x, y)  # dropout's masks of training=True, as Keras's
     # The models as each fit left them: evaluate and predict (training=False: no dropout) agree too.
     np.testing.assert_allclose(
         model.evaluate(x, y, batch_size=16, verbose=0), reference.evaluate(x, y, batch_size=16, verbose=0), rtol=1e-5
