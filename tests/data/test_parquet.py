@@ -301,7 +301,7 @@ def big_shards(tmp_path_factory):
 
 
 def read_taps(out, name):
-    """`{(epoch, step): ids}` of a rank's tap file, and the rows in file order."""
+    """The records `{"epoch", "step", "ids"}` of a tap file, in the order written (none if it was never made)."""
     path = os.path.join(out, name)
     if not os.path.exists(path):
         return []
