@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 from abc import abstractmethod
 from collections.abc import Callable
+from typing import Any
 
 from meshfit.data.sources import DataSource
 
@@ -31,8 +32,36 @@ class GlobalBatchSource(DataSource):
     """
 
     tap: Tap | None = None
+    batch_size: int
+    block: tuple[int, int] = (0, 1)
+    local_rows: int
+    padded_rows: int
     _position: dict
     _pending: dict | None
+
+    def _take(self, batch_size: Any, tap: Any) -> None:
+        """Checks and keeps the global `batch_size` and the `tap`; one block (one process) until `lay_out`."""
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"`batch_size` must be a positive int (the global batch). Received: {batch_size!r}.")
+        if tap is not None and not callable(tap):
+            raise TypeError(f"`tap` must be callable as tap(epoch, step, rows). Received: {type(tap).__name__}.")
+        self.batch_size, self.tap = batch_size, tap
+        self.local_rows = self.padded_rows = batch_size
+
+    def _split_batch(self, block: tuple[int, int], batch_multiple: int) -> None:
+        """`lay_out`'s common part: this process's `batch_size / block[1]` rows of each batch, padded to its share
+        of `batch_multiple`; a ValueError, before anything is read, if `block[1]` does not divide the batch."""
+        count = block[1]
+        if self.batch_size % count:
+            raise ValueError(
+                f"`batch_size` is the global batch, split evenly over {count} processes: it must be a multiple of "
+                f"{count}. Received: batch_size={self.batch_size}. "
+                f"Use e.g. batch_size={-(-self.batch_size // count) * count}."
+            )
+        self.block = block
+        self.local_rows = self.batch_size // count
+        multiple = max(1, batch_multiple // count)
+        self.padded_rows = -(-self.local_rows // multiple) * multiple
 
     def for_evaluation(self) -> GlobalBatchSource:
         """A view for `evaluate`, `predict` and `validation_data`: the same rows and layout, no `tap`, and a

@@ -135,12 +135,9 @@ class ParquetData(GlobalBatchSource):
         read_ahead: int = READ_AHEAD,
     ) -> None:
         pa, pq = _pyarrow()
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise ValueError(f"`batch_size` must be a positive int (the global batch). Received: {batch_size!r}.")
+        self._take(batch_size, tap)
         if shuffle_seed is not None and not isinstance(shuffle_seed, int):
             raise TypeError(f"`shuffle_seed` must be an int or None. Received: {shuffle_seed!r}.")
-        if tap is not None and not callable(tap):
-            raise TypeError(f"`tap` must be callable as tap(epoch, step, rows). Received: {type(tap).__name__}.")
         if not isinstance(read_ahead, int) or read_ahead < 0:
             raise ValueError(f"`read_ahead` must be a non-negative int (batches). Received: {read_ahead!r}.")
         if isinstance(x, str):
@@ -177,12 +174,8 @@ class ParquetData(GlobalBatchSource):
         self.num_rows = sum(self._group_rows)
         if self.num_rows == 0:
             raise ValueError(f"The Parquet files hold no rows. Received: {len(self.files)} file(s) of 0 rows.")
-        self.batch_size = batch_size
         self.shuffle_seed = shuffle_seed
-        self.tap = tap
         self.read_ahead = read_ahead
-        self.block = (0, 1)
-        self.local_rows = self.padded_rows = batch_size
         self._pending: dict | None = None  # a restored position, used by the epoch it names
         self._position: dict = {}  # after the last batch the trainer took
         self._plan_cache: dict[tuple[int, int], _Plan] = {}
@@ -194,17 +187,7 @@ class ParquetData(GlobalBatchSource):
     def lay_out(self, block: tuple[int, int], batch_multiple: int) -> None:
         """This process feeds block `block[0]` of `block[1]`: `batch_size / block[1]` rows of every batch, padded
         to this process's share of `batch_multiple`. Raises a ValueError if `block[1]` does not divide the batch."""
-        index, count = block
-        if self.batch_size % count:
-            raise ValueError(
-                f"mf.data.parquet's `batch_size` is the global batch, split evenly over {count} processes: it must "
-                f"be a multiple of {count}. Received: batch_size={self.batch_size}. "
-                f"Use e.g. batch_size={-(-self.batch_size // count) * count}."
-            )
-        self.block = (index, count)
-        self.local_rows = self.batch_size // count
-        multiple = max(1, batch_multiple // count)
-        self.padded_rows = -(-self.local_rows // multiple) * multiple
+        self._split_batch(block, batch_multiple)
 
     def _lanes_now(self, epoch: int | None = None) -> int:
         """The lanes an epoch is read in: a restored position's for its epoch, else one per block."""

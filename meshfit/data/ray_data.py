@@ -72,10 +72,7 @@ class RayData(GlobalBatchSource):
     steps_per_epoch = None  # read until the pass ends
 
     def __init__(self, dataset: Any, *, batch_size: int, tap: Tap | None = None) -> None:
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise ValueError(f"`batch_size` must be a positive int (the global batch). Received: {batch_size!r}.")
-        if tap is not None and not callable(tap):
-            raise TypeError(f"`tap` must be callable as tap(epoch, step, rows). Received: {type(tap).__name__}.")
+        self._take(batch_size, tap)
         columns = list(dataset.columns())
         if "x" not in columns:
             raise ValueError(
@@ -84,9 +81,6 @@ class RayData(GlobalBatchSource):
             )
         self.dataset = dataset
         self.columns = [c for c in COLUMNS if c in columns]
-        self.batch_size = batch_size
-        self.tap = tap
-        self.local_rows = self.padded_rows = batch_size
         self._split: Any = None  # this process's DataIterator of a split over processes
         self._position: dict = {}
         self._pending: dict | None = None
@@ -97,15 +91,8 @@ class RayData(GlobalBatchSource):
         """Feeds `batch_size / block[1]` rows of each batch, padded to this process's share of `batch_multiple`;
         over several processes, reads its share of a `streaming_split` made by process 0 (a collective: every
         process of the job calls it, as `fit` does)."""
+        self._split_batch(block, batch_multiple)
         index, count = block
-        if self.batch_size % count:
-            raise ValueError(
-                f"`batch_size` is the global batch, split evenly over {count} processes: it must be a multiple of "
-                f"{count}. Received: batch_size={self.batch_size}."
-            )
-        self.local_rows = self.batch_size // count
-        multiple = max(1, batch_multiple // count)
-        self.padded_rows = -(-self.local_rows // multiple) * multiple
         if count > 1 and self._split is None:
             self._split = _split_over_processes(self.dataset, index, count)
 
